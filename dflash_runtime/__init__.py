@@ -1,0 +1,71 @@
+"""DFlash / DFlash 2 block-diffusion speculative decoding over llama-cpp-python's libllama."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import (
+    ContextCreationError,
+    DecodeError,
+    DFlashError,
+    DownloadError,
+    EngineClosedError,
+    MissingSymbolsError,
+    ModelFileError,
+    PairMismatchError,
+    PromptTooLongError,
+    RequestError,
+    RollbackError,
+)
+
+__version__ = "0.1.0"
+
+
+def load_pair(target_path: Any, draft_path: Any = None, **kwargs: Any) -> Any:
+    """Open a target and (optionally) its DFlash draft, linked; returns an Engine (see dflash_runtime.engine)."""
+    from .engine import Engine
+
+    return Engine(target_path, draft_path, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    # Heavy modules load on first use, so `import dflash_runtime` never touches libllama by itself.
+    if name in ("Engine",):
+        from .engine import Engine
+
+        return Engine
+    if name in ("Stats",):
+        from .stats import Stats
+
+        return Stats
+    if name in ("Result", "StreamEvent"):
+        from . import results
+
+        return getattr(results, name)
+    if name in ("DFlashLlama", "DFlashDraftModel"):
+        from . import llama_compat
+
+        return getattr(llama_compat, name)
+    raise AttributeError(name)
+
+
+__all__ = [
+    "ContextCreationError",
+    "DFlashDraftModel",
+    "DFlashError",
+    "DFlashLlama",
+    "DecodeError",
+    "DownloadError",
+    "Engine",
+    "EngineClosedError",
+    "MissingSymbolsError",
+    "ModelFileError",
+    "PairMismatchError",
+    "PromptTooLongError",
+    "RequestError",
+    "Result",
+    "RollbackError",
+    "Stats",
+    "StreamEvent",
+    "load_pair",
+]

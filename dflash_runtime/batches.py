@@ -1,0 +1,100 @@
+"""Owning wrappers of the two native batch kinds the engine feeds: token rows and target-feature rows."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from llama_cpp import llama_cpp as ll
+
+from .errors import DecodeError
+
+
+def decode_error(what: str, rc: int, n_rows: int) -> DecodeError:
+    reason = {1: "no free KV slot (the context is full)", 2: "aborted", -1: "invalid batch"}.get(rc, "backend error")
+    return DecodeError(f"{what} decode of {n_rows} rows failed with status {rc}: {reason}")
+
+
+class TokenBatch:
+    """A `llama_batch` of token ids for sequence 0, filled through numpy views (no per-token ctypes calls)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._batch = ll.llama_batch_init(capacity, 0, 1)
+        b = self._batch
+        self._tokens = np.ctypeslib.as_array(b.token, shape=(capacity,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(capacity,))
+        self._logits = np.ctypeslib.as_array(b.logits, shape=(capacity,))
+        np.ctypeslib.as_array(b.n_seq_id, shape=(capacity,))[:] = 1
+        for i in range(capacity):
+            b.seq_id[i][0] = 0
+
+    def fill(self, tokens: Sequence[int], pos0: int, *, outputs: str) -> int:
+        """Rows at positions pos0..; outputs is "all", "last" or "none". Returns the row count."""
+        n = len(tokens)
+        if not 0 < n <= self.capacity:
+            raise ValueError(f"batch of {n} rows does not fit capacity {self.capacity}")
+        self._tokens[:n] = tokens
+        self._pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        self._logits[:n] = 1 if outputs == "all" else 0
+        if outputs == "last":
+            self._logits[n - 1] = 1
+        self._batch.n_tokens = n
+        return n
+
+    def decode(self, ctx: Any, what: str) -> None:
+        rc = ll.llama_decode(ctx, self._batch)
+        if rc != 0:
+            raise decode_error(what, rc, self._batch.n_tokens)
+
+    def free(self) -> None:
+        if self._batch is not None:
+            ll.llama_batch_free(self._batch)
+            self._batch = None
+
+
+class FeatureBatch:
+    """A `llama_batch_ext` of embedding rows (tapped target features) decoded into the draft's KV cache."""
+
+    def __init__(self, ctx: Any, row_width: int, capacity: int) -> None:
+        self._ctx = ctx
+        self.row_width = row_width
+        self.capacity = capacity
+        self._batch = ll.llama_batch_ext_init(ctx)
+        if not self._batch:
+            raise DecodeError("llama_batch_ext_init failed for the draft context")
+        # Four positions per row: M-RoPE drafts read {p, p, p, 0}; others read the first only.
+        self._pos = np.zeros((capacity, 4), dtype=np.int32)
+        self._pos_ptr = self._pos.ctypes.data
+        self._pos_type = ctypes.POINTER(ll.llama_pos)
+
+    def decode(self, rows: np.ndarray, positions: np.ndarray) -> None:
+        """Decode `rows` (n × row_width float32, C-contiguous) at `positions` into the draft, no outputs."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        if n > self.capacity or rows.shape[1] != self.row_width or not rows.flags.c_contiguous:
+            raise ValueError(f"feature rows {rows.shape} do not fit ({self.capacity}, {self.row_width})")
+        self._pos[:n, :3] = positions[:, None]
+        ll.llama_batch_ext_clear(self._batch)
+        base = rows.ctypes.data
+        stride = rows.strides[0]
+        f32p = ctypes.POINTER(ctypes.c_float)
+        for i in range(n):
+            embd = ll.llama_embd(ctypes.cast(base + i * stride, f32p), 1, self.row_width)
+            idx = ll.llama_batch_ext_add_embd(self._batch, 0, embd)
+            if idx < 0:
+                raise DecodeError(f"could not add feature row {i} to the draft batch (status {idx})")
+            pos = ctypes.cast(self._pos_ptr + i * 16, self._pos_type)
+            if not ll.llama_batch_ext_set_pos(self._batch, idx, pos):
+                raise DecodeError(f"could not set the position of feature row {i}")
+        rc = ll.llama_process(self._ctx, ll.LLAMA_PROCESS_TYPE_DECODE, self._batch)
+        if rc != 0:
+            raise decode_error("draft feature injection", rc, n)
+
+    def free(self) -> None:
+        if self._batch:
+            ll.llama_batch_ext_free(self._batch)
+            self._batch = None

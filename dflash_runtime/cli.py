@@ -1,0 +1,117 @@
+"""`python -m dflash_runtime generate | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import DFlashError
+
+
+def _add_pair_args(p: argparse.ArgumentParser, *, required: bool) -> None:
+    p.add_argument("--target", required=required, help="target GGUF")
+    p.add_argument("--draft", help="DFlash / DFlash 2 draft GGUF (omit for target-only decoding)")
+    p.add_argument("--n-ctx", type=int, default=4096)
+    p.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--pair-draft-max", type=int, default=None,
+                   help="longest draft the pair is opened for (default: block_size − 1, at most 15)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m dflash_runtime", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text, then print the statistics")
+    _add_pair_args(g, required=True)
+    g.add_argument("--prompt", default="Write a short poem about the sea.")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--draft-max", default="auto", help="'auto' or a fixed draft length")
+    g.add_argument("--no-spec", action="store_true", help="plain decoding (A/B baseline)")
+    g.add_argument("--json", action="store_true", help="print the statistics as JSON")
+
+    b = sub.add_parser("bench", help="speculative vs plain decoding, per draft length")
+    _add_pair_args(b, required=False)
+    b.add_argument("--tiny", default=None,
+                   help="bench generated pairs instead: 'matrix' or a list like dense:const:512,hybrid:random:1024")
+    b.add_argument("--prompts", type=Path, help="file with one prompt per line")
+    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--draft-max", default="3,7,auto", help="comma list of lengths and/or 'auto'")
+    b.add_argument("--runs", type=int, default=3, help="alternating runs per mode; the median is reported")
+    b.add_argument("--json", type=Path, help="write the results here")
+    return ap
+
+
+def _draft_arg(value: str) -> int | str:
+    return "auto" if value == "auto" else int(value)
+
+
+def _open(args: argparse.Namespace, target: str, draft: str | None):
+    from . import load_pair
+    from .gguf_meta import read_gguf
+
+    draft_max = args.pair_draft_max
+    if draft_max is None and draft is not None:
+        block = int(read_gguf(draft).key("block_size", 16))
+        draft_max = max(1, min(15, block - 1))
+    return load_pair(target, draft, n_ctx=args.n_ctx, n_gpu_layers=args.gpu_layers, draft_max=draft_max or 1,
+                     n_threads=args.threads)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .report import stats_table
+
+    with _open(args, args.target, args.draft) as engine:
+        kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                      speculative=not args.no_spec, draft_max=_draft_arg(args.draft_max) if args.draft else None)
+        if args.chat:
+            events = engine.stream_chat([{"role": "user", "content": args.prompt}], **kwargs)
+        else:
+            events = engine.stream(args.prompt, **kwargs)
+        last = None
+        for last in events:
+            sys.stdout.write(last.delta)
+            sys.stdout.flush()
+        assert last is not None
+        print(f"\n\n[finish: {last.finish_reason} — {last.finish_detail}]")
+        print(json.dumps(last.stats.to_dict(), indent=2) if args.json else stats_table(last.stats))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import BenchConfig, run_bench, tiny_targets
+
+    modes = [_draft_arg(x.strip()) for x in args.draft_max.split(",") if x.strip()]
+    prompts = None
+    if args.prompts:
+        prompts = [ln for ln in args.prompts.read_text().splitlines() if ln.strip()]
+    if args.tiny:
+        pairs = tiny_targets(args.tiny)
+    elif args.target and args.draft:
+        pairs = [(Path(args.target).name, args.target, args.draft)]
+    else:
+        print("bench needs --target and --draft, or --tiny", file=sys.stderr)
+        return 2
+    cfg = BenchConfig(modes=modes, runs=args.runs, max_tokens=args.max_tokens, prompts=prompts)
+    results = run_bench(pairs, cfg, lambda t, d: _open(args, t, d))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _generate(args) if args.cmd == "generate" else _bench(args)
+    except DFlashError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

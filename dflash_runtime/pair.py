@@ -1,0 +1,262 @@
+"""The linked pair: target model + context, and a DFlash draft whose context borrows the target's through ctx_other."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from llama_cpp import _logger
+from llama_cpp import llama_cpp as ll
+
+from .errors import ContextCreationError, EngineClosedError, PairMismatchError
+from .gguf_meta import GGUFInfo, read_gguf
+from .native import DFlashApi, dflash_api
+from .validation import DraftSpec, validate_pair
+
+_backend_ready = False
+_live_handles = 0
+_live_lock = threading.Lock()
+
+
+def live_handles() -> int:
+    """Native models and contexts created by this package and not yet freed (for leak checks)."""
+    return _live_handles
+
+
+def _count(delta: int) -> None:
+    global _live_handles
+    with _live_lock:
+        _live_handles += delta
+
+
+class NativeLog:
+    """Keeps the last libllama log lines so a refused model or context can say why."""
+
+    def __init__(self, size: int = 40) -> None:
+        self.lines: deque[str] = deque(maxlen=size)
+        self._forward = ll.llama_log_callback(self._on_log)  # keep the ctypes callback alive
+
+    def _on_log(self, level: int, text: bytes, _user: Any) -> None:
+        line = text.decode("utf-8", "replace")
+        self.lines.append(line)
+        # Same rule as llama-cpp-python's own callback: verbose=False shows errors only.
+        if _logger.logger.level <= _logger.GGML_LOG_LEVEL_TO_LOGGING_LEVEL.get(level, 0):
+            print(line, end="", flush=True, file=sys.stderr)
+
+    def install(self) -> None:
+        ll.llama_log_set(self._forward, ctypes.c_void_p(0))
+
+    def errors(self) -> str:
+        text = "".join(self.lines)
+        hits = [ln.strip() for ln in text.splitlines() if any(w in ln.lower() for w in ("error", "fail", "requires"))]
+        return "; ".join(hits[-3:])
+
+
+_log = NativeLog()
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        _log.install()
+        ll.llama_backend_init()
+        _backend_ready = True
+
+
+class _Owned:
+    """Native handles freed in reverse order of creation, whether construction finished or not."""
+
+    def __init__(self) -> None:
+        self._stack: list[tuple[Any, Callable[[Any], None]]] = []
+
+    def push(self, handle: Any, free: Callable[[Any], None]) -> Any:
+        self._stack.append((handle, free))
+        _count(+1)
+        return handle
+
+    def free_all(self) -> None:
+        while self._stack:
+            handle, free = self._stack.pop()
+            free(handle)
+            _count(-1)
+
+
+def _load_model(path: Path, n_gpu_layers: int) -> Any:
+    params = ll.llama_model_default_params()
+    params.n_gpu_layers = n_gpu_layers
+    _log.lines.clear()
+    model = ll.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise ContextCreationError(f"libllama could not load {path}: {_log.errors() or 'see the log above'}")
+    return model
+
+
+def _new_context(model: Any, params: Any, what: str) -> Any:
+    _log.lines.clear()
+    ctx = ll.llama_init_from_model(model, params)
+    if not ctx:
+        raise ContextCreationError(f"libllama could not create the {what} context: {_log.errors() or 'unknown'}")
+    return ctx
+
+
+def _meta_str(model: Any, key: str) -> str | None:
+    size = 256
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = ll.llama_model_meta_val_str(model, key.encode(), buf, size)
+        if n < 0:
+            return None
+        if n < size:
+            return buf.value.decode("utf-8", "replace")
+        size = n + 1  # the value was cut: n is its full length
+
+
+class LinkedPair:
+    """Owns the target model/context and, optionally, the DFlash draft model/context linked to it.
+
+    A hybrid (recurrent) target gets `n_rs_seq` = draft_max recurrent-state snapshots so that rejected drafts can
+    be rolled back; pass `n_rs_seq` to override (0 disables rollback, and speculative requests then fail loudly).
+    Raw pointers are exposed as `.target_model`, `.target_ctx`, `.draft_model`, `.draft_ctx` for callers that
+    drive libllama themselves. Free with `close()` or a `with` block; the draft goes before the target.
+    """
+
+    def __init__(
+        self,
+        target_path: str | os.PathLike[str],
+        draft_path: str | os.PathLike[str] | None = None,
+        *,
+        n_ctx: int = 4096,
+        n_gpu_layers: int = 0,
+        draft_max: int = 7,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        n_rs_seq: int | None = None,
+        verbose: bool = False,
+    ) -> None:
+        _logger.set_verbose(verbose)
+        self.target_info: GGUFInfo = read_gguf(target_path)
+        self.draft_info: GGUFInfo | None = read_gguf(draft_path) if draft_path is not None else None
+        self.spec: DraftSpec | None = None
+        if self.draft_info is not None:
+            self.spec = validate_pair(self.target_info, self.draft_info, draft_max)
+        elif self.target_info.arch == "dflash":
+            raise PairMismatchError(
+                f"{self.target_info.path.name} is a DFlash draft: it has no embeddings or output head of its own and "
+                "must be opened together with its target, load_pair(target_path, draft_path)"
+            )
+        if n_ctx < 16 or n_batch < 1:
+            raise ValueError(f"n_ctx must be ≥ 16 and n_batch ≥ 1 (got n_ctx={n_ctx}, n_batch={n_batch})")
+        self.draft_max = draft_max if self.spec else 0
+        self.n_gpu_layers = n_gpu_layers
+        self._n_rs_seq_request = n_rs_seq
+        self.api: DFlashApi | None = dflash_api() if self.spec else None
+        self._owned = _Owned()
+        self._closed = False
+        self.target_model = self.target_ctx = self.draft_model = self.draft_ctx = None
+        # Half the cores, as llama-cpp-python does: busy-waiting threads on a shared machine stall each other.
+        threads = n_threads or max(1, (os.cpu_count() or 2) // 2)
+        try:
+            _init_backend()
+            self._open_target(n_ctx, n_gpu_layers, n_batch, threads)
+            if self.spec is not None:
+                self._open_draft(n_gpu_layers, threads)
+        except BaseException:
+            self._owned.free_all()
+            self._closed = True
+            raise
+
+    # -- construction -------------------------------------------------------------------------------------------
+
+    def _open_target(self, n_ctx: int, n_gpu_layers: int, n_batch: int, threads: int) -> None:
+        self.target_model = self._owned.push(
+            _load_model(self.target_info.path, n_gpu_layers), ll.llama_model_free
+        )
+        model = self.target_model
+        self.is_recurrent = bool(ll.llama_model_is_recurrent(model) or ll.llama_model_is_hybrid(model))
+        params = ll.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        # The whole verify batch must fit in one ubatch so that a hybrid target can roll it back.
+        params.n_ubatch = max(n_batch, self.draft_max + 2)
+        params.n_batch = params.n_ubatch
+        params.n_seq_max = 1
+        params.n_threads = params.n_threads_batch = threads
+        # Recurrent state can be cut back only through snapshots, one per token that may be rejected.
+        wanted = self.draft_max if self._n_rs_seq_request is None else self._n_rs_seq_request
+        params.n_rs_seq = wanted if (self.spec and self.is_recurrent) else 0
+        self.target_ctx = self._owned.push(_new_context(self.target_model, params, "target"), ll.llama_free)
+        self.n_ctx = int(ll.llama_n_ctx(self.target_ctx))
+        self.n_batch = int(ll.llama_n_batch(self.target_ctx))
+        self.n_ubatch = int(ll.llama_n_ubatch(self.target_ctx))
+        self.n_rs_seq = int(ll.llama_n_rs_seq(self.target_ctx))
+        self.vocab = ll.llama_model_get_vocab(self.target_model)
+        self.n_vocab = int(ll.llama_vocab_n_tokens(self.vocab))
+        self.n_embd = int(ll.llama_model_n_embd(self.target_model))
+        if self.spec is not None:
+            assert self.api is not None
+            # Taps must be on before the first decode: enabling them re-reserves the compute graph.
+            for lid in self.spec.target_layer_ids:
+                self.api.set_embeddings_layer_inp(self.target_ctx, lid, True)
+
+    def _open_draft(self, n_gpu_layers: int, threads: int) -> None:
+        assert self.spec is not None and self.draft_info is not None and self.api is not None
+        self.draft_model = self._owned.push(_load_model(self.draft_info.path, n_gpu_layers), ll.llama_model_free)
+        params = ll.llama_context_default_params()
+        params.n_ctx = self.n_ctx
+        params.n_batch = params.n_ubatch = self.n_ubatch  # one injection chunk per target ubatch
+        params.n_seq_max = 1
+        params.n_rs_seq = 0
+        params.n_threads = params.n_threads_batch = threads
+        params.ctx_other = self.target_ctx
+        self.draft_ctx = self._owned.push(_new_context(self.draft_model, params, "draft"), ll.llama_free)
+        if self.api.get_ctx_other(self.draft_ctx) != self.target_ctx:
+            raise ContextCreationError("the draft context is not linked to the target context (ctx_other)")
+        top_k = int(self.api.model_dflash_selector_top_k(self.draft_model))
+        if top_k != self.spec.selector_top_k:
+            raise PairMismatchError(f"libllama reads selector_top_k={top_k}, the header {self.spec.selector_top_k}")
+        layer_ids = tuple(self.api.target_layer_ids(self.draft_model))
+        if layer_ids != self.spec.target_layer_ids:
+            raise PairMismatchError(f"libllama reads layer ids {layer_ids}, the header {self.spec.target_layer_ids}")
+        # DFlash 2 reads its candidate lattice from the nextn rows; v1 reads logits (masked nextn).
+        self.api.set_embeddings_nextn(self.draft_ctx, True, not self.spec.is_dflash2)
+        ll.llama_set_causal_attn(self.draft_ctx, self.spec.causal)
+        self.draft_is_mrope = ll.llama_model_rope_type(self.draft_model) == ll.LLAMA_ROPE_TYPE_MROPE
+        self.n_embd_draft = int(ll.llama_model_n_embd(self.draft_model))
+
+    # -- lifetime -----------------------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("this engine was closed; open a new one with load_pair(...)")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._owned.free_all()
+            self.target_model = self.target_ctx = self.draft_model = self.draft_ctx = None
+
+    def __enter__(self) -> LinkedPair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def meta(self, key: str, draft: bool = False) -> str | None:
+        """A GGUF metadata value as libllama reads it."""
+        model = self.draft_model if draft else self.target_model
+        return _meta_str(model, key) if model else None

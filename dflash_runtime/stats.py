@@ -1,0 +1,93 @@
+"""Live statistics of one request, JSON-serialisable."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Stats:
+    n_prompt: int = 0               # prompt tokens of the request
+    n_reused: int = 0               # of which found in the KV cache from the previous request
+    n_prefilled: int = 0            # of which decoded now (n_prompt − n_reused)
+    n_generated: int = 0            # tokens emitted (end-of-generation token excluded)
+    verify_steps: int = 0           # target decodes that checked at least one drafted token
+    plain_steps: int = 0            # target decodes of a single token (no draft)
+    drafted: int = 0                # drafted tokens sent to verification
+    accepted: int = 0               # of which the target accepted
+    verify_emitted: int = 0         # tokens emitted by verify steps (accepted drafts + the token after them)
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: times draft position i+1 was accepted
+    drafted_per_position: list[int] = field(default_factory=list)   # [i]: times draft position i+1 was verified
+    draft_lengths: list[int] = field(default_factory=list)          # draft length chosen at each round
+    prefill_ms: float = 0.0
+    draft_ms: float = 0.0           # draft block decode + lattice walk
+    inject_ms: float = 0.0          # target features → draft cache
+    verify_ms: float = 0.0          # target decode of [id_last, drafts] + sampling
+    native_ms: float = 0.0          # time inside libllama calls after the prefill
+    decode_ms: float = 0.0          # wall time after the prefill
+    speculative: bool = True
+    draft_max: int = 0
+    controller: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify step, the token after the accepted drafts included."""
+        return self.verify_emitted / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.n_generated / (self.decode_ms / 1000.0) if self.decode_ms > 0 else 0.0
+
+    @property
+    def host_ms(self) -> float:
+        """Time spent in Python between native calls after the prefill."""
+        return max(0.0, self.decode_ms - self.native_ms)
+
+    @property
+    def target_steps(self) -> int:
+        return self.verify_steps + self.plain_steps
+
+    def record_verify(self, n_drafted: int, n_accepted: int, n_emitted: int) -> None:
+        self.verify_steps += 1
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        self.verify_emitted += n_emitted
+        grow = n_drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for i in range(n_drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(n_accepted):
+            self.accepted_per_position[i] += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(
+            acceptance_rate=round(self.acceptance_rate, 4),
+            mean_accepted_length=round(self.mean_accepted_length, 4),
+            decode_tok_s=round(self.decode_tok_s, 2),
+            host_ms=round(self.host_ms, 3),
+            target_steps=self.target_steps,
+        )
+        for k in ("prefill_ms", "draft_ms", "inject_ms", "verify_ms", "native_ms", "decode_ms"):
+            d[k] = round(d[k], 3)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def snapshot(self) -> Stats:
+        """A copy taken at every stream event: shallow, lists copied (asdict would deep-copy per element)."""
+        snap = copy.copy(self)
+        for name in ("accepted_per_position", "drafted_per_position", "draft_lengths"):
+            setattr(snap, name, list(getattr(self, name)))
+        snap.controller = dict(self.controller)
+        return snap

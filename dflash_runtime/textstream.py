@@ -1,0 +1,71 @@
+"""Tokens → text deltas: UTF-8 pieces joined across token boundaries, stop strings held back until decided."""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+from llama_cpp import llama_cpp as ll
+
+
+def token_piece(vocab: Any, token: int, buf: ctypes.Array[ctypes.c_char]) -> bytes:
+    """The bytes of one token, special tokens rendered (so <think> reaches the UI)."""
+    n = ll.llama_token_to_piece(vocab, token, buf, len(buf), 0, True)
+    if n < 0:  # buffer too small: -n is the size needed
+        big = ctypes.create_string_buffer(-n)
+        n = ll.llama_token_to_piece(vocab, token, big, len(big), 0, True)
+        return big.raw[:n]
+    return buf.raw[:n]
+
+
+class TextStream:
+    """Feeds tokens, returns the text that is safe to show; `stopped` once a stop string completed."""
+
+    def __init__(self, vocab: Any, stop: Sequence[str] = ()) -> None:
+        self._vocab = vocab
+        self._stop = [s for s in stop if s]
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._buf = ctypes.create_string_buffer(256)
+        self._pending = ""
+        self.text = ""
+        self.stopped = False
+
+    def feed(self, token: int) -> str:
+        if self.stopped:
+            return ""
+        self._pending += self._decoder.decode(token_piece(self._vocab, token, self._buf))
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        self._pending += self._decoder.decode(b"", final=True)
+        return self._release(final=True)
+
+    def _release(self, *, final: bool) -> str:
+        cut = min((i for i in (self._pending.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self._pending, self.stopped = self._pending[:cut], "", True
+        elif final or not self._stop:
+            out, self._pending = self._pending, ""
+        else:
+            # Keep back a tail that could still become a stop string.
+            keep = self._holdback()
+            out, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+        self.text += out
+        return out
+
+    def _holdback(self) -> int:
+        tail = self._pending[-self._hold:] if self._hold else ""
+        for n in range(len(tail), 0, -1):
+            if any(s.startswith(tail[-n:]) for s in self._stop):
+                return n
+        return 0
+
+
+def detokenize(vocab: Any, tokens: Sequence[int]) -> str:
+    buf = ctypes.create_string_buffer(256)
+    return b"".join(token_piece(vocab, t, buf) for t in tokens).decode("utf-8", "replace")

@@ -1,0 +1,136 @@
+"""Seeded weights, and the head shapes that decide how well a draft can guess the target.
+
+Two residual-stream channels are reserved in every model. No layer writes them (the rows of every
+output projection that land there are zero), so at the output they still hold the token embedding's values:
+
+- the bias channel holds the same value for every token, so its output-head column is a per-token bias:
+  strongly negative for added tokens (EOS, ChatML, think, mask) and unprintable bytes, so greedy runs never
+  stop early and never emit broken UTF-8;
+- the regime channel carries one number per input token that, weighted by the output head, can overrule
+  everything else: this is how `shaped`, `const` and `regime` steer the greedy choice from the last token.
+
+A DFlash draft borrows the target's embeddings and head, and its block rows past the anchor read the mask
+token, so the mask token's regime value fixes what the draft proposes at every block position.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .tokenizer import MASK, TinyVocab, is_plain_text_token
+
+HEADS = ("random", "shaped", "const", "regime")
+
+REGIME_CHANNEL = 0
+BIAS_CHANNEL = 1
+CHANNEL_LEVEL = 8.0  # value of a control channel in a token embedding (the rest of a row is ~N(0, 1))
+HEAD_GAIN = 4.0  # output-head weight on the regime channel: logit ≈ ±18, far beyond the random part (|.| < 4)
+BLOCKED_BIAS = -2 * HEAD_GAIN
+
+CONST_TOKEN = " the"  # head="const": the target always emits it and the draft always proposes it
+REGIME_TOKEN = " the"  # head="regime": once the context ends in it, the target repeats it forever
+SHAPED_TOKENS = (" hello", " world")  # head="shaped": the target alternates them; the draft proposes the first
+
+# DFlash 2 selector weights: large enough to reorder candidates on a random head, negligible otherwise.
+SELECTOR_SCALE = {"random": 0.3, "shaped": 0.01, "const": 0.01, "regime": 0.01}
+
+
+class TensorSource:
+    """Deterministic float32 tensors. numpy shape (n_out, n_in) is ggml shape {n_in, n_out}."""
+
+    def __init__(self, seed: int, stream: str) -> None:
+        # one independent stream per file role, so adding a tensor to one file never shifts another
+        self._rng = np.random.default_rng([seed, zlib.crc32(stream.encode())])
+
+    def normal(self, *shape: int, std: float = 1.0, mean: float = 0.0) -> np.ndarray:
+        return (mean + std * self._rng.standard_normal(shape)).astype(np.float32)
+
+    def uniform(self, low: float, high: float, n: int) -> np.ndarray:
+        return self._rng.uniform(low, high, n).astype(np.float32)
+
+    def signs(self, n: int) -> np.ndarray:
+        return np.where(self._rng.random(n) < 0.5, -1.0, 1.0).astype(np.float32)
+
+    def matrix(self, n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
+        """Fan-in scaled weights: unit-variance inputs give outputs of variance gain²."""
+        return self.normal(n_out, n_in, std=gain / np.sqrt(n_in))
+
+    def residual_write(self, n_embd: int, n_in: int, n_layer: int) -> np.ndarray:
+        """An output projection into the residual stream. The 1/sqrt(2·n_layer) gain keeps the stream's
+        variance bounded whatever the depth; the control channels' rows are zero."""
+        weight = self.matrix(n_embd, n_in, gain=1.0 / np.sqrt(2 * n_layer))
+        weight[[REGIME_CHANNEL, BIAS_CHANNEL], :] = 0.0
+        return weight
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """The target's token embedding and output head (the draft borrows both)."""
+
+    token_embd: np.ndarray  # (n_vocab, n_embd)
+    output: np.ndarray  # (n_vocab, n_embd)
+
+
+def build_head(head: str, vocab: TinyVocab, n_embd: int, source: TensorSource) -> HeadPlan:
+    embd = source.normal(vocab.n_vocab, n_embd)
+    output = source.normal(vocab.n_vocab, n_embd, std=1.0 / np.sqrt(n_embd))
+    embd[:, BIAS_CHANNEL] = CHANNEL_LEVEL
+    output[:, BIAS_CHANNEL] = 0.0
+    blocked = [i for i in range(vocab.n_vocab) if not is_plain_text_token(vocab, i)]
+    output[blocked, :] = 0.0
+    output[blocked, BIAS_CHANNEL] = BLOCKED_BIAS
+    _STEERING[head](embd, output, vocab, source)
+    return HeadPlan(token_embd=embd, output=output)
+
+
+def plain_ids(vocab: TinyVocab) -> np.ndarray:
+    return np.array([i for i in range(vocab.n_vocab) if is_plain_text_token(vocab, i)])
+
+
+def _steer_random(embd: np.ndarray, output: np.ndarray, vocab: TinyVocab, source: TensorSource) -> None:
+    """Nothing: the regime channel stays a random feature; the draft guesses right ≈ 1/n_vocab of the time."""
+
+
+def _steer_const(embd: np.ndarray, output: np.ndarray, vocab: TinyVocab, source: TensorSource) -> None:
+    """Every token (and the mask) raises the regime channel; only X's head row rewards it."""
+    plain = plain_ids(vocab)
+    embd[:, REGIME_CHANNEL] = CHANNEL_LEVEL
+    output[plain, REGIME_CHANNEL] = -source.uniform(HEAD_GAIN / 4, HEAD_GAIN, len(plain))
+    output[vocab.id_of_text(CONST_TOKEN), REGIME_CHANNEL] = HEAD_GAIN
+
+
+def _steer_shaped(embd: np.ndarray, output: np.ndarray, vocab: TinyVocab, source: TensorSource) -> None:
+    """A + B: after a positive regime value the target emits A, after a negative one B. A carries a negative
+    value and B a positive one, so the target alternates A B A B; the mask is positive, so the draft proposes
+    A everywhere: one accepted token per step, the rest rejected."""
+    proposed, other = (vocab.id_of_text(text) for text in SHAPED_TOKENS)
+    embd[:, REGIME_CHANNEL] = CHANNEL_LEVEL * source.signs(vocab.n_vocab)
+    embd[proposed, REGIME_CHANNEL] = -CHANNEL_LEVEL
+    embd[[other, vocab.id_of(MASK)], REGIME_CHANNEL] = CHANNEL_LEVEL
+    output[:, REGIME_CHANNEL] = 0.0
+    output[proposed, REGIME_CHANNEL] = HEAD_GAIN
+    output[other, REGIME_CHANNEL] = -HEAD_GAIN
+
+
+def _steer_regime(embd: np.ndarray, output: np.ndarray, vocab: TinyVocab, source: TensorSource) -> None:
+    """X and the mask raise the regime channel, every other token lowers it; X's head row reads only that
+    channel. After X the target repeats X (and the draft proposes X): full acceptance. After anything else
+    X's logit is ≈ -18, so the random part of the head writes context-dependent text the draft never guesses."""
+    regime_id = vocab.id_of_text(REGIME_TOKEN)
+    embd[:, REGIME_CHANNEL] = -CHANNEL_LEVEL
+    embd[[regime_id, vocab.id_of(MASK)], REGIME_CHANNEL] = CHANNEL_LEVEL
+    output[:, REGIME_CHANNEL] = 0.0
+    output[regime_id, :] = 0.0
+    output[regime_id, REGIME_CHANNEL] = HEAD_GAIN
+
+
+_STEERING: dict[str, Callable[[np.ndarray, np.ndarray, TinyVocab, TensorSource], None]] = {
+    "random": _steer_random,
+    "shaped": _steer_shaped,
+    "const": _steer_const,
+    "regime": _steer_regime,
+}

@@ -1,0 +1,173 @@
+"""Deterministic tiny GGUF model pairs (target + DFlash draft) for tests, benchmarks and the offline demo.
+
+Targets: `dense` (arch qwen3) and `hybrid` (arch qwen35: Gated DeltaNet + gated attention, IMROPE).
+Drafts: `dflash2` (dynamic conv + candidate selector) and `dflash1`, both arch `dflash`.
+Heads (see heads.py): `random` (≈0 % acceptance), `shaped` (one accepted token per step), `const`
+(≈100 %) and `regime` (≈100 % once the context ends in REGIME_TOKEN, ≈0 % otherwise).
+
+Files are generated once into a cache, named by a digest of every parameter and the generator version,
+written to a temporary file and renamed, so concurrent generators never expose a partial file.
+
+    python -m dflash_runtime.testing.tiny_models --out DIR [--target dense|hybrid] [--draft dflash2|dflash1]
+        [--head random|shaped|const|regime] [--n-embd N] [--dims tiny|scaled] [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+from .heads import CONST_TOKEN, HEADS, REGIME_TOKEN, SHAPED_TOKENS
+from .specs import DIMS, DRAFT_KINDS, TARGET_ARCHS, DraftSpec, PairSpec, resolve_pair_spec
+from .tokenizer import ENDOFTEXT
+from .writers import SPEC_KEY, TARGET_WRITERS, write_draft
+
+__all__ = [
+    "BROKEN_KINDS",
+    "CONST_TOKEN",
+    "REGIME_TOKEN",
+    "SHAPED_TOKENS",
+    "TinyPair",
+    "default_cache_dir",
+    "tiny_pair",
+    "write_broken_draft",
+]
+
+CACHE_ENV = "DFLASH_TINY_CACHE"
+
+
+@dataclass(frozen=True)
+class TinyPair:
+    target: Path
+    draft: Path
+    target_arch: str  # "qwen3" | "qwen35"
+    draft_kind: str  # "dflash2" | "dflash1"
+    spec: PairSpec | None = dataclasses.field(default=None, compare=False, repr=False)
+
+
+def default_cache_dir() -> Path:
+    """$DFLASH_TINY_CACHE, else <repo>/.cache/tiny-models in a writable checkout, else the user cache."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    repo = Path(__file__).resolve().parents[2]
+    is_checkout = (repo / ".git").exists() or (repo / "pyproject.toml").exists()
+    if is_checkout and os.access(repo, os.W_OK):
+        return repo / ".cache" / "tiny-models"
+    return Path.home() / ".cache" / "dflash-runtime" / "tiny-models"
+
+
+def tiny_pair(
+    target: str = "dense",
+    draft: str = "dflash2",
+    *,
+    head: str = "shaped",
+    n_embd: int = 128,
+    dims: str = "tiny",
+    seed: int = 0,
+    cache_dir: Path | None = None,
+    **overrides: Any,
+) -> TinyPair:
+    """The pair's files, generated on first use. Overrides: any size of specs.OVERRIDABLE (e.g. n_layer=6,
+    draft_layers=1, block_size=16, target_layers=(1, 2), weight_type="f16")."""
+    spec = resolve_pair_spec(target, draft, head=head, n_embd=n_embd, dims=dims, seed=seed, overrides=overrides)
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    stem = f"{target}-{head}-e{n_embd}"
+    target_path = _ensure(
+        cache / f"target-{stem}-{spec.target_digest()}.gguf", lambda path: TARGET_WRITERS[target](path, spec)
+    )
+    draft_path = _ensure(
+        cache / f"draft-{draft}-{stem}-{spec.draft_digest()}.gguf", lambda path: write_draft(path, spec)
+    )
+    return TinyPair(target=target_path, draft=draft_path, target_arch=spec.target.arch, draft_kind=draft, spec=spec)
+
+
+def _ensure(path: Path, write: Callable[[Path], None]) -> Path:
+    if not path.exists():
+        _write_atomically(path, write)
+    return path
+
+
+def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache may be shared
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# Each broken draft differs from the pair's valid draft in exactly one way.
+_DRAFT_BREAKS: dict[str, Callable[[PairSpec], dict[str, Any]]] = {
+    "vocab_size": lambda spec: {"extra_tokens": 1},
+    "special_tokens": lambda spec: {"eos_token": ENDOFTEXT},
+    "no_mask": lambda spec: {"with_mask": False},
+    "layer_out_of_range": lambda spec: {"target_layers": (*spec.draft.target_layers[:-1], spec.target.n_layer)},
+    "width": lambda spec: {"n_embd": 2 * spec.draft.n_embd},
+    "bad_block_size": lambda spec: {"block_size": 1},
+}
+BROKEN_KINDS = ("not_gguf", "arch_not_dflash", *_DRAFT_BREAKS)
+
+
+def write_broken_draft(kind: str, path: Path, *, target: TinyPair) -> Path:
+    """Write at `path` a draft for `target` that a runtime must refuse, broken in the way `kind` names:
+    not_gguf (text file), arch_not_dflash (the target file itself), vocab_size (one extra token),
+    special_tokens (EOS = <|endoftext|>), no_mask (no mask_token_id), layer_out_of_range (a tap id equal to
+    the target's n_layer), width (embedding_length twice the target's, fc sized to match), bad_block_size (1)."""
+    if kind not in BROKEN_KINDS:
+        raise ValueError(f"kind must be one of {BROKEN_KINDS}, not {kind!r}")
+    path = Path(path)
+    if kind == "not_gguf":
+        _write_atomically(path, lambda tmp: tmp.write_text("this is a text file, not a GGUF model\n"))
+    elif kind == "arch_not_dflash":
+        _write_atomically(path, lambda tmp: shutil.copyfile(target.target, tmp))
+    else:
+        spec = target.spec or read_pair_spec(target.draft)
+        broken_draft: DraftSpec = dataclasses.replace(spec.draft, **_DRAFT_BREAKS[kind](spec))
+        broken = dataclasses.replace(spec, draft=broken_draft)
+        _write_atomically(path, lambda tmp: write_draft(tmp, broken))
+    return path
+
+
+def read_pair_spec(draft_path: Path) -> PairSpec:
+    """The spec a generated draft records in its metadata."""
+    field = gguf.GGUFReader(draft_path).get_field(SPEC_KEY)
+    if field is None:
+        raise ValueError(f"{draft_path} is not a generated tiny draft (no {SPEC_KEY} key)")
+    return PairSpec.from_json(field.contents())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_runtime.testing.tiny_models",
+        description="Generate (or find in the cache) a tiny target + draft pair.",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="cache directory the files go to")
+    parser.add_argument("--target", choices=tuple(TARGET_ARCHS), default="dense")
+    parser.add_argument("--draft", choices=DRAFT_KINDS, default="dflash2")
+    parser.add_argument("--head", choices=HEADS, default="shaped")
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--dims", choices=DIMS, default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    pair = tiny_pair(
+        args.target, args.draft, head=args.head, n_embd=args.n_embd, dims=args.dims, seed=args.seed, cache_dir=args.out
+    )
+    print(pair.target)
+    print(pair.draft)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""One GGUF writer per model kind: dense `qwen3` target, hybrid `qwen35` target, DFlash 2 / v1 draft.
+
+Keys and tensor shapes follow libllama's loaders (src/models/qwen3.cpp, qwen35.cpp, dflash.cpp).
+numpy shapes are (n_out, n_in), i.e. ggml {n_in, n_out}.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import gguf
+import numpy as np
+
+from .heads import SELECTOR_SCALE, TensorSource, build_head
+from .specs import DraftSpec, HybridDims, PairSpec, TargetSpec
+from .tokenizer import CHAT_TEMPLATE, ENDOFTEXT, IM_END, MASK, TinyVocab, build_vocab
+
+SPEC_KEY = "dflash_runtime.tiny_spec"  # JSON of the PairSpec, so a file can be regenerated with variations
+
+
+class TensorSink:
+    """A GGUF file being written. Weight matrices may be stored in f16; norms, biases, conv and selector tensors
+    stay f32."""
+
+    def __init__(self, path: Path, arch: str, weight_type: str) -> None:
+        self.writer = gguf.GGUFWriter(path, arch)
+        self.arch = arch
+        self.half = weight_type == "f16"
+        self.writer.add_uint32("general.file_type", int(gguf.LlamaFileType.MOSTLY_F16 if self.half else 0))
+
+    def matrix(self, name: str, array: np.ndarray) -> None:
+        self.writer.add_tensor(name, array.astype(np.float16) if self.half else array)
+
+    def exact(self, name: str, array: np.ndarray) -> None:
+        self.writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+
+    def arch_u32(self, key: str, value: int) -> None:
+        self.writer.add_uint32(f"{self.arch}.{key}", int(value))
+
+    def finish(self) -> None:
+        self.writer.write_header_to_file()
+        self.writer.write_kv_data_to_file()
+        self.writer.write_tensors_to_file()
+        self.writer.close()
+
+
+def add_tokenizer(sink: TensorSink, vocab: TinyVocab, *, eos_token: str, with_mask: bool) -> None:
+    w = sink.writer
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "qwen2")
+    w.add_array("tokenizer.ggml.tokens", list(vocab.tokens))
+    w.add_array("tokenizer.ggml.token_type", list(vocab.token_types))
+    w.add_array("tokenizer.ggml.merges", list(vocab.merges))
+    w.add_uint32("tokenizer.ggml.bos_token_id", vocab.id_of(ENDOFTEXT))
+    w.add_uint32("tokenizer.ggml.eos_token_id", vocab.id_of(eos_token))
+    w.add_uint32("tokenizer.ggml.padding_token_id", vocab.id_of(ENDOFTEXT))
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    if with_mask:
+        w.add_uint32("tokenizer.ggml.mask_token_id", vocab.id_of(MASK))
+    w.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
+
+
+class LayerDims(Protocol):
+    """What the layer writers read from a TargetSpec or a DraftSpec."""
+
+    @property
+    def n_ctx(self) -> int: ...
+    @property
+    def n_embd(self) -> int: ...
+    @property
+    def n_layer(self) -> int: ...
+    @property
+    def n_ff(self) -> int: ...
+    @property
+    def n_head(self) -> int: ...
+    @property
+    def n_head_kv(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+def unit_gains(n: int) -> np.ndarray:
+    """RMS-norm gains of one: norms that leave the residual stream's shape (and its control channels) alone."""
+    return np.ones(n, np.float32)
+
+
+def add_llm_keys(sink: TensorSink, dims: LayerDims, rope_base: float) -> None:
+    sink.writer.add_string("general.name", f"tiny-{sink.arch}")
+    sink.arch_u32("context_length", dims.n_ctx)
+    sink.arch_u32("embedding_length", dims.n_embd)
+    sink.arch_u32("block_count", dims.n_layer)
+    sink.arch_u32("feed_forward_length", dims.n_ff)
+    sink.arch_u32("attention.head_count", dims.n_head)
+    sink.arch_u32("attention.head_count_kv", dims.n_head_kv)
+    sink.arch_u32("attention.key_length", dims.head_dim)
+    sink.arch_u32("attention.value_length", dims.head_dim)
+    sink.writer.add_float32(f"{sink.arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    sink.writer.add_float32(f"{sink.arch}.rope.freq_base", rope_base)
+
+
+def _add_attention(sink: TensorSink, src: TensorSource, prefix: str, dims: LayerDims, *, gated: bool) -> None:
+    """Attention with QK-norm; a gated query projection (qwen35) also carries the output gate."""
+    q_rows = dims.n_head * dims.head_dim
+    kv_rows = dims.n_head_kv * dims.head_dim
+    sink.matrix(prefix + "attn_q.weight", src.matrix(2 * q_rows if gated else q_rows, dims.n_embd))
+    sink.matrix(prefix + "attn_k.weight", src.matrix(kv_rows, dims.n_embd))
+    sink.matrix(prefix + "attn_v.weight", src.matrix(kv_rows, dims.n_embd))
+    sink.matrix(prefix + "attn_output.weight", src.residual_write(dims.n_embd, q_rows, dims.n_layer))
+    sink.exact(prefix + "attn_q_norm.weight", unit_gains(dims.head_dim))
+    sink.exact(prefix + "attn_k_norm.weight", unit_gains(dims.head_dim))
+
+
+def _add_ffn(sink: TensorSink, src: TensorSource, prefix: str, dims: LayerDims) -> None:
+    sink.matrix(prefix + "ffn_gate.weight", src.matrix(dims.n_ff, dims.n_embd))
+    sink.matrix(prefix + "ffn_up.weight", src.matrix(dims.n_ff, dims.n_embd))
+    sink.matrix(prefix + "ffn_down.weight", src.residual_write(dims.n_embd, dims.n_ff, dims.n_layer))
+
+
+def _target_sink(path: Path, spec: PairSpec, rope_base: float) -> TensorSink:
+    """Keys, spec record, tokenizer, embedding and head: everything a target has besides its layers."""
+    t = spec.target
+    sink = TensorSink(path, t.arch, t.weight_type)
+    add_llm_keys(sink, t, rope_base)
+    sink.writer.add_string(SPEC_KEY, spec.target_json())
+    vocab = build_vocab()
+    add_tokenizer(sink, vocab, eos_token=IM_END, with_mask=False)
+    plan = build_head(t.head, vocab, t.n_embd, TensorSource(t.seed, f"head-{t.kind}"))
+    sink.matrix("token_embd.weight", plan.token_embd)
+    sink.exact("output_norm.weight", unit_gains(t.n_embd))
+    sink.matrix("output.weight", plan.output)
+    return sink
+
+
+def write_dense_target(path: Path, spec: PairSpec) -> None:
+    t = spec.target
+    sink = _target_sink(path, spec, rope_base=1e6)
+    src = TensorSource(t.seed, "target-dense")
+    for il in range(t.n_layer):
+        prefix = f"blk.{il}."
+        sink.exact(prefix + "attn_norm.weight", unit_gains(t.n_embd))
+        _add_attention(sink, src, prefix, t, gated=False)
+        sink.exact(prefix + "ffn_norm.weight", unit_gains(t.n_embd))
+        _add_ffn(sink, src, prefix, t)
+    sink.finish()
+
+
+def _add_hybrid_keys(sink: TensorSink, h: HybridDims) -> None:
+    half = h.n_rot // 2  # IMROPE sections sum to n_rot / 2 (Qwen3.5: [11, 11, 10, 0] for 64 rotary dims)
+    sink.writer.add_array(f"{sink.arch}.rope.dimension_sections", [half - 2 * (half // 3), half // 3, half // 3, 0])
+    sink.arch_u32("rope.dimension_count", h.n_rot)
+    sink.arch_u32("ssm.conv_kernel", h.ssm_conv_kernel)
+    sink.arch_u32("ssm.inner_size", h.ssm_state_size * h.ssm_time_step_rank)
+    sink.arch_u32("ssm.state_size", h.ssm_state_size)
+    sink.arch_u32("ssm.time_step_rank", h.ssm_time_step_rank)
+    sink.arch_u32("ssm.group_count", h.ssm_group_count)
+    sink.arch_u32("full_attention_interval", h.full_attention_interval)
+
+
+def _add_delta_net(sink: TensorSink, src: TensorSource, prefix: str, t: TargetSpec, h: HybridDims) -> None:
+    """A Gated DeltaNet layer: fused QKV, output gate, short conv, decay/step parameters, gated norm."""
+    value_dim = h.ssm_state_size * h.ssm_time_step_rank
+    conv_dim = 2 * h.ssm_state_size * h.ssm_group_count + value_dim
+    n_v_heads = h.ssm_time_step_rank
+    sink.matrix(prefix + "attn_qkv.weight", src.matrix(conv_dim, t.n_embd))
+    sink.matrix(prefix + "attn_gate.weight", src.matrix(value_dim, t.n_embd))
+    sink.exact(prefix + "ssm_conv1d.weight", src.normal(conv_dim, h.ssm_conv_kernel, std=0.5))
+    sink.exact(prefix + "ssm_dt.bias", src.normal(n_v_heads, std=0.5))
+    sink.exact(prefix + "ssm_a", -np.exp(src.normal(n_v_heads, std=0.5)))  # -exp(A_log): decays in (0, 1)
+    sink.matrix(prefix + "ssm_beta.weight", src.matrix(n_v_heads, t.n_embd))
+    sink.matrix(prefix + "ssm_alpha.weight", src.matrix(n_v_heads, t.n_embd))
+    sink.exact(prefix + "ssm_norm.weight", unit_gains(h.ssm_state_size))
+    sink.matrix(prefix + "ssm_out.weight", src.residual_write(t.n_embd, value_dim, t.n_layer))
+
+
+def write_hybrid_target(path: Path, spec: PairSpec) -> None:
+    """Layers with (il + 1) % full_attention_interval != 0 are Gated DeltaNet, the others gated attention."""
+    t = spec.target
+    if t.hybrid is None:
+        raise ValueError("a hybrid target needs HybridDims")
+    sink = _target_sink(path, spec, rope_base=1e7)
+    _add_hybrid_keys(sink, t.hybrid)
+    src = TensorSource(t.seed, "target-hybrid")
+    for il in range(t.n_layer):
+        prefix = f"blk.{il}."
+        sink.exact(prefix + "attn_norm.weight", unit_gains(t.n_embd))
+        sink.exact(prefix + "post_attention_norm.weight", unit_gains(t.n_embd))
+        if (il + 1) % t.hybrid.full_attention_interval != 0:
+            _add_delta_net(sink, src, prefix, t, t.hybrid)
+        else:
+            _add_attention(sink, src, prefix, t, gated=True)
+        _add_ffn(sink, src, prefix, t)
+    sink.finish()
+
+
+def _add_draft_keys(sink: TensorSink, d: DraftSpec) -> None:
+    sink.writer.add_array(f"{sink.arch}.target_layers", list(d.target_layers))  # INT32 array
+    sink.arch_u32("block_size", d.block_size)
+    sink.writer.add_bool(f"{sink.arch}.attention.causal", False)
+    if d.mrope:  # degenerate sections: the draft follows only the temporal position of an M-RoPE target
+        sink.writer.add_array(f"{sink.arch}.rope.dimension_sections", [d.head_dim // 2, 0, 0, 0])
+    if d.is_dflash2:
+        sink.arch_u32("conv_kernel_size", d.conv_kernel_size)
+        sink.arch_u32("conv_group_size", d.conv_group_size)
+        sink.arch_u32("selector_rank", d.selector_rank)
+        sink.arch_u32("selector_top_k", d.selector_top_k)
+
+
+def _add_dynamic_conv(sink: TensorSink, src: TensorSource, name: str, d: DraftSpec) -> None:
+    """DFlash 2 two-sided dynamic depthwise conv: base {n_embd, kernel, 2} (tap 0 ≈ identity) and projection."""
+    base = np.zeros((2, d.conv_kernel_size, d.n_embd), np.float32)
+    base[:, 0, :] = 1.0
+    base[:, 1:, :] = src.normal(2, d.conv_kernel_size - 1, d.n_embd, std=0.1)
+    sink.exact(f"{name}_conv_base", base)
+    n_projected = 2 * d.conv_kernel_size * (d.n_embd // d.conv_group_size)
+    sink.exact(f"{name}_conv_proj.weight", src.normal(n_projected, d.n_embd, std=0.02))
+
+
+def _add_selector(sink: TensorSink, src: TensorSource, d: DraftSpec, n_vocab: int, scale: float) -> None:
+    sink.exact("selector_predecessor.weight", src.normal(n_vocab, d.selector_rank, std=scale))
+    sink.exact("selector_successor.weight", src.normal(n_vocab, d.selector_rank, std=scale))
+    sink.exact("selector_hidden.weight", src.normal(d.selector_rank, d.n_embd, std=scale))
+
+
+def write_draft(path: Path, spec: PairSpec) -> None:
+    """A DFlash draft without token_embd/output: libllama borrows the target's through ctx_other."""
+    d = spec.draft
+    vocab = build_vocab(d.extra_tokens)
+    sink = TensorSink(path, "dflash", d.weight_type)
+    add_llm_keys(sink, d, rope_base=1e6)
+    _add_draft_keys(sink, d)
+    sink.writer.add_string(SPEC_KEY, spec.to_json())
+    add_tokenizer(sink, vocab, eos_token=d.eos_token, with_mask=d.with_mask)
+    src = TensorSource(d.seed, f"draft-{spec.target.kind}-{d.kind}")
+    sink.matrix("fc.weight", src.matrix(d.n_embd, len(d.target_layers) * d.n_embd))
+    sink.exact("enc.output_norm.weight", unit_gains(d.n_embd))
+    sink.exact("output_norm.weight", unit_gains(d.n_embd))
+    for il in range(d.n_layer):
+        prefix = f"blk.{il}."
+        sink.exact(prefix + "attn_norm.weight", unit_gains(d.n_embd))
+        _add_attention(sink, src, prefix, d, gated=False)
+        sink.exact(prefix + "ffn_norm.weight", unit_gains(d.n_embd))
+        _add_ffn(sink, src, prefix, d)
+        if d.is_dflash2:
+            _add_dynamic_conv(sink, src, prefix + "attn", d)
+            _add_dynamic_conv(sink, src, prefix + "ffn", d)
+    if d.is_dflash2:
+        _add_selector(sink, src, d, vocab.n_vocab, SELECTOR_SCALE[spec.target.head])
+    sink.finish()
+
+
+TARGET_WRITERS = {"dense": write_dense_target, "hybrid": write_hybrid_target}

@@ -17,6 +17,8 @@ class DraftPolicy(Protocol):
 
     def describe(self) -> dict[str, Any]: ...
 
+    def begin_request(self) -> None: ...
+
 
 class FixedLength:
     """Always draft n tokens, like llama.cpp's fixed draft length."""
@@ -35,36 +37,54 @@ class FixedLength:
     def describe(self) -> dict[str, Any]:
         return {"policy": "fixed", "draft_max": self.n}
 
+    def begin_request(self) -> None:
+        pass
+
 
 class AdaptiveLength:
     """Chooses n ∈ 0..n_max maximising E[tokens | n] / cost(n).
 
     E[tokens | n] = 1 + Σ_{i≤n} Π_{j≤i} a_j, with a_j the decayed rate at which draft position j is accepted when
-    reached. cost(n) is a decayed mean of measured round times per length; unmeasured lengths are interpolated
-    between measured ones, or scaled by the number of rows the round decodes.
+    reached, shrunk towards a_{j-1} (position 1: towards `prior`) so that positions not reached lately follow the
+    ones that were instead of keeping stale values. Evidence fades per drafting round (`decay`) and, more slowly,
+    per plain round (`plain_decay`), so a probe after a long plain stretch weighs enough to bring drafting back.
+    cost(n) is a decayed mean of measured round times per length; unmeasured lengths are interpolated between
+    measured ones, or scaled by the number of rows the round decodes.
+    While plain (n = 0) it re-plans only at probes: at the start of each request and every `probe_interval`
+    plain rounds, doubling after each probe that found nothing (up to `probe_max`). A probe whose drafts were all
+    accepted doubles the length each round while that lasts, so drafting comes back within a few rounds.
     """
 
     eager_inject = False  # rows of plain rounds wait and reach the draft in one batch when drafting resumes
 
-    def __init__(self, n_max: int, *, decay: float = 0.9, cost_decay: float = 0.8, probe_every: int = 8,
-                 probe_max: int = 256, prior: float = 0.5) -> None:
+    def __init__(self, n_max: int, *, decay: float = 0.9, plain_decay: float = 0.98, cost_decay: float = 0.8,
+                 probe_every: int = 8, probe_max: int = 64, prior: float = 0.5, shrink: float = 2.0) -> None:
         self.n_max = n_max
         self.decay = decay
+        self.plain_decay = plain_decay
         self.cost_decay = cost_decay
         self.probe_base = probe_every
         self.probe_max = probe_max
         self.probe_interval = probe_every
+        self.prior = prior
+        self.shrink = shrink
         self.since_draft = 0
-        self.hits = [prior] * (n_max + 1)      # index j ≥ 1: decayed accepted count at position j
-        self.reached = [1.0] * (n_max + 1)     # decayed times position j was verified with 1..j-1 accepted
+        self.hits = [0.0] * (n_max + 1)        # index j ≥ 1: decayed accepted count at position j
+        self.reached = [0.0] * (n_max + 1)     # decayed times position j was verified with 1..j-1 accepted
         self.cost: list[float | None] = [None] * (n_max + 1)
         self.history: list[int] = []
         self._probing = False
+        self._ramping = False
+        self._new_request = False
 
     # -- estimates ----------------------------------------------------------------------------------------------
 
     def acceptance(self) -> list[float]:
-        return [self.hits[j] / self.reached[j] for j in range(1, self.n_max + 1)]
+        rates, prev = [], self.prior
+        for j in range(1, self.n_max + 1):
+            prev = (self.hits[j] + self.shrink * prev) / (self.reached[j] + self.shrink)
+            rates.append(prev)
+        return rates
 
     def expected_tokens(self, n: int) -> float:
         total, run = 1.0, 1.0
@@ -74,32 +94,36 @@ class AdaptiveLength:
         return total
 
     def estimated_cost(self, n: int) -> float | None:
-        known = [(k, c) for k, c in enumerate(self.cost) if c is not None]
-        if not known:
-            return None
         exact = self.cost[n]
         if exact is not None:
             return exact
+        known = [(k, c) for k, c in enumerate(self.cost) if c is not None]
+        if not known:
+            return None
         below = [(k, c) for k, c in known if k < n]
         above = [(k, c) for k, c in known if k > n]
         if below and above:
             (k0, c0), (k1, c1) = below[-1], above[0]
             return c0 + (c1 - c0) * (n - k0) / (k1 - k0)
-        k, c = (below or above)[-1 if below else 0]
+        k, c = below[-1] if below else above[0]
         return c * (n + 1) / (k + 1)  # a round decodes n + 1 target rows
 
-    def best_length(self) -> int:
-        best, best_rate = 0, -1.0
+    def rates(self) -> list[float]:
+        """Expected tokens per second for each length (0 where the cost is unknown)."""
+        out = []
         for n in range(self.n_max + 1):
             cost = self.estimated_cost(n)
-            if cost is None or cost <= 0:
-                continue
-            rate = self.expected_tokens(n) / cost
-            if rate > best_rate:
-                best, best_rate = n, rate
-        return best
+            out.append(self.expected_tokens(n) / cost if cost else 0.0)
+        return out
+
+    def best_length(self) -> int:
+        rates = self.rates()
+        return max(range(len(rates)), key=rates.__getitem__)
 
     # -- policy -------------------------------------------------------------------------------------------------
+
+    def begin_request(self) -> None:
+        self._new_request = True
 
     def choose(self, pos0: int) -> int:
         self._probing = False
@@ -107,33 +131,37 @@ class AdaptiveLength:
             n = self.n_max  # first round: learn every position's acceptance and the longest round's cost
         elif self.cost[0] is None:
             n = 0
-        elif self.history and self.history[-1] == 0 and self.since_draft < self.probe_interval:
-            n = 0  # plain rounds change only the plain cost: no need to re-plan until the next probe
+        elif self._ramping:
+            n = min(self.n_max, max(self.best_length(), 2 * self.history[-1]))  # drafts pay again: climb fast
+        elif self.history and self.history[-1] == 0:
+            n = 0  # plain rounds teach only the plain cost: re-plan at probes only
+            if self._new_request or self.since_draft >= self.probe_interval:
+                rates = self.rates()
+                n = max(range(len(rates)), key=rates.__getitem__)
+                if n == 0:
+                    n = max(range(1, len(rates)), key=rates.__getitem__)
+                    self._probing = True
         else:
             n = self.best_length()
-            if n == 0 and self.since_draft >= self.probe_interval:
-                n, self._probing = max(1, self._best_positive()), True
+        self._new_request = False
         self.history.append(n)
         return n
-
-    def _best_positive(self) -> int:
-        rates = [(self.expected_tokens(n) / c, n) for n in range(1, self.n_max + 1)
-                 if (c := self.estimated_cost(n)) is not None and c > 0]
-        return max(rates)[1] if rates else 1
 
     def observe(self, n_block: int, n_drafted: int, n_accepted: int, seconds: float) -> None:
         old = self.cost[n_block]
         self.cost[n_block] = seconds if old is None else self.cost_decay * old + (1 - self.cost_decay) * seconds
+        fade = self.plain_decay if n_block == 0 else self.decay
+        for j in range(1, self.n_max + 1):
+            self.hits[j] *= fade
+            self.reached[j] *= fade
         if n_block == 0:
             self.since_draft += 1
             return
         self.since_draft = 0
-        for j in range(1, self.n_max + 1):
-            self.hits[j] *= self.decay
-            self.reached[j] *= self.decay
         for j in range(1, min(n_accepted + 1, n_drafted) + 1):
             self.reached[j] += 1.0
             self.hits[j] += 1.0 if j <= n_accepted else 0.0
+        self._ramping = (self._probing or self._ramping) and n_accepted == n_drafted
         if self._probing:
             # A probe that found nothing waits twice as long next time; one that paid resets the wait.
             self.probe_interval = self.probe_base if n_accepted else min(self.probe_max, self.probe_interval * 2)

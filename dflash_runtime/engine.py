@@ -315,7 +315,7 @@ class Engine(LinkedPair):
         if self._bridge is not None:
             self._bridge.capture(n, pos0)
 
-    def _prefill(self, tokens: list[int], stats: Stats, clock: _Clock) -> None:
+    def _prefill(self, tokens: list[int], stats: Stats, clock: _Clock, speculative: bool) -> None:
         t0 = time.perf_counter()
         n_reused = self._reuse_prefix(tokens)
         todo = tokens[n_reused:]
@@ -324,8 +324,8 @@ class Engine(LinkedPair):
             chunk = todo[start:start + self.n_batch]
             last = start + len(chunk) == len(todo)
             self._decode_target(chunk, "last" if last else "none", clock)
-            if self._bridge is not None and self._bridge.n_pending >= self._bridge.capacity:
-                self._flush_features()
+            if self._bridge is not None and (speculative or self._bridge.n_pending >= self._bridge.capacity):
+                self._flush_features()  # speculative requests inject each prompt chunk at once, as llama.cpp does
         stats.prefill_ms = (time.perf_counter() - t0) * 1000.0
 
     def _run(self, prompt: list[int], req: Request) -> Iterator[StreamEvent]:
@@ -336,10 +336,12 @@ class Engine(LinkedPair):
     def _loop(self, prompt: list[int], req: Request) -> Iterator[StreamEvent]:
         stats = Stats(speculative=req.speculative, draft_max=self.draft_max)
         policy = self._policy(req)
+        if policy is not None:
+            policy.begin_request()
         text = TextStream(self.vocab, req.stop)
         clock = _Clock()
         with Sampler(req.sampling) as sampler:
-            self._prefill(prompt, stats, clock)
+            self._prefill(prompt, stats, clock, req.speculative)
             t_start, clock.s = time.perf_counter(), 0.0
             with clock:
                 id_last = sampler.sample(self.target_ctx, -1)

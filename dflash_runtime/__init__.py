@@ -42,7 +42,7 @@ def __getattr__(name: str) -> Any:
         from . import results
 
         return getattr(results, name)
-    if name in ("DFlashLlama", "DFlashDraftModel"):
+    if name in ("DFlashLlama", "DFlashDraftModel", "ArrayDraft"):
         from . import llama_compat
 
         return getattr(llama_compat, name)

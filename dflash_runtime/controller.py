@@ -51,8 +51,9 @@ class AdaptiveLength:
     cost(n) is a decayed mean of measured round times per length; unmeasured lengths are interpolated between
     measured ones, or scaled by the number of rows the round decodes.
     While plain (n = 0) it re-plans only at probes: at the start of each request and every `probe_interval`
-    plain rounds, doubling after each probe that found nothing (up to `probe_max`). A probe whose drafts were all
-    accepted doubles the length each round while that lasts, so drafting comes back within a few rounds.
+    plain rounds. A probe whose drafts are all accepted doubles its length each round while that lasts, so drafting
+    comes back within a few rounds; the wait doubles after each probe that never beat plain decoding (up to
+    `probe_max`) and resets after one that did.
     """
 
     eager_inject = False  # rows of plain rounds wait and reach the draft in one batch when drafting resumes
@@ -75,6 +76,7 @@ class AdaptiveLength:
         self.history: list[int] = []
         self._probing = False
         self._ramping = False
+        self._episode_paid = False
         self._new_request = False
 
     # -- estimates ----------------------------------------------------------------------------------------------
@@ -161,10 +163,15 @@ class AdaptiveLength:
         for j in range(1, min(n_accepted + 1, n_drafted) + 1):
             self.reached[j] += 1.0
             self.hits[j] += 1.0 if j <= n_accepted else 0.0
-        self._ramping = (self._probing or self._ramping) and n_accepted == n_drafted
-        if self._probing:
-            # A probe that found nothing waits twice as long next time; one that paid resets the wait.
-            self.probe_interval = self.probe_base if n_accepted else min(self.probe_max, self.probe_interval * 2)
+        # A probe, and the rounds that double its length while every draft is accepted, form one episode.
+        exploring = self._probing or self._ramping
+        plain = self.cost[0]
+        self._episode_paid |= plain is not None and (n_accepted + 1) * plain > seconds  # beat a plain step?
+        self._ramping = exploring and n_accepted == n_drafted and n_drafted < self.n_max
+        if exploring and not self._ramping:
+            # An episode that never beat plain decoding waits twice as long next time; one that did resets the wait.
+            paid, self._episode_paid = self._episode_paid, False
+            self.probe_interval = self.probe_base if paid else min(self.probe_max, self.probe_interval * 2)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -400,6 +400,8 @@ class Engine(LinkedPair):
             with clock:
                 self._flush_features()
             t1 = time.perf_counter()
+            # Rows left pending by plain rounds belong to those rounds' cost, not to this one's.
+            t_round += t1 - t
             with clock:
                 drafts = self._drafter.draft(id_last, pos0, n_block, n_min=req.n_min, p_min=req.p_min)[:cap]
             t2 = time.perf_counter()

@@ -1,0 +1,296 @@
+"""Compare the engine with llama.cpp's own speculative loop, token for token and count for count.
+
+For each generated tiny pair (target × draft × head) and each fixed draft length, this starts llama.cpp's
+`llama-server --spec-type draft-dflash` (built from the same vendored llama.cpp as the wheel), sends every prompt as
+token ids to /completion at temperature 0, and runs the same request through `load_pair(...).generate(...)`.
+Both must emit the same tokens and text, and count the same drafted tokens, accepted tokens and verify steps
+(the server's `timings.draft_n`, `timings.draft_n_accepted` and its `spec_decode_num_drafts_total` metric).
+Each row also checks that the engine's output equals its own target-only decoding.
+
+Requests must end before the context does: there llama-server stops one cell early (it keeps room for a context
+shift) and drops the accepted tokens of a step that reaches that cell, while the engine fills the context.
+
+    python tools/compare_llama_server.py --server-bin /path/to/llama-server [--targets dense,hybrid]
+        [--drafts dflash2,dflash1] [--heads shaped,regime] [--n-max 3,7] [--max-tokens 48] [--n-ctx 512]
+
+Exits 1 on any mismatch, 2 on a usage error or when llama-server fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout
+
+from dflash_runtime import load_pair
+from dflash_runtime.engine import Engine
+from dflash_runtime.testing.tiny_models import tiny_pair
+
+PROMPTS = (
+    "Hello world",
+    "The quick brown fox",
+    "Once upon a time the",
+    " hello",
+    "In the beginning there was a small",
+)
+VERIFY_METRIC = "llamacpp:spec_decode_num_drafts_total"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    tokens: tuple[int, ...]
+    text: str
+    drafted: int
+    accepted: int
+    verify_steps: int
+
+
+@dataclass(frozen=True)
+class Row:
+    pair: str
+    n_max: int
+    prompt: str
+    server: Outcome
+    engine: Outcome
+    plain_ok: bool  # the engine's output equals its target-only decoding
+    tokenize_ok: bool  # the server tokenizes the prompt text into the same ids
+
+    @property
+    def ok(self) -> bool:
+        return self.server == self.engine and self.plain_ok and self.tokenize_ok
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class UsageError(ValueError):
+    pass
+
+
+class LlamaServer:
+    """One llama-server process on 127.0.0.1 with a single slot; stopped on exit."""
+
+    def __init__(self, binary: Path, argv: Sequence[str], log: Path, timeout: float) -> None:
+        self.port = _free_port()
+        self.log = log
+        self.timeout = timeout
+        cmd = [str(binary), *argv, "--host", "127.0.0.1", "--port", str(self.port)]
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"llama-server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(OSError, ServerError):
+                if self._get("/health").get("status") == "ok":
+                    return
+            time.sleep(0.2)
+        raise ServerError(f"llama-server was not ready after {self.timeout:.0f} s:\n{self.log_tail()}")
+
+    def complete(self, tokens: Sequence[int], n_predict: int, cache_prompt: bool) -> Outcome:
+        before = self.metric(VERIFY_METRIC)
+        body = {
+            "prompt": list(tokens),
+            "n_predict": n_predict,
+            "temperature": 0.0,
+            "cache_prompt": cache_prompt,  # off: a fresh cache per request, as the engine gets after reset()
+            "return_tokens": True,
+        }
+        res = self._post("/completion", body)
+        timings = res.get("timings", {})
+        return Outcome(
+            tokens=tuple(res["tokens"]),
+            text=res["content"],
+            drafted=int(timings.get("draft_n", 0)),
+            accepted=int(timings.get("draft_n_accepted", 0)),
+            verify_steps=round(self.metric(VERIFY_METRIC) - before),
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._post("/tokenize", {"content": text, "add_special": True, "parse_special": True})["tokens"])
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(self._url("/metrics"), timeout=self.timeout) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        raise ServerError(f"/metrics has no {name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def _url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def _get(self, path: str) -> dict[str, Any]:
+        with urllib.request.urlopen(self._url(path), timeout=self.timeout) as r:
+            return json.loads(r.read())
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(self._url(path), json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"{path}: HTTP {e.code}: {e.read().decode(errors='replace')}") from e
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_server(args: argparse.Namespace, target: Path, draft: Path, n_max: int, log: Path) -> Iterator[LlamaServer]:
+    argv = [
+        "-m", str(target), "-md", str(draft), "--spec-type", "draft-dflash",
+        "--spec-draft-n-max", str(n_max), "--spec-draft-n-min", str(args.n_min), "--spec-draft-p-min", str(args.p_min),
+        "-c", str(args.n_ctx), "-np", "1", "-t", str(args.threads), "-ngl", "0", "--spec-draft-ngl", "0",
+        "--metrics", "--no-warmup", "--no-webui",
+    ]
+    server = LlamaServer(args.server_bin, argv, log, args.timeout)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def engine_outcome(engine: Engine, args: argparse.Namespace, tokens: list[int], n_max: int) -> Outcome:
+    if not args.reuse:
+        engine.reset()
+    r = engine.generate(tokens, max_tokens=args.max_tokens, draft_max=n_max, n_min=args.n_min, p_min=args.p_min)
+    s = r.stats
+    return Outcome(tuple(r.tokens), r.text, s.drafted, s.accepted, s.verify_steps)
+
+
+def plain_tokens(engine: Engine, tokens: list[int], n_predict: int) -> tuple[int, ...]:
+    engine.reset()
+    return tuple(engine.generate(tokens, max_tokens=n_predict, speculative=False).tokens)
+
+
+def compare_pair(args: argparse.Namespace, target: str, draft: str, head: str, logs: Path) -> list[Row]:
+    pair = tiny_pair(target, draft, head=head)
+    name = f"{target}/{draft}/{head}"
+    rows: list[Row] = []
+    with load_pair(pair.target, pair.draft, n_ctx=args.n_ctx, draft_max=max(args.n_max), n_threads=args.threads) as eng:
+        prompts = {p: eng.tokenize(p) for p in args.prompts}
+        longest = max(len(ids) for ids in prompts.values())
+        if longest + args.max_tokens >= eng.n_ctx - 1:
+            raise UsageError(f"{longest} prompt tokens + --max-tokens {args.max_tokens} reach the context end "
+                             f"({eng.n_ctx}): raise --n-ctx")
+        plain = {p: plain_tokens(eng, ids, args.max_tokens) for p, ids in prompts.items()}
+        for n_max in args.n_max:
+            log = logs / f"{target}-{draft}-{head}-n{n_max}.log"
+            eng.reset()  # like the freshly started server
+            with running_server(args, pair.target, pair.draft, n_max, log) as server:
+                for prompt, ids in prompts.items():
+                    same_ids = server.tokenize(prompt) == ids
+                    srv = server.complete(ids, args.max_tokens, args.reuse)
+                    ours = engine_outcome(eng, args, ids, n_max)
+                    rows.append(Row(name, n_max, prompt, srv, ours, ours.tokens == plain[prompt], same_ids))
+    return rows
+
+
+def _counts(o: Outcome) -> str:
+    return f"{o.drafted}/{o.accepted}/{o.verify_steps}"
+
+
+def print_table(rows: Sequence[Row]) -> None:
+    head = f"{'pair':<24} {'n':>2} {'prompt':<24} {'tok':>4} {'server d/a/v':>13} {'engine d/a/v':>13}  result"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        diff = [k for k in ("tokens", "text", "drafted", "accepted", "verify_steps")
+                if getattr(r.server, k) != getattr(r.engine, k)]
+        if not r.plain_ok:
+            diff.append("engine≠plain")
+        if not r.tokenize_ok:
+            diff.append("tokenize")
+        n_srv, n_eng = len(r.server.tokens), len(r.engine.tokens)
+        n_tok = str(n_eng) if n_srv == n_eng else f"{n_srv}≠{n_eng}"
+        verdict = "ok" if r.ok else "MISMATCH " + ",".join(diff)
+        print(f"{r.pair:<24} {r.n_max:>2} {r.prompt[:24]!s:<24} {n_tok:>4} "
+              f"{_counts(r.server):>13} {_counts(r.engine):>13}  {verdict}")
+
+
+def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--server-bin", type=Path, required=True, help="llama-server built from the vendored llama.cpp")
+    p.add_argument("--targets", type=_csv(str), default=["dense", "hybrid"])
+    p.add_argument("--drafts", type=_csv(str), default=["dflash2", "dflash1"])
+    p.add_argument("--heads", type=_csv(str), default=["shaped", "regime"])
+    p.add_argument("--n-max", type=_csv(int), default=[3, 7], help="fixed draft lengths")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--n-min", type=int, default=0, help="drop drafts shorter than this")
+    p.add_argument("--p-min", type=float, default=0.0, help="stop a draft at a less confident position")
+    p.add_argument("--n-ctx", type=int, default=512)
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    p.add_argument("--prompts", type=lambda s: s.split("|"), default=list(PROMPTS), help="'|'-separated")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the cache between prompts (server cache_prompt, engine prefix reuse)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per server start or request")
+    p.add_argument("--logs", type=Path, default=None, help="keep the server logs here")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.server_bin.is_file():
+        print(f"no llama-server at {args.server_bin}", file=sys.stderr)
+        return 2
+    with contextlib.ExitStack() as stack:
+        logs = args.logs or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llama-server-")))
+        logs.mkdir(parents=True, exist_ok=True)
+        rows: list[Row] = []
+        try:
+            for target in args.targets:
+                for draft in args.drafts:
+                    for head in args.heads:
+                        rows += compare_pair(args, target, draft, head, logs)
+        except UsageError as e:
+            print(e, file=sys.stderr)
+            return 2
+        except ServerError as e:
+            print_table(rows)
+            print(f"\nllama-server failed: {e}", file=sys.stderr)
+            return 2
+    print_table(rows)
+    bad = sum(not r.ok for r in rows)
+    print(f"\n{len(rows) - bad}/{len(rows)} rows identical")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

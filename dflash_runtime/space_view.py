@@ -1,0 +1,108 @@
+"""Text the Space shows: the live statistics panel, the per-position acceptance rows, the A/B summary and the
+info box. Plain strings and dicts, so they are testable without a browser."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .hub import PairPreset
+from .space import Limits, RunMode
+
+EMPTY_STATS = "*Statistics appear here while the model answers.*"
+WAITING_STATS = "*Waiting for the first tokens (the first request also loads the model)…*"
+
+
+def _fmt_ms(value: float) -> str:
+    return f"{value:,.0f} ms" if value >= 100 else f"{value:.1f} ms"
+
+
+def stats_markdown(stats: Mapping[str, Any], finish_reason: str | None = None, finish_detail: str = "") -> str:
+    """The live panel: speed, acceptance, time split and prompt cache use of one request."""
+    if not stats:
+        return EMPTY_STATS
+    mode = "DFlash speculative" if stats.get("speculative") and stats.get("drafted", 0) else "plain"
+    rows = [
+        ("Decode speed", f"**{stats['decode_tok_s']:.1f} tok/s** ({mode})"),
+        ("Generated", f"{stats['n_generated']} tokens in {stats['verify_steps']} verify steps"),
+        ("Acceptance rate", f"{stats['acceptance_rate']:.0%}"),
+        ("Mean accepted length", f"{stats['mean_accepted_length']:.2f} tokens / step"),
+        ("Drafted / accepted", f"{stats['drafted']} / {stats['accepted']}"),
+        ("Draft vs verify", f"{_fmt_ms(stats['draft_ms'])} vs {_fmt_ms(stats['verify_ms'])}"),
+        ("Prompt tokens", f"{stats['n_prompt']}: {stats['n_reused']} reused, {stats['n_prefilled']} prefilled"),
+        ("Prefill", _fmt_ms(stats["prefill_ms"])),
+    ]
+    if finish_reason:
+        rows.append(("Finished", f"{finish_reason}" + (f" ({finish_detail})" if finish_detail else "")))
+    table = "\n".join(f"| {name} | {value} |" for name, value in rows)
+    return "| Statistic | Value |\n| --- | --- |\n" + table
+
+
+def acceptance_rows(stats: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Acceptance rate of each draft position (accepted / verified there), for the bar plot."""
+    accepted = stats.get("accepted_per_position") or []
+    drafted = stats.get("drafted_per_position") or []
+    return [
+        {"position": str(i + 1), "acceptance": round(a / d, 4) if d else 0.0}
+        for i, (a, d) in enumerate(zip(accepted, drafted, strict=False))
+    ]
+
+
+def ab_markdown(speculative: Mapping[str, Any], plain: Mapping[str, Any] | None, identical: bool | None) -> str:
+    """Side by side: the same request decoded with the draft and without it, and the speed-up."""
+    lines = ["| Decoding | Tokens | Speed | Acceptance |", "| --- | --- | --- | --- |"]
+    for name, stats in (("DFlash speculative", speculative), ("Plain (target only)", plain)):
+        if stats:
+            lines.append(
+                f"| {name} | {stats['n_generated']} | {stats['decode_tok_s']:.1f} tok/s | "
+                f"{stats['acceptance_rate']:.0%} |"
+            )
+        else:
+            lines.append(f"| {name} | … | running | |")
+    if speculative and plain and plain.get("decode_tok_s"):
+        speedup = speculative["decode_tok_s"] / plain["decode_tok_s"]
+        lines.append(f"\n**Speed-up: {speedup:.2f}×** (DFlash tok/s ÷ plain tok/s)")
+    if identical is not None:
+        verdict = "yes" if identical else "no (sampling above temperature 0 differs)"
+        lines.append(f"\nOutputs identical: {verdict}")
+    return "\n".join(lines)
+
+
+def mode_banner(mode: RunMode) -> str:
+    """Shown on top of the page in the offline demo, saying how to run the real pair."""
+    if not mode.tiny:
+        return ""
+    return (
+        "**Offline demo: random-weight test models.** The answers are gibberish by design; the speculative "
+        f"machinery and the statistics are real. (Started this way because: {mode.reason}.) "
+        "To run the real pair, start on a CUDA GPU or ZeroGPU, or set `DFLASH_DEMO=off` "
+        "(and optionally `DFLASH_TARGET_REPO` / `DFLASH_DRAFT_REPO` ...)."
+    )
+
+
+def info_markdown(
+    preset: PairPreset,
+    limits: Limits,
+    build: Mapping[str, Any],
+    engine_info: Mapping[str, Any] | None,
+) -> str:
+    """The info box: pair, quantisation, context, limits, llama.cpp build and GPU."""
+    kind = "random-weight test models (offline demo)" if preset.random_weights else "configured pair"
+    lines = [
+        f"**Preset** `{preset.name}`: {kind}",
+        f"- Target: `{preset.target.describe()}`",
+        f"- Draft: `{preset.draft.describe()}`",
+        f"- Quantisation: {preset.quantisation}",
+        f"- Context: {preset.n_ctx} tokens; draft length up to {preset.draft_max}; "
+        f"answers up to {limits.max_new_tokens} tokens",
+    ]
+    for key, value in build.items():
+        lines.append(f"- {key}: {value}")
+    if engine_info:
+        lines.append(
+            f"- Engine: target arch `{engine_info.get('target_arch')}`"
+            f"{' (hybrid)' if engine_info.get('hybrid') else ''}, draft `{engine_info.get('draft_kind')}`, "
+            f"block size {engine_info.get('block_size')}, thinking switch "
+            f"{'supported' if engine_info.get('supports_thinking') else 'not supported'}"
+        )
+    return "\n".join(lines)

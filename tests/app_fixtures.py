@@ -1,0 +1,187 @@
+"""Shared test helpers for the Space: a local fake of the Hugging Face Hub's file endpoints, free ports, and a
+launcher for `app.py` in a subprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PIECE = 64 * 1024
+FAKE_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class FakeHubRequest:
+    method: str
+    path: str
+    range: str | None
+    authorization: str | None
+
+
+@dataclass
+class FakeHub:
+    """Serves `/{repo}/resolve/{revision}/{file}` like the Hub does for `hf_hub_download`: HEAD with the commit,
+    ETag and size headers, GET with Range support."""
+
+    files: dict[tuple[str, str], bytes] = field(default_factory=dict)
+    # One entry per coming GET: "truncate" sends half the body then closes, "error" answers HTTP 500, "ok" serves.
+    planned_gets: list[str] = field(default_factory=list)
+    seconds_per_piece: float = 0.0  # pause after each 64 KiB sent, to make a download slow enough to watch
+    requests: list[FakeHubRequest] = field(default_factory=list)
+    server: ThreadingHTTPServer | None = None
+
+    @property
+    def endpoint(self) -> str:
+        assert self.server is not None
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def add_file(self, repo: str, filename: str, content: bytes) -> None:
+        self.files[(repo, filename)] = content
+
+    def get_count(self, filename: str) -> int:
+        return sum(1 for r in self.requests if r.method == "GET" and r.path.endswith("/" + filename))
+
+    def start(self) -> FakeHub:
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:  # keep test output quiet
+                pass
+
+            def do_HEAD(self) -> None:
+                hub._serve(self, send_body=False)
+
+            def do_GET(self) -> None:
+                hub._serve(self, send_body=True)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+    def _lookup(self, path: str) -> bytes | str:
+        """The file's bytes, or the Hub's error code when there is none."""
+        parts = unquote(path.split("?")[0]).strip("/").split("/")
+        if len(parts) < 5 or parts[2] != "resolve":
+            return "RepoNotFound"
+        repo, filename = "/".join(parts[:2]), "/".join(parts[4:])
+        if not any(known_repo == repo for known_repo, _ in self.files):
+            return "RepoNotFound"
+        return self.files.get((repo, filename), "EntryNotFound")
+
+    def _serve(self, handler: BaseHTTPRequestHandler, send_body: bool) -> None:
+        range_header = handler.headers.get("Range")
+        auth = handler.headers.get("Authorization")
+        self.requests.append(FakeHubRequest(handler.command, handler.path, range_header, auth))
+        content = self._lookup(handler.path)
+        if isinstance(content, str):
+            self._reply_error(handler, 404, content)
+            return
+        fault = self.planned_gets.pop(0) if send_body and self.planned_gets else "ok"
+        if fault == "error":
+            self._reply_error(handler, 500, None)
+            return
+        start = int(range_header.split("=")[1].split("-")[0]) if range_header else 0
+        body = content[start:]
+        handler.send_response(206 if start else 200)
+        handler.send_header("X-Repo-Commit", FAKE_COMMIT)
+        handler.send_header("ETag", f'"{hashlib.sha256(content).hexdigest()}"')
+        handler.send_header("Content-Length", str(len(body)))
+        if start:
+            handler.send_header("Content-Range", f"bytes {start}-{len(content) - 1}/{len(content)}")
+        handler.end_headers()
+        if not send_body:
+            return
+        if fault == "truncate":
+            handler.wfile.write(body[: len(body) // 2])
+            handler.wfile.flush()
+            handler.close_connection = True
+            handler.connection.shutdown(socket.SHUT_RDWR)
+            return
+        for offset in range(0, len(body), PIECE):
+            handler.wfile.write(body[offset : offset + PIECE])
+            if self.seconds_per_piece:
+                time.sleep(self.seconds_per_piece)
+
+    @staticmethod
+    def _reply_error(handler: BaseHTTPRequestHandler, status: int, error_code: str | None) -> None:
+        handler.send_response(status)
+        if error_code:
+            handler.send_header("X-Error-Code", error_code)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+
+
+@dataclass
+class RunningApp:
+    process: subprocess.Popen[str]
+    url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def launch_app(env_overrides: dict[str, str], log_path: Path, timeout_s: float = 180.0) -> RunningApp:
+    """Run `python app.py` on 127.0.0.1 at a free port and wait until it answers HTTP."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "GRADIO_", "SPACES_"))}
+    env.update(
+        {"GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False"}
+    )
+    env.update(env_overrides)
+    log_file = log_path.open("w")
+    process = subprocess.Popen(
+        [sys.executable, str(REPO_ROOT / "app.py")],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"app.py exited with {process.returncode}:\n{log_path.read_text()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return RunningApp(process, url, log_path)
+        except OSError:
+            time.sleep(0.5)
+    stop_app(process)
+    raise TimeoutError(f"app.py did not answer on {url} within {timeout_s} s:\n{log_path.read_text()}")
+
+
+def stop_app(process: subprocess.Popen[str]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)

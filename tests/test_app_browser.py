@@ -1,0 +1,255 @@
+"""The Space in a real browser: headless Debian Chromium driven over the DevTools protocol (websocket-client).
+
+The page loads, a message goes out, the answer and the live statistics appear, Stop interrupts a long answer and
+the next turn still completes, the A/B button reports a speed-up; screenshots land in test-artifacts/."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import pytest
+import websocket
+from app_fixtures import REPO_ROOT, RunningApp, free_port, launch_app, stop_app
+from gradio_client import Client
+
+from dflash_runtime import load_pair
+
+pytestmark = pytest.mark.browser
+
+ARTIFACTS = REPO_ROOT / "test-artifacts"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--remote-allow-origins=*",
+    "--window-size=1400,1100",
+]
+
+
+class DevTools:
+    """The few DevTools protocol calls the test needs, on one page target."""
+
+    def __init__(self, ws_url: str) -> None:
+        self._socket = websocket.create_connection(ws_url, timeout=60, suppress_origin=True)
+        self._ids = count(1)
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        message_id = next(self._ids)
+        self._socket.send(json.dumps({"id": message_id, "method": method, "params": params}))
+        while True:
+            reply = json.loads(self._socket.recv())
+            if reply.get("id") == message_id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply.get("result", {})
+
+    def evaluate(self, expression: str) -> Any:
+        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"{expression!r} failed: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def wait_for(self, expression: str, timeout_s: float = 60.0, what: str = "") -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = self.evaluate(expression)
+            if value:
+                return value
+            time.sleep(0.1)
+        raise TimeoutError(f"timed out waiting for {what or expression}")
+
+    def click(self, selector: str) -> None:
+        """A real mouse click at the element's centre (so the page sees pointer events, not a synthetic .click())."""
+        box = self.evaluate(
+            f"(() => {{ const el = document.querySelector({json.dumps(selector)});"
+            " el.scrollIntoView({block: 'center'}); const r = el.getBoundingClientRect();"
+            " return [r.x + r.width / 2, r.y + r.height / 2]; })()"
+        )
+        for kind in ("mousePressed", "mouseReleased"):
+            self.call("Input.dispatchMouseEvent", type=kind, x=box[0], y=box[1], button="left", clickCount=1)
+
+    def type_into(self, selector: str, text: str) -> None:
+        self.evaluate(f"document.querySelector({json.dumps(selector)}).focus()")
+        self.call("Input.insertText", text=text)
+
+    def screenshot(self, path: Path) -> None:
+        data = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)["data"]
+        path.write_bytes(base64.b64decode(data))
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningApp]:
+    ARTIFACTS.mkdir(exist_ok=True)
+    app = launch_app({"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": "2048"}, ARTIFACTS / "app_browser_server.log")
+    yield app
+    stop_app(app.process)
+
+
+@pytest.fixture(scope="module")
+def page(server: RunningApp) -> Iterator[DevTools]:
+    if CHROMIUM is None:
+        pytest.fail("Chromium is required for the browser test: apt-get install -y chromium")
+    port = free_port()
+    profile = tempfile.mkdtemp(prefix="dflash-chromium-")
+    browser = subprocess.Popen(
+        [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--remote-debugging-port={port}", server.url],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        devtools = DevTools(_page_socket_url(port, server.url))
+        devtools.call("Page.enable")
+        devtools.call("Runtime.enable")
+        yield devtools
+        devtools.close()
+    finally:
+        browser.terminate()
+        browser.wait(timeout=20)
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def _page_socket_url(port: int, url: str, timeout_s: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=2) as response:
+                targets = json.load(response)
+            for target in targets:
+                if target.get("type") == "page" and target.get("url", "").startswith(url):
+                    return target["webSocketDebuggerUrl"]
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("Chromium did not expose the page over DevTools")
+
+
+@contextmanager
+def reference_engine(server: RunningApp) -> Iterator[Any]:
+    """An engine of our own on the server's files, to know the answer the page must show."""
+    info = Client(server.url, verbose=False).predict(api_name="/info")
+    preset = info["presets"][info["default_preset"]]
+    engine = load_pair(Path(preset["target"]), Path(preset["draft"]), n_ctx=preset["n_ctx"], draft_max=7)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def text_of(selector: str) -> str:
+    return f"(document.querySelector({json.dumps(selector)})?.innerText || '')"
+
+
+BOT_MESSAGES = "#chatbot [data-testid='bot']"
+STATS = text_of("#stats")
+
+
+def bot_texts(page: DevTools) -> list[str]:
+    return page.evaluate(f"Array.from(document.querySelectorAll({json.dumps(BOT_MESSAGES)})).map(e => e.innerText)")
+
+
+def send(page: DevTools, message: str) -> None:
+    page.type_into("#message-box textarea", message)
+    page.click("#send")
+
+
+def wait_for_answer(page: DevTools, answers: int, timeout_s: float = 90) -> str:
+    """Wait until `answers` bot messages show and the statistics report the finish; returns the statistics."""
+    page.wait_for(
+        f"document.querySelectorAll({json.dumps(BOT_MESSAGES)}).length === {answers} && {STATS}.includes('Finished')",
+        timeout_s,
+        f"answer {answers} and its final statistics",
+    )
+    return page.evaluate(STATS)
+
+
+def generated_tokens(stats: str) -> int:
+    match = re.search(r"Generated\s+(\d+) tokens", stats)
+    assert match, f"no token count in {stats!r}"
+    return int(match.group(1))
+
+
+def test_chat_in_the_browser_shows_answer_stats_and_plot(page: DevTools, server: RunningApp) -> None:
+    page.wait_for("!!document.querySelector('#message-box textarea')", 60, "the page to load")
+    banner = page.evaluate(text_of("#mode-banner"))
+    assert "random-weight test models" in banner and "DFLASH_DEMO=off" in banner
+
+    send(page, "hello world")
+    stats = wait_for_answer(page, answers=1)
+    for label in ("Decode speed", "Acceptance rate", "Mean accepted length", "Drafted / accepted", "Draft vs verify",
+                  "Prompt tokens", "reused"):  # fmt: skip
+        assert label in stats, f"{label!r} missing from the statistics panel"
+    answers = bot_texts(page)
+    assert len(answers) == 1
+    with reference_engine(server) as engine:
+        messages = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "hello world"},
+        ]
+        expected = engine.chat(messages, enable_thinking=False, max_tokens=512, temperature=0.0).text
+    assert " ".join(answers[0].split()) == " ".join(expected.split())
+    assert page.evaluate("!!document.querySelector('#acceptance-plot canvas, #acceptance-plot svg')")
+    assert page.evaluate("document.querySelector('#thinking')?.offsetParent !== null"), "thinking switch hidden"
+    page.screenshot(ARTIFACTS / "app_browser_chat.png")
+
+
+def test_stop_interrupts_and_the_next_turn_completes(page: DevTools) -> None:
+    before = len(bot_texts(page))
+    send(page, "the quick brown fox")
+    page.wait_for(f"{STATS}.includes('Decode speed') && !{STATS}.includes('Finished')", 30, "a running answer")
+    page.click("#stop")
+    time.sleep(1.0)
+    stopped_at = generated_tokens(page.evaluate(STATS))
+    assert stopped_at < 512, "Stop should end the answer before max_tokens"
+    time.sleep(0.5)
+    assert generated_tokens(page.evaluate(STATS)) == stopped_at, "the answer kept growing after Stop"
+    assert len(bot_texts(page)) == before + 1, "the interrupted answer stays in the chat"
+
+    send(page, "one two three")
+    stats = wait_for_answer(page, answers=before + 2)
+    assert "max_tokens=512 reached" in stats and generated_tokens(stats) == 512
+    assert page.evaluate("document.querySelector('#message-box textarea').value") == ""
+
+
+def test_ab_button_reports_a_speed_up(page: DevTools) -> None:
+    page.click("#ab")
+    result = page.wait_for(f"{text_of('#ab-result')}.includes('Outputs identical') && {text_of('#ab-result')}", 120,
+                           "the A/B comparison")  # fmt: skip
+    assert "Speed-up" in result and "Plain (target only)" in result and "Outputs identical: yes" in result
+    page.screenshot(ARTIFACTS / "app_browser_ab.png")
+
+
+def test_about_box_names_the_pair_and_the_build(page: DevTools) -> None:
+    page.wait_for("!!document.querySelector('#about .label-wrap')", 20, "the About accordion")
+    page.click("#about .label-wrap")
+    about = page.wait_for(f"{text_of('#about')}.includes('llama.cpp build') && {text_of('#about')}", 20, "the info box")
+    for part in ("tiny-random", "random-weight test models", "Quantisation", "Context: 2048 tokens",
+                 "llama-cpp-python 0.3.36", "Device", "Engine: target arch qwen3"):  # fmt: skip
+        assert part in about, f"{part!r} missing from the info box"
+    page.screenshot(ARTIFACTS / "app_browser_about.png")
+
+
+def test_clear_resets_the_conversation(page: DevTools) -> None:
+    page.click("#clear")
+    page.wait_for(f"document.querySelectorAll({json.dumps(BOT_MESSAGES)}).length === 0", 20, "the chat to clear")
+    assert "Statistics appear here" in page.evaluate(STATS)

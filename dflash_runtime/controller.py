@@ -167,7 +167,7 @@ class AdaptiveLength:
         exploring = self._probing or self._ramping
         plain = self.cost[0]
         self._episode_paid |= plain is not None and (n_accepted + 1) * plain > seconds  # beat a plain step?
-        self._ramping = exploring and n_accepted == n_drafted and n_drafted < self.n_max
+        self._ramping = exploring and 0 < n_drafted == n_accepted and n_drafted < self.n_max
         if exploring and not self._ramping:
             # An episode that never beat plain decoding waits twice as long next time; one that did resets the wait.
             paid, self._episode_paid = self._episode_paid, False

@@ -390,54 +390,20 @@ class Engine(LinkedPair):
         pos0 = len(self._kv)
         # Like llama.cpp's server: leave room in the context and do not draft past max_tokens.
         cap = min(self.n_ctx - pos0 - 2, req.max_tokens - stats.n_generated - 1)
-        drafts: list[int] = []
         n_block = policy.choose(pos0) if policy is not None and cap > 0 else 0
         if pos0 + n_block + 1 > self.n_ctx:
             n_block = 0  # the draft's block would not fit in its cache: a plain step, as llama.cpp ends up doing
+        drafts: list[int] = []
         if n_block > 0:
-            assert self._drafter is not None
-            t = time.perf_counter()
-            with clock:
-                self._flush_features()
-            t1 = time.perf_counter()
             # Rows left pending by plain rounds belong to those rounds' cost, not to this one's.
-            t_round += t1 - t
-            with clock:
-                drafts = self._drafter.draft(id_last, pos0, n_block, n_min=req.n_min, p_min=req.p_min)[:cap]
-            t2 = time.perf_counter()
-            stats.inject_ms += (t1 - t) * 1000.0
-            stats.draft_ms += (t2 - t1) * 1000.0
+            t_round += self._inject_pending(stats, clock)
+            drafts = self._propose(id_last, pos0, n_block, req, stats, clock)[:cap]
         if policy is not None:
             stats.draft_lengths.append(len(drafts))
         t = time.perf_counter()
         self._decode_target([id_last, *drafts], "all", clock)
-        t_inject = 0.0
-        if drafts and (policy is None or policy.eager_inject):
-            ti = time.perf_counter()
-            with clock:
-                self._flush_features()
-            t_inject = time.perf_counter() - ti
-            stats.inject_ms += t_inject * 1000.0
-        new: list[int] = []
-        delta = ""
-        finish: str | None = None
-        detail = ""
-        m = 0
-        with clock:
-            for i in range(len(drafts) + 1):
-                tok = sampler.sample(self.target_ctx, i)
-                if ll.llama_vocab_is_eog(self.vocab, tok):
-                    finish, detail = "stop", "end of generation"
-                    break
-                new.append(tok)
-                delta += text.feed(tok)
-                matched = i < len(drafts) and tok == drafts[i]
-                m += matched
-                if text.stopped:
-                    finish, detail = "stop", "stop string"
-                    break
-                if not matched:
-                    break
+        t_inject = self._inject_pending(stats, clock) if drafts and (policy is None or policy.eager_inject) else 0.0
+        new, delta, m, finish, detail = self._accept(drafts, sampler, text, clock)
         stats.verify_ms += (time.perf_counter() - t - t_inject) * 1000.0
         stats.n_generated += len(new)
         self._trim(pos0 + 1 + m)
@@ -448,3 +414,41 @@ class Engine(LinkedPair):
         if policy is not None:
             policy.observe(n_block, len(drafts), m, time.perf_counter() - t_round)
         return new, delta, finish, detail
+
+    def _inject_pending(self, stats: Stats, clock: _Clock) -> float:
+        """Bring the draft cache up to date with the target's; returns the seconds it took."""
+        t = time.perf_counter()
+        with clock:
+            self._flush_features()
+        spent = time.perf_counter() - t
+        stats.inject_ms += spent * 1000.0
+        return spent
+
+    def _propose(self, id_last: int, pos0: int, n_block: int, req: Request, stats: Stats, clock: _Clock) -> list[int]:
+        assert self._drafter is not None
+        t = time.perf_counter()
+        with clock:
+            drafts = self._drafter.draft(id_last, pos0, n_block, n_min=req.n_min, p_min=req.p_min)
+        stats.draft_ms += (time.perf_counter() - t) * 1000.0
+        return drafts
+
+    def _accept(self, drafts: list[int], sampler: Sampler, text: TextStream, clock: _Clock
+                ) -> tuple[list[int], str, int, str | None, str]:
+        """Sample the verify rows in order while they match the drafts: (tokens, text, n_matched, finish, detail)."""
+        new: list[int] = []
+        delta = ""
+        m = 0
+        for i in range(len(drafts) + 1):
+            with clock:
+                tok = sampler.sample(self.target_ctx, i)
+            if ll.llama_vocab_is_eog(self.vocab, tok):
+                return new, delta, m, "stop", "end of generation"
+            new.append(tok)
+            delta += text.feed(tok)
+            matched = i < len(drafts) and tok == drafts[i]
+            m += matched
+            if text.stopped:
+                return new, delta, m, "stop", "stop string"
+            if not matched:
+                break
+        return new, delta, m, None, ""

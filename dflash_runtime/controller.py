@@ -48,8 +48,8 @@ class AdaptiveLength:
     reached, shrunk towards a_{j-1} (position 1: towards `prior`) so that positions not reached lately follow the
     ones that were instead of keeping stale values. Evidence fades per drafting round (`decay`) and, more slowly,
     per plain round (`plain_decay`), so a probe after a long plain stretch weighs enough to bring drafting back.
-    cost(n) is a decayed mean of measured round times per length; unmeasured lengths are interpolated between
-    measured ones, or scaled by the number of rows the round decodes.
+    cost(n) is a decayed mean of measured round times per length, quick to fall and slow to rise; unmeasured
+    lengths are interpolated between measured ones, or scaled by the number of rows the round decodes.
     While plain (n = 0) it re-plans only at probes: at the start of each request and every `probe_interval`
     plain rounds. A probe whose drafts are all accepted doubles its length each round while that lasts, so drafting
     comes back within a few rounds; the wait doubles after each probe that never beat plain decoding (up to
@@ -133,6 +133,9 @@ class AdaptiveLength:
             n = self.n_max  # first round: learn every position's acceptance and the longest round's cost
         elif self.cost[0] is None:
             n = 0
+            self._new_request = True  # both ends measured: plan at the next round, without waiting for a probe
+            self.history.append(n)
+            return n
         elif self._ramping:
             n = min(self.n_max, max(self.best_length(), 2 * self.history[-1]))  # drafts pay again: climb fast
         elif self.history and self.history[-1] == 0:
@@ -151,7 +154,10 @@ class AdaptiveLength:
 
     def observe(self, n_block: int, n_drafted: int, n_accepted: int, seconds: float) -> None:
         old = self.cost[n_block]
-        self.cost[n_block] = seconds if old is None else self.cost_decay * old + (1 - self.cost_decay) * seconds
+        # Timing noise is mostly added time (another process, a first-time allocation): follow drops quickly and
+        # rises slowly, so the estimate tracks the cost of the work rather than its worst moments.
+        keep = self.cost_decay if old is None or seconds > old else 1 - self.cost_decay
+        self.cost[n_block] = seconds if old is None else keep * old + (1 - keep) * seconds
         fade = self.plain_decay if n_block == 0 else self.decay
         for j in range(1, self.n_max + 1):
             self.hits[j] *= fade

@@ -1,0 +1,682 @@
+#!/usr/bin/env python3
+"""Build a llama-cpp-python 0.3.36 wheel (CUDA for chosen GPU architectures, or CPU) from the PyPI sdist.
+
+The wheel and a manifest JSON (versions, llama.cpp commit, CUDA version, architectures, flags, sha256s) land in
+the output directory. A rebuild whose configuration matches an existing wheel + manifest there is skipped.
+Standard library only, so it runs before anything else is installed. See prebuilt_wheels/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PACKAGE = "llama-cpp-python"
+VERSION = "0.3.36"
+SDIST_NAME = f"llama_cpp_python-{VERSION}.tar.gz"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+# The sdist carries the submodule's git metadata; its CHANGELOG names the short commit as a fallback.
+COMMIT_MEMBER = f"llama_cpp_python-{VERSION}/.git/modules/vendor/llama.cpp/HEAD"
+CHANGELOG_MEMBER = f"llama_cpp_python-{VERSION}/CHANGELOG.md"
+PKG_INFO_MEMBER = f"llama_cpp_python-{VERSION}/PKG-INFO"
+
+DEFAULT_ARCHS = ("120a-real",)
+# Upstream's default K-V type pairs for the FlashAttention vector kernels (commas: CMake turns them into a list).
+DEFAULT_FA_QUANTS = "q4_0-q4_0,q8_0-q8_0,f16-f16,bf16-bf16"
+MIN_CUDA_FOR_BLACKWELL = (12, 8)
+# llama_cpp/lib/ -> site-packages/nvidia/cu13/lib (nvidia-cuda-runtime, nvidia-cublas). `\$` survives Ninja's shell.
+CUDA_PIP_RPATH = r"\$ORIGIN/../../nvidia/cu{major}/lib"
+CUDA_RUNTIME_PACKAGES = ("nvidia-cuda-runtime", "nvidia-cublas")
+CUDA_LIBRARY_PREFIXES = ("libcudart", "libcublas", "libcublasLt", "libcuda.")
+# The DFlash functions of llama.cpp's src/llama-ext.h that the runtime binds (exported with C++ linkage).
+DFLASH_FUNCTIONS = (
+    "llama_set_embeddings_layer_inp",
+    "llama_get_embeddings_layer_inp",
+    "llama_model_dflash_selector_top_k",
+    "llama_model_target_layer_ids",
+    "llama_model_target_layer_ids_n",
+)
+MANIFEST_NAME = "manifest.json"
+SLIM_DROP_TREES = ("lib/", "include/", "bin/")
+FULL_VERSION_SO = re.compile(r"\.so\.\d+\.\d+\.\d+$")
+MANIFEST_SCHEMA = 1
+
+# x86-64-v3, spelled out: ggml enables these by default only when GGML_NATIVE's own default is on, which
+# SOURCE_DATE_EPOCH or cross-compiling turns off (then the CPU code silently falls back to SSE2).
+X86_ISA_ARGS = (
+    "-DGGML_SSE42=ON",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
+    "-DGGML_BMI2=ON",
+)
+HERE = Path(__file__).resolve().parent
+ARCH_PATTERN = re.compile(r"^\d{2,3}[af]?(-real|-virtual)?$")
+
+
+class RecipeError(RuntimeError):
+    """A build precondition failed; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class CudaToolchain:
+    nvcc: str
+    version: str  # e.g. "13.0.88"
+    version_text: str  # first line of `nvcc --version` naming the release
+
+
+@dataclass(frozen=True)
+class CudaShim:
+    """cuBLAS and a driver stub for CMake when the toolkit lacks them (an nvcc-only install).
+
+    It lives inside the CMake build tree: CMake would otherwise copy its directory into the libraries' RUNPATH.
+    """
+
+    cublas_include: Path | None = None
+    cublas_lib_dir: Path | None = None
+    needs_driver_stub: bool = False
+    root: Path | None = None  # set once the build directory is known
+
+    def describe(self) -> dict[str, object]:
+        return {"cublas_from": str(self.cublas_lib_dir) if self.cublas_lib_dir else None,
+                "driver_stub": self.needs_driver_stub}  # fmt: skip
+
+    def cmake_args(self) -> list[str]:
+        root = self.root or Path("<build>/cmake/cuda-shim")
+        args: list[str] = []
+        if self.cublas_include is not None:
+            args.append(f"-DCMAKE_CUDA_FLAGS=-I{root / 'include'}")
+        if self.cublas_lib_dir is not None:
+            args.append(f"-DCUDA_cublas_LIBRARY={root / 'lib' / 'libcublas.so'}")
+            args.append(f"-DCUDA_cublasLt_LIBRARY={root / 'lib' / 'libcublasLt.so'}")
+        if self.needs_driver_stub:
+            args.append(f"-DCUDA_cuda_driver_LIBRARY={root / 'lib' / 'libcuda.so'}")
+        return args
+
+
+def cpu_isa_args(machine: str | None = None) -> list[str]:
+    return list(X86_ISA_ARGS) if (machine or platform.machine()).lower() in ("x86_64", "amd64") else []
+
+
+@dataclass
+class BuildConfig:
+    variant: str  # "cuda" or "cpu"
+    archs: list[str]
+    fa_quants: str
+    extra_cmake_args: list[str]
+    slim: bool = True
+    cuda: CudaToolchain | None = None
+    shim: CudaShim | None = None
+
+    def cmake_args(self, with_shim: bool = True) -> list[str]:
+        common = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", *cpu_isa_args(), "-DLLAVA_BUILD=OFF"]
+        if self.variant == "cpu":
+            return [*common, "-DGGML_CUDA=OFF", *self.extra_cmake_args]
+        major = self.cuda.version.split(".")[0] if self.cuda else "13"
+        cuda = [
+            "-DGGML_CUDA=ON",
+            f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(self.archs)}",
+            "-DGGML_CUDA_FA=ON",
+            f"-DGGML_CUDA_FA_QUANTS={self.fa_quants}",
+            "-DGGML_CUDA_NCCL=OFF",  # single-GPU Spaces; avoids a hidden runtime dependency on libnccl
+            f"-DCMAKE_SHARED_LINKER_FLAGS=-Wl,-rpath,{CUDA_PIP_RPATH.format(major=major)}",
+        ]
+        if self.cuda:
+            cuda.append(f"-DCMAKE_CUDA_COMPILER={self.cuda.nvcc}")
+        shim_args = self.shim.cmake_args() if self.shim and with_shim else []
+        return common + cuda + shim_args + self.extra_cmake_args
+
+    def key_material(self) -> dict[str, object]:
+        return {
+            "package": PACKAGE,
+            "version": VERSION,
+            "sdist_sha256": SDIST_SHA256,
+            "variant": self.variant,
+            "cmake_args": self.cmake_args(with_shim=False),  # shim paths depend on the build directory
+            "cuda_shim": self.shim.describe() if self.shim else None,
+            "cuda_version": self.cuda.version if self.cuda else None,
+            "machine": platform.machine(),
+            "slim": self.slim,
+        }
+
+    def key(self) -> str:
+        """Identifies the wheel: a wheel + manifest with this key is not built again."""
+        material = json.dumps(self.key_material(), sort_keys=True).encode()
+        return hashlib.sha256(material).hexdigest()
+
+    def compile_key(self) -> str:
+        """Identifies the compiled tree (packaging options such as slim do not change it)."""
+        material = {k: v for k, v in self.key_material().items() if k != "slim"}
+        return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class BuildPlan:
+    config: BuildConfig
+    sdist: Path
+    sdist_cached: bool
+    out_dir: Path
+    build_dir: Path
+    jobs: int
+    python: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def source_dir(self) -> Path:
+        """The unpacked sdist: a fixed path per configuration, so an interrupted build resumes where it stopped."""
+        return self.build_dir / "src" / SDIST_NAME.removesuffix(".tar.gz")
+
+    @property
+    def wheel_dir(self) -> Path:
+        return self.build_dir / "wheel"
+
+    def pip_command(self) -> list[str]:
+        return [
+            self.python, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-v",
+            "-w", str(self.wheel_dir),
+            "-C", f"build-dir={self.build_dir / 'cmake'}",
+            "-C", "cmake.build-type=Release",
+            str(self.source_dir),
+        ]  # fmt: skip
+
+    def download_command(self) -> list[str]:
+        return [
+            self.python, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+            "-d", str(self.sdist.parent), f"{PACKAGE}=={VERSION}",
+        ]  # fmt: skip
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def parse_archs(values: list[str] | None) -> list[str]:
+    """`--arch 120a-real --arch 90-real` or `--arch 120a-real,90-real;89-real` -> ['120a-real', '90-real', ...]."""
+    raw = values or list(DEFAULT_ARCHS)
+    archs = [a for v in raw for a in re.split(r"[,;\s]+", v.strip()) if a]
+    bad = [a for a in archs if not ARCH_PATTERN.match(a)]
+    if bad:
+        raise RecipeError(f"not a CUDA architecture: {', '.join(bad)} (expected e.g. 120a-real, 90-real, 86)")
+    return list(dict.fromkeys(archs))
+
+
+def find_nvcc(explicit: str | None) -> str | None:
+    candidates = [explicit, os.environ.get("CUDACXX")]
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            candidates.append(str(Path(home) / "bin" / "nvcc"))
+    candidates.append(shutil.which("nvcc"))
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            return str(Path(candidate).resolve())
+    return None
+
+
+def cuda_toolchain(nvcc: str) -> CudaToolchain:
+    text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"release (\d+\.\d+), V(\d+\.\d+\.\d+)", text)
+    if not match:
+        raise RecipeError(f"cannot read the CUDA version from `{nvcc} --version`:\n{text}")
+    line = next(ln for ln in text.splitlines() if "release" in ln)
+    return CudaToolchain(nvcc=nvcc, version=match.group(2), version_text=line.strip())
+
+
+def require_blackwell_capable(cuda: CudaToolchain, archs: list[str]) -> None:
+    major, minor = (int(x) for x in cuda.version.split(".")[:2])
+    if any(a.startswith("12") for a in archs) and (major, minor) < MIN_CUDA_FOR_BLACKWELL:
+        raise RecipeError(f"CUDA {cuda.version} cannot build sm_12x code: install CUDA >= 12.8 (13.x recommended)")
+
+
+def _toolkit_has(root: Path, relative_names: list[str]) -> bool:
+    return any((root / name).exists() for name in relative_names)
+
+
+def _pip_cuda_root(major: str) -> Path | None:
+    """nvidia/cu<major> of a pip-installed nvidia-cublas seen by this interpreter."""
+    for entry in sys.path:
+        root = Path(entry or ".") / "nvidia" / f"cu{major}"
+        if (root / "include" / "cublas_v2.h").is_file() and (root / "lib" / f"libcublas.so.{major}").is_file():
+            return root
+    return None
+
+
+def _driver_library(toolkit: Path) -> Path | None:
+    for candidate in ("lib64/stubs/libcuda.so", "targets/x86_64-linux/lib/stubs/libcuda.so", "lib/stubs/libcuda.so"):
+        if (toolkit / candidate).is_file():
+            return toolkit / candidate
+    return None
+
+
+def plan_cuda_shim(cuda: CudaToolchain) -> CudaShim | None:
+    """What CMake needs besides nvcc: cuBLAS (toolkit or pip nvidia-cublas) and a libcuda to link against."""
+    toolkit = Path(cuda.nvcc).parent.parent
+    major, minor = cuda.version.split(".")[:2]
+    has_cublas = _toolkit_has(toolkit, ["include/cublas_v2.h", "targets/x86_64-linux/include/cublas_v2.h"])
+    has_driver = _driver_library(toolkit) is not None
+    if has_cublas and has_driver:
+        return None
+    if has_cublas:
+        return CudaShim(needs_driver_stub=True)
+    pip_root = _pip_cuda_root(major)
+    if pip_root is None:
+        raise RecipeError(
+            f"the CUDA toolkit at {toolkit} has no cuBLAS: install the full toolkit, or "
+            f"`{sys.executable} -m pip install 'nvidia-cublas=={major}.{minor}.*'` to build against that package"
+        )
+    return CudaShim(pip_root / "include", pip_root / "lib", needs_driver_stub=not has_driver)
+
+
+def driver_stub_source(cuda_h: Path, compiler: str) -> str:
+    """C source defining every driver API function that cuda.h declares (after its versioning macros), as the
+    toolkit's own stubs/libcuda.so does: linking against it records libcuda.so.1 as needed; the real driver
+    provides the functions at run time. (An empty stub would be dropped by --as-needed, leaving cu* unresolved.)"""
+    expanded = subprocess.run(
+        [compiler, "-E", "-P", "-x", "c", f"-I{cuda_h.parent}", str(cuda_h)], capture_output=True, text=True, check=True
+    ).stdout
+    names = sorted(set(re.findall(r"\bCUresult\s+(cu\w+)\s*\(", expanded)))
+    if not names:
+        raise RecipeError(f"no driver API declarations found in {cuda_h}")
+    return "".join(f"void {name}(void) {{}}\n" for name in names)
+
+
+def materialize_shim(shim: CudaShim, cuda: CudaToolchain) -> None:
+    """Symlink cuBLAS into the shim and, when the toolkit has no stubs/libcuda.so, build one (SONAME libcuda.so.1)."""
+    major = cuda.version.split(".")[0]
+    include, lib = shim.root / "include", shim.root / "lib"
+    include.mkdir(parents=True, exist_ok=True)
+    lib.mkdir(parents=True, exist_ok=True)
+    if shim.cublas_include is not None and shim.cublas_lib_dir is not None:
+        for header in shim.cublas_include.glob("cublas*.h"):
+            _relink(include / header.name, header)
+        for name in ("libcublas", "libcublasLt"):
+            _relink(lib / f"{name}.so", shim.cublas_lib_dir / f"{name}.so.{major}")
+    if shim.needs_driver_stub and not (lib / "libcuda.so").exists():
+        compiler = shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            raise RecipeError("no C compiler to make the libcuda link stub (install gcc)")
+        toolkit = Path(cuda.nvcc).parent.parent
+        cuda_h = next((p for p in (toolkit / "include" / "cuda.h", toolkit / "targets/x86_64-linux/include/cuda.h")
+                       if p.is_file()), None)  # fmt: skip
+        if cuda_h is None:
+            raise RecipeError(f"no cuda.h under {toolkit} to make the libcuda link stub from")
+        stub_cmd = [compiler, "-shared", "-Wl,-soname,libcuda.so.1", "-o", str(lib / "libcuda.so"), "-x", "c", "-"]
+        subprocess.run(stub_cmd, input=driver_stub_source(cuda_h, compiler), text=True, check=True)
+
+
+def _relink(link: Path, target: Path) -> None:
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(target)
+
+
+# ---------------------------------------------------------------- sdist
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_sdist(plan: BuildPlan) -> None:
+    if not plan.sdist.is_file():
+        plan.sdist.parent.mkdir(parents=True, exist_ok=True)
+        print("+", shlex.join(plan.download_command()), flush=True)
+        subprocess.run(plan.download_command(), check=True)
+    actual = file_sha256(plan.sdist)
+    if actual != SDIST_SHA256:
+        raise RecipeError(f"{plan.sdist}: sha256 {actual} is not the pinned {SDIST_SHA256} of {PACKAGE} {VERSION}")
+
+
+def read_llama_cpp_commit(sdist: Path) -> tuple[str, str]:
+    """The vendored llama.cpp commit and where it was read (the sdist ships no vendor/llama.cpp/.git directory)."""
+    with tarfile.open(sdist) as archive:
+        found: dict[str, str] = {}
+        for member in archive:
+            if member.name in (COMMIT_MEMBER, CHANGELOG_MEMBER) and member.isfile():
+                found[member.name] = archive.extractfile(member).read().decode("utf-8", "replace")
+            if len(found) == 2:
+                break
+    head = found.get(COMMIT_MEMBER, "").strip()
+    if re.fullmatch(r"[0-9a-f]{40}", head):
+        return head, f"sdist {COMMIT_MEMBER.split('/', 1)[1]}"
+    match = re.search(r"ggml-org/llama\.cpp@([0-9a-f]{7,40})", found.get(CHANGELOG_MEMBER, ""))
+    if match:
+        return match.group(1), f"sdist CHANGELOG.md entry of {VERSION}"
+    return "unknown", "not found in the sdist"
+
+
+def unpack_sdist(sdist: Path, source_dir: Path) -> None:
+    """Unpack once per configuration; the CMake install step also writes into llama_cpp/lib there, so clear it."""
+    marker = source_dir / ".sdist-sha256"
+    if not (marker.is_file() and marker.read_text().strip() == SDIST_SHA256):
+        shutil.rmtree(source_dir, ignore_errors=True)
+        with tarfile.open(sdist) as archive:
+            if hasattr(tarfile, "tar_filter"):  # Python >= 3.10.12 checks member paths
+                archive.extractall(source_dir.parent, filter="tar")
+            else:
+                archive.extractall(source_dir.parent)
+        marker.write_text(SDIST_SHA256 + "\n")
+    shutil.rmtree(source_dir / "llama_cpp" / "lib", ignore_errors=True)
+
+
+def source_date_epoch(sdist: Path) -> str:
+    """The sdist's own PKG-INFO date: libraries and metadata in the wheel get it instead of the build time."""
+    with tarfile.open(sdist) as archive:
+        return str(int(archive.getmember(PKG_INFO_MEMBER).mtime))
+
+
+# ---------------------------------------------------------------- wheel inspection
+
+
+def native_library_hashes(wheel: Path) -> dict[str, str]:
+    """sha256 of each shared library under llama_cpp/lib/ in the wheel (what startup compares after install)."""
+    with zipfile.ZipFile(wheel) as archive:
+        return {
+            name: hashlib.sha256(archive.read(name)).hexdigest()
+            for name in sorted(archive.namelist())
+            if name.startswith("llama_cpp/lib/") and ".so" in name
+        }
+
+
+def wheel_tags(wheel: Path) -> dict[str, str]:
+    parts = wheel.name[: -len(".whl")].split("-")
+    return {"python_tag": parts[-3], "abi_tag": parts[-2], "platform_tag": parts[-1]}
+
+
+def bundled_cuda_libraries(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        return [n for n in archive.namelist() if Path(n).name.startswith(CUDA_LIBRARY_PREFIXES)]
+
+
+def dynamic_symbols(wheel: Path, member: str = "llama_cpp/lib/libllama.so") -> list[str] | None:
+    """Defined dynamic symbols of a library in the wheel (None without binutils' nm or for a non-ELF file)."""
+    nm = shutil.which("nm")
+    if nm is None:
+        return None
+    with zipfile.ZipFile(wheel) as archive, tempfile.TemporaryDirectory() as tmp:
+        lib = Path(archive.extract(member, tmp))
+        out = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True)
+    return [line.split()[-1] for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else None
+
+
+def dflash_symbols(symbols: list[str]) -> dict[str, str | None]:
+    """Each DFlash function -> its exported symbol (plain C name or Itanium-mangled C++ name), None when absent."""
+    found: dict[str, str | None] = {}
+    for name in DFLASH_FUNCTIONS:
+        mangled = f"_Z{len(name)}{name}"
+        found[name] = next((s for s in symbols if s == name or s.startswith(mangled)), None)
+    return found
+
+
+def record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def slim_dropped(name: str) -> bool:
+    """Copies nobody loads: CMake's own install tree (lib/, include/, bin/ at the wheel root: C headers, CMake and
+    pkg-config files, a second set of the libraries) and the fully versioned names in llama_cpp/lib/, which are
+    neither what llama_cpp opens (libX.so) nor what the loader resolves (the SONAME libX.so.0)."""
+    return name.startswith(SLIM_DROP_TREES) or (
+        name.startswith("llama_cpp/lib/") and bool(FULL_VERSION_SO.search(name))
+    )
+
+
+def slim_wheel(wheel: Path) -> list[str]:
+    """Rewrite the wheel in place without the unused copies (a wheel stores each symlinked name as a full file)."""
+    tmp = wheel.with_name(wheel.name + ".tmp")
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
+        infos = src.infolist()
+        record = next(i for i in infos if i.filename.endswith(".dist-info/RECORD"))
+        dropped = [i.filename for i in infos if slim_dropped(i.filename)]
+        lines = []
+        for info in infos:
+            if info is record or info.filename in dropped:
+                continue
+            data = src.read(info)
+            dst.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+            lines.append(f"{info.filename},{record_hash(data)},{len(data)}")
+        lines.append(f"{record.filename},,")
+        dst.writestr(record, "\n".join(lines) + "\n", compress_type=zipfile.ZIP_DEFLATED)
+    tmp.replace(wheel)
+    return dropped
+
+
+# ---------------------------------------------------------------- manifest
+
+
+def build_manifest(plan: BuildPlan, wheel: Path, commit: tuple[str, str]) -> dict[str, object]:
+    config = plan.config
+    symbols = dynamic_symbols(wheel)
+    return {
+        "schema": MANIFEST_SCHEMA,
+        "package": PACKAGE,
+        "version": VERSION,
+        "variant": config.variant,
+        "config_key": config.key(),
+        "llama_cpp_commit": commit[0],
+        "llama_cpp_commit_source": commit[1],
+        "sdist": {"filename": SDIST_NAME, "sha256": SDIST_SHA256},
+        "cuda_version": config.cuda.version if config.cuda else None,
+        "nvcc_version": config.cuda.version_text if config.cuda else None,
+        "cuda_architectures": config.archs if config.variant == "cuda" else [],
+        "cuda_runtime_packages": list(CUDA_RUNTIME_PACKAGES) if config.variant == "cuda" else [],
+        **wheel_tags(wheel),
+        "cmake_args": config.cmake_args(),
+        "build_env": {k: v for k, v in plan.env.items() if k != "CMAKE_ARGS"},
+        "wheel": {"filename": wheel.name, "sha256": file_sha256(wheel), "size": wheel.stat().st_size},
+        "native_libraries": native_library_hashes(wheel),
+        "bundled_cuda_libraries": bundled_cuda_libraries(wheel),
+        "dflash_symbols": dflash_symbols(symbols) if symbols is not None else None,
+        "built_on": {
+            "machine": platform.machine(),
+            "libc": "-".join(platform.libc_ver()),
+            "python": sys.version.split()[0],
+        },
+        "built_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_manifest(out_dir: Path, manifest: dict[str, object]) -> Path:
+    path = out_dir / MANIFEST_NAME
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_manifest(out_dir: Path) -> dict[str, object] | None:
+    try:
+        return json.loads((out_dir / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def existing_build(out_dir: Path, config_key: str) -> Path | None:
+    """The wheel in out_dir when its manifest has this configuration and its sha256 still matches."""
+    manifest = load_manifest(out_dir)
+    if not manifest or manifest.get("config_key") != config_key:
+        return None
+    wheel_info = manifest.get("wheel") or {}
+    wheel = out_dir / str(wheel_info.get("filename", ""))
+    if wheel.is_file() and file_sha256(wheel) == wheel_info.get("sha256"):
+        return wheel
+    return None
+
+
+# ---------------------------------------------------------------- plan and run
+
+
+def make_plan(args: argparse.Namespace) -> BuildPlan:
+    variant = "cpu" if args.cpu else "cuda"
+    archs = parse_archs(args.arch) if variant == "cuda" else []
+    build_root = Path(args.build_root).resolve()
+    config = BuildConfig(variant, archs, args.fa_quants, list(args.cmake_arg or []), slim=not args.no_slim)
+    if variant == "cuda":
+        nvcc = find_nvcc(args.nvcc)
+        if nvcc is None:
+            raise RecipeError("no nvcc found: install CUDA >= 12.8 (13.x recommended), or pass --nvcc / set CUDACXX")
+        config.cuda = cuda_toolchain(nvcc)
+        require_blackwell_capable(config.cuda, archs)
+        config.shim = plan_cuda_shim(config.cuda)
+    sdist = Path(args.sdist).resolve() if args.sdist else build_root / "sdist" / SDIST_NAME
+    out_dir = Path(args.out_dir or HERE / "dist" / variant).resolve()
+    build_dir = build_root / f"{variant}-{config.compile_key()[:12]}"
+    if config.shim:
+        config.shim = dataclasses.replace(config.shim, root=build_dir / "cmake" / "cuda-shim")
+    plan = BuildPlan(config, sdist, sdist.is_file(), out_dir, build_dir, args.jobs, args.python)
+    plan.env = {
+        "CMAKE_ARGS": shlex.join(config.cmake_args()),
+        "CMAKE_BUILD_PARALLEL_LEVEL": str(args.jobs),
+        "CMAKE_GENERATOR": "Ninja",
+    }
+    return plan
+
+
+def render_invocation(plan: BuildPlan) -> str:
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
+    lines = []
+    if not plan.sdist_cached:
+        lines.append(shlex.join(plan.download_command()))
+    lines.append(f"tar xzf {shlex.quote(str(plan.sdist))} -C {shlex.quote(str(plan.source_dir.parent))}")
+    epoch = source_date_epoch(plan.sdist) if plan.sdist_cached else "<mtime of the sdist's PKG-INFO>"
+    lines.append(f"env {env} SOURCE_DATE_EPOCH={epoch} \\\n  {shlex.join(plan.pip_command())}")
+    return "\n".join(lines)
+
+
+def describe(plan: BuildPlan) -> str:
+    config = plan.config
+    parts = [f"variant: {config.variant}", f"config key: {config.key()}", f"output: {plan.out_dir}"]
+    if config.cuda:
+        parts.append(f"CUDA {config.cuda.version} ({config.cuda.nvcc}), architectures: {';'.join(config.archs)}")
+    if config.shim:
+        parts.append(
+            f"CUDA shim for CMake: {config.shim.root} (cuBLAS from {config.shim.cublas_lib_dir or 'toolkit'}"
+            f"{', generated libcuda link stub' if config.shim.needs_driver_stub else ''})"
+        )
+    return "\n".join(parts)
+
+
+def run_build(plan: BuildPlan) -> Path:
+    fetch_sdist(plan)
+    commit = read_llama_cpp_commit(plan.sdist)
+    if plan.config.shim:
+        materialize_shim(plan.config.shim, plan.config.cuda)
+    unpack_sdist(plan.sdist, plan.source_dir)
+    plan.env["SOURCE_DATE_EPOCH"] = source_date_epoch(plan.sdist)
+    shutil.rmtree(plan.wheel_dir, ignore_errors=True)
+    command = plan.pip_command()
+    print("+", " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items()), shlex.join(command), flush=True)
+    subprocess.run(command, env={**os.environ, **plan.env}, check=True)
+    built = next(plan.wheel_dir.glob("*.whl"))
+    plan.out_dir.mkdir(parents=True, exist_ok=True)
+    for old in plan.out_dir.glob("llama_cpp_python-*.whl"):
+        old.unlink()
+    wheel = Path(shutil.move(str(built), plan.out_dir / built.name))
+    dropped = slim_wheel(wheel) if plan.config.slim else []
+    manifest = build_manifest(plan, wheel, commit)
+    manifest["slim_dropped"] = dropped
+    missing = [name for name, symbol in (manifest["dflash_symbols"] or {}).items() if symbol is None]
+    if missing:
+        raise RecipeError(
+            f"{wheel.name} does not export the DFlash functions {', '.join(missing)}: no manifest written"
+        )
+    write_manifest(plan.out_dir, manifest)
+    return wheel
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=f"Build {PACKAGE}=={VERSION} wheels (CUDA or CPU) from the PyPI sdist, with a manifest.",
+        epilog="Other GPUs: --arch 120a-real,90-real,89-real,86-real (Blackwell, Hopper, Ada, Ampere).",
+    )
+    parser.add_argument("--cpu", action="store_true", help="CPU-only variant (CUDA off)")
+    parser.add_argument(
+        "--arch",
+        action="append",
+        help=f"CUDA architectures, repeatable or comma-separated (default {','.join(DEFAULT_ARCHS)})",
+    )
+    parser.add_argument(
+        "--fa-quants",
+        default=DEFAULT_FA_QUANTS,
+        help="FlashAttention K-V type pairs to compile, or 'all' (default: upstream's set)",
+    )
+    parser.add_argument("--out-dir", help="wheel + manifest.json directory (default prebuilt_wheels/dist/<variant>)")
+    parser.add_argument("--build-root", default=str(HERE / "build"), help="sdist cache and build trees")
+    parser.add_argument("--sdist", help=f"a local {SDIST_NAME} (checked against the pinned sha256)")
+    parser.add_argument("--nvcc", help="nvcc to use (default: $CUDACXX, $CUDA_HOME/bin/nvcc, /usr/local/cuda, PATH)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel compile jobs")
+    parser.add_argument("--python", default=sys.executable, help="interpreter whose pip builds the wheel")
+    parser.add_argument("--cmake-arg", action="append", help="extra -D option for CMake (repeatable)")
+    parser.add_argument("--force", action="store_true", help="build even when a matching wheel exists")
+    parser.add_argument("--no-slim", action="store_true", help="keep the wheel exactly as scikit-build-core wrote it")
+    parser.add_argument(
+        "--keep-build",
+        action="store_true",
+        help="keep the unpacked sources and CMake tree after a successful build (an interrupted "
+        "build always keeps them, and the next run resumes)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the build invocation and exit")
+    parser.add_argument(
+        "--requirement-for",
+        metavar="BASE_URL",
+        help="print the requirements.txt line for the built wheel uploaded under BASE_URL, and exit",
+    )
+    return parser.parse_args(argv)
+
+
+def requirement_line(out_dir: Path, base_url: str) -> str:
+    """`llama-cpp-python @ URL#sha256=...`: pip checks the hash fragment of a direct URL."""
+    manifest = load_manifest(out_dir)
+    if not manifest:
+        raise RecipeError(f"no {MANIFEST_NAME} in {out_dir}: build the wheel first")
+    wheel = manifest["wheel"]
+    return f"{PACKAGE} @ {base_url.rstrip('/')}/{wheel['filename']}#sha256={wheel['sha256']}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.requirement_for:
+            variant = "cpu" if args.cpu else "cuda"
+            print(requirement_line(Path(args.out_dir or HERE / "dist" / variant), args.requirement_for))
+            return 0
+        plan = make_plan(args)
+        print(describe(plan))
+        if args.dry_run:
+            print(render_invocation(plan))
+            return 0
+        existing = None if args.force else existing_build(plan.out_dir, plan.config.key())
+        if existing is not None:
+            print(f"up to date: {existing} (same configuration, sha256 matches {MANIFEST_NAME}); skipping the build")
+            return 0
+        wheel = run_build(plan)
+        if not args.keep_build:
+            shutil.rmtree(plan.build_dir, ignore_errors=True)
+    except RecipeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"built {wheel} ({wheel.stat().st_size / 2**20:.1f} MiB); manifest {plan.out_dir / MANIFEST_NAME}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""The wheel recipe (prebuilt_wheels/build_wheel.py): invocation, manifest, skip logic. No real wheel is built."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.util
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from dflash_runtime import startup
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "prebuilt_wheels" / "build_wheel.py"
+WHEEL_NAME = "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+FAKE_LIBS = {
+    "llama_cpp/lib/libllama.so": b"fake libllama",
+    "llama_cpp/lib/libggml.so.0": b"fake libggml",
+    "llama_cpp/lib/libggml-cuda.so": b"fake cuda kernels",
+}
+
+
+@pytest.fixture(scope="module")
+def recipe() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("build_wheel", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_toolkit(tmp_path: Path, release: str = "13.0", version: str = "13.0.88") -> Path:
+    """A CUDA toolkit directory with an nvcc that prints a version, cuBLAS headers and a driver stub."""
+    root = tmp_path / "cuda"
+    (root / "bin").mkdir(parents=True)
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{version}'\n")
+    nvcc.chmod(0o755)
+    (root / "include").mkdir()
+    (root / "include" / "cublas_v2.h").write_text("")
+    (root / "lib64" / "stubs").mkdir(parents=True)
+    (root / "lib64" / "stubs" / "libcuda.so").write_text("")
+    return nvcc
+
+
+def run_recipe(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(RECIPE), *args], capture_output=True, text=True, timeout=120)
+
+
+def make_fake_wheel(directory: Path, libs: dict[str, bytes] = FAKE_LIBS) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    wheel = directory / WHEEL_NAME
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("llama_cpp/__init__.py", '__version__ = "0.3.36"\n')
+        for name, data in libs.items():
+            archive.writestr(name, data)
+    return wheel
+
+
+def record_of(libs: dict[str, bytes]) -> dict[str, str]:
+    """What pip would write into the installed RECORD for these files."""
+    return {n: base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b"=").decode() for n, d in libs.items()}
+
+
+def cpu_plan(recipe: ModuleType, out_dir: Path, tmp_path: Path):
+    args = recipe.parse_args(["--cpu", "--out-dir", str(out_dir), "--build-root", str(tmp_path / "build")])
+    return recipe.make_plan(args)
+
+
+# ---------------------------------------------------------------- invocation
+
+
+def test_help_describes_architectures() -> None:
+    result = run_recipe("--help")
+    assert result.returncode == 0
+    assert "--arch" in result.stdout and "--dry-run" in result.stdout and "90-real" in result.stdout
+
+
+def test_dry_run_prints_cuda_invocation_with_architectures(tmp_path: Path) -> None:
+    nvcc = fake_toolkit(tmp_path)
+    result = run_recipe(
+        "--dry-run", "--nvcc", str(nvcc), "--arch", "120a-real,90-real", "--arch", "86-real",
+        "--build-root", str(tmp_path / "build"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "-DCMAKE_CUDA_ARCHITECTURES=120a-real;90-real;86-real" in out
+    for flag in ("-DGGML_CUDA=ON", "-DGGML_NATIVE=OFF", "-DLLAVA_BUILD=OFF", "-DGGML_CUDA_FA=ON", "Release"):
+        assert flag in out
+    assert r"-Wl,-rpath,\$ORIGIN/../../nvidia/cu13/lib" in out
+    assert "pip wheel" in out and "pip download --no-binary :all: --no-deps" in out
+    assert "CUDA 13.0.88" in out
+    assert not (tmp_path / "build").exists(), "a dry run must not write anything"
+
+
+def test_dry_run_cpu_variant_has_cuda_off(tmp_path: Path) -> None:
+    result = run_recipe("--dry-run", "--cpu", "--build-root", str(tmp_path / "build"))
+    assert result.returncode == 0, result.stderr
+    assert "-DGGML_CUDA=OFF" in result.stdout and "-DGGML_NATIVE=OFF" in result.stdout
+    assert "CMAKE_CUDA_ARCHITECTURES" not in result.stdout
+
+
+def test_default_architecture_is_blackwell(recipe: ModuleType) -> None:
+    assert recipe.parse_archs(None) == ["120a-real"]
+    assert recipe.parse_archs(["120a-real;89-real", "86"]) == ["120a-real", "89-real", "86"]
+    with pytest.raises(recipe.RecipeError, match="sm_x"):
+        recipe.parse_archs(["sm_x"])
+
+
+def test_old_cuda_cannot_build_blackwell(recipe: ModuleType, tmp_path: Path) -> None:
+    nvcc = fake_toolkit(tmp_path, "12.4", "12.4.131")
+    result = run_recipe("--dry-run", "--nvcc", str(nvcc), "--build-root", str(tmp_path / "build"))
+    assert result.returncode == 2
+    assert "CUDA >= 12.8" in result.stderr
+
+
+def test_nvcc_only_toolkit_uses_pip_cublas(recipe: ModuleType, tmp_path: Path, monkeypatch) -> None:
+    nvcc = fake_toolkit(tmp_path)
+    (tmp_path / "cuda" / "include" / "cublas_v2.h").unlink()
+    (tmp_path / "cuda" / "lib64" / "stubs" / "libcuda.so").unlink()
+    site_dir = tmp_path / "site"
+    (site_dir / "nvidia" / "cu13" / "include").mkdir(parents=True)
+    (site_dir / "nvidia" / "cu13" / "lib").mkdir()
+    (site_dir / "nvidia" / "cu13" / "include" / "cublas_v2.h").write_text("")
+    (site_dir / "nvidia" / "cu13" / "lib" / "libcublas.so.13").write_text("")
+    monkeypatch.setattr(sys, "path", [str(site_dir), *sys.path])
+    shim = recipe.plan_cuda_shim(recipe.cuda_toolchain(str(nvcc)))
+    assert shim.cublas_lib_dir == site_dir / "nvidia" / "cu13" / "lib" and shim.needs_driver_stub
+    plan_args = recipe.parse_args(["--nvcc", str(nvcc), "--build-root", str(tmp_path / "build")])
+    plan = recipe.make_plan(plan_args)
+    args = plan.config.cmake_args()
+    shim_root = plan.build_dir / "cmake" / "cuda-shim"  # inside the CMake tree: kept out of the RUNPATH
+    assert f"-DCUDA_cublas_LIBRARY={shim_root}/lib/libcublas.so" in args
+    assert f"-DCUDA_cuda_driver_LIBRARY={shim_root}/lib/libcuda.so" in args
+    assert f"-DCMAKE_CUDA_FLAGS=-I{shim_root}/include" in args
+
+
+def test_nvcc_only_toolkit_without_pip_cublas_says_what_to_install(
+    recipe: ModuleType, tmp_path: Path, monkeypatch
+) -> None:
+    nvcc = fake_toolkit(tmp_path)
+    (tmp_path / "cuda" / "include" / "cublas_v2.h").unlink()
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "nothing-here")])
+    with pytest.raises(recipe.RecipeError, match=r"nvidia-cublas==13\.0\.\*"):
+        recipe.plan_cuda_shim(recipe.cuda_toolchain(str(nvcc)))
+
+
+def test_driver_stub_defines_the_api_after_versioning_macros(recipe: ModuleType, tmp_path: Path) -> None:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler, "a C compiler is needed to build llama-cpp-python at all"
+    cuda_h = tmp_path / "cuda.h"
+    cuda_h.write_text(
+        "typedef int CUresult;\n#define cuMemAlloc cuMemAlloc_v2\n"
+        "CUresult cuInit(unsigned int flags);\nCUresult cuMemAlloc(void **p, unsigned long n);\n"
+        "const char *notAnApi(void);\n"
+    )
+    source = recipe.driver_stub_source(cuda_h, compiler)
+    assert source.splitlines() == ["void cuInit(void) {}", "void cuMemAlloc_v2(void) {}"]
+
+
+# ---------------------------------------------------------------- sdist facts
+
+
+def fake_sdist(path: Path, members: dict[str, str]) -> Path:
+    with tarfile.open(path, "w:gz") as archive:
+        for name, text in members.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"llama_cpp_python-0.3.36/{name}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_llama_cpp_commit_from_sdist_git_metadata(recipe: ModuleType, tmp_path: Path) -> None:
+    commit = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+    sdist = fake_sdist(tmp_path / "a.tar.gz", {".git/modules/vendor/llama.cpp/HEAD": commit + "\n"})
+    assert recipe.read_llama_cpp_commit(sdist) == (commit, "sdist .git/modules/vendor/llama.cpp/HEAD")
+
+
+def test_llama_cpp_commit_falls_back_to_changelog(recipe: ModuleType, tmp_path: Path) -> None:
+    changelog = "## [0.3.36]\n\n- feat: update llama.cpp to ggml-org/llama.cpp@0c1e57098\n"
+    sdist = fake_sdist(tmp_path / "b.tar.gz", {"CHANGELOG.md": changelog})
+    commit, source = recipe.read_llama_cpp_commit(sdist)
+    assert commit == "0c1e57098" and "CHANGELOG" in source
+
+
+# ---------------------------------------------------------------- manifest and skip logic
+
+
+def written_manifest(recipe: ModuleType, tmp_path: Path) -> tuple[Path, dict]:
+    out_dir = tmp_path / "dist"
+    wheel = make_fake_wheel(out_dir)
+    plan = cpu_plan(recipe, out_dir, tmp_path)
+    manifest = recipe.build_manifest(plan, wheel, ("0c1e57098", "test"))
+    path = recipe.write_manifest(out_dir, manifest)
+    return path, json.loads(path.read_text())
+
+
+def test_manifest_fields_and_hashes(recipe: ModuleType, tmp_path: Path) -> None:
+    path, manifest = written_manifest(recipe, tmp_path)
+    wheel = path.parent / WHEEL_NAME
+    assert startup.validate_manifest(manifest) == []
+    assert manifest["version"] == "0.3.36" and manifest["variant"] == "cpu"
+    assert manifest["python_tag"] == "py3" and manifest["platform_tag"] == "linux_x86_64"
+    assert manifest["wheel"]["sha256"] == hashlib.sha256(wheel.read_bytes()).hexdigest()
+    assert manifest["native_libraries"] == {n: hashlib.sha256(d).hexdigest() for n, d in FAKE_LIBS.items()}
+    assert "-DGGML_NATIVE=OFF" in manifest["cmake_args"]
+    assert manifest["bundled_cuda_libraries"] == []
+    assert startup.verify_wheel_file(manifest, path.parent) == []
+
+
+def test_tampered_wheel_is_reported(recipe: ModuleType, tmp_path: Path) -> None:
+    path, manifest = written_manifest(recipe, tmp_path)
+    wheel = path.parent / WHEEL_NAME
+    with wheel.open("ab") as stream:
+        stream.write(b"\0")
+    problems = startup.verify_wheel_file(manifest, path.parent)
+    assert len(problems) == 1 and "sha256" in problems[0] and WHEEL_NAME in problems[0]
+    check = startup.check_manifests([path], record_of(FAKE_LIBS), "0.3.36")
+    assert check.matches is False and check.problems == problems
+
+
+def test_installed_libraries_checked_against_manifest(recipe: ModuleType, tmp_path: Path) -> None:
+    path, manifest = written_manifest(recipe, tmp_path)
+    record = record_of(FAKE_LIBS)
+    assert startup.verify_installed(manifest, record, "0.3.36") == []
+    assert startup.check_manifests([path], record, "0.3.36").matches is True
+    altered = {**record, "llama_cpp/lib/libllama.so": record_of({"x": b"other build"})["x"]}
+    expected = ["installed llama_cpp/lib/libllama.so differs from the manifest's"]
+    assert startup.verify_installed(manifest, altered, "0.3.36") == expected
+    extra = {**record, "llama_cpp/lib/libggml-vulkan.so": "abc"}
+    assert "not in the manifest" in startup.verify_installed(manifest, extra, "0.3.36")[0]
+    assert "0.3.35" in startup.verify_installed(manifest, record, "0.3.35")[0]
+
+
+def test_matching_build_is_skipped_and_tampered_one_rebuilt(recipe: ModuleType, tmp_path: Path) -> None:
+    path, manifest = written_manifest(recipe, tmp_path)
+    out_dir = path.parent
+    args = ["--cpu", "--out-dir", str(out_dir), "--build-root", str(tmp_path / "build")]
+    result = run_recipe(*args)
+    assert result.returncode == 0, result.stderr
+    assert "up to date" in result.stdout
+    assert recipe.existing_build(out_dir, manifest["config_key"]) == out_dir / WHEEL_NAME
+    assert recipe.existing_build(out_dir, "another configuration") is None
+    (out_dir / WHEEL_NAME).write_bytes(b"truncated")
+    assert recipe.existing_build(out_dir, manifest["config_key"]) is None
+
+
+def test_configuration_key_follows_flags(recipe: ModuleType, tmp_path: Path) -> None:
+    plain = cpu_plan(recipe, tmp_path / "d", tmp_path).config.key()
+    args = recipe.parse_args(["--cpu", "--cmake-arg=-DGGML_AVX512=ON", "--build-root", str(tmp_path / "build")])
+    assert recipe.make_plan(args).config.key() != plain
+    assert cpu_plan(recipe, tmp_path / "other", tmp_path).config.key() == plain
+
+
+def test_slim_drops_unused_copies_and_rewrites_record(recipe: ModuleType, tmp_path: Path) -> None:
+    files = {  # make_fake_wheel adds llama_cpp/__init__.py
+        "llama_cpp/lib/libllama.so": b"L",
+        "llama_cpp/lib/libllama.so.0": b"L",
+        "llama_cpp/lib/libllama.so.0.5.0": b"L",
+        "lib/libllama.so": b"L",
+        "lib/cmake/llama/llama-config.cmake": b"cmake",
+        "include/llama.h": b"header",
+        "llama_cpp_python-0.3.36.dist-info/METADATA": b"Name: llama_cpp_python\n",
+        "llama_cpp_python-0.3.36.dist-info/RECORD": b"stale",
+    }
+    wheel = make_fake_wheel(tmp_path, files)
+    dropped = recipe.slim_wheel(wheel)
+    assert set(dropped) == {
+        "llama_cpp/lib/libllama.so.0.5.0", "lib/libllama.so", "lib/cmake/llama/llama-config.cmake", "include/llama.h",
+    }  # fmt: skip
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        record = archive.read("llama_cpp_python-0.3.36.dist-info/RECORD").decode().splitlines()
+        contents = {n: archive.read(n) for n in names}
+    assert names[-1].endswith("RECORD") and not set(dropped) & set(names)
+    assert record[-1] == "llama_cpp_python-0.3.36.dist-info/RECORD,,"
+    for line in record[:-1]:
+        name, digest, size = line.rsplit(",", 2)
+        assert digest == "sha256=" + record_of({name: contents[name]})[name] and int(size) == len(contents[name])
+    assert {line.split(",")[0] for line in record} == set(names)
+
+
+def test_slim_flag_changes_wheel_key_not_compiled_tree(recipe: ModuleType, tmp_path: Path) -> None:
+    slim = cpu_plan(recipe, tmp_path / "d", tmp_path)
+    args = recipe.parse_args(["--cpu", "--no-slim", "--build-root", str(tmp_path / "build")])
+    full = recipe.make_plan(args)
+    assert full.config.key() != slim.config.key()
+    assert full.build_dir == slim.build_dir
+
+
+def test_cpu_code_is_portable_x86_64_v3(recipe: ModuleType) -> None:
+    """GGML_NATIVE=OFF alone can fall back to SSE2 (ggml ties its ISA defaults to GGML_NATIVE's default)."""
+    assert "-DGGML_AVX2=ON" in recipe.cpu_isa_args("x86_64") and "-DGGML_FMA=ON" in recipe.cpu_isa_args("AMD64")
+    assert not any("AVX512" in a for a in recipe.cpu_isa_args("x86_64"))
+    assert recipe.cpu_isa_args("aarch64") == []

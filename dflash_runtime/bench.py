@@ -48,20 +48,24 @@ def tiny_targets(spec: str) -> list[tuple[str, str, str]]:
     return out
 
 
-def _measure(engine: Any, mode: int | str, cfg: BenchConfig) -> dict[str, float]:
-    tot = dict(gen=0, decode_ms=0.0, host_ms=0.0, drafted=0, accepted=0, emitted=0, verify=0, steps=0)
-    for prompt in cfg.prompt_list:
-        spec = mode != "plain"
-        r = engine.generate(prompt, max_tokens=cfg.max_tokens, speculative=spec, draft_max=mode if spec else None)
-        s = r.stats
-        tot["gen"] += s.n_generated
-        tot["decode_ms"] += s.decode_ms
-        tot["host_ms"] += s.host_ms
-        tot["drafted"] += s.drafted
-        tot["accepted"] += s.accepted
-        tot["emitted"] += s.verify_emitted
-        tot["verify"] += s.verify_steps
-        tot["steps"] += s.target_steps
+def _totals() -> dict[str, float]:
+    return dict(gen=0, decode_ms=0.0, host_ms=0.0, drafted=0, accepted=0, emitted=0, verify=0, steps=0)
+
+
+def _add(tot: dict[str, float], engine: Any, prompt: str, mode: int | str, cfg: BenchConfig) -> None:
+    spec = mode != "plain"
+    s = engine.generate(prompt, max_tokens=cfg.max_tokens, speculative=spec, draft_max=mode if spec else None).stats
+    tot["gen"] += s.n_generated
+    tot["decode_ms"] += s.decode_ms
+    tot["host_ms"] += s.host_ms
+    tot["drafted"] += s.drafted
+    tot["accepted"] += s.accepted
+    tot["emitted"] += s.verify_emitted
+    tot["verify"] += s.verify_steps
+    tot["steps"] += s.target_steps
+
+
+def _summary(tot: dict[str, float]) -> dict[str, float]:
     return {
         "tok_s": tot["gen"] / (tot["decode_ms"] / 1000.0) if tot["decode_ms"] else 0.0,
         "acceptance_rate": tot["accepted"] / tot["drafted"] if tot["drafted"] else 0.0,
@@ -76,9 +80,13 @@ def bench_pair(engine: Any, cfg: BenchConfig, progress: Callable[[], None]) -> d
     engine.generate(cfg.prompt_list[0], max_tokens=8)  # warm-up: allocations, first-touch of the weights
     runs: dict[str, list[dict[str, float]]] = {str(m): [] for m in modes}
     for _ in range(cfg.runs):
-        for mode in modes:  # alternate modes so drifts of the machine hit them alike
-            runs[str(mode)].append(_measure(engine, mode, cfg))
-            progress()
+        totals = {str(m): _totals() for m in modes}
+        for prompt in cfg.prompt_list:
+            for mode in modes:  # alternate modes prompt by prompt so drifts of the machine hit them alike
+                _add(totals[str(mode)], engine, prompt, mode, cfg)
+        for mode in modes:
+            runs[str(mode)].append(_summary(totals[str(mode)]))
+        progress()
     plain = statistics.median(r["tok_s"] for r in runs["plain"])
     result = {}
     for mode, rs in runs.items():
@@ -91,7 +99,7 @@ def bench_pair(engine: Any, cfg: BenchConfig, progress: Callable[[], None]) -> d
 
 def run_bench(pairs: Sequence[tuple[str, str, str]], cfg: BenchConfig, opener: Callable[[str, str], Any]
               ) -> dict[str, Any]:
-    total = len(pairs) * cfg.runs * (len(cfg.modes) + 1)
+    total = len(pairs) * cfg.runs
     done = 0
 
     def progress() -> None:

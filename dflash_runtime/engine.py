@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import llama_cpp
 from llama_cpp import llama_cpp as ll
 
 from .batches import TokenBatch
@@ -183,7 +184,7 @@ class Engine(LinkedPair):
             "n_embd": self.n_embd,
             "chat_template": self.template is not None,
             "supports_thinking": bool(self.template and self.template.supports_thinking),
-            "llama_cpp_version": __import__("llama_cpp").__version__,
+            "llama_cpp_version": llama_cpp.__version__,
         }
 
     def close(self) -> None:
@@ -299,10 +300,9 @@ class Engine(LinkedPair):
 
     def _flush_features(self) -> None:
         assert self._bridge is not None
-        if self._bridge.n_pending:
-            last = self._bridge.pending_from + self._bridge.n_pending  # type: ignore[operator]
-            self._bridge.flush()
-            self._draft_n = last
+        end = self._bridge.flush()
+        if end is not None:
+            self._draft_n = end
 
     # -- the loop -----------------------------------------------------------------------------------------------
 

@@ -30,11 +30,6 @@ class FeatureBridge:
         self._positions = np.empty(capacity, dtype=np.int32)
         self.n_pending = 0
 
-    @property
-    def pending_from(self) -> int | None:
-        """Position of the first row not yet in the draft cache, if any."""
-        return int(self._positions[0]) if self.n_pending else None
-
     def capture(self, n_rows: int, pos0: int) -> None:
         """Copy the features of the last target decode (rows 0..n_rows-1 at pos0..) into the pending buffer."""
         if self.n_pending + n_rows > self.capacity:
@@ -51,16 +46,14 @@ class FeatureBridge:
         self._positions[start:start + n_rows] = np.arange(pos0, pos0 + n_rows, dtype=np.int32)
         self.n_pending += n_rows
 
-    def flush(self) -> None:
-        """Inject every pending row into the draft cache in one decode."""
-        if self.n_pending:
-            n = self.n_pending
-            self.n_pending = 0
-            self._batch.decode(self._rows[:n], self._positions[:n])
-
-    def inject(self, n_rows: int, pos0: int) -> None:
-        self.capture(n_rows, pos0)
-        self.flush()
+    def flush(self) -> int | None:
+        """Inject every pending row into the draft cache in one decode; the position after the last one, if any."""
+        if not self.n_pending:
+            return None
+        n = self.n_pending
+        self.n_pending = 0
+        self._batch.decode(self._rows[:n], self._positions[:n])
+        return int(self._positions[n - 1]) + 1
 
     def drop_from(self, pos: int) -> None:
         """Forget pending rows at positions ≥ pos (they were rolled back on the target)."""

@@ -1,0 +1,49 @@
+"""`python -m dflash_runtime generate | bench` on generated models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pairs import pair_files
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dflash_runtime", *args], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_generate_prints_text_then_stats() -> None:
+    files = pair_files("hybrid", "dflash2")
+    out = run_cli("generate", "--target", str(files.target), "--draft", str(files.draft), "--prompt", "hello world",
+                  "--max-tokens", "12", "--draft-max", "4", "--n-ctx", "512", "--json")
+    assert out.returncode == 0, out.stderr
+    text, _, rest = out.stdout.partition("[finish: length")
+    assert "hello" in text
+    stats = json.loads(rest.split("]", 1)[1])
+    assert stats["n_generated"] == 12 and stats["drafted"] > 0
+
+
+def test_bench_writes_json_and_a_table(tmp_path: Path) -> None:
+    files = pair_files("dense", "dflash2")
+    out_json = tmp_path / "bench.json"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello world\nthe quick brown fox\n")
+    out = run_cli("bench", "--target", str(files.target), "--draft", str(files.draft), "--prompts", str(prompts),
+                  "--max-tokens", "8", "--draft-max", "1,3,auto", "--runs", "2", "--n-ctx", "512",
+                  "--json", str(out_json))
+    assert out.returncode == 0, out.stderr
+    assert "vs plain" in out.stdout and "host ms/step" in out.stdout
+    result = json.loads(out_json.read_text())
+    modes = next(iter(result["pairs"].values()))["modes"]
+    assert set(modes) == {"plain", "1", "3", "auto"}
+    assert modes["plain"]["speedup"] == 1.0 and len(modes["3"]["runs_tok_s"]) == 2
+    assert modes["1"]["acceptance_rate"] > 0 and modes["plain"]["acceptance_rate"] == 0
+
+
+def test_bad_pair_is_a_clear_cli_error(tmp_path: Path) -> None:
+    files = pair_files("dense", "dflash2")
+    out = run_cli("generate", "--target", str(files.draft), "--prompt", "hi")
+    assert out.returncode == 1 and "must be opened together with its target" in out.stderr

@@ -65,11 +65,9 @@ class Engine(LinkedPair):
             raise
 
     def _setup(self, draft_policy: str | int) -> None:
-        self._batch: TokenBatch | None = None
         self._lock = threading.Lock()
         self._cancel = threading.Event()
-        self._kv: list[int] = []     # tokens whose K/V are in the target cache, at positions 0..len-1
-        self._draft_n = 0            # positions 0.._draft_n-1 are in the draft cache
+        self._kv: list[int] = []  # tokens whose K/V are in the target cache (positions 0..len-1); the draft's ≤ these
         self._mem = ll.llama_get_memory(self.target_ctx)
         self._batch = TokenBatch(self.n_batch)
         self._bridge: FeatureBridge | None = None
@@ -90,13 +88,11 @@ class Engine(LinkedPair):
         tokens: list[int] = []
         parts: list[str] = []
         last: StreamEvent | None = None
-        n = 0
         for last in self.stream(prompt, **kwargs):
             tokens += last.tokens
             parts.append(last.delta)
-            n += 1
         assert last is not None and last.finish_reason is not None
-        return Result(tokens, "".join(parts), last.finish_reason, last.stats, last.finish_detail, n)
+        return Result(tokens, "".join(parts), last.finish_reason, last.stats, last.finish_detail)
 
     def stream(
         self,
@@ -264,25 +260,24 @@ class Engine(LinkedPair):
             assert self._bridge is not None
             self._bridge.n_pending = 0
         self._kv = []
-        self._draft_n = 0
 
     def _trim(self, n: int) -> None:
-        """Keep positions 0..n-1 in both caches; a refused removal is an error, never ignored."""
-        if n < len(self._kv):
-            if not ll.llama_memory_seq_rm(self._mem, 0, n, -1):
-                had = len(self._kv)
-                self._clear_caches()  # the cache still holds rejected rows: never decode on top of them
-                raise RollbackError(
-                    f"the target cache refused to roll back to position {n} (had {had}): a hybrid target "
-                    f"needs n_rs_seq ≥ the draft length (it has {self.n_rs_seq})"
-                )
-            del self._kv[n:]
+        """Keep positions 0..n-1 in both caches. A refused removal clears both caches (they would still hold
+        rejected rows) and raises: never ignored."""
+        had = len(self._kv)
+        if n < had and not ll.llama_memory_seq_rm(self._mem, 0, n, -1):
+            self._clear_caches()
+            raise RollbackError(
+                f"the target cache refused to roll back to position {n} (had {had}): a hybrid target "
+                f"needs n_rs_seq ≥ the draft length (it has {self.n_rs_seq})"
+            )
+        del self._kv[n:]
         if self._bridge is not None:
             self._bridge.drop_from(n)
-            if self._draft_n > n:
-                if not ll.llama_memory_seq_rm(self._draft_mem, 0, n, -1):
-                    raise RollbackError(f"the draft cache refused to roll back to position {n}")
-                self._draft_n = n
+            # The draft's cache is attention only: removing a suffix, even an empty one, always succeeds there.
+            if not ll.llama_memory_seq_rm(self._draft_mem, 0, n, -1):
+                self._clear_caches()
+                raise RollbackError(f"the draft cache refused to roll back to position {n}")
 
     def _reuse_prefix(self, tokens: list[int]) -> int:
         """Keep the longest cached prefix of `tokens` (at least one token is left to decode for its logits)."""
@@ -293,16 +288,12 @@ class Engine(LinkedPair):
         try:
             self._trim(n)
         except RollbackError:
-            # A recurrent state cannot go back further than its snapshots: start over.
-            self._clear_caches()
-            n = 0
+            n = 0  # a recurrent state cannot go back further than its snapshots: start over (caches are cleared)
         return n
 
     def _flush_features(self) -> None:
         assert self._bridge is not None
-        end = self._bridge.flush()
-        if end is not None:
-            self._draft_n = end
+        self._bridge.flush()
 
     # -- the loop -----------------------------------------------------------------------------------------------
 

@@ -46,14 +46,11 @@ class FeatureBridge:
         self._positions[start:start + n_rows] = np.arange(pos0, pos0 + n_rows, dtype=np.int32)
         self.n_pending += n_rows
 
-    def flush(self) -> int | None:
-        """Inject every pending row into the draft cache in one decode; the position after the last one, if any."""
-        if not self.n_pending:
-            return None
-        n = self.n_pending
-        self.n_pending = 0
-        self._batch.decode(self._rows[:n], self._positions[:n])
-        return int(self._positions[n - 1]) + 1
+    def flush(self) -> None:
+        """Inject every pending row into the draft cache in one decode."""
+        if self.n_pending:
+            n, self.n_pending = self.n_pending, 0
+            self._batch.decode(self._rows[:n], self._positions[:n])
 
     def drop_from(self, pos: int) -> None:
         """Forget pending rows at positions ≥ pos (they were rolled back on the target)."""

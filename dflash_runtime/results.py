@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .stats import Stats
 
@@ -25,4 +25,3 @@ class Result:
     finish_reason: str
     stats: Stats
     finish_detail: str = ""
-    events: int = field(default=0, repr=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .report import table
@@ -24,10 +24,10 @@ class BenchConfig:
     runs: int = 3
     max_tokens: int = 128
     prompts: list[str] | None = None
-    prompt_list: list[str] = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.prompt_list = self.prompts or DEFAULT_PROMPTS
+    @property
+    def prompt_list(self) -> list[str]:
+        return self.prompts or DEFAULT_PROMPTS
 
 
 def tiny_targets(spec: str) -> list[tuple[str, str, str]]:

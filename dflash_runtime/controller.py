@@ -88,12 +88,14 @@ class AdaptiveLength:
             rates.append(prev)
         return rates
 
-    def expected_tokens(self, n: int) -> float:
-        total, run = 1.0, 1.0
-        for a in self.acceptance()[:n]:
+    def expected_tokens(self) -> list[float]:
+        """E[tokens | n] for every n in 0..n_max, in one pass."""
+        out, total, run = [1.0], 1.0, 1.0
+        for a in self.acceptance():
             run *= a
             total += run
-        return total
+            out.append(total)
+        return out
 
     def estimated_cost(self, n: int) -> float | None:
         exact = self.cost[n]
@@ -112,11 +114,8 @@ class AdaptiveLength:
 
     def rates(self) -> list[float]:
         """Expected tokens per second for each length (0 where the cost is unknown)."""
-        out = []
-        for n in range(self.n_max + 1):
-            cost = self.estimated_cost(n)
-            out.append(self.expected_tokens(n) / cost if cost else 0.0)
-        return out
+        costs = [self.estimated_cost(n) for n in range(self.n_max + 1)]
+        return [e / c if c else 0.0 for e, c in zip(self.expected_tokens(), costs, strict=True)]
 
     def best_length(self) -> int:
         rates = self.rates()
@@ -185,7 +184,7 @@ class AdaptiveLength:
             "n_max": self.n_max,
             "acceptance_by_position": [round(a, 4) for a in self.acceptance()],
             "cost_ms_by_length": [None if c is None else round(c * 1000, 4) for c in self.cost],
-            "expected_tokens_by_length": [round(self.expected_tokens(n), 4) for n in range(self.n_max + 1)],
+            "expected_tokens_by_length": [round(e, 4) for e in self.expected_tokens()],
             "best_length": self.best_length() if self.cost[0] is not None else None,
             "probe_interval": self.probe_interval,
             "recent_lengths": self.history[-64:],

@@ -29,6 +29,7 @@ import functools
 import inspect
 import os
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ from llama_cpp.llama import Llama
 from llama_cpp.llama_speculative import LlamaDraftModel
 
 from . import load_pair
-from .errors import ModelFileError, PairMismatchError, RequestError
+from .errors import DownloadError, ModelFileError, PairMismatchError, RequestError
 from .llama_compat_openai import (
     CHAT_OPTIONS_OFF,
     COMPLETION_OPTIONS_OFF,
@@ -473,9 +474,6 @@ def _hub_file(
     token: str | None,
 ) -> str:
     """Local path of the one file of `repo_id` that `pattern` names (a glob pattern is resolved on the Hub)."""
-    from pathlib import Path
-
-    from .errors import DownloadError
     from .hub import ModelSource, fetch_model_file
 
     filename = pattern

@@ -167,22 +167,32 @@ def _envelope(ids: ResponseIds, obj: str, choice: dict[str, Any]) -> dict[str, A
     return {"id": ids.id, "object": obj, "created": ids.created, "model": ids.model, "choices": [choice]}
 
 
-def completion_response(ids: ResponseIds, outcome: Outcome) -> dict[str, Any]:
-    choice = {"text": outcome.text, "index": 0, "logprobs": None, "finish_reason": outcome.finish_reason}
-    response = _envelope(ids, "text_completion", choice)
+def _response(ids: ResponseIds, obj: str, choice: dict[str, Any], outcome: Outcome) -> dict[str, Any]:
+    """A whole response: the envelope, the token usage and the statistics."""
+    response = _envelope(ids, obj, choice)
     response["usage"] = usage(outcome.prompt_tokens, outcome.n_tokens)
     response[STATS_KEY] = outcome.stats
     return response
+
+
+def _chunk(ids: ResponseIds, obj: str, choice: dict[str, Any], stats: dict[str, Any] | None) -> dict[str, Any]:
+    """A stream chunk: the envelope, and the statistics on the last one."""
+    chunk = _envelope(ids, obj, choice)
+    if stats is not None:
+        chunk[STATS_KEY] = stats
+    return chunk
+
+
+def completion_response(ids: ResponseIds, outcome: Outcome) -> dict[str, Any]:
+    choice = {"text": outcome.text, "index": 0, "logprobs": None, "finish_reason": outcome.finish_reason}
+    return _response(ids, "text_completion", choice, outcome)
 
 
 def completion_chunk(
     ids: ResponseIds, text: str, finish_reason: str | None = None, stats: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
-    chunk = _envelope(ids, "text_completion", choice)
-    if stats is not None:
-        chunk[STATS_KEY] = stats
-    return chunk
+    return _chunk(ids, "text_completion", choice, stats)
 
 
 def chat_response(ids: ResponseIds, outcome: Outcome) -> dict[str, Any]:
@@ -192,20 +202,14 @@ def chat_response(ids: ResponseIds, outcome: Outcome) -> dict[str, Any]:
         "logprobs": None,
         "finish_reason": outcome.finish_reason,
     }
-    response = _envelope(ids, "chat.completion", choice)
-    response["usage"] = usage(outcome.prompt_tokens, outcome.n_tokens)
-    response[STATS_KEY] = outcome.stats
-    return response
+    return _response(ids, "chat.completion", choice, outcome)
 
 
 def chat_chunk(
     ids: ResponseIds, delta: dict[str, str], finish_reason: str | None = None, stats: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    chunk = _envelope(ids, "chat.completion.chunk", choice)
-    if stats is not None:
-        chunk[STATS_KEY] = stats
-    return chunk
+    return _chunk(ids, "chat.completion.chunk", choice, stats)
 
 
 def completion_chunks(ids: ResponseIds, events: Iterator[EventLike], echo: str = "") -> Iterator[dict[str, Any]]:

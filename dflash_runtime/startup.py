@@ -85,8 +85,7 @@ def default_search_roots() -> list[Path]:
     candidates = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
     candidates.append(site.getusersitepackages())
     candidates += [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
-    roots = [Path(p) for p in dict.fromkeys(candidates) if p and Path(p).is_dir()]
-    return roots
+    return [Path(p) for p in dict.fromkeys(candidates) if p and Path(p).is_dir()]
 
 
 def preload_cuda_libraries(search: CudaLibrarySearch) -> tuple[list[str], list[str]]:

@@ -9,7 +9,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from .heads import HEADS
 from .tokenizer import IM_END
@@ -217,46 +217,34 @@ def resolve_pair_spec(
     return spec
 
 
+_Spec = TypeVar("_Spec", TargetSpec, DraftSpec)
+
+
 def _target_spec(kind: str, head: str, seed: int, n_embd: int, sizes: dict[str, Any]) -> TargetSpec:
     hybrid = None
     if kind == "hybrid":
         hybrid = HybridDims(**{f.name: int(sizes[f.name]) for f in dataclasses.fields(HybridDims)})
-    return TargetSpec(
-        kind=kind,
-        head=head,
-        seed=seed,
-        n_embd=n_embd,
-        n_layer=sizes["n_layer"],
-        n_ff=sizes["n_ff"],
-        n_head=sizes["n_head"],
-        n_head_kv=sizes["n_head_kv"],
-        head_dim=sizes["head_dim"],
-        n_ctx=sizes["n_ctx"],
-        weight_type=sizes["weight_type"],
-        hybrid=hybrid,
-    )
+    return _from_sizes(TargetSpec, sizes, kind=kind, head=head, seed=seed, n_embd=n_embd, hybrid=hybrid)
 
 
 def _draft_spec(kind: str, seed: int, n_embd: int, sizes: dict[str, Any], *, mrope: bool) -> DraftSpec:
     taps = sizes.get("target_layers") or spread_layers(sizes["n_layer"], sizes["n_taps"])
-    return DraftSpec(
+    return _from_sizes(
+        DraftSpec,
+        sizes,
         kind=kind,
         seed=seed,
         n_embd=n_embd,
         n_layer=sizes["draft_layers"],
-        n_ff=sizes["n_ff"],
-        n_head=sizes["n_head"],
-        n_head_kv=sizes["n_head_kv"],
-        n_ctx=sizes["n_ctx"],
-        weight_type=sizes["weight_type"],
         target_layers=tuple(int(t) for t in taps),
-        block_size=sizes["block_size"],
-        conv_kernel_size=sizes["conv_kernel_size"],
-        conv_group_size=sizes["conv_group_size"],
-        selector_rank=sizes["selector_rank"],
-        selector_top_k=sizes["selector_top_k"],
         mrope=mrope,
     )
+
+
+def _from_sizes(cls: type[_Spec], sizes: dict[str, Any], **given: Any) -> _Spec:
+    """`cls(**given)`, every other field of `cls` found in `sizes` copied from there (the rest keep their defaults)."""
+    copied = {f.name: sizes[f.name] for f in dataclasses.fields(cls) if f.name not in given and f.name in sizes}
+    return cls(**copied, **given)
 
 
 def validate(spec: PairSpec) -> None:

@@ -7,7 +7,6 @@ numpy shapes are (n_out, n_in), i.e. ggml {n_in, n_out}.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
 
 import gguf
 import numpy as np
@@ -61,23 +60,8 @@ def add_tokenizer(sink: TensorSink, vocab: TinyVocab, *, eos_token: str, with_ma
     w.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
 
 
-class LayerDims(Protocol):
-    """What the layer writers read from a TargetSpec or a DraftSpec."""
-
-    @property
-    def n_ctx(self) -> int: ...
-    @property
-    def n_embd(self) -> int: ...
-    @property
-    def n_layer(self) -> int: ...
-    @property
-    def n_ff(self) -> int: ...
-    @property
-    def n_head(self) -> int: ...
-    @property
-    def n_head_kv(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
+# What the layer writers read (n_ctx, n_embd, n_layer, n_ff, n_head, n_head_kv, head_dim): a target or a draft.
+LayerDims = TargetSpec | DraftSpec
 
 
 def unit_gains(n: int) -> np.ndarray:

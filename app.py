@@ -131,6 +131,29 @@ def checked_request(**fields: Any) -> ChatRequest:
         return build_request(presets=list(PRESETS), limits=LIMITS, **fields)
 
 
+def settings_fields(
+    system_prompt: str,
+    max_tokens: float,
+    temperature: float,
+    top_p: float,
+    draft_max: float,
+    speculative: bool,
+    thinking: bool,
+    preset: str = PRESET.name,
+) -> dict[str, Any]:
+    """build_request's settings from the settings widgets (or the API's parameters) in their order."""
+    return {
+        "preset": preset,
+        "system_prompt": system_prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "draft_max": draft_max,
+        "speculative": speculative,
+        "enable_thinking": thinking,
+    }
+
+
 def poll_model_files(timeout_s: float = 1.0) -> ResolvedPair | None:
     """The pair's local files once downloaded (in this web process, never in the GPU function); None meanwhile."""
     with user_errors():
@@ -164,6 +187,7 @@ def plot_frame(stats: dict[str, Any]) -> pd.DataFrame:
 
 
 def server_info() -> dict[str, Any]:
+    download = DOWNLOAD.status()
     return {
         "presets": {name: preset.describe() for name, preset in PRESETS.items()},
         "default_preset": PRESET.name,
@@ -171,7 +195,7 @@ def server_info() -> dict[str, Any]:
         "mode_reason": MODE.reason,
         "build": STARTUP_DETAILS,
         "limits": LIMITS.describe(),
-        "download": {"state": DOWNLOAD.status().state, "summary": DOWNLOAD.status().summary()},
+        "download": {"state": download.state, "summary": download.summary()},
         "engine": dict(LAST_ENGINE_INFO),
     }
 
@@ -193,18 +217,8 @@ def api_chat(
 ) -> Iterator[tuple[str, dict[str, Any]]]:
     """Stream an answer to `message` after `history` ([{"role": "user" | "assistant", "content": str}, ...]).
     Yields (text so far, statistics) after every engine step; draft_max 0 means adaptive."""
-    request = checked_request(
-        preset=preset,
-        message=message,
-        history=history,
-        system_prompt=system_prompt,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        draft_max=draft_max,
-        speculative=speculative,
-        enable_thinking=thinking,
-    )
+    settings = settings_fields(system_prompt, max_tokens, temperature, top_p, draft_max, speculative, thinking, preset)
+    request = checked_request(message=message, history=history, **settings)
     with closing(reply_on_gpu(request, PRESETS[request.preset], model_files())) as chunks:
         for chunk in chunks:
             remember_engine(chunk)
@@ -224,6 +238,7 @@ def api_generate(
     thinking: bool,
 ) -> tuple[str, dict[str, Any]]:
     """The same as /chat, answered in one piece: (text, statistics)."""
+    # The parameters stay spelled out (not *args): gradio names the API's parameters after this signature.
     chunks = api_chat(
         message, history, system_prompt, preset, max_tokens, temperature, top_p, draft_max, speculative, thinking
     )
@@ -234,27 +249,6 @@ def api_generate(
 
 
 # -- UI handlers --------------------------------------------------------------------------------------------------
-
-
-def settings_fields(
-    system_prompt: str,
-    max_tokens: float,
-    temperature: float,
-    top_p: float,
-    draft_max: float,
-    speculative: bool,
-    thinking: bool,
-) -> dict[str, Any]:
-    return {
-        "preset": PRESET.name,
-        "system_prompt": system_prompt,
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "draft_max": draft_max,
-        "speculative": speculative,
-        "enable_thinking": thinking,
-    }
 
 
 def build_ui() -> gr.Blocks:

@@ -341,19 +341,16 @@ class PairDownload:
 
     def wait(self, timeout: float | None = None) -> ResolvedPair:
         """Start if needed, block until both files are local, and return their paths."""
-        self.start()
-        if not self._finished.wait(timeout):
+        resolved = self.poll(timeout)
+        if resolved is None:
             raise DownloadError(f"The model download is still running after {timeout} s: {self.status().summary()}")
-        return self._outcome()
+        return resolved
 
-    def poll(self, timeout: float) -> ResolvedPair | None:
+    def poll(self, timeout: float | None) -> ResolvedPair | None:
         """Start if needed and wait up to `timeout` s: the paths when ready, None while running; raises on failure."""
         self.start()
         if not self._finished.wait(timeout):
             return None
-        return self._outcome()
-
-    def _outcome(self) -> ResolvedPair:
         with self._lock:
             if self._result is None:
                 raise DownloadError(self._error or "The model download failed")

@@ -161,13 +161,14 @@ class ChatRequest:
     def input_chars(self) -> int:
         return len(self.message) + len(self.system_prompt) + sum(len(m["content"]) for m in self.history)
 
-    def generation_kwargs(self, speculative: bool | None = None) -> dict[str, Any]:
+    def generation_kwargs(self, speculative: bool) -> dict[str, Any]:
+        """The engine's keyword arguments; `speculative` is passed in (an A/B run overrides the request's)."""
         return {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "draft_max": self.draft_max,
-            "speculative": self.speculative if speculative is None else speculative,
+            "speculative": speculative,
         }
 
 
@@ -288,9 +289,9 @@ class FittedConversation:
 
 def _cut_points(history: Sequence[Message]) -> list[int]:
     """Where the kept history may start: everything, then after each older turn (a turn opens with a user
-    message), then nothing."""
+    message), then nothing (for an empty history, everything and nothing are the same start, 0)."""
     user_starts = [i for i, message in enumerate(history) if message["role"] == "user"]
-    return sorted({0, *user_starts}) + ([len(history)] if history else [])
+    return sorted({0, *user_starts, len(history)})
 
 
 def fit_conversation(
@@ -302,7 +303,7 @@ def fit_conversation(
     history = list(request.history)
     reserve = min(request.max_tokens, n_ctx // 2)
     prompt_tokens = 0
-    for dropped, start in enumerate(_cut_points(history) or [0]):
+    for dropped, start in enumerate(_cut_points(history)):
         messages = system + history[start:] + latest
         prompt_tokens = count_tokens(messages)
         if prompt_tokens + reserve <= n_ctx:
@@ -354,10 +355,6 @@ class EngineHost:
         self._lock = threading.Lock()
         self._engine: Any = None
         self._key: tuple[Any, ...] | None = None
-
-    @property
-    def engine(self) -> Any:
-        return self._engine
 
     def close(self) -> None:
         if self._engine is not None:
@@ -421,7 +418,7 @@ class EngineHost:
                     text=text,
                     stats=event.stats.to_dict(),
                     finish_reason=event.finish_reason,
-                    finish_detail=getattr(event, "finish_detail", ""),
+                    finish_detail=event.finish_detail,
                     notice=fitted.notice,
                     phase=phase,
                     engine_info=info,

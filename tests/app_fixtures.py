@@ -154,15 +154,15 @@ def launch_app(env_overrides: dict[str, str], log_path: Path, timeout_s: float =
         {"GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False"}
     )
     env.update(env_overrides)
-    log_file = log_path.open("w")
-    process = subprocess.Popen(
-        [sys.executable, str(REPO_ROOT / "app.py")],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    with log_path.open("w") as log_file:  # the child keeps its own copy of the descriptor
+        process = subprocess.Popen(
+            [sys.executable, str(REPO_ROOT / "app.py")],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     url = f"http://127.0.0.1:{port}/"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -1,7 +1,7 @@
 """DFlash 2 speculative decoding: a streaming chat Space (ZeroGPU, a local CUDA GPU, or CPU).
 
-The UI wiring only: configuration, requests, the engine host and the text shown live in `dflash_runtime.space`,
-`dflash_runtime.space_view` and `dflash_runtime.hub`. API endpoints for gradio_client: /chat (streaming),
+The UI wiring only: presets, requests, downloads, the engine host and the text shown live in
+`dflash_runtime.space`. API endpoints for gradio_client: /chat (streaming),
 /generate (one shot) and /info.
 """
 
@@ -28,20 +28,20 @@ import pandas as pd
 
 from dflash_runtime import load_pair
 from dflash_runtime.errors import DFlashError
-from dflash_runtime.hub import PairDownload, PairPreset, ResolvedPair, overrides_in_env
-from dflash_runtime.space import (
-    ChatRequest,
-    EngineHost,
-    Limits,
-    ReplyChunk,
-    build_request,
+from dflash_runtime.space.downloads import PairDownload
+from dflash_runtime.space.host import EngineHost, ReplyChunk
+from dflash_runtime.space.presets import (
+    PairPreset,
+    ResolvedPair,
     choose_run_mode,
     configured_preset,
     cuda_device_present,
-    estimate_gpu_seconds,
     on_zero_gpu,
+    overrides_in_env,
 )
-from dflash_runtime.space_view import (
+from dflash_runtime.space.requests import ChatRequest, Limits, build_request, estimate_gpu_seconds
+from dflash_runtime.space.startup import run_startup_check
+from dflash_runtime.space.views import (
     EMPTY_STATS,
     WAITING_STATS,
     ab_markdown,
@@ -50,7 +50,6 @@ from dflash_runtime.space_view import (
     mode_banner,
     stats_markdown,
 )
-from dflash_runtime.startup import run_startup_check
 
 MODE = choose_run_mode(os.environ, overrides_in_env(os.environ), cuda_device_present())
 PRESET = configured_preset(MODE)

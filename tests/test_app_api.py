@@ -25,21 +25,19 @@ from gradio_client.utils import Status
 
 from dflash_runtime import load_pair
 from dflash_runtime.errors import PromptTooLongError
-from dflash_runtime.hub import ResolvedPair, preset_from_env
-from dflash_runtime.space import (
+from dflash_runtime.space.fitting import fit_conversation
+from dflash_runtime.space.host import ReplyChunk
+from dflash_runtime.space.presets import ResolvedPair, choose_run_mode, cuda_device_present, preset_from_env
+from dflash_runtime.space.requests import (
     ChatRequest,
     Limits,
-    ReplyChunk,
     build_request,
-    choose_run_mode,
     clean_history,
-    cuda_device_present,
     estimate_gpu_seconds,
-    fit_conversation,
     strip_thinking,
     thinking_prefix,
 )
-from dflash_runtime.space_view import ab_markdown, acceptance_rows, info_markdown, mode_banner, stats_markdown
+from dflash_runtime.space.views import ab_markdown, acceptance_rows, info_markdown, mode_banner, stats_markdown
 from dflash_runtime.stats import Stats
 
 N_CTX = 1024

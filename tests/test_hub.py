@@ -14,14 +14,13 @@ from gradio_client import Client
 
 from dflash_runtime import load_pair
 from dflash_runtime.errors import DownloadError, ModelFileError
-from dflash_runtime.hub import (
+from dflash_runtime.space.downloads import PairDownload, fetch_model_file
+from dflash_runtime.space.presets import (
     DEFAULT_DRAFT,
     DEFAULT_PRESET_NAME,
     DEFAULT_TARGET,
     ModelSource,
-    PairDownload,
     PairPreset,
-    fetch_model_file,
     overrides_in_env,
     preset_from_env,
 )

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .errors import RequestError
+from ..errors import RequestError
 
 STATS_KEY = "dflash_stats"
 

@@ -37,7 +37,7 @@ MANIFEST_FIELDS = (
     "package", "version", "variant", "config_key", "llama_cpp_commit", "cuda_version", "cuda_architectures",
     "python_tag", "cmake_args", "wheel", "native_libraries",
 )  # fmt: skip
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CUDA_ATTR_CC_MAJOR, CUDA_ATTR_CC_MINOR = 75, 76  # cudaDevAttrComputeCapabilityMajor / Minor
 GGML_DEVICE_TYPES = ("CPU", "GPU", "IGPU", "ACCEL", "META")
 PROBE_TIMEOUT_S = 180

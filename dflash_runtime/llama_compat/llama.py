@@ -38,9 +38,9 @@ from llama_cpp import llama_cpp as ll
 from llama_cpp.llama import Llama
 from llama_cpp.llama_speculative import LlamaDraftModel
 
-from . import load_pair
-from .errors import DownloadError, ModelFileError, PairMismatchError, RequestError
-from .llama_compat_openai import (
+from .. import load_pair
+from ..errors import DownloadError, ModelFileError, PairMismatchError, RequestError
+from .openai import (
     CHAT_OPTIONS_OFF,
     COMPLETION_OPTIONS_OFF,
     ResponseIds,
@@ -474,7 +474,8 @@ def _hub_file(
     token: str | None,
 ) -> str:
     """Local path of the one file of `repo_id` that `pattern` names (a glob pattern is resolved on the Hub)."""
-    from .hub import ModelSource, fetch_model_file
+    from ..space.downloads import fetch_model_file
+    from ..space.presets import ModelSource
 
     filename = pattern
     if any(char in pattern for char in "*?["):

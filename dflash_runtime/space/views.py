@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .hub import PairPreset
-from .space import Limits, RunMode
+from .presets import PairPreset, RunMode
+from .requests import Limits
 
 EMPTY_STATS = "*Statistics appear here while the model answers.*"
 WAITING_STATS = "*Waiting for the first tokens (the first request also loads the model)…*"

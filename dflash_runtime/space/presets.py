@@ -1,0 +1,238 @@
+"""The model pair as a named preset read from environment variables, and the run mode (the configured pair, or the
+offline demo on generated test models).
+
+| variable | meaning | default |
+| --- | --- | --- |
+| `DFLASH_PRESET_NAME` | name callers use to pick the pair | `qwen3.8-27b-dflash2` |
+| `DFLASH_TARGET_REPO` / `_FILE` / `_REVISION` | target GGUF on the Hub | see `DEFAULT_TARGET` |
+| `DFLASH_TARGET_PATH` | local target GGUF (skips the download) | unset |
+| `DFLASH_DRAFT_REPO` / `_FILE` / `_REVISION` / `_PATH` | the same for the draft | see `DEFAULT_DRAFT` |
+| `DFLASH_N_CTX` | context size in tokens | 16384 |
+| `DFLASH_GPU_LAYERS` | layers offloaded to the GPU (-1 = all) | -1 |
+| `DFLASH_DRAFT_MAX` | longest draft block | 7 |
+| `DFLASH_DEMO` | `tiny` = offline demo, `off` = the configured pair, unset = decide | unset |
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PRESET_NAME = "qwen3.8-27b-dflash2"
+DEFAULT_N_CTX = 16384
+DEFAULT_GPU_LAYERS = -1
+DEFAULT_DRAFT_MAX = 7
+_QUANT_PATTERN = re.compile(r"(NVFP4|MXFP4|IQ\d_[A-Z0-9_]+|Q\d_K(?:_[SML])?|Q\d_\d|BF16|F16|F32)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where one GGUF file comes from: a local path, or a file of a Hub repository at a revision."""
+
+    repo: str | None = None
+    filename: str | None = None
+    revision: str | None = None
+    local_path: Path | None = None
+
+    def describe(self) -> str:
+        if self.local_path is not None:
+            return str(self.local_path)
+        revision = f"@{self.revision}" if self.revision else ""
+        return f"{self.repo}/{self.filename}{revision}"
+
+    @property
+    def display_name(self) -> str:
+        return self.local_path.name if self.local_path is not None else str(self.filename)
+
+    @property
+    def quantisation(self) -> str:
+        """Quantisation read from the file name (GGUF names carry it by convention); "unknown" when absent."""
+        match = _QUANT_PATTERN.search(self.display_name)
+        return match.group(1).upper() if match else "unknown"
+
+
+DEFAULT_TARGET = ModelSource(
+    repo="utautako/Qwen3.8-27B-NVFP4-MTP-Q8attn-GGUF", filename="Qwen3.8-27B-NVFP4-MTP-Q8attn.gguf"
+)
+DEFAULT_DRAFT = ModelSource(repo="incoai/Qwen3.8-27B-DFlash2-GGUF", filename="Qwen3.8-27B-DFlash2-Q4_K_M.gguf")
+
+
+@dataclass(frozen=True)
+class PairPreset:
+    """A named, fully configured target + draft pair: the only thing API callers can choose."""
+
+    name: str
+    label: str
+    target: ModelSource
+    draft: ModelSource
+    n_ctx: int = DEFAULT_N_CTX
+    n_gpu_layers: int = DEFAULT_GPU_LAYERS
+    draft_max: int = DEFAULT_DRAFT_MAX
+    random_weights: bool = False
+
+    @property
+    def quantisation(self) -> str:
+        if self.random_weights:
+            return "none (generated test weights)"
+        return f"target {self.target.quantisation}, draft {self.draft.quantisation}"
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "label": self.label,
+            "target": self.target.describe(),
+            "draft": self.draft.describe(),
+            "quantisation": self.quantisation,
+            "n_ctx": self.n_ctx,
+            "n_gpu_layers": self.n_gpu_layers,
+            "draft_max": self.draft_max,
+            "random_weights": self.random_weights,
+        }
+
+
+@dataclass(frozen=True)
+class ResolvedPair:
+    """Local paths of a preset's two files, ready for `load_pair`."""
+
+    target_path: Path
+    draft_path: Path
+
+
+def env_text(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(name, "").strip()
+    return value or None
+
+
+def env_int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    text = env_text(env, name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {text!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def source_from_env(env: Mapping[str, str], role: str, default: ModelSource) -> ModelSource:
+    """Read DFLASH_<ROLE>_{REPO,FILE,REVISION,PATH}; a local path wins over the Hub."""
+    prefix = f"DFLASH_{role.upper()}_"
+    local_path = env_text(env, prefix + "PATH")
+    return ModelSource(
+        repo=env_text(env, prefix + "REPO") or default.repo,
+        filename=env_text(env, prefix + "FILE") or default.filename,
+        revision=env_text(env, prefix + "REVISION") or default.revision,
+        local_path=Path(local_path).expanduser() if local_path else None,
+    )
+
+
+def overrides_in_env(env: Mapping[str, str]) -> list[str]:
+    """Names of the model-source variables that are set (they mean "run this pair", not the offline demo)."""
+    roles = ("TARGET", "DRAFT")
+    parts = ("REPO", "FILE", "REVISION", "PATH")
+    return [f"DFLASH_{r}_{p}" for r in roles for p in parts if env_text(env, f"DFLASH_{r}_{p}")]
+
+
+def preset_from_env(env: Mapping[str, str] | None = None) -> PairPreset:
+    """The configured pair: the defaults above with every variable that is set applied."""
+    env = os.environ if env is None else env
+    target = source_from_env(env, "target", DEFAULT_TARGET)
+    draft = source_from_env(env, "draft", DEFAULT_DRAFT)
+    return PairPreset(
+        name=env_text(env, "DFLASH_PRESET_NAME") or DEFAULT_PRESET_NAME,
+        label=f"{target.display_name} + {draft.display_name}",
+        target=target,
+        draft=draft,
+        n_ctx=env_int(env, "DFLASH_N_CTX", DEFAULT_N_CTX, minimum=256),
+        n_gpu_layers=env_int(env, "DFLASH_GPU_LAYERS", DEFAULT_GPU_LAYERS, minimum=-1),
+        draft_max=env_int(env, "DFLASH_DRAFT_MAX", DEFAULT_DRAFT_MAX, minimum=1),
+    )
+
+
+def with_local_files(preset: PairPreset, target_path: Path, draft_path: Path, **changes: Any) -> PairPreset:
+    """A copy of `preset` that points at files already on disk (used for generated test models)."""
+    return replace(
+        preset, target=ModelSource(local_path=target_path), draft=ModelSource(local_path=draft_path), **changes
+    )
+
+
+
+DEMO_VALUES_TINY = ("tiny",)
+DEMO_VALUES_REAL = ("off", "0", "false", "no", "real")
+Message = dict[str, str]
+
+
+# -- run mode ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunMode:
+    """Whether the app serves generated tiny models (offline demo) or the configured pair, and why."""
+
+    tiny: bool
+    reason: str
+
+
+def on_zero_gpu(env: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return env.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
+
+
+def cuda_device_present() -> bool:
+    """An NVIDIA device node or driver entry exists; a file check only, so no CUDA context is created."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return Path("/dev/nvidia0").exists() or (gpus.is_dir() and any(gpus.iterdir()))
+
+
+def choose_run_mode(env: Mapping[str, str], overrides: Sequence[str], has_cuda: bool) -> RunMode:
+    """DFLASH_DEMO=tiny forces the offline demo and DFLASH_DEMO=off the real pair; otherwise the real pair runs
+    only where it can (ZeroGPU, a CUDA GPU, or model variables set), so a bare `python app.py` never starts a
+    multi-GB download on a laptop."""
+    demo = env.get("DFLASH_DEMO", "").strip().lower()
+    if demo in DEMO_VALUES_TINY:
+        return RunMode(True, "DFLASH_DEMO=tiny")
+    if demo in DEMO_VALUES_REAL:
+        return RunMode(False, f"DFLASH_DEMO={demo}")
+    if demo not in ("", "auto"):
+        raise ValueError(f"DFLASH_DEMO must be 'tiny', 'off' or 'auto', got {demo!r}")
+    if on_zero_gpu(env):
+        return RunMode(False, "running on ZeroGPU")
+    if overrides:
+        return RunMode(False, f"model variables set ({', '.join(overrides)})")
+    if has_cuda:
+        return RunMode(False, "a CUDA GPU is present")
+    return RunMode(True, "no GPU, no ZeroGPU and no model variables")
+
+
+TINY_PRESET_NAME = "tiny-random"
+TINY_N_CTX = 4096
+
+
+def configured_preset(mode: RunMode, env: Mapping[str, str] | None = None) -> PairPreset:
+    """The pair this server offers: the environment's, or in the offline demo generated tiny models (CPU)."""
+    env = os.environ if env is None else env
+    preset = preset_from_env(env)
+    if not mode.tiny:
+        return preset
+    from ..testing.tiny_models import tiny_pair
+
+    pair = tiny_pair(target="dense", draft="dflash2", head="shaped")
+    return with_local_files(
+        preset,
+        pair.target,
+        pair.draft,
+        name=TINY_PRESET_NAME,
+        label="tiny random-weight test models (dense qwen3 target + DFlash 2 draft)",
+        n_ctx=preset.n_ctx if env.get("DFLASH_N_CTX", "").strip() else TINY_N_CTX,
+        n_gpu_layers=0,
+        random_weights=True,
+    )
+
+
+# -- limits and requests ----------------------------------------------------------------------------------------

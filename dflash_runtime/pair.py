@@ -15,6 +15,7 @@ from typing import Any
 from llama_cpp import _logger
 from llama_cpp import llama_cpp as ll
 
+from .backends import load_backends
 from .errors import ContextCreationError, EngineClosedError, PairMismatchError
 from .gguf_meta import GGUFInfo, read_gguf
 from .native import DFlashApi, dflash_api
@@ -66,7 +67,7 @@ def _init_backend() -> None:
     global _backend_ready
     if not _backend_ready:
         _log.install()
-        ll.llama_backend_init()
+        load_backends()
         _backend_ready = True
 
 

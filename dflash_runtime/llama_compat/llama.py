@@ -39,6 +39,7 @@ from llama_cpp.llama import Llama
 from llama_cpp.llama_speculative import LlamaDraftModel
 
 from .. import load_pair
+from ..backends import load_backends
 from ..errors import DownloadError, ModelFileError, PairMismatchError, RequestError
 from .openai import (
     CHAT_OPTIONS_OFF,
@@ -217,6 +218,7 @@ class DFlashLlama(Llama):
 
     def _init_llama_loop(self, model_path: StrPath, draft: LlamaDraftModel, llama_kwargs: dict[str, Any]) -> None:
         safe_draft = draft if isinstance(draft, ArrayDraft) else ArrayDraft(draft)
+        load_backends()  # a build with loadable backends registers none by itself
         super().__init__(os.fspath(model_path), **{**llama_kwargs, "draft_model": safe_draft, "logits_all": True})
         if self._is_hybrid or self._is_recurrent:
             self.close()

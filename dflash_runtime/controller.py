@@ -11,7 +11,9 @@ from typing import Any, Protocol
 class DraftPolicy(Protocol):
     eager_inject: bool
 
-    def choose(self, pos0: int) -> int: ...
+    def choose(self, pos0: int, limit: int) -> int:
+        """The draft length for the round at `pos0`, at most `limit` (the room left in the context and the request)."""
+        ...
 
     def observe(self, n_block: int, n_drafted: int, n_accepted: int, seconds: float) -> None: ...
 
@@ -28,8 +30,8 @@ class FixedLength:
     def __init__(self, n: int) -> None:
         self.n = n
 
-    def choose(self, pos0: int) -> int:
-        return self.n
+    def choose(self, pos0: int, limit: int) -> int:
+        return min(self.n, limit)
 
     def observe(self, n_block: int, n_drafted: int, n_accepted: int, seconds: float) -> None:
         pass
@@ -78,6 +80,7 @@ class AdaptiveLength:
         self._ramping = False
         self._episode_paid = False
         self._new_request = False
+        self._plan_next = False
 
     # -- estimates ----------------------------------------------------------------------------------------------
 
@@ -126,20 +129,25 @@ class AdaptiveLength:
     def begin_request(self) -> None:
         self._new_request = True
 
-    def choose(self, pos0: int) -> int:
+    def choose(self, pos0: int, limit: int) -> int:
+        n = min(self._plan(), limit)
+        self._new_request = False
+        self.history.append(n)
+        return n
+
+    def _plan(self) -> int:
         self._probing = False
         if self.cost[self.n_max] is None:
             n = self.n_max  # first round: learn every position's acceptance and the longest round's cost
         elif self.cost[0] is None:
-            n = 0
-            self._new_request = True  # both ends measured: plan at the next round, without waiting for a probe
-            self.history.append(n)
-            return n
+            self._plan_next = True  # both ends measured: plan at the next round, without waiting for a probe
+            return 0
         elif self._ramping:
             n = min(self.n_max, max(self.best_length(), 2 * self.history[-1]))  # drafts pay again: climb fast
         elif self.history and self.history[-1] == 0:
             n = 0  # plain rounds teach only the plain cost: re-plan at probes only
-            if self._new_request or self.since_draft >= self.probe_interval:
+            if self._new_request or self._plan_next or self.since_draft >= self.probe_interval:
+                self._plan_next = False
                 rates = self.rates()
                 n = max(range(len(rates)), key=rates.__getitem__)
                 if n == 0:
@@ -147,8 +155,6 @@ class AdaptiveLength:
                     self._probing = True
         else:
             n = self.best_length()
-        self._new_request = False
-        self.history.append(n)
         return n
 
     def observe(self, n_block: int, n_drafted: int, n_accepted: int, seconds: float) -> None:

@@ -1,98 +1,141 @@
-"""The speculative engine: prefill → (draft → verify → accept → rollback)* over a linked pair.
+"""The speculative engine: a linked pair, the caches' bookkeeping, and requests streamed one at a time.
 
-Every emitted token is a target sample given the accepted prefix, so the output equals target-only decoding:
-token-identical at temperature 0, and the same draws (hence the same text for a given seed) above it.
+Every emitted token is a target sample given the accepted prefix, so the output is the target's own: token for
+token at temperature 0, and in distribution above it (see verify.py). The caches are kept between requests: a new
+request prefills only what follows the prefix it shares with the cache (see cache.py for the one rule of going
+back, and checkpoints.py for hybrid targets). Lifetime, cancellation and busy rules are in streams.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import threading
-import time
+import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp
 from llama_cpp import llama_cpp as ll
 
 from .batches import TokenBatch
-from .chat import ChatTemplate
+from .cache import PairCache
+from .chat import ChatTemplate, ControlToken, control_tokens
+from .checkpoints import CheckpointPolicy, CheckpointStore
 from .controller import DraftPolicy, make_policy
+from .decoding import Decoding, Parts, Request
 from .drafter import BlockDrafter
-from .errors import PromptTooLongError, RequestError, RollbackError
+from .errors import EngineClosedError, PromptTooLongError, RequestError
 from .features import FeatureBridge
 from .pair import LinkedPair
 from .results import Result, StreamEvent
-from .sampling import Sampler, SamplingParams
+from .sampling import VERIFY_MODES, SamplingParams
 from .stats import Stats
-from .textstream import TextStream, detokenize, token_piece
+from .streams import CLOSED_MESSAGE, Occupancy, RequestStream
+from .textstream import detokenize, token_piece
+
+DEFAULT_BUSY_TIMEOUT_S = 300.0
 
 
-@dataclass(frozen=True)
-class Request:
-    max_tokens: int
-    sampling: SamplingParams
-    stop: tuple[str, ...]
-    speculative: bool
-    draft_max: int | str
-    n_min: int
-    p_min: float
+class Engine:
+    """Generates with a linked target + DFlash draft pair (or the target alone). One request at a time.
 
+    Keyword arguments: those of `LinkedPair` (n_ctx, n_gpu_layers, draft_capacity, n_batch, n_threads, n_rs_seq,
+    verbose), plus `draft_policy` (a request's default draft_max: "auto" or a fixed length), `checkpoints` (a
+    `CheckpointPolicy` for hybrid targets; `CheckpointPolicy(max_count=0)` turns them off) and `busy_timeout_s`
+    (how long another thread's request waits for the engine; None waits as long as it takes).
+    """
 
-class _Clock:
-    """Accumulates time spent inside native calls."""
-
-    def __init__(self) -> None:
-        self.s = 0.0
-
-    def __enter__(self) -> None:
-        self._t = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.s += time.perf_counter() - self._t
-
-
-class Engine(LinkedPair):
-    """A linked pair that generates. One request at a time; the KV cache is kept between requests and reused."""
-
-    def __init__(self, *args: Any, draft_policy: str | int = "auto", **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, target_path: str | os.PathLike[str], draft_path: str | os.PathLike[str] | None = None, *,
+                 draft_policy: str | int = "auto", checkpoints: CheckpointPolicy | None = None,
+                 busy_timeout_s: float | None = DEFAULT_BUSY_TIMEOUT_S, **pair_options: Any) -> None:
+        self.pair = LinkedPair(target_path, draft_path, **pair_options)
         try:
-            self._setup(draft_policy)
+            self._open(draft_policy, checkpoints or CheckpointPolicy(), busy_timeout_s)
         except BaseException:
-            self.close()
+            self.pair.close()
             raise
 
-    def _setup(self, draft_policy: str | int) -> None:
-        self._lock = threading.Lock()
-        self._cancel = threading.Event()
-        self._kv: list[int] = []  # tokens whose K/V are in the target cache (positions 0..len-1); the draft's ≤ these
-        self._mem = ll.llama_get_memory(self.target_ctx)
-        self._batch = TokenBatch(self.n_batch)
-        self._bridge: FeatureBridge | None = None
-        self._drafter: BlockDrafter | None = None
-        if self.spec is not None:
-            assert self.api is not None
-            self._draft_mem = ll.llama_get_memory(self.draft_ctx)
-            self._bridge = FeatureBridge(self.api, self.target_ctx, self.draft_ctx, self.spec.target_layer_ids,
-                                         self.n_embd, self.n_ubatch)
-            self._drafter = BlockDrafter(self.api, self.draft_ctx, self.spec, self.n_embd_draft, self.n_vocab)
+    def _open(self, draft_policy: str | int, checkpoints: CheckpointPolicy, busy_timeout_s: float | None) -> None:
+        pair = self.pair
+        self._occupancy = Occupancy(self._free, busy_timeout_s)
+        batch = TokenBatch(pair.n_batch)
+        bridge = drafter = None
+        if pair.spec is not None:
+            assert pair.api is not None
+            bridge = FeatureBridge(pair.api, pair.target_ctx, pair.draft_ctx, pair.spec.target_layer_ids,
+                                   pair.n_embd, pair.n_ubatch)
+            drafter = BlockDrafter(pair.api, pair.draft_ctx, pair.spec, pair.n_embd_draft, pair.n_vocab)
+        store = CheckpointStore(pair.target_ctx, checkpoints) if pair.is_recurrent else None
+        cache = PairCache(pair.target_ctx, pair.draft_ctx, bridge, recurrent=pair.is_recurrent,
+                          n_rs_seq=pair.n_rs_seq, checkpoints=store)
+        self._parts = Parts(pair, cache, batch, bridge, drafter)
         self.default_draft_policy = draft_policy
         self._policies: dict[str, DraftPolicy] = {}
         self.template = self._load_template()
+        self._controls: list[ControlToken] | None = None
 
-    # -- public API ---------------------------------------------------------------------------------------------
+    # -- the pair's facts ---------------------------------------------------------------------------------------
+
+    @property
+    def target_model(self) -> Any:
+        return self.pair.target_model
+
+    @property
+    def target_ctx(self) -> Any:
+        return self.pair.target_ctx
+
+    @property
+    def draft_model(self) -> Any:
+        return self.pair.draft_model
+
+    @property
+    def draft_ctx(self) -> Any:
+        return self.pair.draft_ctx
+
+    @property
+    def n_ctx(self) -> int:
+        return self.pair.n_ctx
+
+    @property
+    def n_batch(self) -> int:
+        return self.pair.n_batch
+
+    @property
+    def draft_capacity(self) -> int:
+        """The longest draft this pair was opened for (0 without a draft)."""
+        return self.pair.draft_capacity
+
+    @property
+    def draft_max(self) -> int:
+        """The older spelling of `draft_capacity`."""
+        return self.pair.draft_capacity
+
+    @property
+    def spec(self) -> Any:
+        return self.pair.spec
+
+    @property
+    def closed(self) -> bool:
+        return self._occupancy.closing
+
+    def check_open(self) -> None:
+        if self._occupancy.closing:
+            raise EngineClosedError(CLOSED_MESSAGE)
+
+    # -- requests -----------------------------------------------------------------------------------------------
 
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> Result:
         tokens: list[int] = []
+        sources: list[str] = []
         parts: list[str] = []
         last: StreamEvent | None = None
-        for last in self.stream(prompt, **kwargs):
-            tokens += last.tokens
-            parts.append(last.delta)
+        with self.stream(prompt, **kwargs) as events:
+            for last in events:
+                tokens += last.tokens
+                sources += last.token_sources
+                parts.append(last.delta)
         assert last is not None and last.finish_reason is not None
-        return Result(tokens, "".join(parts), last.finish_reason, last.stats, last.finish_detail)
+        return Result(tokens, "".join(parts), last.finish_reason, last.stats, last.finish_detail, sources)
 
     def stream(
         self,
@@ -109,337 +152,221 @@ class Engine(LinkedPair):
         draft_max: int | str | None = None,
         n_min: int = 0,
         p_min: float = 0.0,
-    ) -> Iterator[StreamEvent]:
+        verify: str = "sample",
+    ) -> RequestStream:
+        """A request's events, one per engine step; the request starts at the first `next()`.
+
+        `draft_max`: "auto" (the adaptive controller), or a fixed length ≤ `draft_capacity`; default the engine's
+        `draft_policy`. `verify` ("sample" or "match") chooses how drafts are checked above temperature 0."""
         self.check_open()
         tokens = self._prompt_tokens(prompt)
         req = self._request(max_tokens, SamplingParams(temperature, top_k, top_p, min_p, seed), stop, speculative,
-                            draft_max, n_min, p_min)
-        if len(tokens) >= self.n_ctx:
-            raise PromptTooLongError(
-                f"the prompt has {len(tokens)} tokens but the context holds {self.n_ctx}: shorten it or open the "
-                "pair with a larger n_ctx"
-            )
-        return self._run(tokens, req)
+                            draft_max, n_min, p_min, verify)
+        return self._start(tokens, req)
 
     def stream_chat(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool | None = None,
-                    **kwargs: Any) -> Iterator[StreamEvent]:
-        return self.stream(self.render_chat(messages, enable_thinking=enable_thinking), **kwargs)
+                    **kwargs: Any) -> RequestStream:
+        return self.stream(self.chat_tokens(messages, enable_thinking=enable_thinking), **kwargs)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool | None = None,
              **kwargs: Any) -> Result:
-        return self.generate(self.render_chat(messages, enable_thinking=enable_thinking), **kwargs)
+        return self.generate(self.chat_tokens(messages, enable_thinking=enable_thinking), **kwargs)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool | None = None) -> str:
-        if self.template is None:
-            raise RequestError(f"{self.target_info.path.name} has no chat template (tokenizer.chat_template)")
-        return self.template.render(messages, enable_thinking=enable_thinking)
+        """The chat prompt as text (for display; `chat_tokens` is what the model reads)."""
+        return self._template().render(messages, enable_thinking=enable_thinking)
+
+    def chat_tokens(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool | None = None) -> list[int]:
+        """The chat prompt's tokens: the template's own text may become control tokens, message content never."""
+        template = self._template()
+        with self._occupancy.cond:
+            if self._controls is None:
+                self._controls = control_tokens(self.pair.vocab, self.pair.n_vocab, self._special_piece)
+            controls = self._controls
+        return template.tokens(messages, self._tokenize, controls, enable_thinking=enable_thinking)
 
     def cancel(self) -> None:
-        """Stop the running request between two steps (thread-safe); it ends with finish_reason "cancelled"."""
-        self._cancel.set()
+        """Cancel every request of this engine that exists now (running, suspended or not started yet), between
+        two steps; each ends with finish_reason "cancelled". Requests created later are not affected."""
+        self.check_open()
+        self._occupancy.cancel_all()
+
+    # -- tokens -------------------------------------------------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        self.check_open()
-        raw = text.encode("utf-8")
-        cap = len(raw) + 8
-        while True:
-            buf = (ll.llama_token * cap)()
-            n = ll.llama_tokenize(self.vocab, raw, len(raw), buf, cap, add_special, parse_special)
-            if n >= 0:
-                return list(buf[:n])
-            cap = -n
+        return self._tokenize(text, add_special, parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        self.check_open()
-        return detokenize(self.vocab, tokens)
+        with self._open_native():
+            return detokenize(self.pair.vocab, tokens)
 
     def token_text(self, token: int) -> str:
-        return token_piece(self.vocab, token, ctypes.create_string_buffer(256)).decode("utf-8", "replace")
+        """The text of one token, special tokens rendered."""
+        with self._open_native():
+            return self._special_piece(token)
+
+    # -- state --------------------------------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget the cached prefix (both caches)."""
-        self.check_open()
-        with self._lock:
-            self._clear_caches()
+        """Forget the cached prefix (both caches and the checkpoints)."""
+        with self._occupancy.exclusive():
+            self._parts.cache.clear()
 
     def info(self) -> dict[str, Any]:
-        spec = self.spec
-        return {
-            "target": str(self.target_info.path),
-            "draft": str(self.draft_info.path) if self.draft_info else None,
-            "target_arch": self.target_info.arch,
-            "hybrid": self.is_recurrent,
-            "draft_kind": None if spec is None else ("dflash2" if spec.is_dflash2 else "dflash1"),
-            "block_size": spec.block_size if spec else None,
-            "draft_max": self.draft_max,
-            "target_layer_ids": list(spec.target_layer_ids) if spec else [],
-            "n_ctx": self.n_ctx,
-            "n_batch": self.n_batch,
-            "n_rs_seq": self.n_rs_seq,
-            "n_vocab": self.n_vocab,
-            "n_embd": self.n_embd,
-            "chat_template": self.template is not None,
-            "supports_thinking": bool(self.template and self.template.supports_thinking),
-            "llama_cpp_version": llama_cpp.__version__,
-        }
+        with self._open_native():
+            pair, spec, store = self.pair, self.pair.spec, self._parts.cache.checkpoints
+            return {
+                "target": str(pair.target_info.path),
+                "draft": str(pair.draft_info.path) if pair.draft_info else None,
+                "target_arch": pair.target_info.arch,
+                "hybrid": pair.is_recurrent,
+                "draft_kind": None if spec is None else ("dflash2" if spec.is_dflash2 else "dflash1"),
+                "block_size": spec.block_size if spec else None,
+                "draft_capacity": pair.draft_capacity,
+                "target_layer_ids": list(spec.target_layer_ids) if spec else [],
+                "n_ctx": pair.n_ctx,
+                "n_batch": pair.n_batch,
+                "n_rs_seq": pair.n_rs_seq,
+                "n_vocab": pair.n_vocab,
+                "n_embd": pair.n_embd,
+                "n_cached": len(self._parts.cache),
+                "checkpoints": store.describe() if store is not None else None,
+                "chat_template": self.template is not None,
+                "supports_thinking": bool(self.template and self.template.supports_thinking),
+                "llama_cpp_version": llama_cpp.__version__,
+            }
 
     def close(self) -> None:
-        if self.closed:
-            return
-        lock = getattr(self, "_lock", None)
-        if lock is None:  # construction failed before the engine's own parts existed
-            super().close()
-            return
-        self._cancel.set()
-        with lock:
-            for name in ("_drafter", "_bridge", "_batch"):
-                part = getattr(self, name, None)
-                if part is not None:
-                    part.free()
-            super().close()
+        """Close the engine at once; a request suspended or running ends with one final "cancelled" event, and the
+        native handles are freed as soon as no step runs (see streams.py). Idempotent."""
+        if not self._occupancy.closing:
+            self._occupancy.close()
 
-    # -- request checks -----------------------------------------------------------------------------------------
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # -- internals ----------------------------------------------------------------------------------------------
+
+    def _free(self) -> None:
+        parts = self._parts
+        for part in (parts.drafter, parts.bridge, parts.batch):
+            if part is not None:
+                part.free()
+        self.pair.close()
+
+    @contextlib.contextmanager
+    def _open_native(self) -> Iterator[None]:
+        """Native reads outside requests: under the occupancy lock, so close() cannot free them midway."""
+        with self._occupancy.cond:
+            self.check_open()
+            yield
+
+    def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        raw = text.encode("utf-8")
+        cap = len(raw) + 8
+        with self._open_native():
+            while True:
+                buf = (ll.llama_token * cap)()
+                n = ll.llama_tokenize(self.pair.vocab, raw, len(raw), buf, cap, add_special, parse_special)
+                if n >= 0:
+                    return list(buf[:n])
+                if n == -(2**31):
+                    raise RequestError("the text is too long to tokenize")
+                cap = -n
+
+    def _special_piece(self, token: int) -> str:
+        return token_piece(self.pair.vocab, token, ctypes.create_string_buffer(256)).decode("utf-8", "replace")
+
+    def _template(self) -> ChatTemplate:
+        self.check_open()
+        if self.template is None:
+            raise RequestError(f"{self.pair.target_info.path.name} has no chat template (tokenizer.chat_template)")
+        return self.template
+
+    def _start(self, tokens: list[int], req: Request) -> RequestStream:
+        holder: dict[str, Decoding] = {}
+
+        def decoding(stream: RequestStream) -> Iterator[StreamEvent]:
+            holder["run"] = run = Decoding(self._parts, tokens, req, self._policy(req), stream.cancelled.is_set)
+            return run.events()
+
+        def final(detail: str) -> StreamEvent:
+            run = holder.get("run")
+            if run is not None:
+                return run.final_event([], [], "", "cancelled", detail)
+            stats = Stats(speculative=req.speculative, draft_capacity=self.pair.draft_capacity, n_prompt=len(tokens))
+            return StreamEvent("", [], stats, "cancelled", detail)
+
+        return RequestStream(self._occupancy, decoding, final, self._parts.cache.clear)
 
     def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("the prompt is empty")
-            return self.tokenize(prompt)
-        tokens = [int(t) for t in prompt]
+            tokens = self._tokenize(prompt, True, True)
+        else:
+            try:
+                tokens = [int(t) for t in prompt]
+            except (TypeError, ValueError) as error:
+                raise RequestError(f"a prompt is a string or a sequence of token ids ({error})") from None
+            bad = [t for t in tokens if not 0 <= t < self.pair.n_vocab]
+            if bad:
+                raise RequestError(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.pair.n_vocab - 1})"
+                )
         if not tokens:
             raise RequestError("the prompt is empty")
-        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
-        if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.n_vocab - 1})")
+        if len(tokens) >= self.n_ctx:
+            raise PromptTooLongError(
+                f"the prompt has {len(tokens)} tokens but the context holds {self.n_ctx}: shorten it or open the "
+                "pair with a larger n_ctx"
+            )
         return tokens
 
     def _request(self, max_tokens: int, sampling: SamplingParams, stop: str | Sequence[str] | None,
-                 speculative: bool, draft_max: int | str | None, n_min: int, p_min: float) -> Request:
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+                 speculative: bool, draft_max: int | str | None, n_min: int, p_min: float, verify: str) -> Request:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise RequestError(f"max_tokens must be a positive integer (got {max_tokens!r})")
         sampling.check()
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        capacity = self.pair.draft_capacity
         policy = self.default_draft_policy if draft_max is None else draft_max
-        fixed_ok = isinstance(policy, int) and not isinstance(policy, bool) and 0 <= policy <= self.draft_max
+        fixed_ok = isinstance(policy, int) and not isinstance(policy, bool) and 0 <= policy <= capacity
         if policy != "auto" and not fixed_ok:
-            raise RequestError(f"draft_max must be 'auto' or an integer in 0..{self.draft_max} (got {policy!r})")
-        if not 0 <= n_min <= max(self.draft_max, 0) or not 0.0 <= p_min < 1.0:
-            raise RequestError(f"n_min must be in 0..{self.draft_max} and p_min in [0, 1)")
-        return Request(max_tokens, sampling, stops, speculative and self.spec is not None, policy, n_min, p_min)
+            raise RequestError(f"draft_max must be 'auto' or an integer in 0..{capacity} (got {policy!r})")
+        if not 0 <= n_min <= capacity or not 0.0 <= p_min < 1.0:
+            raise RequestError(f"n_min must be in 0..{capacity} and p_min in [0, 1)")
+        if verify not in VERIFY_MODES:
+            raise RequestError(f"verify must be one of {', '.join(VERIFY_MODES)} (got {verify!r})")
+        on = bool(speculative) and self.pair.spec is not None
+        return Request(max_tokens, sampling, stops, on, policy, n_min, p_min, verify)
 
     def _policy(self, req: Request) -> DraftPolicy | None:
         if not req.speculative:
             return None
         key = str(req.draft_max)
         if key not in self._policies:
-            self._policies[key] = make_policy(req.draft_max, self.draft_max, verify_cap=self._verify_cap())
+            self._policies[key] = make_policy(req.draft_max, self.pair.draft_capacity, verify_cap=self._verify_cap())
         return self._policies[key]
 
     def _verify_cap(self) -> int:
         # CUDA's small-batch matrix-vector kernels take up to 8 rows: keep verify batches there on a GPU target.
-        on_gpu = self.n_gpu_layers != 0 and bool(ll.llama_supports_gpu_offload())
-        return 7 if on_gpu else self.n_ubatch - 1
+        on_gpu = self.pair.n_gpu_layers != 0 and bool(ll.llama_supports_gpu_offload())
+        return 7 if on_gpu else self.pair.n_ubatch - 1
 
     def _load_template(self) -> ChatTemplate | None:
-        raw = ll.llama_model_chat_template(self.target_model, None)
-        src = raw.decode("utf-8", "replace") if raw else self.meta("tokenizer.chat_template")
+        raw = ll.llama_model_chat_template(self.pair.target_model, None)
+        src = raw.decode("utf-8", "replace") if raw else self.pair.meta("tokenizer.chat_template")
         if not src:
             return None
-        return ChatTemplate(src, self._special_text(ll.llama_vocab_bos(self.vocab)),
-                            self._special_text(ll.llama_vocab_eos(self.vocab)))
-
-    def _special_text(self, token: int) -> str:
-        return self.token_text(token) if 0 <= token < self.n_vocab else ""
-
-    # -- cache bookkeeping --------------------------------------------------------------------------------------
-
-    def _clear_caches(self) -> None:
-        ll.llama_memory_clear(self._mem, True)
-        if self.spec is not None:
-            ll.llama_memory_clear(self._draft_mem, True)
-            assert self._bridge is not None
-            self._bridge.n_pending = 0
-        self._kv = []
-
-    def _trim(self, n: int) -> None:
-        """Keep positions 0..n-1 in both caches. A refused removal clears both caches (they would still hold
-        rejected rows) and raises: never ignored."""
-        had = len(self._kv)
-        if n < had and not ll.llama_memory_seq_rm(self._mem, 0, n, -1):
-            self._clear_caches()
-            raise RollbackError(
-                f"the target cache refused to roll back to position {n} (had {had}): a hybrid target "
-                f"needs n_rs_seq ≥ the draft length (it has {self.n_rs_seq})"
-            )
-        del self._kv[n:]
-        if self._bridge is not None:
-            self._bridge.drop_from(n)
-            # The draft's cache is attention only: removing a suffix, even an empty one, always succeeds there.
-            if not ll.llama_memory_seq_rm(self._draft_mem, 0, n, -1):
-                self._clear_caches()
-                raise RollbackError(f"the draft cache refused to roll back to position {n}")
-
-    def _reuse_prefix(self, tokens: list[int]) -> int:
-        """Keep the longest cached prefix of `tokens` (at least one token is left to decode for its logits)."""
-        limit = min(len(self._kv), len(tokens) - 1)
-        n = 0
-        while n < limit and self._kv[n] == tokens[n]:
-            n += 1
-        try:
-            self._trim(n)
-        except RollbackError:
-            n = 0  # a recurrent state cannot go back further than its snapshots: start over (caches are cleared)
-        return n
-
-    def _flush_features(self) -> None:
-        assert self._bridge is not None
-        self._bridge.flush()
-
-    # -- the loop -----------------------------------------------------------------------------------------------
-
-    def _decode_target(self, tokens: Sequence[int], outputs: str, clock: _Clock) -> None:
-        pos0 = len(self._kv)
-        n = self._batch.fill(tokens, pos0, outputs=outputs)
-        with clock:
-            self._batch.decode(self.target_ctx, "target")
-        self._kv.extend(tokens)
-        if self._bridge is not None:
-            self._bridge.capture(n, pos0)
-
-    def _prefill(self, tokens: list[int], stats: Stats, clock: _Clock, speculative: bool) -> None:
-        t0 = time.perf_counter()
-        n_reused = self._reuse_prefix(tokens)
-        todo = tokens[n_reused:]
-        stats.n_prompt, stats.n_reused, stats.n_prefilled = len(tokens), n_reused, len(todo)
-        for start in range(0, len(todo), self.n_batch):
-            chunk = todo[start:start + self.n_batch]
-            last = start + len(chunk) == len(todo)
-            self._decode_target(chunk, "last" if last else "none", clock)
-            if self._bridge is not None and (speculative or self._bridge.n_pending >= self._bridge.capacity):
-                self._flush_features()  # speculative requests inject each prompt chunk at once, as llama.cpp does
-        stats.prefill_ms = (time.perf_counter() - t0) * 1000.0
-
-    def _run(self, prompt: list[int], req: Request) -> Iterator[StreamEvent]:
-        with self._lock:
-            self._cancel.clear()
-            yield from self._loop(prompt, req)
-
-    def _loop(self, prompt: list[int], req: Request) -> Iterator[StreamEvent]:
-        stats = Stats(speculative=req.speculative, draft_max=self.draft_max)
-        policy = self._policy(req)
-        if policy is not None:
-            policy.begin_request()
-        text = TextStream(self.vocab, req.stop)
-        clock = _Clock()
-        with Sampler(req.sampling) as sampler:
-            self._prefill(prompt, stats, clock, req.speculative)
-            t_start, clock.s = time.perf_counter(), 0.0
-            with clock:
-                id_last = sampler.sample(self.target_ctx, -1)
-            tokens: list[int] = []
-            delta = ""
-            finish: str | None = None
-            detail = ""
-            if ll.llama_vocab_is_eog(self.vocab, id_last):
-                finish, detail = "stop", "end of generation"
-            else:
-                tokens, delta = [id_last], text.feed(id_last)
-                stats.n_generated = 1
-                if text.stopped:
-                    finish, detail = "stop", "stop string"
-            while finish is None:
-                if stats.n_generated >= req.max_tokens:
-                    finish, detail = "length", f"max_tokens={req.max_tokens} reached"
-                    break
-                if len(self._kv) >= self.n_ctx:
-                    finish, detail = "length", f"the context is full ({self.n_ctx} tokens)"
-                    break
-                self._time(stats, t_start, clock)
-                yield StreamEvent(delta, tokens, stats.snapshot())
-                tokens, delta = [], ""
-                if self._cancel.is_set():
-                    finish, detail = "cancelled", "cancelled by the caller"
-                    break
-                tokens, delta, finish, detail = self._step(id_last, req, policy, sampler, text, stats, clock)
-                if tokens:
-                    id_last = tokens[-1]
-            delta += text.finish()
-            self._time(stats, t_start, clock)
-            if policy is not None:
-                stats.controller = policy.describe()
-            yield StreamEvent(delta, tokens, stats.snapshot(), finish, detail)
-
-    @staticmethod
-    def _time(stats: Stats, t_start: float, clock: _Clock) -> None:
-        stats.decode_ms = (time.perf_counter() - t_start) * 1000.0
-        stats.native_ms = clock.s * 1000.0
-
-    def _step(self, id_last: int, req: Request, policy: DraftPolicy | None, sampler: Sampler, text: TextStream,
-              stats: Stats, clock: _Clock) -> tuple[list[int], str, str | None, str]:
-        """One target decode: [id_last] plus a draft when it pays. Returns (tokens, text, finish, detail)."""
-        t_round = time.perf_counter()
-        pos0 = len(self._kv)
-        # Like llama.cpp's server: leave room in the context and do not draft past max_tokens.
-        cap = min(self.n_ctx - pos0 - 2, req.max_tokens - stats.n_generated - 1)
-        n_block = policy.choose(pos0) if policy is not None and cap > 0 else 0
-        if pos0 + n_block + 1 > self.n_ctx:
-            n_block = 0  # the draft's block would not fit in its cache: a plain step, as llama.cpp ends up doing
-        drafts: list[int] = []
-        if n_block > 0:
-            # Rows left pending by plain rounds belong to those rounds' cost, not to this one's.
-            t_round += self._inject_pending(stats, clock)
-            drafts = self._propose(id_last, pos0, n_block, req, stats, clock)[:cap]
-        if policy is not None:
-            stats.draft_lengths.append(len(drafts))
-        t = time.perf_counter()
-        self._decode_target([id_last, *drafts], "all", clock)
-        t_inject = self._inject_pending(stats, clock) if drafts and (policy is None or policy.eager_inject) else 0.0
-        new, delta, m, finish, detail = self._accept(drafts, sampler, text, clock)
-        stats.verify_ms += (time.perf_counter() - t - t_inject) * 1000.0
-        stats.n_generated += len(new)
-        self._trim(pos0 + 1 + m)
-        if drafts:
-            stats.record_verify(len(drafts), m, len(new))
-        else:
-            stats.plain_steps += 1
-        if policy is not None:
-            policy.observe(n_block, len(drafts), m, time.perf_counter() - t_round)
-        return new, delta, finish, detail
-
-    def _inject_pending(self, stats: Stats, clock: _Clock) -> float:
-        """Bring the draft cache up to date with the target's; returns the seconds it took."""
-        t = time.perf_counter()
-        with clock:
-            self._flush_features()
-        spent = time.perf_counter() - t
-        stats.inject_ms += spent * 1000.0
-        return spent
-
-    def _propose(self, id_last: int, pos0: int, n_block: int, req: Request, stats: Stats, clock: _Clock) -> list[int]:
-        assert self._drafter is not None
-        t = time.perf_counter()
-        with clock:
-            drafts = self._drafter.draft(id_last, pos0, n_block, n_min=req.n_min, p_min=req.p_min)
-        stats.draft_ms += (time.perf_counter() - t) * 1000.0
-        return drafts
-
-    def _accept(self, drafts: list[int], sampler: Sampler, text: TextStream, clock: _Clock
-                ) -> tuple[list[int], str, int, str | None, str]:
-        """Sample the verify rows in order while they match the drafts: (tokens, text, n_matched, finish, detail)."""
-        new: list[int] = []
-        delta = ""
-        m = 0
-        for i in range(len(drafts) + 1):
-            with clock:
-                tok = sampler.sample(self.target_ctx, i)
-            if ll.llama_vocab_is_eog(self.vocab, tok):
-                return new, delta, m, "stop", "end of generation"
-            new.append(tok)
-            delta += text.feed(tok)
-            matched = i < len(drafts) and tok == drafts[i]
-            m += matched
-            if text.stopped:
-                return new, delta, m, "stop", "stop string"
-            if not matched:
-                break
-        return new, delta, m, None, ""
+        vocab, n_vocab = self.pair.vocab, self.pair.n_vocab
+        bos, eos = ll.llama_vocab_bos(vocab), ll.llama_vocab_eos(vocab)
+        return ChatTemplate(src, self._special_piece(bos) if 0 <= bos < n_vocab else "",
+                            self._special_piece(eos) if 0 <= eos < n_vocab else "")

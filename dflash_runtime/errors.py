@@ -43,5 +43,9 @@ class EngineClosedError(DFlashError, RuntimeError):
     """The engine was used after close()."""
 
 
+class EngineBusyError(DFlashError, RuntimeError):
+    """The engine is serving another request: this thread holds a suspended stream, or the wait timed out."""
+
+
 class DownloadError(DFlashError, OSError):
     """A model file could not be fetched from the Hub."""

@@ -21,6 +21,7 @@ from .gguf_meta import GGUFInfo, read_gguf
 from .native import DFlashApi, dflash_api
 from .validation import DraftSpec, validate_pair
 
+DEFAULT_DRAFT_CAPACITY = 7  # verify batches of ≤ 8 rows stay on CUDA's small-batch kernels
 _backend_ready = False
 _live_handles = 0
 _live_lock = threading.Lock()
@@ -122,8 +123,10 @@ def _meta_str(model: Any, key: str) -> str | None:
 class LinkedPair:
     """Owns the target model/context and, optionally, the DFlash draft model/context linked to it.
 
-    A hybrid (recurrent) target gets `n_rs_seq` = draft_max recurrent-state snapshots so that rejected drafts can
-    be rolled back; pass `n_rs_seq` to override (0 disables rollback, and speculative requests then fail loudly).
+    `draft_capacity` is the longest draft the pair is opened for: it sizes the verify ubatch and, for a hybrid
+    (recurrent) target, the `n_rs_seq` recurrent-state snapshots that let rejected drafts be rolled back (pass
+    `n_rs_seq` to override; 0 disables rollback, and speculative requests then fail loudly). A request may draft
+    less (its `draft_max`), never more. `draft_max=` is accepted as the older spelling of `draft_capacity`.
     Raw pointers are exposed as `.target_model`, `.target_ctx`, `.draft_model`, `.draft_ctx` for callers that
     drive libllama themselves. Free with `close()` or a `with` block; the draft goes before the target.
     """
@@ -135,18 +138,22 @@ class LinkedPair:
         *,
         n_ctx: int = 4096,
         n_gpu_layers: int = 0,
-        draft_max: int = 7,
+        draft_capacity: int | None = None,
         n_batch: int = 512,
         n_threads: int | None = None,
         n_rs_seq: int | None = None,
         verbose: bool = False,
+        draft_max: int | None = None,
     ) -> None:
+        if draft_capacity is not None and draft_max is not None and draft_capacity != draft_max:
+            raise ValueError("give draft_capacity or its older spelling draft_max, not both")
+        capacity = next((n for n in (draft_capacity, draft_max) if n is not None), DEFAULT_DRAFT_CAPACITY)
         _logger.set_verbose(verbose)
         self.target_info: GGUFInfo = read_gguf(target_path)
         self.draft_info: GGUFInfo | None = read_gguf(draft_path) if draft_path is not None else None
         self.spec: DraftSpec | None = None
         if self.draft_info is not None:
-            self.spec = validate_pair(self.target_info, self.draft_info, draft_max)
+            self.spec = validate_pair(self.target_info, self.draft_info, capacity)
         elif self.target_info.arch == "dflash":
             raise PairMismatchError(
                 f"{self.target_info.path.name} is a DFlash draft: it has no embeddings or output head of its own and "
@@ -154,7 +161,7 @@ class LinkedPair:
             )
         if n_ctx < 16 or n_batch < 1:
             raise ValueError(f"n_ctx must be ≥ 16 and n_batch ≥ 1 (got n_ctx={n_ctx}, n_batch={n_batch})")
-        self.draft_max = draft_max if self.spec else 0
+        self.draft_capacity = capacity if self.spec else 0
         self.n_gpu_layers = n_gpu_layers
         self._n_rs_seq_request = n_rs_seq
         self.api: DFlashApi | None = dflash_api() if self.spec else None
@@ -185,12 +192,12 @@ class LinkedPair:
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         # The whole verify batch must fit in one ubatch so that a hybrid target can roll it back.
-        params.n_ubatch = max(n_batch, self.draft_max + 2)
+        params.n_ubatch = max(n_batch, self.draft_capacity + 2)
         params.n_batch = params.n_ubatch
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = threads
         # Recurrent state can be cut back only through snapshots, one per token that may be rejected.
-        wanted = self.draft_max if self._n_rs_seq_request is None else self._n_rs_seq_request
+        wanted = self.draft_capacity if self._n_rs_seq_request is None else self._n_rs_seq_request
         params.n_rs_seq = wanted if (self.spec and self.is_recurrent) else 0
         self.target_ctx = self._owned.push(_new_context(self.target_model, params, "target"), ll.llama_free)
         self.n_ctx = int(ll.llama_n_ctx(self.target_ctx))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .stats import Stats
 
 FINISH_REASONS = ("stop", "length", "cancelled")
+TOKEN_SOURCES = ("draft", "target")  # an accepted draft token, or the target's own sample
 
 
 @dataclass
@@ -16,6 +17,7 @@ class StreamEvent:
     stats: Stats                            # snapshot after this step
     finish_reason: str | None = None        # set on the last event only
     finish_detail: str = ""
+    token_sources: list[str] = field(default_factory=list)  # one per token: "draft" or "target"
 
 
 @dataclass
@@ -25,3 +27,4 @@ class Result:
     finish_reason: str
     stats: Stats
     finish_detail: str = ""
+    token_sources: list[str] = field(default_factory=list)  # one per token: "draft" or "target"

@@ -1,17 +1,24 @@
-"""The request's sampler chain, a `llama_sampler` on the target context.
+"""The request's sampling: the `llama_sampler` chain on the target context, and the same chain as probabilities.
 
-Sample-and-match draws exactly once per emitted token, so with the same seed speculative and plain decoding make
-the same draws and emit the same text, at any temperature.
+`Sampler` draws with llama.cpp's chain (greedy, or top-k → top-p → min-p → temperature → dist): plain decoding and
+sample-and-match verification use it. `ChainProbabilities` runs the same transforms (llama.cpp's own samplers, minus
+the final draw) over a logits row and returns the distribution the chain would draw from, as numpy arrays over the
+candidates it keeps: rejection-sampling verification compares that p with the draft's q.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from .errors import RequestError
+
+VERIFY_MODES = ("sample", "match")
+TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
 
 
 @dataclass(frozen=True)
@@ -23,8 +30,8 @@ class SamplingParams:
     seed: int | None = None
 
     def check(self) -> None:
-        if not self.temperature >= 0.0:
-            raise RequestError(f"temperature must be ≥ 0 (got {self.temperature})")
+        if not self.temperature >= 0.0 or self.temperature == float("inf"):
+            raise RequestError(f"temperature must be a finite number ≥ 0 (got {self.temperature})")
         if self.top_k < 0:
             raise RequestError(f"top_k must be ≥ 0 (got {self.top_k}; 0 disables it)")
         if not 0.0 < self.top_p <= 1.0:
@@ -39,29 +46,37 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def _transforms(p: SamplingParams) -> list[Any]:
+    """The chain's links before the draw, in llama.cpp's order of this project's chain."""
+    links = []
+    if p.top_k > 0:
+        links.append(ll.llama_sampler_init_top_k(p.top_k))
+    if p.top_p < 1.0:
+        links.append(ll.llama_sampler_init_top_p(p.top_p, 1))
+    if p.min_p > 0.0:
+        links.append(ll.llama_sampler_init_min_p(p.min_p, 1))
+    links.append(ll.llama_sampler_init_temp(p.temperature))
+    return links
+
+
+def _chain(links: list[Any]) -> Any:
+    chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+    for link in links:
+        ll.llama_sampler_chain_add(chain, link)  # the chain takes ownership
+    return chain
+
+
 class Sampler:
     """Owns one sampler chain; `sample(ctx, row)` draws from row `row` of the last decode and accepts the draw."""
 
     def __init__(self, params: SamplingParams) -> None:
         params.check()
-        self._chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-        for smpl in self._links(params):
-            ll.llama_sampler_chain_add(self._chain, smpl)  # the chain takes ownership
-
-    @staticmethod
-    def _links(p: SamplingParams) -> list[Any]:
-        if p.greedy:
-            return [ll.llama_sampler_init_greedy()]
-        links = []
-        if p.top_k > 0:
-            links.append(ll.llama_sampler_init_top_k(p.top_k))
-        if p.top_p < 1.0:
-            links.append(ll.llama_sampler_init_top_p(p.top_p, 1))
-        if p.min_p > 0.0:
-            links.append(ll.llama_sampler_init_min_p(p.min_p, 1))
-        links.append(ll.llama_sampler_init_temp(p.temperature))
-        links.append(ll.llama_sampler_init_dist(ll.LLAMA_DEFAULT_SEED if p.seed is None else p.seed))
-        return links
+        if params.greedy:
+            links = [ll.llama_sampler_init_greedy()]
+        else:
+            seed = ll.LLAMA_DEFAULT_SEED if params.seed is None else params.seed
+            links = [*_transforms(params), ll.llama_sampler_init_dist(seed)]
+        self._chain = _chain(links)
 
     def sample(self, ctx: Any, row: int) -> int:
         return int(ll.llama_sampler_sample(self._chain, ctx, row))
@@ -76,3 +91,50 @@ class Sampler:
 
     def __exit__(self, *exc: object) -> None:
         self.free()
+
+
+class ChainProbabilities:
+    """The distribution the request's chain draws from, for any logits row (temperature > 0 only)."""
+
+    def __init__(self, params: SamplingParams, capacity: int) -> None:
+        params.check()
+        if params.greedy:
+            raise ValueError("temperature 0 has no distribution to compare: it is greedy")
+        self._chain = _chain(_transforms(params))
+        self._data = np.zeros(capacity, dtype=TOKEN_DATA)
+        self._ids = np.arange(capacity, dtype=np.int32)
+        self._array = ll.llama_token_data_array()
+        self._data_type = ctypes.POINTER(ll.llama_token_data)
+
+    def __call__(self, logits: np.ndarray, ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, probabilities) kept by the chain for `logits` (over `ids`, default 0..len-1), probabilities
+        in float64 and summing to 1."""
+        n = logits.shape[0]
+        data = self._data[:n]
+        data["id"] = self._ids[:n] if ids is None else ids
+        data["logit"] = logits
+        data["p"] = 0.0
+        arr = self._array
+        arr.data = data.ctypes.data_as(self._data_type)
+        arr.size, arr.selected, arr.sorted = n, -1, False
+        ll.llama_sampler_apply(self._chain, ctypes.byref(arr))
+        # Samplers may point `data` at a buffer of their own: read what the array says, not our copy.
+        kept = np.ctypeslib.as_array(ctypes.cast(arr.data, ctypes.POINTER(ctypes.c_uint8)),
+                                     shape=(arr.size * TOKEN_DATA.itemsize,)).view(TOKEN_DATA)
+        out_ids = kept["id"].astype(np.int64)
+        z = kept["logit"].astype(np.float64)
+        z -= z.max()
+        probs = np.exp(z)
+        probs /= probs.sum()
+        return out_ids, probs
+
+    def free(self) -> None:
+        if self._chain:
+            ll.llama_sampler_free(self._chain)
+            self._chain = None
+
+
+def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """An index drawn from `probs` (non-negative, summing to about 1) by inverting its cumulative sum."""
+    cdf = np.cumsum(probs)
+    return min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(probs) - 1)

@@ -29,7 +29,14 @@ class Stats:
     native_ms: float = 0.0          # time inside libllama calls after the prefill
     decode_ms: float = 0.0          # wall time after the prefill
     speculative: bool = True
-    draft_max: int = 0
+    draft_capacity: int = 0         # the pair's longest draft
+    draft_policy: int | str = 0     # the request's draft_max: "auto" or a fixed length
+    verify_mode: str = "plain"      # "greedy" (temperature 0), "sample" or "match" (above it), "plain" (no draft)
+    checkpoint_restored_at: int | None = None  # a hybrid target went back through the checkpoint at this position
+    checkpoint_restore_ms: float = 0.0
+    checkpoints_saved: int = 0      # recurrent-state checkpoints saved during the request
+    checkpoint_bytes: int = 0       # their size
+    checkpoint_save_ms: float = 0.0
     controller: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -77,7 +84,8 @@ class Stats:
             host_ms=round(self.host_ms, 3),
             target_steps=self.target_steps,
         )
-        for k in ("prefill_ms", "draft_ms", "inject_ms", "verify_ms", "native_ms", "decode_ms"):
+        for k in ("prefill_ms", "draft_ms", "inject_ms", "verify_ms", "native_ms", "decode_ms", "checkpoint_restore_ms",
+                  "checkpoint_save_ms"):
             d[k] = round(d[k], 3)
         return d
 

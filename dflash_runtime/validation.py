@@ -25,12 +25,12 @@ class DraftSpec:
         return self.selector_top_k > 0
 
     @property
-    def max_draft(self) -> int:
+    def block_capacity(self) -> int:
         """A block is [id_last, mask × n]: at most block_size − 1 drafted tokens."""
         return self.block_size - 1
 
 
-def validate_pair(target: GGUFInfo, draft: GGUFInfo, draft_max: int) -> DraftSpec:
+def validate_pair(target: GGUFInfo, draft: GGUFInfo, draft_capacity: int) -> DraftSpec:
     if draft.arch != "dflash":
         raise PairMismatchError(
             f"{draft.path.name} is not a DFlash draft: its architecture is '{draft.arch}', expected 'dflash'"
@@ -61,16 +61,17 @@ def validate_pair(target: GGUFInfo, draft: GGUFInfo, draft_max: int) -> DraftSpe
         causal=bool(draft.key("attention.causal", False)),
         mask_token_id=draft.mask_token_id,
     )
-    check_draft_max(draft_max, spec)
+    check_draft_capacity(draft_capacity, spec)
     return spec
 
 
-def check_draft_max(draft_max: int, spec: DraftSpec) -> None:
-    if spec.max_draft < 1:
+def check_draft_capacity(draft_capacity: int, spec: DraftSpec) -> None:
+    if spec.block_capacity < 1:
         raise PairMismatchError(f"draft block_size {spec.block_size} leaves no room for a drafted token")
-    if not 1 <= draft_max <= spec.max_draft:
+    if not 1 <= draft_capacity <= spec.block_capacity:
         raise PairMismatchError(
-            f"draft_max={draft_max} is outside 1..{spec.max_draft} (block_size {spec.block_size} − 1 for this draft)"
+            f"a draft capacity of {draft_capacity} tokens is outside 1..{spec.block_capacity} "
+            f"(block_size {spec.block_size} − 1 for this draft)"
         )
 
 

@@ -167,7 +167,7 @@ def test_hybrid_rollback_happens_and_stays_lossless() -> None:
 def test_hybrid_without_snapshots_fails_loudly() -> None:
     files = pair_files("hybrid", "dflash2")
     with load_pair(files.target, files.draft, n_ctx=512, draft_max=7, n_rs_seq=0) as eng:
-        assert eng.n_rs_seq == 0
+        assert eng.pair.n_rs_seq == 0
         with pytest.raises(RollbackError, match="n_rs_seq"):
             eng.generate("hello world", max_tokens=40, draft_max=7)
         # the engine recovered: plain decoding still gives the right text

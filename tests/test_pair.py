@@ -160,12 +160,11 @@ def test_one_dflash2_block_gives_candidates_in_the_vocabulary(target: str) -> No
         assert eng.spec is not None
         prompt = eng.tokenize("hello world, the draft proposes tokens")
         eng.generate(prompt, max_tokens=1)  # prefill + first sample, features injected
-        drafter = BlockDrafter(dflash_api(), eng.draft_ctx, eng.spec, eng.n_embd_draft, eng.n_vocab)
-        eng._flush_features()
-        pos0 = len(eng._kv)
+        drafter = BlockDrafter(dflash_api(), eng.draft_ctx, eng.spec, eng.pair.n_embd_draft, eng.pair.n_vocab)
+        pos0 = eng.info()["n_cached"]  # a speculative prefill injects every prompt chunk: nothing is pending
         before = ll.llama_memory_seq_pos_max(ll.llama_get_memory(eng.draft_ctx), 0)
-        drafts = drafter.draft(eng.tokenize("a", add_special=False)[0], pos0, 7)
-        assert len(drafts) == 7 and all(0 <= t < eng.n_vocab for t in drafts)
+        drafts = drafter.draft(eng.tokenize("a", add_special=False)[0], pos0, 7).tokens
+        assert len(drafts) == 7 and all(0 <= t < eng.pair.n_vocab for t in drafts)
         # The block's cells are gone again: the draft cache ends where the target's does.
         assert ll.llama_memory_seq_pos_max(ll.llama_get_memory(eng.draft_ctx), 0) == before == pos0 - 1
         drafter.free()

@@ -339,6 +339,7 @@ class DFlashLlama(Llama):
 
     @_engine_or_llama
     def n_ctx(self) -> int:
+        self._engine.check_open()
         return int(self._engine.n_ctx)
 
     @_engine_or_llama
@@ -386,7 +387,8 @@ class DFlashLlama(Llama):
         self.close()
 
     def _vocab(self) -> Any:
-        return ll.llama_model_get_vocab(self._engine.target_model)
+        self._engine.check_open()  # after close() the vocabulary is freed: raise EngineClosedError, never read it
+        return self._engine.pair.vocab
 
     # -- Llama methods that need Llama's own decode state ---------------------------------------------------------
 

@@ -1,0 +1,103 @@
+"""Verification of a draft against the target's verify rows, token by token.
+
+Every emitted token is a sample of the target's distribution given the tokens before it, so the output has the
+target's distribution exactly (token for token at temperature 0):
+
+- `MatchVerifier` (temperature 0, and `verify="match"` above it): row i is sampled with the request's own chain and
+  the draft token is kept while the sample equals it. A draft token x survives with probability p(x).
+- `RejectionVerifier` (`verify="sample"`, temperature > 0; Leviathan et al. 2023, Chen et al. 2023): a draft token x,
+  sampled from q, is kept with probability min(1, p(x) / q(x)); on rejection the token comes from the normalised
+  residual max(0, p − q); after a fully accepted draft the bonus token comes from p at the next row. A draft token
+  survives with probability Σ min(p, q), close to 1 when q ≈ p.
+
+Rows are those of the last target decode, from `first_row` on. `walk()` yields (token, source) lazily, so sampling
+stops where the caller stops reading (end of generation, a stop string): "draft" for an accepted draft token,
+"target" for the target's own sample that ends the walk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from llama_cpp import llama_cpp as ll
+
+from .drafter import Proposal
+from .errors import DecodeError
+from .sampling import ChainProbabilities, Sampler, draw
+
+DRAFT, TARGET = "draft", "target"
+
+
+class MatchVerifier:
+    mode = "match"
+
+    def __init__(self, sampler: Sampler, target_ctx: Any) -> None:
+        self._sampler = sampler
+        self._ctx = target_ctx
+
+    def walk(self, proposal: Proposal, first_row: int = 0) -> Iterator[tuple[int, str]]:
+        drafts = proposal.tokens
+        for i in range(len(drafts) + 1):
+            token = self._sampler.sample(self._ctx, first_row + i)
+            if i < len(drafts) and token == drafts[i]:
+                yield token, DRAFT
+                continue
+            yield token, TARGET
+            return
+
+
+class RejectionVerifier:
+    mode = "sample"
+
+    def __init__(self, chain: ChainProbabilities, rng: np.random.Generator, target_ctx: Any, n_vocab: int) -> None:
+        self._chain = chain
+        self._rng = rng
+        self._ctx = target_ctx
+        self._n_vocab = n_vocab
+
+    def target_distribution(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        ptr = ll.llama_get_logits_ith(self._ctx, row)
+        if not ptr:
+            raise DecodeError(f"the target produced no logits for verify row {row}")
+        return self._chain(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)))
+
+    def walk(self, proposal: Proposal, first_row: int = 0) -> Iterator[tuple[int, str]]:
+        drafts, q = proposal.tokens, proposal.q
+        if drafts and (q is None or len(q) != len(drafts)):
+            raise ValueError("rejection sampling needs the distribution each draft token was sampled from")
+        for i, token in enumerate(drafts):
+            p_ids, p_probs = self.target_distribution(first_row + i)
+            q_ids, q_probs = q[i]  # type: ignore[index]
+            p_x = _prob_of(token, p_ids, p_probs)
+            q_x = _prob_of(token, q_ids, q_probs)
+            if q_x <= 0.0:
+                raise ValueError(f"draft token {token} was not in the distribution it was sampled from")
+            if self._rng.random() * q_x < p_x:  # accept with probability min(1, p(x) / q(x))
+                yield token, DRAFT
+                continue
+            residual = np.maximum(p_probs - _on_support(p_ids, q_ids, q_probs), 0.0)
+            total = float(residual.sum())
+            weights = residual / total if total > 0.0 else p_probs  # total 0 only through rounding: then p = q
+            yield int(p_ids[draw(weights, self._rng)]), TARGET
+            return
+        p_ids, p_probs = self.target_distribution(first_row + len(drafts))
+        yield int(p_ids[draw(p_probs, self._rng)]), TARGET
+
+
+def _prob_of(token: int, ids: np.ndarray, probs: np.ndarray) -> float:
+    hit = np.flatnonzero(ids == token)
+    return float(probs[hit[0]]) if hit.size else 0.0
+
+
+def _on_support(p_ids: np.ndarray, q_ids: np.ndarray, q_probs: np.ndarray) -> np.ndarray:
+    """q's probabilities laid out over p's ids (0 where q has none); q's mass outside p's support has no residual."""
+    out = np.zeros(p_ids.shape[0], dtype=np.float64)
+    order = np.argsort(p_ids, kind="stable")
+    where = np.searchsorted(p_ids, q_ids, sorter=order)
+    where = np.clip(where, 0, len(order) - 1)
+    slots = order[where]
+    found = p_ids[slots] == q_ids
+    out[slots[found]] = q_probs[found]
+    return out

@@ -23,7 +23,7 @@ import numpy as np
 
 from .tokenizer import MASK, TinyVocab, is_plain_text_token
 
-HEADS = ("random", "shaped", "const", "regime")
+HEADS = ("random", "shaped", "const", "regime", "soft", "markov", "phrase")
 
 REGIME_CHANNEL = 0
 BIAS_CHANNEL = 1
@@ -35,16 +35,38 @@ CONST_TOKEN = " the"  # head="const": the target always emits it and the draft a
 REGIME_TOKEN = " the"  # head="regime": once the context ends in it, the target repeats it forever
 SHAPED_TOKENS = (" hello", " world")  # head="shaped": the target alternates them; the draft proposes the first
 
+# head="soft" / "markov": the next token is one of SOFT_TOKENS, with soft odds (see _steer_soft, _steer_markov).
+SOFT_TOKENS = (" the", " a", " of", " and")
+SOFT_GAINS = (0.3, 0.2, 0.1, 0.0)  # head weights on the regime channel (≈ 5 after the output norm): odds e^0.5 apart
+MARKOV_LEVELS = (1.0, 0.25, -0.25, -1.0)  # regime value each SOFT_TOKEN carries, in units of CHANNEL_LEVEL
+MARKOV_GAINS = (0.3, 0.1, -0.1, -0.3)
+# head="phrase": a cycle the target follows once it starts it, and leaves now and then (see _steer_phrase).
+PHRASE = (" hello", " world", " the", " draft", " is", " a", " model")
+# (n_embd, gain of the phrase channels, gain of the first token's entry bias), calibrated on dense targets in chat
+# mode: a phrase logit just above the best random logit, so the target leaves the phrase now and then (stretches of
+# a few to a few dozen tokens), and an entry logit a little below it. Other widths interpolate.
+PHRASE_CALIBRATION = ((128, 0.45, 0.33), (512, 0.48, 0.36))
+PHRASE_MASK_LEVEL = 1.0  # the mask raises every phrase channel: the draft's top candidates are the phrase
+PHRASE_TOP_K = 8  # DFlash 2 candidates per block row: the whole phrase fits
+
 # DFlash 2 selector weights: large enough to reorder candidates on a random head, negligible otherwise.
-SELECTOR_SCALE = {"random": 0.3, "shaped": 0.01, "const": 0.01, "regime": 0.01}
+SELECTOR_SCALE = {"random": 0.3, "shaped": 0.01, "const": 0.01, "regime": 0.01, "soft": 0.01, "markov": 0.01,
+                  "phrase": 0.01}
+
+
+def reserved_channels(head: str) -> tuple[int, ...]:
+    """Residual channels no layer writes: the two control channels, plus one per phrase token for head="phrase"."""
+    extra = tuple(range(2, 2 + len(PHRASE))) if head == "phrase" else ()
+    return (REGIME_CHANNEL, BIAS_CHANNEL, *extra)
 
 
 class TensorSource:
     """Deterministic float32 tensors. numpy shape (n_out, n_in) is ggml shape {n_in, n_out}."""
 
-    def __init__(self, seed: int, stream: str) -> None:
+    def __init__(self, seed: int, stream: str, reserved: tuple[int, ...] = (REGIME_CHANNEL, BIAS_CHANNEL)) -> None:
         # one independent stream per file role, so adding a tensor to one file never shifts another
         self._rng = np.random.default_rng([seed, zlib.crc32(stream.encode())])
+        self._reserved = list(reserved)
 
     def normal(self, *shape: int, std: float = 1.0, mean: float = 0.0) -> np.ndarray:
         return (mean + std * self._rng.standard_normal(shape)).astype(np.float32)
@@ -63,7 +85,7 @@ class TensorSource:
         """An output projection into the residual stream. The 1/sqrt(2·n_layer) gain keeps the stream's
         variance bounded whatever the depth; the control channels' rows are zero."""
         weight = self.matrix(n_embd, n_in, gain=1.0 / np.sqrt(2 * n_layer))
-        weight[[REGIME_CHANNEL, BIAS_CHANNEL], :] = 0.0
+        weight[self._reserved, :] = 0.0
         return weight
 
 
@@ -128,9 +150,85 @@ def _steer_regime(embd: np.ndarray, output: np.ndarray, vocab: TinyVocab, source
     output[regime_id, REGIME_CHANNEL] = HEAD_GAIN
 
 
+def _only(output: np.ndarray, vocab: TinyVocab, rows: dict[str, float]) -> None:
+    """Every plain-text token blocked except `rows`, whose head rows read the regime channel alone, with these gains."""
+    plain = plain_ids(vocab)
+    output[plain, :] = 0.0
+    output[plain, BIAS_CHANNEL] = BLOCKED_BIAS
+    for text, gain in rows.items():
+        row = vocab.id_of_text(text)
+        output[row, :] = 0.0
+        output[row, REGIME_CHANNEL] = gain
+
+
+def _steer_soft(embd: np.ndarray, output: np.ndarray, vocab: TinyVocab, source: TensorSource) -> None:
+    """A soft, context-free next-token distribution over SOFT_TOKENS (everything else blocked): every token and the
+    mask carry the same regime value, so the draft's distribution at its mask rows is close to the target's (only the
+    output norm's scale differs). Rejection sampling keeps nearly every draft there, sample-and-match about p_max."""
+    embd[:, REGIME_CHANNEL] = CHANNEL_LEVEL
+    _only(output, vocab, dict(zip(SOFT_TOKENS, SOFT_GAINS, strict=True)))
+
+
+def _steer_markov(embd: np.ndarray, output: np.ndarray, vocab: TinyVocab, source: TensorSource) -> None:
+    """Like soft, but the distribution depends on the previous token: each SOFT_TOKEN carries its own regime value
+    (MARKOV_LEVELS) and the head rows weigh it with opposite signs, so after the first token the second is likely
+    and after the last the last. The draft always proposes from the mask's value: right in some contexts only."""
+    embd[:, REGIME_CHANNEL] = CHANNEL_LEVEL
+    for text, level in zip(SOFT_TOKENS, MARKOV_LEVELS, strict=True):
+        embd[vocab.id_of_text(text), REGIME_CHANNEL] = CHANNEL_LEVEL * level
+    _only(output, vocab, dict(zip(SOFT_TOKENS, MARKOV_GAINS, strict=True)))
+
+
+def _steer_phrase(embd: np.ndarray, output: np.ndarray, vocab: TinyVocab, source: TensorSource) -> None:
+    """PHRASE as a cycle: token j of the phrase raises channel 2 + j, which only token j + 1's head row reads, so the
+    target continues the phrase until the random part of the head wins (a few tokens to a few dozen); the first
+    phrase token has a small bias, so random text enters the phrase every now and then. The mask raises every phrase
+    channel a little, and the DFlash 2 selector (see phrase_selector) scores the phrase's transitions: the draft
+    proposes the phrase's continuation. Acceptance is high inside the phrase and low elsewhere, as with real text."""
+    ids = [vocab.id_of_text(text) for text in PHRASE]
+    mask = vocab.id_of(MASK)
+    gain, entry = phrase_gains(embd.shape[1])
+    output[ids, :] = 0.0  # phrase tokens score by their channels alone; other tokens keep random rows
+    for j, token in enumerate(ids):
+        channel = 2 + j
+        embd[:, channel] = 0.0
+        embd[token, channel] = CHANNEL_LEVEL
+        embd[mask, channel] = CHANNEL_LEVEL * PHRASE_MASK_LEVEL
+        output[:, channel] = 0.0
+        output[ids[(j + 1) % len(ids)], channel] = gain
+    output[ids[0], BIAS_CHANNEL] = entry
+
+
+def phrase_gains(n_embd: int) -> tuple[float, float]:
+    (w0, g0, e0), (w1, g1, e1) = PHRASE_CALIBRATION
+    x = min(1.0, max(0.0, (n_embd - w0) / (w1 - w0)))
+    return g0 + x * (g1 - g0), e0 + x * (e1 - e0)
+
+
+def phrase_selector(vocab: TinyVocab, n_embd: int, rank: int, source: TensorSource
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """DFlash 2 selector weights (predecessor, successor: (n_vocab, rank); hidden: (rank, n_embd)) that score
+    "phrase token j → phrase token j + 1" high: transition score(p → s) = unary(s) + (prev[p] ⊙ gate) · next[s], with
+    the gate read from the bias channel (the same for every row)."""
+    predecessor = source.normal(vocab.n_vocab, rank, std=0.01)
+    successor = source.normal(vocab.n_vocab, rank, std=0.01)
+    hidden = np.zeros((rank, n_embd), dtype=np.float32)
+    hidden[:, BIAS_CHANNEL] = 1.0  # gate ≈ the normalised bias channel (≈ 5) in every rank dimension
+    ids = [vocab.id_of_text(text) for text in PHRASE]
+    for j, token in enumerate(ids):
+        predecessor[token, :] = 0.0
+        predecessor[token, j] = 1.0
+        successor[ids[(j + 1) % len(ids)], :] = 0.0
+        successor[ids[(j + 1) % len(ids)], j] = 2.0
+    return predecessor, successor, hidden
+
+
 _STEERING: dict[str, Callable[[np.ndarray, np.ndarray, TinyVocab, TensorSource], None]] = {
     "random": _steer_random,
     "shaped": _steer_shaped,
     "const": _steer_const,
     "regime": _steer_regime,
+    "soft": _steer_soft,
+    "markov": _steer_markov,
+    "phrase": _steer_phrase,
 }

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .heads import HEADS
+from .heads import HEADS, PHRASE_TOP_K
 from .tokenizer import IM_END
 
 # Bump whenever the bytes written for an unchanged spec change (weights recipe, vocabulary, keys).
@@ -49,6 +49,7 @@ class TargetSpec:
     n_ctx: int
     weight_type: str
     hybrid: HybridDims | None = None
+    bos_template: bool = False  # the vocabulary adds BOS and the chat template writes it (the draft follows)
 
     @property
     def arch(self) -> str:
@@ -177,7 +178,9 @@ DRAFT_DEFAULTS: dict[str, Any] = dict(
     selector_top_k=4,
 )
 
-OVERRIDABLE = frozenset([*_size_defaults("tiny", 128), *DRAFT_DEFAULTS, "head_dim", "target_layers"]) - {"n_taps"}
+OVERRIDABLE = frozenset(
+    [*_size_defaults("tiny", 128), *DRAFT_DEFAULTS, "head_dim", "target_layers", "bos_template"]
+) - {"n_taps"}
 
 
 def _default_head_dim(target: str, dims: str, n_embd: int, n_head: int) -> int:
@@ -206,7 +209,8 @@ def resolve_pair_spec(
     unknown = sorted(set(overrides) - OVERRIDABLE)
     if unknown:
         raise TypeError(f"unknown tiny model override(s) {unknown}; known: {sorted(OVERRIDABLE)}")
-    sizes = {**_size_defaults(dims, n_embd), **DRAFT_DEFAULTS, **overrides}
+    head_defaults = {"selector_top_k": PHRASE_TOP_K} if head == "phrase" else {}
+    sizes = {**_size_defaults(dims, n_embd), **DRAFT_DEFAULTS, **head_defaults, **overrides}
     if "head_dim" not in overrides:
         sizes["head_dim"] = _default_head_dim(target, dims, n_embd, sizes["n_head"])
     spec = PairSpec(

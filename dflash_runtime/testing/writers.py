@@ -11,7 +11,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from .heads import SELECTOR_SCALE, TensorSource, build_head
+from .heads import SELECTOR_SCALE, TensorSource, build_head, phrase_selector, reserved_channels
 from .specs import DraftSpec, HybridDims, PairSpec, TargetSpec
 from .tokenizer import CHAT_TEMPLATE, ENDOFTEXT, IM_END, MASK, TinyVocab, build_vocab
 
@@ -44,7 +44,8 @@ class TensorSink:
         self.writer.close()
 
 
-def add_tokenizer(sink: TensorSink, vocab: TinyVocab, *, eos_token: str, with_mask: bool) -> None:
+def add_tokenizer(sink: TensorSink, vocab: TinyVocab, *, eos_token: str, with_mask: bool, bos_template: bool) -> None:
+    """`bos_template`: the vocabulary adds BOS and the chat template writes `bos_token` (as Llama-style models do)."""
     w = sink.writer
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "qwen2")
@@ -54,10 +55,10 @@ def add_tokenizer(sink: TensorSink, vocab: TinyVocab, *, eos_token: str, with_ma
     w.add_uint32("tokenizer.ggml.bos_token_id", vocab.id_of(ENDOFTEXT))
     w.add_uint32("tokenizer.ggml.eos_token_id", vocab.id_of(eos_token))
     w.add_uint32("tokenizer.ggml.padding_token_id", vocab.id_of(ENDOFTEXT))
-    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_bool("tokenizer.ggml.add_bos_token", bos_template)
     if with_mask:
         w.add_uint32("tokenizer.ggml.mask_token_id", vocab.id_of(MASK))
-    w.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
+    w.add_string("tokenizer.chat_template", ("{{- bos_token -}}" if bos_template else "") + CHAT_TEMPLATE)
 
 
 # What the layer writers read (n_ctx, n_embd, n_layer, n_ff, n_head, n_head_kv, head_dim): a target or a draft.
@@ -108,7 +109,7 @@ def _target_sink(path: Path, spec: PairSpec, rope_base: float) -> TensorSink:
     add_llm_keys(sink, t, rope_base)
     sink.writer.add_string(SPEC_KEY, spec.target_json())
     vocab = build_vocab()
-    add_tokenizer(sink, vocab, eos_token=IM_END, with_mask=False)
+    add_tokenizer(sink, vocab, eos_token=IM_END, with_mask=False, bos_template=t.bos_template)
     plan = build_head(t.head, vocab, t.n_embd, TensorSource(t.seed, f"head-{t.kind}"))
     sink.matrix("token_embd.weight", plan.token_embd)
     sink.exact("output_norm.weight", unit_gains(t.n_embd))
@@ -119,7 +120,7 @@ def _target_sink(path: Path, spec: PairSpec, rope_base: float) -> TensorSink:
 def write_dense_target(path: Path, spec: PairSpec) -> None:
     t = spec.target
     sink = _target_sink(path, spec, rope_base=1e6)
-    src = TensorSource(t.seed, "target-dense")
+    src = TensorSource(t.seed, "target-dense", reserved_channels(t.head))
     for il in range(t.n_layer):
         prefix = f"blk.{il}."
         sink.exact(prefix + "attn_norm.weight", unit_gains(t.n_embd))
@@ -164,7 +165,7 @@ def write_hybrid_target(path: Path, spec: PairSpec) -> None:
         raise ValueError("a hybrid target needs HybridDims")
     sink = _target_sink(path, spec, rope_base=1e7)
     _add_hybrid_keys(sink, t.hybrid)
-    src = TensorSource(t.seed, "target-hybrid")
+    src = TensorSource(t.seed, "target-hybrid", reserved_channels(t.head))
     for il in range(t.n_layer):
         prefix = f"blk.{il}."
         sink.exact(prefix + "attn_norm.weight", unit_gains(t.n_embd))
@@ -200,10 +201,17 @@ def _add_dynamic_conv(sink: TensorSink, src: TensorSource, name: str, d: DraftSp
     sink.exact(f"{name}_conv_proj.weight", src.normal(n_projected, d.n_embd, std=0.02))
 
 
-def _add_selector(sink: TensorSink, src: TensorSource, d: DraftSpec, n_vocab: int, scale: float) -> None:
-    sink.exact("selector_predecessor.weight", src.normal(n_vocab, d.selector_rank, std=scale))
-    sink.exact("selector_successor.weight", src.normal(n_vocab, d.selector_rank, std=scale))
-    sink.exact("selector_hidden.weight", src.normal(d.selector_rank, d.n_embd, std=scale))
+def _add_selector(sink: TensorSink, src: TensorSource, d: DraftSpec, vocab: TinyVocab, head: str) -> None:
+    if head == "phrase":
+        predecessor, successor, hidden = phrase_selector(vocab, d.n_embd, d.selector_rank, src)
+    else:
+        scale = SELECTOR_SCALE[head]
+        predecessor = src.normal(vocab.n_vocab, d.selector_rank, std=scale)
+        successor = src.normal(vocab.n_vocab, d.selector_rank, std=scale)
+        hidden = src.normal(d.selector_rank, d.n_embd, std=scale)
+    sink.exact("selector_predecessor.weight", predecessor)
+    sink.exact("selector_successor.weight", successor)
+    sink.exact("selector_hidden.weight", hidden)
 
 
 def write_draft(path: Path, spec: PairSpec) -> None:
@@ -214,8 +222,8 @@ def write_draft(path: Path, spec: PairSpec) -> None:
     add_llm_keys(sink, d, rope_base=1e6)
     _add_draft_keys(sink, d)
     sink.writer.add_string(SPEC_KEY, spec.to_json())
-    add_tokenizer(sink, vocab, eos_token=d.eos_token, with_mask=d.with_mask)
-    src = TensorSource(d.seed, f"draft-{spec.target.kind}-{d.kind}")
+    add_tokenizer(sink, vocab, eos_token=d.eos_token, with_mask=d.with_mask, bos_template=spec.target.bos_template)
+    src = TensorSource(d.seed, f"draft-{spec.target.kind}-{d.kind}", reserved_channels(spec.target.head))
     sink.matrix("fc.weight", src.matrix(d.n_embd, len(d.target_layers) * d.n_embd))
     sink.exact("enc.output_norm.weight", unit_gains(d.n_embd))
     sink.exact("output_norm.weight", unit_gains(d.n_embd))
@@ -229,7 +237,7 @@ def write_draft(path: Path, spec: PairSpec) -> None:
             _add_dynamic_conv(sink, src, prefix + "attn", d)
             _add_dynamic_conv(sink, src, prefix + "ffn", d)
     if d.is_dflash2:
-        _add_selector(sink, src, d, vocab.n_vocab, SELECTOR_SCALE[spec.target.head])
+        _add_selector(sink, src, d, vocab, spec.target.head)
     sink.finish()
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import pytest
 from pairs import ALL_PAIRS, PAIR_IDS, PROMPTS, pair_files
@@ -73,34 +72,19 @@ def test_greedy_lossless_at_high_and_low_acceptance(target: str, draft: str, hea
 
 
 @pytest.mark.parametrize("target", ["dense", "hybrid"])
-def test_sampling_with_a_seed_equals_plain(target: str, engines: dict) -> None:
-    eng = engines[(target, "dflash2", "shaped")]
-    for seed in range(6):
-        kw = dict(max_tokens=24, temperature=0.9, top_k=0, top_p=0.95, min_p=0.02, seed=seed)
-        base = eng.generate("the quick brown fox", speculative=False, **kw)
-        res = eng.generate("the quick brown fox", draft_max=4, **kw)
-        assert res.tokens == base.tokens
-        check_invariants(res.stats, res.tokens)
-
-
-def test_sampling_distribution_matches_plain(engines: dict) -> None:
-    """Different seeds on each side: the (t1, t2, t3) distributions must agree (chi-square, loose threshold)."""
-    eng = engines[("hybrid", "dflash2", "random")]
-    n = 240
-    kw = dict(max_tokens=3, temperature=1.5, top_k=0)
-    spec = Counter(tuple(eng.generate("hello", draft_max=2, seed=s, **kw).tokens[1:3]) for s in range(n))
-    plain = Counter(tuple(eng.generate("hello", speculative=False, seed=10_000 + s, **kw).tokens[1:3])
-                    for s in range(n))
-    assert len(spec) >= 3  # the check is not degenerate
-    keys = set(spec) | set(plain)
-    common = [k for k in keys if spec[k] + plain[k] >= 10]
-    other_s = n - sum(spec[k] for k in common)
-    other_p = n - sum(plain[k] for k in common)
-    chi2 = sum((spec[k] - plain[k]) ** 2 / (spec[k] + plain[k]) for k in common)
-    if other_s + other_p:
-        chi2 += (other_s - other_p) ** 2 / (other_s + other_p)
-    dof = max(1, len(common))
-    assert chi2 < dof + 5 * (2 * dof) ** 0.5 + 10, (chi2, dof)
+def test_a_seed_repeats_the_text_for_the_same_settings(target: str, engines: dict) -> None:
+    """Rejection sampling draws from one host generator per request: the same seed, engine and settings (a fixed
+    draft length) give the same text. Equality with plain decoding is not promised above temperature 0: batched
+    verify rows and single-row decodes need not give bit-identical logits (test_distribution.py checks the law)."""
+    eng = engines[(target, "dflash2", "random")]
+    kw = dict(max_tokens=24, temperature=0.9, top_k=0, top_p=0.95, min_p=0.02, draft_max=4)
+    for seed in range(3):
+        first = eng.generate("the quick brown fox", seed=seed, **kw)
+        again = eng.generate("the quick brown fox", seed=seed, **kw)
+        assert first.tokens == again.tokens and first.stats.verify_mode == "sample"
+        check_invariants(first.stats, first.tokens)
+    texts = {tuple(eng.generate("the quick brown fox", seed=seed, **kw).tokens) for seed in range(6)}
+    assert len(texts) > 1  # the seed matters
 
 
 def test_stop_strings_and_max_tokens(engines: dict) -> None:

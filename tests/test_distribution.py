@@ -1,0 +1,217 @@
+"""Above temperature 0 the guarantee is the distribution: speculative output must be distributed exactly as the target's
+own sampling under the request's chain (temperature, top-k, top-p, min-p), whatever the verification mode.
+
+The reference is computed independently of the engine: the target's logits from llama-cpp-python's own `Llama`
+(teacher-forced), and the chain written out in numpy here. The tests have power: a deliberately broken verifier
+(accepting every draft) fails them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from llama_cpp import Llama
+
+import dflash_runtime.decoding
+from dflash_runtime import load_pair
+from dflash_runtime.backends import load_backends
+from dflash_runtime.engine import Engine
+from dflash_runtime.testing.heads import SOFT_TOKENS
+from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
+from dflash_runtime.verify import DRAFT, TARGET, RejectionVerifier
+
+PROMPT = "hello world"
+Z_LIMIT = 4.5  # one-sided normal quantile: a false alarm about once in 300,000 tests
+
+
+@dataclass(frozen=True)
+class Chain:
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def kwargs(self) -> dict:
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+
+    def probabilities(self, logits: np.ndarray) -> dict[int, float]:
+        """llama.cpp's chain written out: top-k, top-p (at temperature 1), min-p, temperature, softmax."""
+        ids = np.arange(len(logits))
+        z = logits.astype(np.float64)
+        if self.top_k > 0:
+            keep = np.argsort(-z, kind="stable")[: self.top_k]
+            ids, z = ids[keep], z[keep]
+        if self.top_p < 1.0:
+            order = np.argsort(-z, kind="stable")
+            ids, z = ids[order], z[order]
+            cumulative = np.cumsum(_softmax(z))
+            n = int(np.argmax(cumulative >= self.top_p)) + 1 if cumulative[-1] >= self.top_p else len(z)
+            ids, z = ids[:n], z[:n]
+        if self.min_p > 0.0:
+            keep = z >= z.max() + math.log(self.min_p)
+            ids, z = ids[keep], z[keep]
+        p = _softmax(z / self.temperature)
+        return {int(i): float(q) for i, q in zip(ids, p, strict=True) if q > 1e-12}
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def chi_square_z(observed: Counter, expected: dict, n: int) -> tuple[float, int]:
+    """Pearson's statistic over cells with an expected count ≥ 5 (the rest pooled), as a Wilson–Hilferty z-score."""
+    cells = [k for k, p in expected.items() if p * n >= 5]
+    rest_expected = n - sum(expected[k] * n for k in cells)
+    rest_observed = n - sum(observed[k] for k in cells)
+    stat = sum((observed[k] - expected[k] * n) ** 2 / (expected[k] * n) for k in cells)
+    dof = len(cells) - 1
+    if rest_expected >= 1:
+        stat += (rest_observed - rest_expected) ** 2 / rest_expected
+        dof += 1
+    elif rest_observed > 0:
+        return math.inf, dof  # outcomes the target cannot produce
+    dof = max(dof, 1)
+    return ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof)), dof
+
+
+class Reference:
+    """The target's exact joint distribution of the first tokens after the prompt, from teacher-forced logits."""
+
+    def __init__(self, pair: TinyPair, engine: Engine) -> None:
+        load_backends()  # a build with loadable backends registers them once per process
+        self.llm = Llama(model_path=str(pair.target), n_ctx=256, logits_all=True, verbose=False)
+        self.prompt = engine.tokenize(PROMPT)
+
+    def next_logits(self, prefix: Sequence[int]) -> np.ndarray:
+        self.llm.reset()
+        self.llm.eval(list(self.prompt) + list(prefix))
+        return np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float64)
+
+    def joint(self, chain: Chain, length: int) -> dict[tuple[int, ...], float]:
+        out: dict[tuple[int, ...], float] = {(): 1.0}
+        for _ in range(length):
+            grown: dict[tuple[int, ...], float] = {}
+            for prefix, p in out.items():
+                for token, q in chain.probabilities(self.next_logits(prefix)).items():
+                    if p * q > 1e-9:
+                        grown[(*prefix, token)] = p * q
+            out = grown
+        return out
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def samples(engine: Engine, chain: Chain, verify: str, n: int, length: int) -> Iterator[tuple[int, ...]]:
+    for seed in range(n):
+        result = engine.generate(PROMPT, max_tokens=length, draft_max=3, verify=verify, seed=seed, **chain.kwargs())
+        yield tuple(result.tokens)
+
+
+def check_distribution(engine: Engine, reference: Reference, chain: Chain, verify: str, n: int) -> list[float]:
+    """z-scores of the per-position marginals and of the joint, for `n` three-token samples."""
+    length = 3
+    expected = reference.joint(chain, length)
+    drawn = list(samples(engine, chain, verify, n, length))
+    zs = [chi_square_z(Counter(drawn), expected, n)[0]]
+    for position in range(length):
+        marginal: dict = {}
+        for seq, p in expected.items():
+            marginal[seq[position]] = marginal.get(seq[position], 0.0) + p
+        zs.append(chi_square_z(Counter(s[position] for s in drawn), marginal, n)[0])
+    return zs
+
+
+# Every (target, draft, verify) combination, each with two of the chain variants: all variants and both
+# temperatures are covered, with thousands of samples in all.
+VARIANTS = [Chain(0.6), Chain(1.0, top_k=3), Chain(0.6, top_p=0.8), Chain(1.0, min_p=0.25)]
+COMBOS = [(t, d, v) for t in ("dense", "hybrid") for d in ("dflash2", "dflash1") for v in ("sample", "match")]
+CASES = [(*combo, VARIANTS[(i + j) % len(VARIANTS)]) for i, combo in enumerate(COMBOS) for j in (0, 2)]
+
+
+@pytest.fixture(scope="module")
+def markov() -> Iterator[dict]:
+    opened: dict = {}
+
+    def get(target: str, draft: str) -> tuple[Engine, Reference]:
+        if (target, draft) not in opened:
+            pair = tiny_pair(target, draft, head="markov")
+            engine = load_pair(pair.target, pair.draft, n_ctx=256, draft_capacity=3)
+            opened[(target, draft)] = (engine, Reference(pair, engine))
+        return opened[(target, draft)]
+
+    yield get  # type: ignore[misc]
+    for engine, reference in opened.values():
+        reference.close()
+        engine.close()
+
+
+@pytest.mark.parametrize(("target", "draft", "verify", "chain"), CASES,
+                         ids=[f"{t}-{d}-{v}-{c}" for t, d, v, c in CASES])
+def test_speculative_samples_follow_the_target_distribution(target, draft, verify, chain, markov) -> None:
+    engine, reference = markov(target, draft)
+    zs = check_distribution(engine, reference, chain, verify, n=1200)
+    assert max(zs) < Z_LIMIT, zs
+    stats = engine.generate(PROMPT, max_tokens=24, draft_max=3, verify=verify, seed=7, **chain.kwargs()).stats
+    assert stats.verify_mode == verify and stats.drafted > 0
+
+
+def test_plain_sampling_follows_the_reference(markov) -> None:
+    """The reference itself is right: target-only sampling (llama.cpp's own chain) passes the same test."""
+    engine, reference = markov("hybrid", "dflash2")
+    chain = Chain(1.0, top_p=0.9)
+    expected = reference.joint(chain, 3)
+    n = 1200
+    drawn = Counter(tuple(engine.generate(PROMPT, max_tokens=3, speculative=False, seed=s, **chain.kwargs()).tokens)
+                    for s in range(n))
+    assert chi_square_z(drawn, expected, n)[0] < Z_LIMIT
+
+
+class AcceptEverything:
+    """A broken verifier: keeps every draft token, then samples the bonus from the target."""
+
+    mode = "sample"
+
+    def __init__(self, *args: object) -> None:
+        self._inner = RejectionVerifier(*args)  # type: ignore[arg-type]
+
+    def walk(self, proposal, first_row: int = 0):
+        for token in proposal.tokens:
+            yield token, DRAFT
+        for token, _ in self._inner.walk(type(proposal)(), first_row + len(proposal.tokens)):
+            yield token, TARGET
+
+
+@pytest.mark.parametrize("draft", ["dflash2", "dflash1"])
+def test_a_broken_verifier_fails_the_distribution_test(draft, markov, monkeypatch) -> None:
+    engine, reference = markov("dense", draft)
+    monkeypatch.setattr(dflash_runtime.decoding, "RejectionVerifier", AcceptEverything)
+    zs = check_distribution(engine, reference, Chain(1.0), "sample", n=1200)
+    assert max(zs) > Z_LIMIT, zs
+
+
+@pytest.mark.parametrize("target", ["dense", "hybrid"])
+@pytest.mark.parametrize("temperature", [0.6, 1.0])
+def test_rejection_sampling_keeps_more_drafts_than_sample_and_match(target: str, temperature: float) -> None:
+    """On a pair whose draft distribution is close to the target's (head="soft"), rejection sampling keeps nearly
+    every draft, sample-and-match about p_max per position."""
+    pair = tiny_pair(target, "dflash2", head="soft")
+    rates: dict[str, list[float]] = {}
+    with load_pair(pair.target, pair.draft, n_ctx=1024, draft_capacity=7) as engine:
+        soft = {engine.tokenize(text, add_special=False)[0] for text in SOFT_TOKENS}
+        for verify, seed in itertools.product(("sample", "match"), range(6)):
+            result = engine.generate(PROMPT, max_tokens=120, draft_max=7, verify=verify, seed=seed,
+                                     temperature=temperature, top_k=0)
+            assert set(result.tokens) <= soft
+            rates.setdefault(verify, []).append(result.stats.acceptance_rate)
+            assert result.token_sources.count(DRAFT) == result.stats.accepted
+    sample, match = float(np.mean(rates["sample"])), float(np.mean(rates["match"]))
+    assert sample > 0.8, rates
+    assert sample > match + 0.2, rates

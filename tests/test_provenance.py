@@ -1,0 +1,56 @@
+"""Every emitted token says where it came from: "draft" (an accepted draft token) or "target" (the target's own
+sample: the correction or bonus token, or a plain step)."""
+
+from __future__ import annotations
+
+import pytest
+from pairs import ALL_PAIRS, PAIR_IDS, PROMPTS
+
+from dflash_runtime.results import TOKEN_SOURCES
+
+
+def check_sources(tokens: list[int], sources: list[str], stats) -> None:
+    assert len(sources) == len(tokens)
+    assert set(sources) <= set(TOKEN_SOURCES)
+    assert sources.count("draft") == stats.accepted
+    if tokens:
+        assert sources[0] == "target"  # the first token is the prefill's own sample
+
+
+@pytest.mark.parametrize(("target", "draft"), ALL_PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("head", ["shaped", "const"])
+def test_sources_count_the_accepted_drafts(target: str, draft: str, head: str, engines: dict) -> None:
+    eng = engines[(target, draft, head)]
+    seen_draft = False
+    for prompt in PROMPTS[:5]:
+        for options in ({"draft_max": 7}, {"draft_max": "auto"}, {"draft_max": 3, "temperature": 0.8, "seed": 1},
+                        {"draft_max": 3, "temperature": 0.8, "seed": 1, "verify": "match"}):
+            result = eng.generate(prompt, max_tokens=30, **options)
+            check_sources(result.tokens, result.token_sources, result.stats)
+            seen_draft |= "draft" in result.token_sources
+        plain = eng.generate(prompt, max_tokens=30, speculative=False)
+        assert plain.token_sources == ["target"] * len(plain.tokens)
+        check_sources(plain.tokens, plain.token_sources, plain.stats)
+    assert seen_draft
+
+
+def test_stream_events_carry_their_own_sources(engines: dict) -> None:
+    eng = engines[("hybrid", "dflash2", "const")]
+    tokens: list[int] = []
+    sources: list[str] = []
+    for event in eng.stream("hello world", max_tokens=40, draft_max=7):
+        assert len(event.token_sources) == len(event.tokens)
+        tokens += event.tokens
+        sources += event.token_sources
+        check_sources(tokens, sources, event.stats)  # consistent after every step, not only at the end
+    # With a const head every draft is accepted: a step is 7 drafts then the bonus token from the target.
+    assert sources[1:9] == ["draft"] * 7 + ["target"]
+
+
+def test_a_stop_string_keeps_sources_aligned(engines: dict) -> None:
+    eng = engines[("dense", "dflash2", "shaped")]
+    base = eng.generate("hello world", max_tokens=30, speculative=False)
+    stop = base.text[10:14]
+    result = eng.generate("hello world", max_tokens=30, stop=[stop], draft_max=7)
+    assert result.finish_reason == "stop"
+    check_sources(result.tokens, result.token_sources, result.stats)

@@ -1,11 +1,16 @@
-"""Speculative vs plain decoding on the same engine: alternating runs, medians, a table and JSON."""
+"""Speculative vs plain decoding on the same engine: alternating runs, medians, a table and JSON.
+
+A mode is a draft policy ("plain", a fixed length, "auto") and, above temperature 0, a verification ("sample" or
+"match"). Each request's prompt is new to the cache (the engine is reset between requests, so every mode pays the
+same prefill); a hybrid target's context-checkpoint cost per request (ms, bytes) is reported with it.
+"""
 
 from __future__ import annotations
 
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .report import table
@@ -24,37 +29,41 @@ class BenchConfig:
     runs: int = 3
     max_tokens: int = 128
     prompts: list[str] | None = None
+    temperature: float = 0.0
+    verify: list[str] = field(default_factory=lambda: ["sample"])
 
     @property
     def prompt_list(self) -> list[str]:
         return self.prompts or DEFAULT_PROMPTS
 
+    def mode_names(self) -> list[str]:
+        """"plain", then one name per draft policy (and per verification above temperature 0)."""
+        names = ["plain"]
+        for policy in self.modes:
+            if self.temperature > 0:
+                names += [f"{policy} {verify}" for verify in self.verify]
+            else:
+                names.append(str(policy))
+        return names
 
-def tiny_targets(spec: str) -> list[tuple[str, str, str]]:
-    """Generated pairs: 'matrix' (widths 512 and 1024 × random/const heads × dense/hybrid) or kind:head:width,..."""
-    from .testing.tiny_models import tiny_pair
 
-    if spec == "matrix":
-        items = [(k, h, w) for w in (512, 1024) for h in ("random", "const") for k in ("dense", "hybrid")]
+def _run_request(engine: Any, prompt: str, mode: str, cfg: BenchConfig, seed: int) -> Any:
+    policy, _, verify = mode.partition(" ")
+    options: dict[str, Any] = dict(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=seed)
+    if policy == "plain":
+        options["speculative"] = False
     else:
-        items = []
-        for part in spec.split(","):
-            kind, head, width = part.split(":")
-            items.append((kind, head, int(width)))
-    out = []
-    for kind, head, width in items:
-        p = tiny_pair(kind, "dflash2", head=head, n_embd=width, dims="scaled" if width >= 256 else "tiny")
-        out.append((f"{kind}-{head}-{width}", str(p.target), str(p.draft)))
-    return out
+        options["draft_max"] = "auto" if policy == "auto" else int(policy)
+        options["verify"] = verify or "sample"
+    engine.reset()  # every mode prefills the same prompt from scratch
+    return engine.generate(prompt, **options).stats
 
 
-def _totals() -> dict[str, float]:
-    return dict(gen=0, decode_ms=0.0, host_ms=0.0, drafted=0, accepted=0, emitted=0, verify=0, steps=0)
+_SUMS = ("gen", "decode_ms", "host_ms", "drafted", "accepted", "emitted", "verify", "steps", "requests",
+         "checkpoint_ms", "checkpoint_bytes")
 
 
-def _add(tot: dict[str, float], engine: Any, prompt: str, mode: int | str, cfg: BenchConfig) -> None:
-    spec = mode != "plain"
-    s = engine.generate(prompt, max_tokens=cfg.max_tokens, speculative=spec, draft_max=mode if spec else None).stats
+def _add(tot: dict[str, float], s: Any) -> None:
     tot["gen"] += s.n_generated
     tot["decode_ms"] += s.decode_ms
     tot["host_ms"] += s.host_ms
@@ -63,29 +72,37 @@ def _add(tot: dict[str, float], engine: Any, prompt: str, mode: int | str, cfg: 
     tot["emitted"] += s.verify_emitted
     tot["verify"] += s.verify_steps
     tot["steps"] += s.target_steps
+    tot["requests"] += 1
+    tot["checkpoint_ms"] += s.checkpoint_save_ms + s.checkpoint_restore_ms
+    tot["checkpoint_bytes"] += s.checkpoint_bytes
 
 
 def _summary(tot: dict[str, float]) -> dict[str, float]:
+    def per(a: str, b: str) -> float:
+        return tot[a] / tot[b] if tot[b] else 0.0
+
     return {
         "tok_s": tot["gen"] / (tot["decode_ms"] / 1000.0) if tot["decode_ms"] else 0.0,
-        "acceptance_rate": tot["accepted"] / tot["drafted"] if tot["drafted"] else 0.0,
-        "mean_accepted_length": tot["emitted"] / tot["verify"] if tot["verify"] else 0.0,
-        "step_ms": tot["decode_ms"] / tot["steps"] if tot["steps"] else 0.0,
-        "host_ms_per_step": tot["host_ms"] / tot["steps"] if tot["steps"] else 0.0,
+        "acceptance_rate": per("accepted", "drafted"),
+        "mean_accepted_length": per("emitted", "verify"),
+        "step_ms": per("decode_ms", "steps"),
+        "host_ms_per_step": per("host_ms", "steps"),
+        "checkpoint_ms_per_request": per("checkpoint_ms", "requests"),
+        "checkpoint_bytes_per_request": per("checkpoint_bytes", "requests"),
     }
 
 
 def bench_pair(engine: Any, cfg: BenchConfig, progress: Callable[[], None]) -> dict[str, Any]:
-    modes: list[int | str] = ["plain", *cfg.modes]
+    modes = cfg.mode_names()
     engine.generate(cfg.prompt_list[0], max_tokens=8)  # warm-up: allocations, first-touch of the weights
-    runs: dict[str, list[dict[str, float]]] = {str(m): [] for m in modes}
-    for _ in range(cfg.runs):
-        totals = {str(m): _totals() for m in modes}
-        for prompt in cfg.prompt_list:
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    for run in range(cfg.runs):
+        totals = {m: dict.fromkeys(_SUMS, 0.0) for m in modes}
+        for index, prompt in enumerate(cfg.prompt_list):
             for mode in modes:  # alternate modes prompt by prompt so drifts of the machine hit them alike
-                _add(totals[str(mode)], engine, prompt, mode, cfg)
+                _add(totals[mode], _run_request(engine, prompt, mode, cfg, seed=1000 * run + index))
         for mode in modes:
-            runs[str(mode)].append(_summary(totals[str(mode)]))
+            runs[mode].append(_summary(totals[mode]))
         progress()
     plain = statistics.median(r["tok_s"] for r in runs["plain"])
     result = {}
@@ -108,8 +125,8 @@ def run_bench(pairs: Sequence[tuple[str, str, str]], cfg: BenchConfig, opener: C
         bar = "#" * (30 * done // total)
         print(f"\r[{bar:<30}] {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
-    out: dict[str, Any] = {"config": {"modes": [str(m) for m in cfg.modes], "runs": cfg.runs,
-                                      "max_tokens": cfg.max_tokens, "prompts": cfg.prompt_list}, "pairs": {}}
+    out: dict[str, Any] = {"config": {"modes": cfg.mode_names(), "runs": cfg.runs, "max_tokens": cfg.max_tokens,
+                                      "temperature": cfg.temperature, "prompts": cfg.prompt_list}, "pairs": {}}
     for name, target, draft in pairs:
         with opener(target, draft) as engine:
             out["pairs"][name] = {"target": target, "draft": draft, "modes": bench_pair(engine, cfg, progress)}
@@ -122,5 +139,8 @@ def format_results(results: dict[str, Any]) -> str:
     for name, pair in results["pairs"].items():
         for mode, r in pair["modes"].items():
             rows.append((name, mode, r["tok_s"], r["speedup"], r["acceptance_rate"], r["mean_accepted_length"],
-                         r["step_ms"], r["host_ms_per_step"]))
-    return table(("pair", "mode", "tok/s", "vs plain", "accept", "mean len", "step ms", "host ms/step"), rows)
+                         r["step_ms"], r["host_ms_per_step"], r["checkpoint_ms_per_request"],
+                         r["checkpoint_bytes_per_request"] / 2**20))
+    headers = ("pair", "mode", "tok/s", "vs plain", "accept", "mean len", "step ms", "host ms/step", "ckpt ms/req",
+               "ckpt MiB/req")
+    return table(headers, rows)

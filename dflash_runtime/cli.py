@@ -17,7 +17,7 @@ def _add_pair_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--n-ctx", type=int, default=4096)
     p.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--pair-draft-max", type=int, default=None,
+    p.add_argument("--draft-capacity", type=int, default=None,
                    help="longest draft the pair is opened for (default: block_size − 1, at most 15)")
 
 
@@ -38,15 +38,19 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print the statistics as JSON")
 
     b = sub.add_parser("bench", help="speculative vs plain decoding, per draft length")
-    _add_pair_args(b, required=False)
-    b.add_argument("--tiny", default=None,
-                   help="bench generated pairs instead: 'matrix' or a list like dense:const:512,hybrid:random:1024")
+    _add_pair_args(b, required=True)
+    add_bench_args(b)
+    return ap
+
+
+def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--prompts", type=Path, help="file with one prompt per line")
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--draft-max", default="3,7,auto", help="comma list of lengths and/or 'auto'")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--verify", default="sample", help="above temperature 0: comma list of 'sample' and/or 'match'")
     b.add_argument("--runs", type=int, default=3, help="alternating runs per mode; the median is reported")
     b.add_argument("--json", type=Path, help="write the results here")
-    return ap
 
 
 def _draft_arg(value: str) -> int | str:
@@ -57,11 +61,11 @@ def _open(args: argparse.Namespace, target: str, draft: str | None):
     from . import load_pair
     from .gguf_meta import read_gguf
 
-    draft_max = args.pair_draft_max
-    if draft_max is None and draft is not None:
+    capacity = args.draft_capacity
+    if capacity is None and draft is not None:
         block = int(read_gguf(draft).key("block_size", 16))
-        draft_max = max(1, min(15, block - 1))
-    return load_pair(target, draft, n_ctx=args.n_ctx, n_gpu_layers=args.gpu_layers, draft_max=draft_max or 1,
+        capacity = max(1, min(15, block - 1))
+    return load_pair(target, draft, n_ctx=args.n_ctx, n_gpu_layers=args.gpu_layers, draft_capacity=capacity or 1,
                      n_threads=args.threads)
 
 
@@ -86,20 +90,19 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import BenchConfig, run_bench, tiny_targets
+    return run_bench_cli(args, [(Path(args.target).name, args.target, args.draft)])
+
+
+def run_bench_cli(args: argparse.Namespace, pairs: list[tuple[str, str, str]]) -> int:
+    from .bench import BenchConfig, run_bench
 
     modes = [_draft_arg(x.strip()) for x in args.draft_max.split(",") if x.strip()]
     prompts = None
     if args.prompts:
         prompts = [ln for ln in args.prompts.read_text().splitlines() if ln.strip()]
-    if args.tiny:
-        pairs = tiny_targets(args.tiny)
-    elif args.target and args.draft:
-        pairs = [(Path(args.target).name, args.target, args.draft)]
-    else:
-        print("bench needs --target and --draft, or --tiny", file=sys.stderr)
-        return 2
-    cfg = BenchConfig(modes=modes, runs=args.runs, max_tokens=args.max_tokens, prompts=prompts)
+    verify = [v.strip() for v in args.verify.split(",") if v.strip()]
+    cfg = BenchConfig(modes=modes, runs=args.runs, max_tokens=args.max_tokens, prompts=prompts,
+                      temperature=args.temperature, verify=verify)
     results = run_bench(pairs, cfg, lambda t, d: _open(args, t, d))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -47,3 +47,21 @@ def test_bad_pair_is_a_clear_cli_error(tmp_path: Path) -> None:
     files = pair_files("dense", "dflash2")
     out = run_cli("generate", "--target", str(files.draft), "--prompt", "hi")
     assert out.returncode == 1 and "must be opened together with its target" in out.stderr
+
+
+def test_tiny_bench_compares_verify_modes_and_reports_checkpoint_costs(tmp_path: Path) -> None:
+    out_json = tmp_path / "soft.json"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello world\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_runtime.testing.bench", "--pairs", "hybrid:soft:128", "--prompts", str(prompts),
+         "--max-tokens", "48", "--draft-max", "7", "--temperature", "0.6", "--verify", "sample,match", "--runs", "1",
+         "--n-ctx", "512", "--json", str(out_json)],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+    )
+    assert out.returncode == 0, out.stderr
+    assert "ckpt ms/req" in out.stdout
+    modes = json.loads(out_json.read_text())["pairs"]["hybrid-soft-128"]["modes"]
+    assert set(modes) == {"plain", "7 sample", "7 match"}
+    assert modes["7 sample"]["acceptance_rate"] > modes["7 match"]["acceptance_rate"]
+    assert modes["plain"]["checkpoint_bytes_per_request"] > 0  # a hybrid target saves one at the prompt's end

@@ -1,0 +1,54 @@
+"""`python -m dflash_runtime bench` on generated pairs, no downloads:
+
+    python -m dflash_runtime.testing.bench --pairs matrix --runs 3 --max-tokens 128 --draft-max 3,7,auto
+    python -m dflash_runtime.testing.bench --pairs hybrid:soft:512 --temperature 0.6 --verify sample,match
+
+`--pairs`: 'matrix' (widths 512 and 1024 × random/const heads × dense/hybrid targets) or a comma list of
+target:head:width (DFlash 2 drafts). Every other option is the bench's (see `python -m dflash_runtime bench -h`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ..cli import add_bench_args, run_bench_cli
+from ..errors import DFlashError
+from .tiny_models import tiny_pair
+
+
+def tiny_targets(spec: str) -> list[tuple[str, str, str]]:
+    if spec == "matrix":
+        items = [(k, h, w) for w in (512, 1024) for h in ("random", "const") for k in ("dense", "hybrid")]
+    else:
+        items = []
+        for part in spec.split(","):
+            kind, head, width = part.split(":")
+            items.append((kind, head, int(width)))
+    out = []
+    for kind, head, width in items:
+        p = tiny_pair(kind, "dflash2", head=head, n_embd=width, dims="scaled" if width >= 256 else "tiny")
+        out.append((f"{kind}-{head}-{width}", str(p.target), str(p.draft)))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_runtime.testing.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", default="matrix", help="'matrix' or target:head:width,...")
+    parser.add_argument("--n-ctx", type=int, default=4096)
+    parser.add_argument("--gpu-layers", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--draft-capacity", type=int, default=7)
+    add_bench_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_bench_cli(args, tiny_targets(args.pairs))
+    except DFlashError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

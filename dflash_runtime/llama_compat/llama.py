@@ -169,8 +169,9 @@ class DFlashLlama(Llama):
     defaults and return its shapes, plus `"dflash_stats"` on the response (and on the last streamed chunk).
     Sampling honours max_tokens, temperature, top_k, top_p, min_p, seed and stop; options that need host logits
     (logprobs, grammar, penalties, logits processors, logit_bias, ...) raise `RequestError` when turned on.
-    Extra keywords: `speculative=False` (target only), `draft_max` (int ≤ the pair's, or "auto") and, for chats,
-    `enable_thinking`. Chats use the target GGUF's own template.
+    Extra keywords: `speculative=False` (target only), `draft_max` (int ≤ the pair's, or "auto"), `verify`
+    ("sample": rejection sampling, or "match", above temperature 0) and, for chats, `enable_thinking`. Chats use the
+    target GGUF's own template; message content never becomes control tokens.
 
     Constructor: `draft_model_path` or `draft_model=DFlashDraftModel(...)` (neither: the target runs alone);
     `draft_max`: longest draft block (default: the draft model's `num_pred_tokens`, 7). Of `Llama`'s arguments
@@ -284,7 +285,7 @@ class DFlashLlama(Llama):
     @_engine_or_llama
     def create_completion(self, prompt: str | list[int], *args: Any, **kwargs: Any) -> Any:
         """`Llama.create_completion`'s parameters and response shapes, on the engine (see the class docstring)."""
-        extras = _pop_extras(kwargs, {"speculative": True, "draft_max": None})
+        extras = _pop_extras(kwargs, {"speculative": True, "draft_max": None, "verify": "sample"})
         options = _bind(Llama.create_completion, self, prompt, *args, **kwargs)
         reject_unsupported({name: options[name] for name in COMPLETION_OPTIONS_OFF}, COMPLETION_OPTIONS_OFF)
         ids = ResponseIds.new(options["model"] or self.model_path)
@@ -300,7 +301,9 @@ class DFlashLlama(Llama):
     def create_chat_completion(self, messages: Sequence[dict[str, Any]], *args: Any, **kwargs: Any) -> Any:
         """`Llama.create_chat_completion`'s parameters and response shapes, on the engine, with the target GGUF's
         chat template (see the class docstring)."""
-        extras = _pop_extras(kwargs, {"speculative": True, "draft_max": None, "enable_thinking": None})
+        extras = _pop_extras(
+            kwargs, {"speculative": True, "draft_max": None, "verify": "sample", "enable_thinking": None}
+        )
         options = _bind(Llama.create_chat_completion, self, messages, *args, **kwargs)
         reject_unsupported({name: options[name] for name in CHAT_OPTIONS_OFF}, CHAT_OPTIONS_OFF)
         ids = ResponseIds.new(options["model"] or self.model_path, prefix="chatcmpl-")

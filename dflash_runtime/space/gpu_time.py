@@ -123,14 +123,15 @@ class GpuTimeEstimator:
 
     def describe(self) -> dict[str, Any]:
         with self._lock:
-            return {
-                "decode_tok_s": {"speculative": round(self._decode[True], 2), "plain": round(self._decode[False], 2)},
-                "prefill_tok_s": round(self._prefill, 1),
-                "load_s": round(self._load, 2),
-                "chars_per_token": round(self._chars_per_token, 3),
+            return {  # unrounded: the duration a request gets can be recomputed from these
+                "decode_tok_s": {"speculative": self._decode[True], "plain": self._decode[False]},
+                "prefill_tok_s": self._prefill,
+                "load_s": self._load,
+                "chars_per_token": self._chars_per_token,
                 "worker_may_be_new": self._worker_may_be_new,
                 "measured": sorted(self._measured),
                 "safety": SAFETY,
                 "base_s": self.settings.base_s,
+                "seconds_min": MIN_SECONDS,
                 "seconds_max": self.settings.seconds_max,
             }

@@ -17,7 +17,7 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from ..errors import DFlashError
+from ..errors import DFlashError, RequestError
 from .service import Comparison, SpaceService
 from .session import ChatSession
 from .views import EMPTY_STATS, WAITING_STATS, acceptance_rows, info_markdown, scrub_paths, stats_markdown
@@ -36,7 +36,9 @@ def visitor_errors() -> Iterator[None]:
         raise
     except DFlashError as error:
         title = getattr(error, "kind", type(error).__name__)
-        raise gr.Error(scrub_paths(str(error)), title=title, print_exception=False) from error
+        # The request checks quote the caller's own values; other errors may name the server's files.
+        message = str(error) if isinstance(error, RequestError) else scrub_paths(str(error))
+        raise gr.Error(message, title=title, print_exception=False) from error
     except Exception as error:
         log.exception("a request failed")
         raise gr.Error(f"the server failed ({type(error).__name__}); retry", print_exception=False) from error

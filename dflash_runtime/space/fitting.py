@@ -1,7 +1,8 @@
 """Fitting a conversation in the context: the oldest turns go first, the newest message always stays.
 
 The cost is a few full renders, not one per turn: the first render (everything) gives the tokens per character, which
-guesses the cut; renders then confirm the cut exactly, searching (binary) only when the guess was off. The prompt
+guesses the cut; renders then confirm the cut exactly (the guess and its neighbour), searching outwards from the guess
+only when it was off. The prompt
 grows with every turn kept, so "fits" is monotone in the cut and the search finds the smallest exact cut."""
 
 from __future__ import annotations
@@ -83,21 +84,31 @@ def _guess(history: list[Message], starts: list[int], all_tokens: int, budget: i
 
 
 def _smallest_fitting_cut(fits: Callable[[int], bool], guess: int, starts: list[int]) -> int | None:
-    """The smallest cut in 1.. that fits (cut 0 does not), checking the guess and its neighbour first."""
+    """The smallest cut in 1.. that fits (cut 0 does not): from the guess, steps that double until the answer is
+    bracketed, then halving; a guess off by one costs two renders."""
     last = len(starts) - 1
     guess = min(max(guess, 1), last)
     if fits(guess):
-        if guess == 1 or not fits(guess - 1):
-            return guess
-        low, high = 1, guess - 1  # the answer is in [low, high]; high fits
+        low, high, step = 0, guess, 1  # cut `low` does not fit, cut `high` does
+        while high - step > 0:
+            if not fits(high - step):
+                low = high - step
+                break
+            high, step = high - step, step * 2
     else:
-        if guess == last or not fits(last):
-            return None
-        low, high = guess + 1, last
-    while low < high:
+        low, high, step = guess, None, 1
+        while high is None:
+            probe = min(low + step, last)
+            if fits(probe):
+                high = probe
+            elif probe == last:
+                return None
+            else:
+                low, step = probe, step * 2
+    while high - low > 1:
         middle = (low + high) // 2
         if fits(middle):
             high = middle
         else:
-            low = middle + 1
+            low = middle
     return high

@@ -20,6 +20,7 @@ import pytest
 from app_fixtures import REPO_ROOT, FakeHub, RunningApp, launch_app, stop_app
 from gradio_client import Client
 from gradio_client.exceptions import AppError
+from gradio_client.utils import Status
 from space_client import (
     Raw,
     chat_args,
@@ -229,3 +230,16 @@ def test_no_secret_in_any_response_log_or_error(server: RunningApp, client: Clie
     for text in (json.dumps(info), refused.message, server.log()):
         assert SECRET not in text
     assert "Traceback" not in server.log()
+
+
+def test_a_cancelled_one_shot_call_stops_the_engine(server: RunningApp, client: Client, good_answer: str) -> None:
+    """/generate answers in one piece, so its caller sees no chunk; cancelling it still stops the engine."""
+    job = client.submit(**chat_args("hello there", max_tokens=MAX_NEW_TOKENS), api_name="/generate")
+    deadline = time.monotonic() + 60
+    while job.status().code != Status.PROCESSING:
+        assert time.monotonic() < deadline and not job.done(), "the call never started"
+        time.sleep(0.01)
+    job.cancel()
+    assert_still_good(client, good_answer)
+    stopped = client.predict(api_name="/info")["worker"]["previous_request"]
+    assert stopped["finish_reason"] == "closed by the caller" and stopped["n_generated"] < MAX_NEW_TOKENS

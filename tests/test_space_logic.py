@@ -297,6 +297,7 @@ def test_gpu_time_starts_conservative_and_learns_the_worker_speeds() -> None:
     assert estimator.estimate(request, (True, False)).seconds == first.seconds + 32
     # A real pair's measurements: a default request (512 tokens) then asks for well under a minute.
     estimator.observe_load(18.0)
+    estimator.engine_seen(loaded=True)
     estimator.observe({"n_generated": 512, "decode_tok_s": 60.0, "speculative": True, "n_prefilled": 300,
                        "prefill_ms": 150.0, "n_prompt": 300}, request, dropped_here=0)  # fmt: skip
     warm = estimator.estimate(request, (True,))
@@ -310,6 +311,10 @@ def test_gpu_time_starts_conservative_and_learns_the_worker_speeds() -> None:
     estimator.worker_lost()
     assert estimator.estimate(request, (True,)).includes_load
     assert estimator.describe()["load_s"] == 18.0
+    estimator.engine_seen(loaded=True)
+    assert not estimator.estimate(request, (True,)).includes_load
+    estimator.engine_seen(loaded=False)  # the worker closed its engine after a failure: the next request loads it
+    assert estimator.estimate(request, (True,)).includes_load
     assert estimator.estimate(make_request(max_tokens=4096), (True, False)).seconds <= 240
 
 
@@ -317,7 +322,6 @@ def test_short_answers_teach_nothing_about_speed() -> None:
     estimator = GpuTimeEstimator(GpuTimeSettings())
     estimator.observe({"n_generated": 3, "decode_tok_s": 1.0, "speculative": True}, make_request(), dropped_here=0)
     assert estimator.describe()["decode_tok_s"]["speculative"] == GpuTimeSettings().decode_tok_s
-    assert estimator.describe()["worker_may_be_new"] is False
 
 
 # -- session, views, process line -----------------------------------------------------------------------------

@@ -94,7 +94,6 @@ class GpuTimeEstimator:
     def observe(self, stats: Mapping[str, Any], request: ChatRequest, dropped_here: int) -> None:
         """Learn from one finished decode (a phase's final statistics)."""
         with self._lock:
-            self._worker_may_be_new = False
             if stats.get("n_generated", 0) >= MIN_DECODE_TOKENS and stats.get("decode_tok_s", 0) > 0:
                 kind = "decode_speculative" if stats.get("speculative") else "decode_plain"
                 speculative = bool(stats.get("speculative"))
@@ -116,6 +115,11 @@ class GpuTimeEstimator:
             self._measured.add(name)
             return new
         return _toward(old, new, conservative_is_lower)
+
+    def engine_seen(self, loaded: bool) -> None:
+        """The worker's report: whether its engine is loaded (if not, the next request must plan a load)."""
+        with self._lock:
+            self._worker_may_be_new = not loaded
 
     def worker_lost(self) -> None:
         with self._lock:

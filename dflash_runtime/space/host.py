@@ -4,9 +4,10 @@ one request at a time, streaming replies as plain data that crosses the ZeroGPU 
 On ZeroGPU the worker is a fork of the web process, and `spaces` throws a worker away after *any* exception raised
 in the GPU function (with it the loaded model). So `EngineHost.run` never raises the runtime's own errors: it ends the
 stream with a chunk that carries the error, and the web process raises it there. A request error (bad input the web
-process could not see, such as a prompt too long in tokens) leaves the engine as it is; an engine failure closes the
-engine, which the next request rebuilds in the same worker. Anything else (a bug, a CUDA fault) does raise: then a
-fresh worker is the right cure.
+process could not see, such as a prompt too long in tokens) leaves the engine as it is; an engine failure (a failed
+decode) closes the engine, which the next request rebuilds in the same worker. Anything else (a bug, a CUDA fault)
+does raise: then a fresh worker is the right cure. Every chunk says whether the engine is loaded, so the web process
+knows when the next request must plan a load.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..errors import DFlashError, PromptTooLongError, RequestError
+from ..errors import DecodeError, DFlashError, EngineClosedError, RequestError
 from .fitting import FittedConversation, count_prompt_tokens, fit_conversation
 from .presets import PairPreset, ResolvedPair
 from .requests import ChatRequest, thinking_prefix
 
 PHASES = {"chat": None, "speculative": True, "plain": False}  # None: the request's own `speculative`
+# Errors after which the engine's state is not to be trusted: it is closed, and the next request loads it again.
+# Any other runtime error (a bad request, a prompt too long, a busy engine) leaves it as it is.
+ENGINE_FAILURES = (DecodeError, EngineClosedError)
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class ReplyChunk:
     notice: str | None = None
     phase: str = "chat"  # "chat", or "speculative" / "plain" during an A/B comparison
     engine_info: dict[str, Any] = field(default_factory=dict)
-    worker: dict[str, Any] = field(default_factory=dict)  # pid, loads, load_s, loaded_now, used_s, previous_request
+    worker: dict[str, Any] = field(default_factory=dict)  # pid, loads, load_s, loaded_now, engine_loaded, used_s, ...
     dropped_turns: int = 0
     error_type: str | None = None  # set on a final chunk that reports an error instead of raising it
     error: str | None = None
@@ -137,8 +141,8 @@ class EngineHost:
                     chunk.worker = self._report(report, started)
                     yield chunk
         except DFlashError as error:
-            if not isinstance(error, RequestError | PromptTooLongError):
-                self._close()  # an engine failure: its state is unknown, the next request loads it again
+            if isinstance(error, ENGINE_FAILURES):
+                self._close()
             outcome = {"finish_reason": "error", "error_type": type(error).__name__, "n_generated": 0}
             chunk = self._error_chunk(error)
             chunk.worker = self._report(report, started)
@@ -149,7 +153,8 @@ class EngineHost:
 
     def _report(self, report: dict[str, Any], started: float) -> dict[str, Any]:
         used_s = round(time.monotonic() - started, 3)
-        return {**report, "loads": self.loads, "requests": self.requests, "used_s": used_s}
+        loaded = self._engine is not None
+        return {**report, "loads": self.loads, "requests": self.requests, "engine_loaded": loaded, "used_s": used_s}
 
     @staticmethod
     def _error_chunk(error: DFlashError) -> ReplyChunk:

@@ -200,6 +200,8 @@ class SpaceService:
         try:
             async for chunk in job.chunks(latest_only):
                 self._remember(chunk)
+                if "engine_loaded" in chunk.worker:
+                    self.estimator.engine_seen(chunk.worker["engine_loaded"])
                 if chunk.worker.get("loaded_now") and not load_seen and chunk.worker.get("load_s") is not None:
                     load_seen = True
                     self.estimator.observe_load(chunk.worker["load_s"])

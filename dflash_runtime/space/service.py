@@ -184,9 +184,9 @@ class SpaceService:
         """Run `request` on the GPU and stream its chunks. Errors reported by the worker are raised as WorkerError;
         leaving the loop (or being cancelled) stops the engine."""
         files = await self.files()
-        probe = GpuJob(request, self.preset, files, phases)
-        estimate = self.estimator.estimate(request, probe.speculative_phases())
-        job_spec = GpuJob(request, self.preset, files, phases, estimate.seconds)
+        job_spec = GpuJob(request, self.preset, files, phases)
+        estimate = self.estimator.estimate(request, job_spec.speculative_phases())
+        job_spec = replace(job_spec, gpu_seconds=estimate.seconds)
         requested = self._quota_seconds(estimate.seconds)
         log.info("request: %d chars, max_tokens %d, phases %s; GPU time %s s (quota %s s, load included: %s)",
                  request.input_chars, request.max_tokens, ",".join(phases), estimate.seconds, requested,

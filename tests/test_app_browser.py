@@ -14,6 +14,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import websocket
 from app_fixtures import REPO_ROOT, RunningApp, free_port, launch_app, stop_app
 from gradio_client import Client
 from space_client import demo_pair, expected_answer, reference_engine
+from zerogpu_fake import FakeDeviceApi
 
 pytestmark = pytest.mark.browser
 
@@ -105,19 +107,20 @@ def server() -> Iterator[RunningApp]:
     stop_app(app.process)
 
 
-@pytest.fixture(scope="module")
-def page(server: RunningApp) -> Iterator[DevTools]:
+@contextmanager
+def open_page(url: str) -> Iterator[DevTools]:
+    """Headless Chromium on `url`, driven over DevTools."""
     if CHROMIUM is None:
         pytest.fail("Chromium is required for the browser test: apt-get install -y chromium")
     port = free_port()
     profile = tempfile.mkdtemp(prefix="dflash-chromium-")
     browser = subprocess.Popen(
-        [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--remote-debugging-port={port}", server.url],
+        [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--remote-debugging-port={port}", url],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        devtools = DevTools(_page_socket_url(port, server.url))
+        devtools = DevTools(_page_socket_url(port, url))
         devtools.call("Page.enable")
         devtools.call("Runtime.enable")
         yield devtools
@@ -126,6 +129,12 @@ def page(server: RunningApp) -> Iterator[DevTools]:
         browser.terminate()
         browser.wait(timeout=20)
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def page(server: RunningApp) -> Iterator[DevTools]:
+    with open_page(server.url) as devtools:
+        yield devtools
 
 
 def _page_socket_url(port: int, url: str, timeout_s: float = 60.0) -> str:
@@ -199,6 +208,11 @@ def generated_tokens(stats: str) -> int:
     return int(match.group(1))
 
 
+def wait_for_page(page: DevTools) -> None:
+    page.wait_for("!!document.querySelector('#message-box textarea') && !!document.querySelector('#send')", 60,
+                  "the page to load")  # fmt: skip
+
+
 def engine_idle(server: RunningApp) -> bool:
     return not Client(server.url, verbose=False).predict(api_name="/info")["busy"]
 
@@ -218,8 +232,7 @@ def previous_request(server: RunningApp) -> dict[str, Any]:
 
 
 def test_chat_in_the_browser_shows_answer_stats_and_plot(page: DevTools, server: RunningApp) -> None:
-    page.wait_for("!!document.querySelector('#message-box textarea') && !!document.querySelector('#send')", 60,
-                  "the page to load")
+    wait_for_page(page)
     banner = page.evaluate(text_of("#mode-banner"))
     assert "random-weight test models" in banner and "DFLASH_DEMO=off" in banner
 
@@ -289,3 +302,28 @@ def test_clear_mid_answer_stops_it_and_the_next_turn_starts_clean(page: DevTools
     cleared = previous_request(server)
     assert cleared["finish_reason"] == "closed by the caller" and cleared["n_generated"] < 512
     page.screenshot(ARTIFACTS / "app_browser_after_clear.png")
+
+
+def test_on_zero_gpu_the_page_shows_the_gpu_time_and_keeps_its_worker(tmp_path: Path) -> None:
+    """The page on ZeroGPU (the real `spaces` package against the fake device API): the statistics show the GPU time
+    requested (what the device API was asked for) and used, and a second answer reuses the worker's engine."""
+    device_api = FakeDeviceApi().start()
+    env = {"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX), **device_api.env(tmp_path / "cgroup")}
+    app = launch_app(env, ARTIFACTS / "app_browser_zerogpu_server.log")
+    try:
+        with open_page(app.url) as zero_page:
+            wait_for_page(zero_page)
+            send(zero_page, "hello world")
+            stats = wait_for_answer(zero_page, answers=1)
+            match = re.search(r"GPU time requested / used\s+(\d+) s / ([\d.]+) s", stats)
+            assert match, f"no GPU time in {stats!r}"
+            assert int(match.group(1)) == int(device_api.of("/schedule")[-1].params["durationSeconds"])
+            assert same_text(bot_texts(zero_page)[0], expected_reply("hello world"))
+            zero_page.screenshot(ARTIFACTS / "app_browser_zerogpu.png")
+            send(zero_page, "one two three")
+            wait_for_answer(zero_page, answers=2)
+        worker = Client(app.url, verbose=False).predict(api_name="/info")["worker"]
+    finally:
+        stop_app(app.process)
+        device_api.stop()
+    assert worker["loads"] == 1 and worker["requests"] == 2 and len(device_api.of("/allow")) == 1

@@ -217,7 +217,7 @@ def engine_idle(server: RunningApp) -> bool:
     return not Client(server.url, verbose=False).predict(api_name="/info")["busy"]
 
 
-def wait_idle(page: DevTools, server: RunningApp, timeout_s: float = 60) -> None:
+def wait_idle(server: RunningApp, timeout_s: float = 60) -> None:
     """Until the server has closed the running reply (its engine slot is free again)."""
     deadline = time.monotonic() + timeout_s
     while not engine_idle(server):
@@ -253,7 +253,7 @@ def test_stop_interrupts_and_the_next_turn_completes(page: DevTools, server: Run
     send(page, "the quick brown fox")
     page.wait_for(f"{STATS}.includes('Decode speed') && !{STATS}.includes('Finished')", 30, "a running answer")
     page.click("#stop")
-    wait_idle(page, server)
+    wait_idle(server)
     stopped_at = generated_tokens(page.evaluate(STATS))
     assert len(bot_texts(page)) == before + 1, "the interrupted answer stays in the chat"
 
@@ -291,7 +291,7 @@ def test_clear_mid_answer_stops_it_and_the_next_turn_starts_clean(page: DevTools
     page.wait_for(f"{STATS}.includes('Decode speed') && !{STATS}.includes('Finished')", 30, "a running answer")
     page.click("#clear")
     page.wait_for(f"document.querySelectorAll({json.dumps(BOT_MESSAGES)}).length === 0", 20, "the chat to clear")
-    wait_idle(page, server)
+    wait_idle(server)
     assert "Statistics appear here" in page.evaluate(STATS)
     assert bot_texts(page) == [], "the cleared answer came back"
 

@@ -4,41 +4,30 @@ and every answer is checked against a separate engine opened on the same files, 
 from __future__ import annotations
 
 import itertools
-import os
-import pickle
+import json
 import re
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-import gradio as gr
 import pytest
 from app_fixtures import REPO_ROOT, RunningApp, launch_app, stop_app
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 from gradio_client.utils import Status
-
-from dflash_runtime import load_pair
-from dflash_runtime.errors import PromptTooLongError
-from dflash_runtime.space.fitting import fit_conversation
-from dflash_runtime.space.host import ReplyChunk
-from dflash_runtime.space.presets import ResolvedPair, choose_run_mode, cuda_device_present, preset_from_env
-from dflash_runtime.space.requests import (
-    ChatRequest,
-    Limits,
-    build_request,
-    clean_history,
-    estimate_gpu_seconds,
-    strip_thinking,
-    thinking_prefix,
+from space_client import (
+    API_PARAMETERS,
+    chat_args,
+    demo_pair,
+    expected_answer,
+    prompt_length,
+    reference_engine,
+    stream_chat,
 )
-from dflash_runtime.space.views import ab_markdown, acceptance_rows, info_markdown, mode_banner, stats_markdown
-from dflash_runtime.stats import Stats
+
+from dflash_runtime.space.requests import thinking_prefix
 
 N_CTX = 1024
 MAX_INPUT_CHARS = 6000
@@ -72,40 +61,9 @@ def info(client: Client) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def reference(info: dict[str, Any]) -> Iterator[Any]:
-    """An engine of our own on the server's files: what the server must answer, token for token."""
-    preset = info["presets"][info["default_preset"]]
-    engine = load_pair(Path(preset["target"]), Path(preset["draft"]), n_ctx=preset["n_ctx"], draft_max=7)
-    yield engine
-    engine.close()
-
-
-def expected_answer(engine: Any, messages: list[Message], max_tokens: int) -> str:
-    return engine.chat(messages, enable_thinking=False, max_tokens=max_tokens, temperature=0.0).text
-
-
-def chat_args(message: str, **changes: Any) -> dict[str, Any]:
-    args: dict[str, Any] = {
-        "message": message,
-        "history": [],
-        "system_prompt": "",
-        "preset": "tiny-random",
-        "max_tokens": 48,
-        "temperature": 0.0,
-        "top_p": 1.0,
-        "draft_max": 7,
-        "speculative": True,
-        "thinking": False,
-    }
-    args.update(changes)
-    return args
-
-
-def stream_chat(client: Client, **args: Any) -> list[tuple[str, dict[str, Any]]]:
-    job = client.submit(**args, api_name="/chat")
-    chunks = [tuple(output) for output in job]
-    job.result()  # raises the server's error, if any
-    return chunks  # type: ignore[return-value]
+def reference() -> Iterator[Any]:
+    with reference_engine(N_CTX) as engine:
+        yield engine
 
 
 def check_stats(stats: dict[str, Any], prompt_tokens: int, max_tokens: int) -> None:
@@ -126,21 +84,42 @@ def check_stats(stats: dict[str, Any], prompt_tokens: int, max_tokens: int) -> N
         assert stats[name] >= 0
     assert stats["finish_reason"] in ("stop", "length")
     assert stats["preset"] == "tiny-random"
+    assert stats["gpu_seconds_requested"] is None, "off ZeroGPU nothing is requested"
+    assert stats["gpu_seconds_used"] > 0
 
 
-def prompt_length(engine: Any, messages: list[Message]) -> int:
-    return len(engine.tokenize(engine.render_chat(messages, enable_thinking=False)))
-
-
-def test_info_describes_the_offline_pair(info: dict[str, Any]) -> None:
+def test_info_describes_the_offline_pair_without_server_paths(info: dict[str, Any]) -> None:
     assert info["offline_demo"] is True and info["default_preset"] == "tiny-random"
     preset = info["presets"]["tiny-random"]
     assert preset["random_weights"] is True and preset["n_ctx"] == N_CTX
-    assert Path(preset["target"]).is_file() and Path(preset["draft"]).is_file()
+    pair = demo_pair()
+    assert preset["target"] == f"local file {pair.target.name}" and preset["draft"] == f"local file {pair.draft.name}"
+    text = json.dumps(info)
+    for private in (str(pair.target.parent), str(REPO_ROOT), "/home/", "/root/", "site-packages"):
+        assert private not in text, f"/info shows a server path ({private})"
     assert info["limits"]["max_new_tokens"] == MAX_NEW_TOKENS
     assert info["limits"]["max_input_chars"] == MAX_INPUT_CHARS
     assert info["build"]["status"].startswith("llama-cpp-python")
     assert info["build"]["dflash_missing_symbols"] == []
+    assert info["problems"] == [] and info["fix"] is None
+    assert info["defaults"] == {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0, "draft_max": 7}
+
+
+def test_the_api_has_typed_documented_parameters_in_the_documented_order(client: Client) -> None:
+    endpoints = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
+    expected_types = {"message": "string", "system_prompt": "string", "preset": "string", "max_tokens": "integer",
+                      "temperature": "number", "top_p": "number", "draft_max": "integer", "speculative": "boolean",
+                      "thinking": "boolean"}  # fmt: skip
+    for name in ("/chat", "/generate"):
+        parameters = endpoints[name]["parameters"]
+        assert tuple(p["parameter_name"] for p in parameters) == API_PARAMETERS
+        for parameter in parameters:
+            if parameter["parameter_name"] in expected_types:
+                assert parameter["type"]["type"] == expected_types[parameter["parameter_name"]], parameter
+        assert [p["parameter_has_default"] for p in parameters] == [False] + [True] * 9
+        assert [r["type"]["type"] for r in endpoints[name]["returns"]] == ["string", "object"]
+        assert "Parameters" not in endpoints[name]["description"] and endpoints[name]["description"]
+    assert endpoints["/info"]["parameters"] == []
 
 
 def test_streaming_chat_equals_the_engine_and_reports_consistent_stats(client: Client, reference: Any) -> None:
@@ -196,13 +175,14 @@ BAD_REQUESTS = [
     ({"message": ""}, "message is empty"),
     ({"message": "   \n"}, "message is empty"),
     ({"message": "x" * (MAX_INPUT_CHARS + 1)}, f"accepts up to {MAX_INPUT_CHARS}"),
-    ({"max_tokens": 0}, "max_tokens must be in 1..600"),
-    ({"max_tokens": MAX_NEW_TOKENS + 1}, "max_tokens must be in 1..600"),
+    ({"system_prompt": "x" * (MAX_INPUT_CHARS - 2)}, f"accepts up to {MAX_INPUT_CHARS}"),
+    ({"max_tokens": 0}, "max_tokens must be an integer in 1..600, got 0"),
+    ({"max_tokens": MAX_NEW_TOKENS + 1}, "max_tokens must be an integer in 1..600"),
     ({"temperature": -0.5}, "temperature must be a number in"),
     ({"temperature": 9}, "temperature must be a number in"),
     ({"top_p": 0}, "top_p must be a number in"),
-    ({"draft_max": 99}, "draft_max must be in 0..7"),
-    ({"draft_max": -1}, "draft_max must be in 0..7"),
+    ({"draft_max": 99}, "draft_max must be an integer in 0..7 (0 = adaptive), got 99"),
+    ({"draft_max": -1}, "draft_max must be an integer in 0..7"),
     ({"preset": "../../etc/passwd.gguf"}, "unknown preset"),
     ({"history": [{"role": "robot", "content": "hi"}]}, "history[0] must be a dict"),
     ({"history": "not a list"}, "history must be a list"),
@@ -245,17 +225,24 @@ def test_a_long_conversation_drops_its_oldest_turns_with_a_notice(client: Client
     assert stats["n_prompt"] == prompt_length(reference, kept)
 
 
-def test_a_cancelled_chat_leaves_the_next_turn_correct(client: Client, reference: Any) -> None:
+def wait_until(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_a_cancelled_chat_stops_the_engine_and_the_next_turn_is_correct(client: Client, reference: Any) -> None:
     job = client.submit(**chat_args("hello there", max_tokens=MAX_NEW_TOKENS), api_name="/chat")
-    deadline = time.monotonic() + 60
-    while len(job.outputs()) < 2 and not job.done() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(job.outputs()) >= 2 or job.done(), 60, "two chunks")
     job.cancel()
-    time.sleep(0.5)
-    assert job.status().code == Status.CANCELLED
-    assert job.outputs()[-1][1]["n_generated"] < MAX_NEW_TOKENS, "the chat should have stopped early"
+    wait_until(lambda: job.status().code == Status.CANCELLED, 30, "the cancellation")
     text, _ = client.predict(**chat_args("one two three", max_tokens=24), api_name="/generate")
     assert text == expected_answer(reference, [{"role": "user", "content": "one two three"}], 24)
+    # The engine host's record of the request before the last: the cancelled chat stopped early.
+    stopped = client.predict(api_name="/info")["worker"]["previous_request"]
+    assert stopped["finish_reason"] == "closed by the caller" and stopped["n_generated"] < MAX_NEW_TOKENS
 
 
 def test_six_concurrent_chats_all_complete_uncorrupted(server: RunningApp, reference: Any) -> None:
@@ -279,159 +266,9 @@ def test_thinking_switch_reaches_the_template(client: Client, reference: Any) ->
     messages = [{"role": "user", "content": "what is the answer?"}]
     text, stats = client.predict(**chat_args("what is the answer?", thinking=True, max_tokens=24), api_name="/generate")
     prompt = reference.render_chat(messages, enable_thinking=True)
-    answer = reference.chat(messages, enable_thinking=True, max_tokens=24, temperature=0.0).text
+    answer = expected_answer(reference, messages, 24, thinking=True)
     assert text == thinking_prefix(prompt) + answer
     assert stats["n_prompt"] == len(reference.tokenize(prompt))
     assert stats["n_prompt"] != prompt_length(reference, messages), "thinking on and off render different prompts"
 
 
-# -- the app's logic, without a server ------------------------------------------------------------------------------
-
-LIMITS = Limits(max_new_tokens=4096, max_input_chars=32000, draft_max=7)
-
-
-def make_request(**fields: Any) -> ChatRequest:
-    values: dict[str, Any] = {"preset": "p", "presets": ["p"], "limits": LIMITS, "message": "hi", "max_tokens": 64}
-    values.update(fields)
-    return build_request(**values)
-
-
-@pytest.mark.parametrize(
-    ("env", "overrides", "has_cuda", "tiny"),
-    [
-        ({}, [], False, True),
-        ({}, [], True, False),
-        ({"SPACES_ZERO_GPU": "true"}, [], False, False),
-        ({}, ["DFLASH_TARGET_REPO"], False, False),
-        ({"DFLASH_DEMO": "tiny"}, ["DFLASH_TARGET_REPO"], True, True),
-        ({"DFLASH_DEMO": "off"}, [], False, False),
-    ],
-)
-def test_run_mode_never_downloads_by_surprise(
-    env: dict[str, str], overrides: list[str], has_cuda: bool, tiny: bool
-) -> None:
-    mode = choose_run_mode(env, overrides, has_cuda)
-    assert mode.tiny is tiny and mode.reason
-    assert ("random-weight" in mode_banner(mode)) is tiny
-
-
-def test_unknown_demo_value_is_refused() -> None:
-    with pytest.raises(ValueError, match="DFLASH_DEMO"):
-        choose_run_mode({"DFLASH_DEMO": "maybe"}, [], False)
-
-
-def test_gpu_duration_follows_the_request_within_bounds() -> None:
-    short, long = make_request(max_tokens=64), make_request(max_tokens=2048)
-    wordy = make_request(max_tokens=64, message="word " * 5000)
-    assert 10 <= estimate_gpu_seconds(short, LIMITS) < estimate_gpu_seconds(long, LIMITS)
-    assert estimate_gpu_seconds(short, LIMITS) < estimate_gpu_seconds(wordy, LIMITS)
-    assert estimate_gpu_seconds(short, LIMITS, runs=2) > estimate_gpu_seconds(short, LIMITS)
-    assert estimate_gpu_seconds(make_request(max_tokens=4096), LIMITS, runs=2) == LIMITS.gpu_seconds_max
-
-
-def test_oldest_whole_turns_go_first_and_the_system_prompt_stays() -> None:
-    history = []
-    for turn in range(3):
-        history += [{"role": "user", "content": f"u{turn}" + "x" * 98}, {"role": "assistant", "content": "y" * 100}]
-    request = make_request(message="m" * 50, history=history, system_prompt="s" * 20, max_tokens=100)
-
-    def count_chars(messages: list[Message]) -> int:  # one token per character
-        return sum(len(m["content"]) for m in messages)
-
-    fitted = fit_conversation(request, count_chars, n_ctx=500)
-    assert fitted.dropped_turns == 2 and "2 oldest turns" in (fitted.notice or "")
-    assert [m["content"][:2] for m in fitted.messages] == ["ss", "u2", "yy", "mm"]
-    assert fitted.prompt_tokens == 270
-    assert fit_conversation(request, count_chars, n_ctx=2000).dropped_turns == 0
-    assert fit_conversation(request, count_chars, n_ctx=2000).notice is None
-    with pytest.raises(PromptTooLongError, match="cannot hold it"):
-        fit_conversation(make_request(message="m" * 1000), count_chars, n_ctx=500)
-
-
-def test_a_history_that_opens_with_a_reply_is_kept_whole_when_it_fits() -> None:
-    history = [{"role": "assistant", "content": "welcome"}, {"role": "user", "content": "hi"}]
-    request = make_request(history=history)
-    fitted = fit_conversation(request, lambda messages: len(messages), n_ctx=1000)
-    assert fitted.dropped_turns == 0 and len(fitted.messages) == 3
-
-
-def test_history_keeps_what_the_model_should_see() -> None:
-    history = clean_history(
-        [
-            {"role": "user", "content": "q1", "metadata": {"title": "ignored"}},
-            {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nanswer one"},
-            {"role": "user", "content": "q2"},
-            {"role": "assistant", "content": "<think>\nstopped while thinking"},
-        ]
-    )
-    assert history == (
-        {"role": "user", "content": "q1"},
-        {"role": "assistant", "content": "answer one"},
-        {"role": "user", "content": "q2"},
-    )
-    assert strip_thinking("plain answer") == "plain answer"
-    assert thinking_prefix("<|im_start|>assistant\n<think>\n") == "<think>\n"
-    assert thinking_prefix("<|im_start|>assistant\n<think>\n\n</think>\n\n") == ""
-
-
-def test_everything_crossing_the_zero_gpu_process_line_pickles() -> None:
-    request = make_request(history=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
-    preset = preset_from_env({})
-    files = ResolvedPair(Path("/models/t.gguf"), Path("/models/d.gguf"))
-    chunk = ReplyChunk(text="hi", stats=Stats().to_dict(), finish_reason="stop", notice="n", engine_info={"a": 1})
-    for value in (request, preset, files, chunk):
-        assert pickle.loads(pickle.dumps(value)) == value
-    error = pickle.loads(pickle.dumps(gr.Error("the message is empty", title="RequestError")))
-    assert error.message == "the message is empty"
-
-
-def test_statistics_panel_plot_rows_and_ab_summary() -> None:
-    stats = Stats(n_prompt=10, n_reused=4, n_prefilled=6, n_generated=9, decode_ms=100.0, draft_max=3)
-    stats.record_verify(3, 2, 3)
-    stats.record_verify(3, 0, 1)
-    panel = stats_markdown(stats.to_dict(), "length", "max_tokens=9 reached")
-    assert "90.0 tok/s" in panel and "33%" in panel and "2 / 6" not in panel and "6 / 2" in panel
-    assert "10: 4 reused, 6 prefilled" in panel and "length (max_tokens=9 reached)" in panel
-    assert acceptance_rows(stats.to_dict()) == [
-        {"position": "1", "acceptance": 0.5},
-        {"position": "2", "acceptance": 0.5},
-        {"position": "3", "acceptance": 0.0},
-    ]
-    plain = Stats(n_generated=9, decode_ms=300.0, speculative=False).to_dict()
-    summary = ab_markdown(stats.to_dict(), plain, identical=True)
-    assert "Speed-up: 3.00×" in summary and "Outputs identical: yes" in summary
-    assert "running" in ab_markdown(stats.to_dict(), None, None)
-
-
-def test_info_box_names_the_pair_and_the_build() -> None:
-    preset = preset_from_env({})
-    text = info_markdown(preset, LIMITS, {"llama.cpp build": "llama-cpp-python 0.3.36"}, {"target_arch": "qwen35"})
-    assert "utautako/Qwen3.8-27B-NVFP4-MTP-Q8attn-GGUF" in text and "incoai/Qwen3.8-27B-DFlash2-GGUF" in text
-    assert "target NVFP4, draft Q4_K_M" in text and "16384 tokens" in text and "0.3.36" in text
-
-
-IMPORT_CHECK = """
-import inspect, sys
-sys.modules["spaces"] = None  # as if the package were not installed: the identity decorator stands in
-import app
-maps = open("/proc/self/maps").read()
-assert "libllama" not in maps and "libcuda" not in maps and "llama_cpp" not in sys.modules, "native code loaded"
-assert inspect.isgeneratorfunction(app.reply_on_gpu) and inspect.isgeneratorfunction(app.compare_on_gpu)
-assert app.DOWNLOAD.status().state == "idle", "importing must not start a download"
-print(app.MODE.tiny, app.PRESET.name)
-"""
-
-
-@pytest.mark.parametrize("demo", ["tiny", "off", None])
-def test_importing_the_app_loads_no_native_code_and_needs_no_spaces(demo: str | None) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "SPACES_"))}
-    if demo is not None:
-        env["DFLASH_DEMO"] = demo
-    result = subprocess.run(
-        [sys.executable, "-c", IMPORT_CHECK], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    # Unset, the app serves the real pair only where a GPU is: a bare `python app.py` on a laptop is the demo.
-    tiny = demo == "tiny" or (demo is None and not cuda_device_present())
-    expected = "True tiny-random" if tiny else "False qwen3.8-27b-dflash2"
-    assert result.stdout.strip().splitlines()[-1] == expected

@@ -23,12 +23,13 @@ import pytest
 import websocket
 from app_fixtures import REPO_ROOT, RunningApp, free_port, launch_app, stop_app
 from gradio_client import Client
-
-from dflash_runtime import load_pair
+from space_client import demo_pair, expected_answer, reference_engine
+from zerogpu_fake import FakeDeviceApi
 
 pytestmark = pytest.mark.browser
 
 ARTIFACTS = REPO_ROOT / "test-artifacts"
+N_CTX = 2048
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = [
     "--headless",
@@ -101,24 +102,25 @@ class DevTools:
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningApp]:
     ARTIFACTS.mkdir(exist_ok=True)
-    app = launch_app({"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": "2048"}, ARTIFACTS / "app_browser_server.log")
+    app = launch_app({"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX)}, ARTIFACTS / "app_browser_server.log")
     yield app
     stop_app(app.process)
 
 
-@pytest.fixture(scope="module")
-def page(server: RunningApp) -> Iterator[DevTools]:
+@contextmanager
+def open_page(url: str) -> Iterator[DevTools]:
+    """Headless Chromium on `url`, driven over DevTools."""
     if CHROMIUM is None:
         pytest.fail("Chromium is required for the browser test: apt-get install -y chromium")
     port = free_port()
     profile = tempfile.mkdtemp(prefix="dflash-chromium-")
     browser = subprocess.Popen(
-        [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--remote-debugging-port={port}", server.url],
+        [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--remote-debugging-port={port}", url],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        devtools = DevTools(_page_socket_url(port, server.url))
+        devtools = DevTools(_page_socket_url(port, url))
         devtools.call("Page.enable")
         devtools.call("Runtime.enable")
         yield devtools
@@ -127,6 +129,12 @@ def page(server: RunningApp) -> Iterator[DevTools]:
         browser.terminate()
         browser.wait(timeout=20)
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def page(server: RunningApp) -> Iterator[DevTools]:
+    with open_page(server.url) as devtools:
+        yield devtools
 
 
 def _page_socket_url(port: int, url: str, timeout_s: float = 60.0) -> str:
@@ -144,16 +152,15 @@ def _page_socket_url(port: int, url: str, timeout_s: float = 60.0) -> str:
     raise TimeoutError("Chromium did not expose the page over DevTools")
 
 
-@contextmanager
-def reference_engine(server: RunningApp) -> Iterator[Any]:
-    """An engine of our own on the server's files, to know the answer the page must show."""
-    info = Client(server.url, verbose=False).predict(api_name="/info")
-    preset = info["presets"][info["default_preset"]]
-    engine = load_pair(Path(preset["target"]), Path(preset["draft"]), n_ctx=preset["n_ctx"], draft_max=7)
-    try:
-        yield engine
-    finally:
-        engine.close()
+def expected_reply(message: str, max_tokens: int = 512) -> str:
+    """What the page must show for `message` as the first turn (with the page's default system prompt)."""
+    messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": message}]
+    with reference_engine(N_CTX) as engine:
+        return expected_answer(engine, messages, max_tokens)
+
+
+def same_text(shown: str, expected: str) -> bool:
+    return " ".join(shown.split()) == " ".join(expected.split())
 
 
 def text_of(selector: str) -> str:
@@ -168,9 +175,21 @@ def bot_texts(page: DevTools) -> list[str]:
     return page.evaluate(f"Array.from(document.querySelectorAll({json.dumps(BOT_MESSAGES)})).map(e => e.innerText)")
 
 
-def send(page: DevTools, message: str) -> None:
+USER_MESSAGES = "#chatbot [data-testid='user']"
+
+
+def user_texts(page: DevTools) -> list[str]:
+    return page.evaluate(f"Array.from(document.querySelectorAll({json.dumps(USER_MESSAGES)})).map(e => e.innerText)")
+
+
+def send(page: DevTools, message: str, with_enter: bool = False) -> None:
     page.type_into("#message-box textarea", message)
-    page.click("#send")
+    if with_enter:
+        for kind in ("keyDown", "keyUp"):
+            page.call("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13,
+                      text="\r" if kind == "keyDown" else "")  # fmt: skip
+    else:
+        page.click("#send")
 
 
 def wait_for_answer(page: DevTools, answers: int, timeout_s: float = 90) -> str:
@@ -189,46 +208,61 @@ def generated_tokens(stats: str) -> int:
     return int(match.group(1))
 
 
+def wait_for_page(page: DevTools) -> None:
+    page.wait_for("!!document.querySelector('#message-box textarea') && !!document.querySelector('#send')", 60,
+                  "the page to load")  # fmt: skip
+
+
+def engine_idle(server: RunningApp) -> bool:
+    return not Client(server.url, verbose=False).predict(api_name="/info")["busy"]
+
+
+def wait_idle(server: RunningApp, timeout_s: float = 60) -> None:
+    """Until the server has closed the running reply (its engine slot is free again)."""
+    deadline = time.monotonic() + timeout_s
+    while not engine_idle(server):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the engine stayed busy")
+        time.sleep(0.1)
+
+
+def previous_request(server: RunningApp) -> dict[str, Any]:
+    """The engine host's record of the request before the last one."""
+    return Client(server.url, verbose=False).predict(api_name="/info")["worker"]["previous_request"]
+
+
 def test_chat_in_the_browser_shows_answer_stats_and_plot(page: DevTools, server: RunningApp) -> None:
-    page.wait_for("!!document.querySelector('#message-box textarea')", 60, "the page to load")
+    wait_for_page(page)
     banner = page.evaluate(text_of("#mode-banner"))
     assert "random-weight test models" in banner and "DFLASH_DEMO=off" in banner
 
-    send(page, "hello world")
+    send(page, "hello world", with_enter=True)  # Enter and Send are one event
     stats = wait_for_answer(page, answers=1)
     for label in ("Decode speed", "Acceptance rate", "Mean accepted length", "Drafted / accepted", "Draft vs verify",
-                  "Prompt tokens", "reused"):  # fmt: skip
+                  "Prompt tokens", "reused", "Engine time"):  # fmt: skip
         assert label in stats, f"{label!r} missing from the statistics panel"
     answers = bot_texts(page)
-    assert len(answers) == 1
-    with reference_engine(server) as engine:
-        messages = [
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "hello world"},
-        ]
-        expected = engine.chat(messages, enable_thinking=False, max_tokens=512, temperature=0.0).text
-    assert " ".join(answers[0].split()) == " ".join(expected.split())
+    assert len(answers) == 1 and same_text(answers[0], expected_reply("hello world"))
     assert page.evaluate("!!document.querySelector('#acceptance-plot canvas, #acceptance-plot svg')")
     assert page.evaluate("document.querySelector('#thinking')?.offsetParent !== null"), "thinking switch hidden"
     page.screenshot(ARTIFACTS / "app_browser_chat.png")
 
 
-def test_stop_interrupts_and_the_next_turn_completes(page: DevTools) -> None:
+def test_stop_interrupts_and_the_next_turn_completes(page: DevTools, server: RunningApp) -> None:
     before = len(bot_texts(page))
     send(page, "the quick brown fox")
     page.wait_for(f"{STATS}.includes('Decode speed') && !{STATS}.includes('Finished')", 30, "a running answer")
     page.click("#stop")
-    time.sleep(1.0)
+    wait_idle(server)
     stopped_at = generated_tokens(page.evaluate(STATS))
-    assert stopped_at < 512, "Stop should end the answer before max_tokens"
-    time.sleep(0.5)
-    assert generated_tokens(page.evaluate(STATS)) == stopped_at, "the answer kept growing after Stop"
     assert len(bot_texts(page)) == before + 1, "the interrupted answer stays in the chat"
 
     send(page, "one two three")
     stats = wait_for_answer(page, answers=before + 2)
     assert "max_tokens=512 reached" in stats and generated_tokens(stats) == 512
     assert page.evaluate("document.querySelector('#message-box textarea').value") == ""
+    stopped = previous_request(server)
+    assert stopped["finish_reason"] == "closed by the caller" and stopped_at <= stopped["n_generated"] < 512
 
 
 def test_ab_button_reports_a_speed_up(page: DevTools) -> None:
@@ -239,17 +273,57 @@ def test_ab_button_reports_a_speed_up(page: DevTools) -> None:
     page.screenshot(ARTIFACTS / "app_browser_ab.png")
 
 
-def test_about_box_names_the_pair_and_the_build(page: DevTools) -> None:
+def test_about_box_names_the_pair_and_the_build_without_server_paths(page: DevTools) -> None:
     page.wait_for("!!document.querySelector('#about .label-wrap')", 20, "the About accordion")
     page.click("#about .label-wrap")
     about = page.wait_for(f"{text_of('#about')}.includes('llama.cpp build') && {text_of('#about')}", 20, "the info box")
-    for part in ("tiny-random", "random-weight test models", "Quantisation", "Context: 2048 tokens",
-                 "llama-cpp-python 0.3.36", "Device", "Engine: target arch qwen3"):  # fmt: skip
+    for part in ("tiny-random", "random-weight test models", "Quantisation", f"Context: {N_CTX} tokens",
+                 "llama-cpp-python 0.3.36", "Device", "Engine: target arch qwen3",
+                 f"local file {demo_pair().target.name}"):  # fmt: skip
         assert part in about, f"{part!r} missing from the info box"
+    for private in (str(demo_pair().target.parent), str(REPO_ROOT)):
+        assert private not in about, f"the info box shows a server path ({private})"
     page.screenshot(ARTIFACTS / "app_browser_about.png")
 
 
-def test_clear_resets_the_conversation(page: DevTools) -> None:
+def test_clear_mid_answer_stops_it_and_the_next_turn_starts_clean(page: DevTools, server: RunningApp) -> None:
+    send(page, "fox dog fox dog")
+    page.wait_for(f"{STATS}.includes('Decode speed') && !{STATS}.includes('Finished')", 30, "a running answer")
     page.click("#clear")
     page.wait_for(f"document.querySelectorAll({json.dumps(BOT_MESSAGES)}).length === 0", 20, "the chat to clear")
+    wait_idle(server)
     assert "Statistics appear here" in page.evaluate(STATS)
+    assert bot_texts(page) == [], "the cleared answer came back"
+
+    send(page, "seven eight nine ten")
+    wait_for_answer(page, answers=1)
+    assert user_texts(page) == ["seven eight nine ten"]
+    assert same_text(bot_texts(page)[0], expected_reply("seven eight nine ten")), "the old conversation was sent"
+    cleared = previous_request(server)
+    assert cleared["finish_reason"] == "closed by the caller" and cleared["n_generated"] < 512
+    page.screenshot(ARTIFACTS / "app_browser_after_clear.png")
+
+
+def test_on_zero_gpu_the_page_shows_the_gpu_time_and_keeps_its_worker(tmp_path: Path) -> None:
+    """The page on ZeroGPU (the real `spaces` package against the fake device API): the statistics show the GPU time
+    requested (what the device API was asked for) and used, and a second answer reuses the worker's engine."""
+    device_api = FakeDeviceApi().start()
+    env = {"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX), **device_api.env(tmp_path / "cgroup")}
+    app = launch_app(env, ARTIFACTS / "app_browser_zerogpu_server.log")
+    try:
+        with open_page(app.url) as zero_page:
+            wait_for_page(zero_page)
+            send(zero_page, "hello world")
+            stats = wait_for_answer(zero_page, answers=1)
+            match = re.search(r"GPU time requested / used\s+(\d+) s / ([\d.]+) s", stats)
+            assert match, f"no GPU time in {stats!r}"
+            assert int(match.group(1)) == int(device_api.of("/schedule")[-1].params["durationSeconds"])
+            assert same_text(bot_texts(zero_page)[0], expected_reply("hello world"))
+            zero_page.screenshot(ARTIFACTS / "app_browser_zerogpu.png")
+            send(zero_page, "one two three")
+            wait_for_answer(zero_page, answers=2)
+        worker = Client(app.url, verbose=False).predict(api_name="/info")["worker"]
+    finally:
+        stop_app(app.process)
+        device_api.stop()
+    assert worker["loads"] == 1 and worker["requests"] == 2 and len(device_api.of("/allow")) == 1

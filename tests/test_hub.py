@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
-from app_fixtures import FakeHub, launch_app, stop_app
+from app_fixtures import FakeHub, FakeHubRequest, launch_app, stop_app
 from gradio_client import Client
+from gradio_client.exceptions import AppError
+from space_client import chat_args, raw_body, raw_call
 
 from dflash_runtime import load_pair
 from dflash_runtime.errors import DownloadError, ModelFileError
@@ -86,7 +90,7 @@ def test_every_part_of_the_preset_follows_the_environment(tmp_path: Path) -> Non
     assert preset.draft.local_path == local_draft
     assert (preset.n_ctx, preset.n_gpu_layers, preset.draft_max) == (2048, 12, 15)
     assert preset.target.describe() == "me/t/t-Q5_K_S.gguf@abc123"
-    assert preset.describe()["draft"] == str(local_draft)
+    assert preset.describe()["draft"] == "local file draft.gguf", "visitors see no server paths"
     assert sorted(overrides_in_env(env)) == sorted(
         ["DFLASH_TARGET_REPO", "DFLASH_TARGET_FILE", "DFLASH_TARGET_REVISION", "DFLASH_DRAFT_PATH"]
     )
@@ -225,3 +229,45 @@ def test_the_app_downloads_the_pair_in_the_web_process(tmp_path: Path) -> None:
         messages = [{"role": "user", "content": "hello world"}]
         assert text == engine.chat(messages, enable_thinking=False, max_tokens=24, temperature=0.0).text
     assert stats["n_generated"] == 24 and stats["preset"] == "fake-hub-pair"
+
+
+class OutageHub(FakeHub):
+    """A Hub that answers every request with HTTP 500 (an outage)."""
+
+    def _serve(self, handler: BaseHTTPRequestHandler, send_body: bool) -> None:
+        self.requests.append(FakeHubRequest(handler.command, handler.path, None, handler.headers.get("Authorization")))
+        self._reply_error(handler, 500, None)
+
+
+def test_a_hub_outage_reads_as_one_through_the_api(tmp_path: Path) -> None:
+    """The Hub answers 500 to everything: the download fails, and /info, gradio_client and a raw HTTP call all say
+    it is an outage (not a missing file), without the token."""
+    hub = OutageHub().start()
+    env = {
+        "HF_ENDPOINT": hub.endpoint,
+        "HF_TOKEN": "hf_outage_secret",
+        "DFLASH_CACHE_DIR": str(tmp_path / "hub-cache"),
+        "DFLASH_TARGET_REPO": TARGET_REPO,
+        "DFLASH_TARGET_FILE": TARGET_FILE,
+        "DFLASH_DRAFT_REPO": DRAFT_REPO,
+        "DFLASH_DRAFT_FILE": DRAFT_FILE,
+        "DFLASH_PRESET_NAME": "outage-pair",
+    }
+    app = launch_app(env, tmp_path / "server.log")
+    try:
+        client = Client(app.url, verbose=False)
+        with pytest.raises(AppError) as through_client:  # waits for the download, which retries, then fails
+            client.predict("hello", preset="outage-pair", max_tokens=8, api_name="/generate")
+        info = client.predict(api_name="/info")
+        raw = raw_call(app.url, "generate", raw_body(chat_args("hello", preset="outage-pair", max_tokens=8)))
+    finally:
+        stop_app(app.process)
+        hub.stop()
+    expected = "the Hub answered HTTP 500 (a Hub outage, not a problem with the configuration); retry later"
+    for message in (str(through_client.value), info["download"]["summary"], raw.message):
+        assert expected in message and "no such file" not in message, message
+    assert raw.event == "error" and info["download"]["state"] == "failed"
+    file_requests = [r for r in hub.requests if "/resolve/" in r.path]
+    assert file_requests and all(r.authorization == "Bearer hf_outage_secret" for r in file_requests)
+    for text in (str(through_client.value), json.dumps(info), raw.message, app.log()):
+        assert "hf_outage_secret" not in text

@@ -18,6 +18,7 @@ from .presets import ModelSource, PairPreset, ResolvedPair, env_text
 ProgressCallback = Callable[[int, int | None], None]
 """Called with (bytes done, total bytes or None) while a file downloads."""
 
+
 def _progress_bar_class(on_progress: ProgressCallback) -> type[tqdm]:
     """A tqdm class that reports every update to `on_progress` (huggingface_hub accepts one per download)."""
 
@@ -36,24 +37,40 @@ def _progress_bar_class(on_progress: ProgressCallback) -> type[tqdm]:
     return ReportingBar
 
 
+def _http_status(error: BaseException | None) -> int | None:
+    """The HTTP status behind a Hub client error (itself or its cause), if any."""
+    while error is not None:
+        response = getattr(error, "response", None)
+        status = getattr(response, "status_code", None)
+        if isinstance(status, int):
+            return status
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _explain_hub_failure(source: ModelSource, role: str, error: Exception) -> str:
     from huggingface_hub.errors import (
-        EntryNotFoundError,
         GatedRepoError,
         LocalEntryNotFoundError,
+        RemoteEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
 
     env_prefix = f"DFLASH_{role.upper()}"
+    status = _http_status(error)
+    # Most specific first: GatedRepoError is a RepositoryNotFoundError, and every "not found" class is an HTTP error.
     if isinstance(error, GatedRepoError):
         hint = "the repository is gated: accept its terms on the Hub and set HF_TOKEN"
     elif isinstance(error, RepositoryNotFoundError):
         hint = f"no such repository (or it is private: set HF_TOKEN); check {env_prefix}_REPO"
     elif isinstance(error, RevisionNotFoundError):
         hint = f"no such revision; check {env_prefix}_REVISION"
-    elif isinstance(error, EntryNotFoundError):
+    elif isinstance(error, RemoteEntryNotFoundError):
         hint = f"no such file in the repository; check {env_prefix}_FILE"
+    elif status is not None and status >= 500:
+        # A Hub outage: the client retried and gave up (LocalEntryNotFoundError wraps it when the HEAD failed).
+        hint = f"the Hub answered HTTP {status} (a Hub outage, not a problem with the configuration); retry later"
     elif isinstance(error, LocalEntryNotFoundError):
         hint = "the Hub is unreachable and the file is not cached yet; check the network and retry"
     else:

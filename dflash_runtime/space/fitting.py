@@ -1,35 +1,43 @@
-"""Fitting a conversation in the context: the oldest turns go first, the newest message always stays."""
+"""Fitting a conversation in the context: the oldest turns go first, the newest message always stays.
+
+The cost is a few full renders, not one per turn: the first render (everything) gives the tokens per character, which
+guesses the cut; renders then confirm the cut exactly (the guess and its neighbour), searching outwards from the guess
+only when it was off. The prompt
+grows with every turn kept, so "fits" is monotone in the cut and the search finds the smallest exact cut."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import PromptTooLongError
-from .requests import ChatRequest, Message
+from .requests import ChatRequest, Message, turn_starts
+
+
+def count_prompt_tokens(engine: Any, messages: list[Message], enable_thinking: bool) -> int:
+    """The exact prompt length of `messages`: the one place the Space counts tokens (the engine's own
+    `chat_tokens(messages, enable_thinking=...)` will take its place)."""
+    return len(engine.tokenize(engine.render_chat(messages, enable_thinking=enable_thinking)))
+
+
+def dropped_notice(dropped_turns: int) -> str | None:
+    if not dropped_turns:
+        return None
+    turns = "turn" if dropped_turns == 1 else "turns"
+    return f"The conversation outgrew the context: the model no longer sees the {dropped_turns} oldest {turns}."
 
 
 @dataclass(frozen=True)
 class FittedConversation:
     messages: list[Message]
-    dropped_turns: int
+    dropped_turns: int  # here and, before, by the request's own limits
     prompt_tokens: int
+    renders: int  # full prompt renders it took (the work fitting did)
 
     @property
     def notice(self) -> str | None:
-        if not self.dropped_turns:
-            return None
-        turns = "turn" if self.dropped_turns == 1 else "turns"
-        return (
-            f"The conversation outgrew the context: the model no longer sees the {self.dropped_turns} oldest {turns}."
-        )
-
-
-def _cut_points(history: Sequence[Message]) -> list[int]:
-    """Where the kept history may start: everything, then after each older turn (a turn opens with a user
-    message), then nothing (for an empty history, everything and nothing are the same start, 0)."""
-    user_starts = [i for i, message in enumerate(history) if message["role"] == "user"]
-    return sorted({0, *user_starts, len(history)})
+        return dropped_notice(self.dropped_turns)
 
 
 def fit_conversation(
@@ -39,15 +47,68 @@ def fit_conversation(
     system = [{"role": "system", "content": request.system_prompt}] if request.system_prompt.strip() else []
     latest = [{"role": "user", "content": request.message}]
     history = list(request.history)
+    starts = turn_starts(history)
     reserve = min(request.max_tokens, n_ctx // 2)
-    prompt_tokens = 0
-    for dropped, start in enumerate(_cut_points(history)):
-        messages = system + history[start:] + latest
-        prompt_tokens = count_tokens(messages)
-        if prompt_tokens + reserve <= n_ctx:
-            return FittedConversation(messages, dropped, prompt_tokens)
-    raise PromptTooLongError(
-        f"the message needs {prompt_tokens} prompt tokens; with {reserve} kept for the answer the "
-        f"{n_ctx}-token context cannot hold it: shorten the message or the system prompt"
-    )
+    counts: dict[int, int] = {}
 
+    def tokens(cut: int) -> int:  # cut = index into starts: how many turns are dropped
+        if cut not in counts:
+            counts[cut] = count_tokens(system + history[starts[cut] :] + latest)
+        return counts[cut]
+
+    def fits(cut: int) -> bool:
+        return tokens(cut) + reserve <= n_ctx
+
+    cut = 0 if fits(0) else _smallest_fitting_cut(fits, _guess(history, starts, tokens(0), n_ctx - reserve), starts)
+    if cut is None:
+        last = len(starts) - 1
+        raise PromptTooLongError(
+            f"the message needs {tokens(last)} prompt tokens; with {reserve} kept for the answer the "
+            f"{n_ctx}-token context cannot hold it: shorten the message or the system prompt"
+        )
+    messages = system + history[starts[cut] :] + latest
+    return FittedConversation(messages, request.dropped_turns + cut, tokens(cut), len(counts))
+
+
+def _guess(history: list[Message], starts: list[int], all_tokens: int, budget: int) -> int:
+    """The cut the characters suggest, at the measured tokens per character of the whole conversation."""
+    chars = [len(message["content"]) + 1 for message in history]  # + 1: the template's per-message tokens
+    total = sum(chars) or 1
+    excess = (all_tokens - budget) * total / all_tokens  # characters to drop
+    dropped = 0
+    for cut, start in enumerate(starts):
+        if dropped >= excess:
+            return cut
+        dropped += sum(chars[start : starts[cut + 1]]) if cut + 1 < len(starts) else 0
+    return len(starts) - 1
+
+
+def _smallest_fitting_cut(fits: Callable[[int], bool], guess: int, starts: list[int]) -> int | None:
+    """The smallest cut in 1.. that fits (cut 0 does not): from the guess, steps that double until the answer is
+    bracketed, then halving; a guess off by one costs two renders."""
+    last = len(starts) - 1
+    guess = min(max(guess, 1), last)
+    if fits(guess):
+        low, high, step = 0, guess, 1  # cut `low` does not fit, cut `high` does
+        while high - step > 0:
+            if not fits(high - step):
+                low = high - step
+                break
+            high, step = high - step, step * 2
+    else:
+        low, high, step = guess, None, 1
+        while high is None:
+            probe = min(low + step, last)
+            if fits(probe):
+                high = probe
+            elif probe == last:
+                return None
+            else:
+                low, step = probe, step * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle
+    return high

@@ -1,5 +1,5 @@
-"""The model pair as a named preset read from environment variables, and the run mode (the configured pair, or the
-offline demo on generated test models).
+"""The model pair as a named preset read from environment variables, or the offline demo's generated test models
+(the run mode that picks between them: dflash_runtime.space.runmode).
 
 | variable | meaning | default |
 | --- | --- | --- |
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -39,8 +39,10 @@ class ModelSource:
     local_path: Path | None = None
 
     def describe(self) -> str:
+        """Where the file comes from, as visitors may read it: the Hub repo and file, or a local file's name (the
+        server's directories stay private)."""
         if self.local_path is not None:
-            return str(self.local_path)
+            return f"local file {self.local_path.name}"
         revision = f"@{self.revision}" if self.revision else ""
         return f"{self.repo}/{self.filename}{revision}"
 
@@ -162,63 +164,15 @@ def with_local_files(preset: PairPreset, target_path: Path, draft_path: Path, **
     )
 
 
-
-DEMO_VALUES_TINY = ("tiny",)
-DEMO_VALUES_REAL = ("off", "0", "false", "no", "real")
-Message = dict[str, str]
-
-
-# -- run mode ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RunMode:
-    """Whether the app serves generated tiny models (offline demo) or the configured pair, and why."""
-
-    tiny: bool
-    reason: str
-
-
-def on_zero_gpu(env: Mapping[str, str] | None = None) -> bool:
-    env = os.environ if env is None else env
-    return env.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
-
-
-def cuda_device_present() -> bool:
-    """An NVIDIA device node or driver entry exists; a file check only, so no CUDA context is created."""
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return Path("/dev/nvidia0").exists() or (gpus.is_dir() and any(gpus.iterdir()))
-
-
-def choose_run_mode(env: Mapping[str, str], overrides: Sequence[str], has_cuda: bool) -> RunMode:
-    """DFLASH_DEMO=tiny forces the offline demo and DFLASH_DEMO=off the real pair; otherwise the real pair runs
-    only where it can (ZeroGPU, a CUDA GPU, or model variables set), so a bare `python app.py` never starts a
-    multi-GB download on a laptop."""
-    demo = env.get("DFLASH_DEMO", "").strip().lower()
-    if demo in DEMO_VALUES_TINY:
-        return RunMode(True, "DFLASH_DEMO=tiny")
-    if demo in DEMO_VALUES_REAL:
-        return RunMode(False, f"DFLASH_DEMO={demo}")
-    if demo not in ("", "auto"):
-        raise ValueError(f"DFLASH_DEMO must be 'tiny', 'off' or 'auto', got {demo!r}")
-    if on_zero_gpu(env):
-        return RunMode(False, "running on ZeroGPU")
-    if overrides:
-        return RunMode(False, f"model variables set ({', '.join(overrides)})")
-    if has_cuda:
-        return RunMode(False, "a CUDA GPU is present")
-    return RunMode(True, "no GPU, no ZeroGPU and no model variables")
-
-
 TINY_PRESET_NAME = "tiny-random"
 TINY_N_CTX = 4096
 
 
-def configured_preset(mode: RunMode, env: Mapping[str, str] | None = None) -> PairPreset:
+def configured_preset(tiny: bool, env: Mapping[str, str] | None = None) -> PairPreset:
     """The pair this server offers: the environment's, or in the offline demo generated tiny models (CPU)."""
     env = os.environ if env is None else env
     preset = preset_from_env(env)
-    if not mode.tiny:
+    if not tiny:
         return preset
     from ..testing.tiny_models import tiny_pair
 
@@ -234,5 +188,3 @@ def configured_preset(mode: RunMode, env: Mapping[str, str] | None = None) -> Pa
         random_weights=True,
     )
 
-
-# -- limits and requests ----------------------------------------------------------------------------------------

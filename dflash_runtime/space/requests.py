@@ -1,5 +1,10 @@
-"""A Space request: limits (from the environment), field checks with one clear message each, the history as the
-model should see it, and the ZeroGPU time a request asks for. Nothing here imports gradio or touches CUDA."""
+"""A Space request: limits (from the environment), field checks with one clear message each, and the history as the
+model should see it. Everything here runs in the web process, before any GPU is asked for; nothing imports gradio or
+touches CUDA.
+
+Callers reach `build_request` with JSON values (gradio's API passes them through untouched), so every field is checked
+for its type as well as its range: booleans are booleans, integers are integers, text is valid Unicode.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RequestError
-from .presets import PairPreset
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 Message = dict[str, str]
+TEMPERATURE_RANGE = (0.0, 2.0)
+TOP_P_RANGE = (0.01, 1.0)
 
 
 def _env_number(env: Mapping[str, str], name: str, default: float) -> float:
@@ -24,42 +30,38 @@ def _env_number(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(text)
     except ValueError:
         raise ValueError(f"{name} must be a number, got {text!r}") from None
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {text!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {text!r}")
     return value
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds of a request, and the figures behind the ZeroGPU duration estimate (all overridable by env)."""
+    """Bounds of a request (all overridable by env). `max_history_messages` and `max_input_chars` bound the work one
+    request can cause before it reaches the engine: older turns beyond them are dropped before any tokenization."""
 
     max_new_tokens: int = 4096
     max_input_chars: int = 32000
+    max_history_messages: int = 256
     draft_max: int = 7
-    gpu_seconds_max: int = 240
-    gpu_seconds_base: float = 30.0  # engine load on a fresh worker plus slack
-    gpu_decode_tok_s: float = 15.0  # deliberately pessimistic decode speed
-    gpu_prefill_tok_s: float = 800.0
 
     @classmethod
-    def from_env(cls, preset: PairPreset, env: Mapping[str, str] | None = None) -> Limits:
+    def from_env(cls, draft_max: int, env: Mapping[str, str] | None = None) -> Limits:
         env = os.environ if env is None else env
         return cls(
             max_new_tokens=int(_env_number(env, "DFLASH_MAX_NEW_TOKENS", cls.max_new_tokens)),
             max_input_chars=int(_env_number(env, "DFLASH_MAX_INPUT_CHARS", cls.max_input_chars)),
-            draft_max=preset.draft_max,
-            gpu_seconds_max=int(_env_number(env, "DFLASH_GPU_SECONDS_MAX", cls.gpu_seconds_max)),
-            gpu_seconds_base=_env_number(env, "DFLASH_GPU_SECONDS_BASE", cls.gpu_seconds_base),
-            gpu_decode_tok_s=_env_number(env, "DFLASH_GPU_DECODE_TOK_S", cls.gpu_decode_tok_s),
-            gpu_prefill_tok_s=_env_number(env, "DFLASH_GPU_PREFILL_TOK_S", cls.gpu_prefill_tok_s),
+            max_history_messages=int(_env_number(env, "DFLASH_MAX_HISTORY_MESSAGES", cls.max_history_messages)),
+            draft_max=draft_max,
         )
 
     def describe(self) -> dict[str, Any]:
         return {
             "max_new_tokens": self.max_new_tokens,
             "max_input_chars": self.max_input_chars,
-            "temperature": [0.0, 2.0],
-            "top_p": [0.01, 1.0],
+            "max_history_messages": self.max_history_messages,
+            "temperature": list(TEMPERATURE_RANGE),
+            "top_p": list(TOP_P_RANGE),
             "draft_max": [0, self.draft_max],
             "draft_max_0_means": "adaptive draft length",
         }
@@ -67,7 +69,10 @@ class Limits:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """One validated request: the new message, the conversation before it, and the sampling settings."""
+    """One validated request: the new message, the conversation before it, and the sampling settings.
+
+    `dropped_turns` counts the oldest turns left out already here (message or character limits); fitting the rest
+    into the context may drop more."""
 
     preset: str
     message: str
@@ -79,6 +84,7 @@ class ChatRequest:
     draft_max: int | str = "auto"
     speculative: bool = True
     enable_thinking: bool = False
+    dropped_turns: int = 0
 
     @property
     def input_chars(self) -> int:
@@ -95,43 +101,94 @@ class ChatRequest:
         }
 
 
-def _as_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not float(value).is_integer():
-        raise RequestError(f"{name} must be a whole number, got {value!r}")
-    return int(value)
+# -- field checks ---------------------------------------------------------------------------------------------------
 
 
-def _as_float(name: str, value: Any, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= float(value) <= high:
-        raise RequestError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+def _shown(value: Any, limit: int = 40) -> str:
+    """A value as an error message quotes it: repr (escapes surrogates and control characters), cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, low: int, high: int, hint: str = "") -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise RequestError(f"{name} must be an integer in {low}..{high}{hint}, got {_shown(value)}")
+    return value
+
+
+def check_float(name: str, value: Any, low: float, high: float) -> float:
+    if not _is_number(value) or not math.isfinite(value) or not low <= value <= high:
+        raise RequestError(f"{name} must be a number in [{low}, {high}], got {_shown(value)}")
     return float(value)
 
 
-def clean_history(history: Any) -> tuple[Message, ...]:
-    """Accept a list of {"role", "content"} dicts (user / assistant turns) and keep what the model should see:
-    assistant answers without their thinking, and no empty answers (a reply stopped before its first token)."""
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false (a boolean), got {_shown(value)}")
+    return value
+
+
+def check_text(name: str, value: Any) -> str:
+    """A string that encodes as UTF-8: a lone surrogate (possible in JSON) would fail deep in the tokenizer."""
+    if not isinstance(value, str):
+        raise RequestError(f"{name} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(value[error.start])
+        raise RequestError(
+            f"{name} contains an unpaired surrogate (U+{code:04X}) at character {error.start}: send valid Unicode"
+        ) from None
+    return value
+
+
+def check_history(history: Any) -> list[Message]:
+    """A list of {"role": "user" | "assistant", "content": str} (other keys, e.g. the chat widget's metadata, are
+    ignored), as the model should see it: assistant answers without their thinking, no empty answers (a reply
+    stopped before its first token)."""
     if history is None:
-        return ()
+        return []
     if not isinstance(history, list | tuple):
         raise RequestError("history must be a list of {'role': 'user' | 'assistant', 'content': str} messages")
     cleaned: list[Message] = []
     for index, item in enumerate(history):
         if not isinstance(item, Mapping) or item.get("role") not in ("user", "assistant"):
             raise RequestError(f"history[{index}] must be a dict with role 'user' or 'assistant'")
-        content = item.get("content")
-        if not isinstance(content, str):
-            raise RequestError(f"history[{index}]['content'] must be a string")
+        content = check_text(f"history[{index}]['content']", item.get("content"))
         if item["role"] == "assistant":
             content = strip_thinking(content)
             if not content.strip():
                 continue
         cleaned.append({"role": str(item["role"]), "content": content})
-    return tuple(cleaned)
+    return cleaned
+
+
+def turn_starts(history: Sequence[Message]) -> list[int]:
+    """Where the kept history may start: the beginning, then each user message (a turn opens with one), then the
+    end (nothing kept). Ascending; each later start drops one more turn."""
+    return sorted({0, *(i for i, message in enumerate(history) if message["role"] == "user"), len(history)})
+
+
+def newest_turns(history: list[Message], max_messages: int, max_chars: int) -> tuple[list[Message], int]:
+    """The newest whole turns within `max_messages` messages and `max_chars` characters, and how many turns went.
+    Counts characters only: this bounds the work before anything is tokenized."""
+    starts = turn_starts(history)
+    suffix_chars = [0] * (len(history) + 1)
+    for i in range(len(history) - 1, -1, -1):
+        suffix_chars[i] = suffix_chars[i + 1] + len(history[i]["content"])
+    for dropped, start in enumerate(starts):
+        if len(history) - start <= max_messages and suffix_chars[start] <= max_chars:
+            return history[start:], dropped
+    return [], len(starts) - 1  # unreachable: the last start keeps nothing, which always fits
 
 
 def build_request(
     *,
-    preset: str,
+    preset: Any,
     presets: Sequence[str],
     limits: Limits,
     message: Any,
@@ -144,55 +201,42 @@ def build_request(
     speculative: Any = True,
     enable_thinking: Any = False,
 ) -> ChatRequest:
-    """Check every field against `limits` and return the request, or raise RequestError saying what is wrong."""
-    if preset not in presets:
-        raise RequestError(f"unknown preset {preset!r}; this server offers {', '.join(map(repr, presets))}")
-    if not isinstance(message, str) or not message.strip():
+    """Check every field and return the request, or raise RequestError saying what is wrong.
+
+    The new message and the system prompt must fit `limits.max_input_chars` on their own; older turns that do not
+    fit in what is left (or beyond `limits.max_history_messages`) are dropped, oldest first, and counted."""
+    if not isinstance(preset, str) or preset not in presets:
+        raise RequestError(f"unknown preset {_shown(preset)}; this server offers {', '.join(map(repr, presets))}")
+    message = check_text("message", message)
+    if not message.strip():
         raise RequestError("the message is empty: type something to send")
-    system_prompt = system_prompt or ""
-    if not isinstance(system_prompt, str):
-        raise RequestError("system_prompt must be a string")
-    request = ChatRequest(
+    system_prompt = check_text("system_prompt", "" if system_prompt is None else system_prompt)
+    own_chars = len(message) + len(system_prompt)
+    if own_chars > limits.max_input_chars:
+        raise RequestError(
+            f"the message and system prompt are {own_chars} characters long; this server accepts up to "
+            f"{limits.max_input_chars}: shorten them"
+        )
+    kept, dropped = newest_turns(
+        check_history(history), limits.max_history_messages, limits.max_input_chars - own_chars
+    )
+    number = check_int("draft_max", draft_max, 0, limits.draft_max, " (0 = adaptive)")
+    return ChatRequest(
         preset=preset,
         message=message,
-        history=clean_history(history),
+        history=tuple(kept),
         system_prompt=system_prompt,
-        max_tokens=_as_int("max_tokens", max_tokens),
-        temperature=_as_float("temperature", temperature, 0.0, 2.0),
-        top_p=_as_float("top_p", top_p, 0.01, 1.0),
-        draft_max=_draft_setting(draft_max, limits.draft_max),
-        speculative=bool(speculative),
-        enable_thinking=bool(enable_thinking),
+        max_tokens=check_int("max_tokens", max_tokens, 1, limits.max_new_tokens),
+        temperature=check_float("temperature", temperature, *TEMPERATURE_RANGE),
+        top_p=check_float("top_p", top_p, *TOP_P_RANGE),
+        draft_max="auto" if number == 0 else number,
+        speculative=check_bool("speculative", speculative),
+        enable_thinking=check_bool("thinking", enable_thinking),
+        dropped_turns=dropped,
     )
-    if not 1 <= request.max_tokens <= limits.max_new_tokens:
-        raise RequestError(f"max_tokens must be in 1..{limits.max_new_tokens}, got {request.max_tokens}")
-    if request.input_chars > limits.max_input_chars:
-        raise RequestError(
-            f"the conversation is {request.input_chars} characters long; this server accepts up to "
-            f"{limits.max_input_chars}: shorten the message or clear the history"
-        )
-    return request
 
 
-def _draft_setting(value: Any, draft_max: int) -> int | str:
-    if value == "auto":
-        return "auto"
-    number = _as_int("draft_max", value)
-    if not 0 <= number <= draft_max:
-        raise RequestError(f"draft_max must be in 0..{draft_max} (0 = adaptive), got {number}")
-    return "auto" if number == 0 else number
-
-
-def estimate_gpu_seconds(request: ChatRequest, limits: Limits, runs: int = 1) -> int:
-    """ZeroGPU duration for a request: engine start + prefill + the longest possible decode, capped."""
-    prompt_tokens = request.input_chars / 3  # ~3 characters per token is on the safe side for English and code
-    seconds = limits.gpu_seconds_base
-    seconds += runs * (prompt_tokens / limits.gpu_prefill_tok_s + request.max_tokens / limits.gpu_decode_tok_s)
-    return max(10, min(limits.gpu_seconds_max, math.ceil(seconds)))
-
-
-# -- fitting a conversation in the context ----------------------------------------------------------------------
-
+# -- thinking ---------------------------------------------------------------------------------------------------------
 
 
 def thinking_prefix(prompt: str) -> str:
@@ -208,7 +252,3 @@ def strip_thinking(text: str) -> str:
     if text.lstrip().startswith(THINK_OPEN):
         return ""
     return text
-
-
-# -- streaming replies ------------------------------------------------------------------------------------------
-

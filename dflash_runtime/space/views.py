@@ -3,23 +3,44 @@ info box. Plain strings and dicts, so they are testable without a browser."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
-from .presets import PairPreset, RunMode
+from .presets import PairPreset
 from .requests import Limits
+from .runmode import RunMode
 
 EMPTY_STATS = "*Statistics appear here while the model answers.*"
 WAITING_STATS = "*Waiting for the first tokens (the first request also loads the model)…*"
+# An absolute path (two or more components) that starts a word: /home/user/.cache/x.gguf -> x.gguf. Slashes inside
+# words or after a colon (tok/s, 1/2, https://host/...) are left alone.
+_PATH = re.compile(r"(?<![\w.~:/-])(?:/[^\s/'\"():,;<>`]+)+/([^\s/'\"():,;<>`]+)")
+
+
+def scrub_paths(text: str) -> str:
+    """`text` with the server's absolute file-system paths cut down to their file names, for anything a visitor
+    reads (the info box, /info, error messages)."""
+    return _PATH.sub(r"\1", text)
 
 
 def _fmt_ms(value: float) -> str:
     return f"{value:,.0f} ms" if value >= 100 else f"{value:.1f} ms"
 
 
-def stats_markdown(stats: Mapping[str, Any], finish_reason: str | None = None, finish_detail: str = "") -> str:
-    """The live panel: speed, acceptance, time split and prompt cache use of one request."""
-    if not stats:
+def _gpu_time_row(stats: Mapping[str, Any]) -> tuple[str, str] | None:
+    used = stats.get("gpu_seconds_used")
+    requested = stats.get("gpu_seconds_requested")
+    if requested is not None:
+        used_text = "…" if used is None else f"{used:.1f} s"
+        return "GPU time requested / used", f"{requested} s / {used_text}"
+    return ("Engine time", f"{used:.1f} s") if used is not None else None
+
+
+def stats_markdown(stats: Mapping[str, Any]) -> str:
+    """The live panel: speed, acceptance, time split, prompt cache use and GPU time of one request (its statistics
+    as the API returns them)."""
+    if not stats or "decode_tok_s" not in stats:
         return EMPTY_STATS
     mode = "DFlash speculative" if stats.get("speculative") and stats.get("drafted", 0) else "plain"
     rows = [
@@ -32,8 +53,12 @@ def stats_markdown(stats: Mapping[str, Any], finish_reason: str | None = None, f
         ("Prompt tokens", f"{stats['n_prompt']}: {stats['n_reused']} reused, {stats['n_prefilled']} prefilled"),
         ("Prefill", _fmt_ms(stats["prefill_ms"])),
     ]
-    if finish_reason:
-        rows.append(("Finished", f"{finish_reason}" + (f" ({finish_detail})" if finish_detail else "")))
+    gpu_time = _gpu_time_row(stats)
+    if gpu_time:
+        rows.append(gpu_time)
+    if stats.get("finish_reason"):
+        detail = stats.get("finish_detail")
+        rows.append(("Finished", f"{stats['finish_reason']}" + (f" ({detail})" if detail else "")))
     table = "\n".join(f"| {name} | {value} |" for name, value in rows)
     return "| Statistic | Value |\n| --- | --- |\n" + table
 
@@ -69,9 +94,16 @@ def ab_markdown(speculative: Mapping[str, Any], plain: Mapping[str, Any] | None,
 
 
 def mode_banner(mode: RunMode) -> str:
-    """Shown on top of the page in the offline demo, saying how to run the real pair."""
+    """Shown on top of the page in the offline demo: why it runs, and how to run the real pair."""
     if not mode.tiny:
         return ""
+    if mode.problems:
+        problems = "; ".join(mode.problems)
+        return (
+            f"**The model pair is not served: {mode.reason}.** {problems}. To fix it, {mode.fix}. "
+            "Meanwhile this is the **offline demo on random-weight test models**: the answers are gibberish by "
+            "design; the speculative machinery and the statistics are real."
+        )
     return (
         "**Offline demo: random-weight test models.** The answers are gibberish by design; the speculative "
         f"machinery and the statistics are real. (Started this way because: {mode.reason}.) "
@@ -97,7 +129,7 @@ def info_markdown(
         f"answers up to {limits.max_new_tokens} tokens",
     ]
     for key, value in build.items():
-        lines.append(f"- {key}: {value}")
+        lines.append(f"- {key}: {scrub_paths(str(value))}")
     if engine_info:
         lines.append(
             f"- Engine: target arch `{engine_info.get('target_arch')}`"

@@ -1,0 +1,253 @@
+"""The Gradio side of the Space: the API's typed endpoints (for `gr.api`) and the page's event handlers, over a
+SpaceService. The one module of the package that imports gradio; app.py only lays out the page and wires these in.
+
+Handlers are async: Gradio cancels them at once (Stop, Clear, a closed tab, a dropped client), and leaving a
+reply's loop stops the engine. Runtime errors become `gr.Error` here, in the web process, with their own message.
+
+No `from __future__ import annotations` here: Gradio reads the endpoints' annotations as types.
+"""
+
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import gradio as gr
+import pandas as pd
+
+from ..errors import DFlashError, RequestError
+from .service import Comparison, SpaceService
+from .session import ChatSession
+from .views import EMPTY_STATS, WAITING_STATS, acceptance_rows, info_markdown, scrub_paths, stats_markdown
+
+log = logging.getLogger(__name__)
+PLOT_EVERY_S = 0.25
+ApiReply = tuple[str, dict[str, Any]]
+
+
+@contextmanager
+def visitor_errors() -> Iterator[None]:
+    """Runtime errors as gr.Error, whose message reaches the caller (Gradio hides other exceptions' messages)."""
+    try:
+        yield
+    except gr.Error:
+        raise
+    except DFlashError as error:
+        title = getattr(error, "kind", type(error).__name__)
+        # The request checks quote the caller's own values; other errors may name the server's files.
+        message = str(error) if isinstance(error, RequestError) else scrub_paths(str(error))
+        raise gr.Error(message, title=title, print_exception=False) from error
+    except Exception as error:
+        log.exception("a request failed")
+        raise gr.Error(f"the server failed ({type(error).__name__}); retry", print_exception=False) from error
+
+
+def yields(item: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """gr.api takes an endpoint's outputs from its return annotation; a streaming endpoint's outputs are the items it
+    yields, so its signature is made to say it returns one item."""
+
+    def mark(function: Callable[..., Any]) -> Callable[..., Any]:
+        function.__signature__ = inspect.signature(function).replace(return_annotation=item)  # type: ignore[attr-defined]
+        return function
+
+    return mark
+
+
+def plot_frame(stats: dict[str, Any]) -> pd.DataFrame:
+    # Explicit dtypes: the plot fixes its axis types from the first (empty) frame it receives.
+    frame = pd.DataFrame(acceptance_rows(stats), columns=["position", "acceptance"])
+    return frame.astype({"position": "string", "acceptance": "float64"})
+
+
+# -- the API --------------------------------------------------------------------------------------------------------
+
+
+def make_api(service: SpaceService) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """The /chat, /generate and /info endpoints. Parameters keep JSON's types: integers, floats, booleans and
+    strings are checked as such (service.check), never coerced."""
+    preset_name = service.preset.name
+    max_tokens_default = service.defaults["max_tokens"]
+    draft_max_default = service.defaults["draft_max"]
+
+    @yields(ApiReply)
+    async def chat(
+        message: str,
+        history: list[dict[str, str]] | None = None,
+        system_prompt: str = "",
+        preset: str = preset_name,
+        max_tokens: int = max_tokens_default,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        draft_max: int = draft_max_default,
+        speculative: bool = True,
+        thinking: bool = False,
+    ) -> AsyncIterator[ApiReply]:
+        """Stream an answer to `message`: yields (text so far, statistics) after every engine step.
+
+        Parameters:
+            message: the new user message
+            history: earlier turns, [{"role": "user" | "assistant", "content": str}, ...]; the oldest go if need be
+            system_prompt: the system message ("" for none)
+            preset: the model pair, one of /info's presets
+            max_tokens: the longest answer, in tokens (an integer in 1..limits.max_new_tokens)
+            temperature: sampling temperature in [0, 2] (0 = greedy)
+            top_p: nucleus sampling in [0.01, 1]
+            draft_max: longest draft block, an integer (0 = adaptive)
+            speculative: true for DFlash speculative decoding, false for plain decoding (same text at temperature 0)
+            thinking: let the model think first (templates that support it)
+        Returns:
+            (text, statistics): the engine's statistics, finish_reason, finish_detail, notice, preset and GPU time
+        """
+        with visitor_errors():
+            request = service.check(
+                message=message, history=history, system_prompt=system_prompt, preset=preset, max_tokens=max_tokens,
+                temperature=temperature, top_p=top_p, draft_max=draft_max, speculative=speculative,
+                enable_thinking=thinking,
+            )  # fmt: skip
+            async for reply in service.reply(request):
+                yield reply.chunk.text, reply.stats
+
+    async def generate(
+        message: str,
+        history: list[dict[str, str]] | None = None,
+        system_prompt: str = "",
+        preset: str = preset_name,
+        max_tokens: int = max_tokens_default,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        draft_max: int = draft_max_default,
+        speculative: bool = True,
+        thinking: bool = False,
+    ) -> tuple[str, dict[str, Any]]:
+        """The same as /chat, answered in one piece: (text, statistics).
+
+        Parameters:
+            message: the new user message
+            history: earlier turns, [{"role": "user" | "assistant", "content": str}, ...]
+            system_prompt: the system message ("" for none)
+            preset: the model pair, one of /info's presets
+            max_tokens: the longest answer, in tokens
+            temperature: sampling temperature in [0, 2] (0 = greedy)
+            top_p: nucleus sampling in [0.01, 1]
+            draft_max: longest draft block, an integer (0 = adaptive)
+            speculative: true for DFlash speculative decoding, false for plain decoding
+            thinking: let the model think first (templates that support it)
+        """
+        text, stats = "", {}
+        async for text, stats in chat(  # noqa: B007 - the last chunk is the answer
+            message, history, system_prompt, preset, max_tokens, temperature, top_p, draft_max, speculative, thinking
+        ):
+            pass
+        return text, stats
+
+    def info() -> dict[str, Any]:
+        """The server: presets, defaults, limits, build, download state, run mode and any problem, the engine and the
+        GPU worker as last seen, the GPU-time estimates, and what the web process has loaded."""
+        return service.info()
+
+    return chat, generate, info
+
+
+# -- the page -------------------------------------------------------------------------------------------------------
+
+
+class PageHandlers:
+    """The page's event handlers. Each returns (or yields) its outputs in the order its docstring lists."""
+
+    def __init__(self, service: SpaceService) -> None:
+        self.service = service
+
+    def about(self) -> str:
+        service = self.service
+        if service.zero_gpu:
+            device = f"ZeroGPU, {service.gpu_size or 'large'} slice, allocated per request"
+        else:
+            gpus = [d.get("name") or "GPU" for d in service.build.get("cuda_devices") or []]
+            device = ", ".join(gpus) if gpus else "CPU"
+        lines = {"llama.cpp build": service.build_status, "Device": device, "Mode": service.mode.reason}
+        return info_markdown(service.preset, service.limits, lines, service.engine_info)
+
+    def _settings(self, values: tuple[Any, ...]) -> dict[str, Any]:
+        system_prompt, max_tokens, temperature, top_p, draft_max, speculative, thinking = values
+        return {
+            "preset": self.service.preset.name, "system_prompt": system_prompt, "max_tokens": max_tokens,
+            "temperature": temperature, "top_p": top_p, "draft_max": draft_max, "speculative": speculative,
+            "enable_thinking": thinking,
+        }  # fmt: skip
+
+    async def respond(self, message: str, session: ChatSession, *settings: Any) -> AsyncIterator[tuple[Any, ...]]:
+        """Inputs: message, session, then the settings (system prompt, max tokens, temperature, top-p, draft length,
+        speculative, thinking). Outputs: chatbot, message box, statistics, plot, notice, thinking switch, info box."""
+        skip = gr.skip()
+        with visitor_errors():  # refused before anything changes: the typed message stays in the box
+            request = self.service.check(message=message, history=session.messages, **self._settings(settings))
+        epoch, shown = session.start_turn(message)
+        yield shown, "", WAITING_STATS, skip, gr.update(visible=False), skip, skip
+        try:
+            with visitor_errors():
+                while await self.service.poll_files() is None:
+                    status = f"*Downloading the model pair: {self.service.download.status().summary()}*"
+                    yield skip, skip, status, skip, skip, skip, skip
+                plotted_at, notice, first = 0.0, None, True
+                async for reply in self.service.reply(request, latest_only=True, session=session):
+                    shown = session.show_reply(epoch, reply.chunk.text)
+                    if shown is None:  # cleared meanwhile: this answer belongs to no conversation
+                        return
+                    plot = skip
+                    if reply.chunk.finish_reason or time.monotonic() - plotted_at > PLOT_EVERY_S:
+                        plot, plotted_at = plot_frame(reply.stats), time.monotonic()
+                    notice_update = skip
+                    if reply.chunk.notice and reply.chunk.notice != notice:
+                        notice = reply.chunk.notice
+                        notice_update = gr.update(value=f"⚠️ {notice}", visible=True)
+                        gr.Warning(notice)
+                    thinking = info = skip
+                    if first:  # the engine is known now: the thinking switch and the info box can say so
+                        first = False
+                        thinking = gr.update(visible=bool(reply.chunk.engine_info.get("supports_thinking")))
+                        info = self.about()
+                    yield shown, skip, stats_markdown(reply.stats), plot, notice_update, thinking, info
+        except gr.Error:
+            restored = session.undo_turn(epoch)
+            if restored is not None:  # the failed turn leaves the chat; its message goes back to the box
+                yield restored, message, EMPTY_STATS, skip, skip, skip, skip
+            raise
+
+    async def compare(self, session: ChatSession, typed: str, *settings: Any) -> AsyncIterator[str]:
+        """Inputs: session, message box, then the settings. Output: the A/B box. Repeats the last prompt (or the
+        typed message) with DFlash, then with plain decoding, in one GPU call."""
+        last = session.last_prompt()
+        if last is None and not typed.strip():
+            raise gr.Error("Send a message first (or type one): the A/B run repeats a prompt.")
+        message, earlier = last if last is not None else (typed, session.messages)
+        with visitor_errors():
+            request = self.service.check(message=message, history=earlier, **self._settings(settings))
+            yield "Running the prompt with DFlash, then with plain decoding…"
+            comparison = Comparison()
+            phases = ("speculative", "plain")
+            async for reply in self.service.reply(request, phases, latest_only=True, session=session):
+                yield comparison.add(reply.chunk)
+
+    def stop(self, session: ChatSession) -> None:
+        """Inputs: session. Stops the running answer (it stays in the chat as far as it got)."""
+        session.stop()
+
+    def clear(self, session: ChatSession) -> tuple[Any, ...]:
+        """Inputs: session. Outputs: chatbot, message box, statistics, plot, notice, A/B box. Stops the running
+        answer and forgets the conversation."""
+        session.clear()
+        return [], "", EMPTY_STATS, plot_frame({}), gr.update(value="", visible=False), ""
+
+    def page_load(self) -> tuple[Any, ...]:
+        """Outputs: thinking switch, info box."""
+        supports = self.service.engine_info.get("supports_thinking", True)
+        return gr.update(visible=bool(supports)), self.about()
+
+    def download_tick(self) -> tuple[Any, ...]:
+        """Outputs: download box, timer."""
+        status = self.service.download.status()
+        if status.state == "done":
+            return gr.update(visible=False), gr.Timer(active=False)
+        return gr.update(value=f"**Model download:** {scrub_paths(status.summary())}", visible=True), gr.skip()

@@ -1,0 +1,152 @@
+"""One GPU call as a job of the web process: the blocking chunk stream runs in a thread of its own and reaches an
+asyncio consumer (a Gradio event handler), and the consumer leaving cancels it.
+
+Gradio cancels an async handler at once (Stop, Clear, a closed tab or a dropped client), where a blocking handler
+would run on in its thread to the end of the answer for nobody. When the consumer leaves, the thread closes the stream
+at the next chunk: the engine stops between two steps (on ZeroGPU `spaces` tells the worker to stop, and keeps it).
+The web process's engine slot is held until that close returns, so the next job starts on a worker that has finished
+(on ZeroGPU: one that is back in `spaces`' pool, with its engine loaded). A consumer that stops reading without
+leaving is treated as gone after `orphan_timeout_s`, so no work outlives its reader by long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+from ..errors import RequestError
+
+T = TypeVar("T")
+CHUNK, ERROR, END = "chunk", "error", "end"
+
+
+class EngineSlot:
+    """The web process's one-job-at-a-time lock around GPU calls."""
+
+    def __init__(self, timeout_s: float = 120.0) -> None:
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+
+    def acquire(self) -> None:
+        if not self._lock.acquire(timeout=self.timeout_s):
+            raise RequestError(f"the engine stayed busy for {self.timeout_s:.0f} s; retry")
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+
+class ReplyJob(Generic[T]):
+    """Runs `open_stream()` (a blocking iterator of chunks) in a thread and yields its chunks to one async consumer."""
+
+    def __init__(
+        self,
+        open_stream: Callable[[], Iterator[T]],
+        slot: EngineSlot,
+        *,
+        is_final: Callable[[T], bool] = lambda _chunk: False,
+        orphan_timeout_s: float = 120.0,
+    ) -> None:
+        self._open_stream = open_stream
+        self._slot = slot
+        self._is_final = is_final
+        self._orphan_timeout_s = orphan_timeout_s
+        self._cancelled = threading.Event()
+        self._done = threading.Event()
+        self._counts = threading.Lock()
+        self._pending = 0  # chunks handed over and not yet taken
+        self._pending_since = 0.0
+        self.chunks_delivered = 0
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop at the next chunk (thread-safe; the consumer also calls it when it leaves)."""
+        self._cancelled.set()
+
+    def wait_done(self, timeout_s: float) -> bool:
+        """Whether the stream was closed (and the slot freed) within `timeout_s`."""
+        return self._done.wait(timeout_s)
+
+    async def chunks(self, latest_only: bool = False) -> AsyncIterator[T]:
+        """The chunks as they come; with `latest_only`, chunks that a newer one replaced while the consumer was busy
+        are skipped (never a final one). Leaving the loop, by any path, cancels the job."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def hand_over(kind: str, value: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
+            except RuntimeError:  # the event loop is closed: nobody will read
+                self.cancel()
+
+        # The copied context carries Gradio's request into the thread (ZeroGPU reads the visitor's token from it).
+        context = contextvars.copy_context()
+        threading.Thread(target=context.run, args=(self._pump, hand_over), name="dflash-reply", daemon=True).start()
+        try:
+            while True:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                for kind, value in self._select(items, latest_only):
+                    if kind == CHUNK:
+                        yield value
+                    elif kind == ERROR:
+                        raise value
+                    else:
+                        return
+        finally:
+            self.cancel()
+
+    def _select(self, items: list[tuple[str, Any]], latest_only: bool) -> list[tuple[str, Any]]:
+        with self._counts:  # the consumer made progress: an orphan is one that makes none for orphan_timeout_s
+            self._pending -= sum(1 for kind, _ in items if kind == CHUNK)
+            self._pending_since = time.monotonic()
+        if not latest_only:
+            return items
+        kept = []
+        for index, (kind, value) in enumerate(items):
+            newer = index + 1 < len(items) and items[index + 1][0] == CHUNK
+            if kind == CHUNK and newer and not self._is_final(value):
+                continue
+            kept.append((kind, value))
+        return kept
+
+    def _orphaned(self) -> bool:
+        with self._counts:
+            return self._pending > 0 and time.monotonic() - self._pending_since > self._orphan_timeout_s
+
+    def _pump(self, hand_over: Callable[[str, Any], None]) -> None:
+        try:
+            self._slot.acquire()
+            try:
+                stream = self._open_stream()
+                try:
+                    for chunk in stream:
+                        if self._cancelled.is_set() or self._orphaned():
+                            break
+                        with self._counts:
+                            if self._pending == 0:
+                                self._pending_since = time.monotonic()
+                            self._pending += 1
+                        self.chunks_delivered += 1
+                        hand_over(CHUNK, chunk)
+                finally:
+                    close = getattr(stream, "close", None)
+                    if close is not None:
+                        close()  # stops the engine; on ZeroGPU returns once the worker has stopped
+            finally:
+                self._slot.release()
+        except BaseException as error:  # the consumer raises it in the web request
+            hand_over(ERROR, error)
+        finally:
+            self._done.set()
+            hand_over(END, None)

@@ -1,0 +1,259 @@
+"""The Space as the web process runs it: configuration, request checks, GPU jobs and what they report, and the
+server's description (/info). Gradio-free: the endpoints and the page call it (dflash_runtime.space.endpoints).
+
+Everything that can be checked is checked here, before a GPU is asked for; the GPU function runs the job
+(dflash_runtime.space.zerogpu) and its chunks come back through a ReplyJob, which cancels the work when the caller
+leaves. The running estimates of GPU time learn from every finished answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
+
+from ..errors import DFlashError
+from .downloads import PairDownload
+from .gpu_time import GpuTimeEstimator, GpuTimeSettings
+from .host import GpuJob, ReplyChunk
+from .jobs import EngineSlot, ReplyJob
+from .presets import PairPreset, ResolvedPair, configured_preset, overrides_in_env
+from .requests import ChatRequest, Limits, build_request
+from .runmode import RunMode, choose_run_mode, cuda_device_present, on_zero_gpu, settle_run_mode
+from .session import ChatSession
+from .views import ab_markdown, scrub_paths
+
+log = logging.getLogger(__name__)
+BUILD_KEYS = (
+    "llama_cpp_version", "cuda_build", "gpu_offload", "cuda_devices", "wheel_architectures", "compiled_architectures",
+    "dflash_missing_symbols", "problems", "ok",
+)  # fmt: skip
+# Errors `spaces` raises while scheduling, before any worker is involved: the worker (if any) is still there.
+SCHEDULING_ERRORS = (
+    "ZeroGPU quota exceeded", "ZeroGPU illegal duration", "ZeroGPU queue timeout", "ZeroGPU pending credits exceeded",
+    "ZeroGPU client error",
+)  # fmt: skip
+
+
+class WorkerError(DFlashError):
+    """A runtime error raised where generation runs and reported back as data (`kind` is its class name)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class Reply:
+    """One chunk of an answer and its statistics as the API returns them."""
+
+    chunk: ReplyChunk
+    stats: dict[str, Any]
+
+
+@dataclass
+class Comparison:
+    """The A/B view's state: the latest chunk of each phase."""
+
+    phases: dict[str, ReplyChunk] = field(default_factory=dict)
+
+    def add(self, chunk: ReplyChunk) -> str:
+        self.phases[chunk.phase] = chunk
+        spec, plain = self.phases.get("speculative"), self.phases.get("plain")
+        done = plain is not None and plain.finish_reason is not None
+        identical = (spec.text == plain.text) if done and spec and plain else None
+        return ab_markdown(spec.stats if spec else {}, plain.stats if plain else None, identical)
+
+
+def _loses_worker(error: BaseException) -> bool:
+    """Whether an error from the GPU call means its ZeroGPU worker (and the loaded model) is gone."""
+    return getattr(error, "title", None) not in SCHEDULING_ERRORS
+
+
+def _scrubbed(value: Any) -> Any:
+    if isinstance(value, str):
+        return scrub_paths(value)
+    if isinstance(value, list):
+        return [_scrubbed(item) for item in value]
+    return value
+
+
+def web_process_facts() -> dict[str, Any]:
+    """What this process has loaded (it must load no llama.cpp backend, model or context on ZeroGPU)."""
+    from .. import backends
+
+    pair = sys.modules.get("dflash_runtime.pair")  # never imported here: then it holds nothing
+    return {
+        "pid": os.getpid(),
+        "backends_loaded": backends.backends_loaded(),
+        "native_libraries": backends.mapped_native_libraries(),
+        "live_handles": pair.live_handles() if pair is not None else 0,
+    }
+
+
+class SpaceService:
+    def __init__(
+        self,
+        *,
+        mode: RunMode,
+        preset: PairPreset,
+        limits: Limits,
+        download: PairDownload,
+        build_status: str,
+        build: Mapping[str, Any],
+        run_gpu: Callable[[GpuJob], Iterator[ReplyChunk]],
+        quota_seconds: Callable[[int], int | None],
+        gpu_time: GpuTimeSettings,
+        zero_gpu: bool,
+        gpu_size: str | None,
+    ) -> None:
+        self.mode = replace(mode, problems=tuple(scrub_paths(problem) for problem in mode.problems))
+        self.preset = preset
+        self.limits = limits
+        self.download = download
+        self.build_status = scrub_paths(build_status)
+        self.build = {key: _scrubbed(build.get(key)) for key in BUILD_KEYS}
+        self.estimator = GpuTimeEstimator(gpu_time)
+        self.zero_gpu = zero_gpu
+        self.gpu_size = gpu_size
+        self.slot = EngineSlot()
+        self.engine_info: dict[str, Any] = {}
+        self.worker_info: dict[str, Any] = {}
+        self._run_gpu = run_gpu
+        self._quota_seconds = quota_seconds
+        # Adaptive drafting (0) suits real models; on random-weight test models it would switch drafting off, so
+        # the offline demo drafts the full length to show the machinery at work.
+        self.defaults = {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0,
+                         "draft_max": preset.draft_max if mode.tiny else 0}  # fmt: skip
+
+    @classmethod
+    def from_env(
+        cls, build_status: str, build: Mapping[str, Any], env: Mapping[str, str] | None = None
+    ) -> SpaceService:
+        """The service as the environment configures it, given the start-up check's result."""
+        from . import zerogpu
+
+        env = os.environ if env is None else env
+        zero_gpu, has_cuda = on_zero_gpu(env), cuda_device_present()
+        mode = choose_run_mode(env, overrides_in_env(env), has_cuda)
+        mode = settle_run_mode(mode, build, zero_gpu=zero_gpu, has_cuda=has_cuda,
+                               n_gpu_layers=configured_preset(False, env).n_gpu_layers)  # fmt: skip
+        preset = configured_preset(mode.tiny, env)
+        return cls(
+            mode=mode,
+            preset=preset,
+            limits=Limits.from_env(preset.draft_max, env),
+            download=PairDownload.from_env(preset, env),
+            build_status=build_status,
+            build=build,
+            run_gpu=zerogpu.run_on_gpu,
+            quota_seconds=zerogpu.quota_seconds,
+            gpu_time=GpuTimeSettings.from_env(env),
+            zero_gpu=zero_gpu,
+            gpu_size=zerogpu.GPU_SIZE,
+        )
+
+    # -- requests -------------------------------------------------------------------------------------------------
+
+    def check(self, **fields: Any) -> ChatRequest:
+        """A validated request (build_request's fields), or RequestError saying what is wrong."""
+        return build_request(presets=[self.preset.name], limits=self.limits, **fields)
+
+    async def poll_files(self, timeout_s: float = 1.0) -> ResolvedPair | None:
+        """The pair's local files once downloaded (here, never in the GPU function); None while downloading."""
+        return await asyncio.to_thread(self.download.poll, timeout_s)
+
+    async def files(self) -> ResolvedPair:
+        while (files := await self.poll_files()) is None:
+            pass
+        return files
+
+    async def reply(
+        self,
+        request: ChatRequest,
+        phases: tuple[str, ...] = ("chat",),
+        *,
+        latest_only: bool = False,
+        session: ChatSession | None = None,
+    ) -> AsyncIterator[Reply]:
+        """Run `request` on the GPU and stream its chunks. Errors reported by the worker are raised as WorkerError;
+        leaving the loop (or being cancelled) stops the engine."""
+        files = await self.files()
+        job_spec = GpuJob(request, self.preset, files, phases)
+        estimate = self.estimator.estimate(request, job_spec.speculative_phases())
+        job_spec = replace(job_spec, gpu_seconds=estimate.seconds)
+        requested = self._quota_seconds(estimate.seconds)
+        log.info("request: %d chars, max_tokens %d, phases %s; GPU time %s s (quota %s s, load included: %s)",
+                 request.input_chars, request.max_tokens, ",".join(phases), estimate.seconds, requested,
+                 estimate.includes_load)  # fmt: skip
+        job: ReplyJob[ReplyChunk] = ReplyJob(
+            partial(self._run_gpu, job_spec), self.slot, is_final=lambda chunk: chunk.finish_reason is not None
+        )
+        if session is not None:
+            session.attach(job)
+        load_seen = False
+        try:
+            async for chunk in job.chunks(latest_only):
+                self._remember(chunk)
+                if "engine_loaded" in chunk.worker:
+                    self.estimator.engine_seen(chunk.worker["engine_loaded"])
+                if chunk.worker.get("loaded_now") and not load_seen and chunk.worker.get("load_s") is not None:
+                    load_seen = True
+                    self.estimator.observe_load(chunk.worker["load_s"])
+                if chunk.error_type:
+                    raise WorkerError(chunk.error_type, chunk.error or chunk.error_type)
+                if chunk.finish_reason:
+                    self.estimator.observe(chunk.stats, request, chunk.dropped_turns - request.dropped_turns)
+                yield Reply(chunk, self.reply_stats(chunk, requested))
+        except DFlashError:
+            raise
+        except Exception as error:
+            if _loses_worker(error):
+                self.estimator.worker_lost()
+            log.warning("the GPU call failed: %s: %s", type(error).__name__, error)
+            raise
+
+    def reply_stats(self, chunk: ReplyChunk, requested: int | None) -> dict[str, Any]:
+        """The statistics the API returns (and the panel shows) for one chunk."""
+        return {
+            **chunk.stats,
+            "finish_reason": chunk.finish_reason,
+            "finish_detail": chunk.finish_detail,
+            "notice": chunk.notice,
+            "preset": self.preset.name,
+            "gpu_seconds_requested": requested,
+            "gpu_seconds_used": chunk.worker.get("used_s"),
+        }
+
+    def _remember(self, chunk: ReplyChunk) -> None:
+        if chunk.engine_info:
+            self.engine_info = chunk.engine_info
+        if chunk.worker:
+            self.worker_info = chunk.worker
+
+    # -- the server's description -----------------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        download = self.download.status()
+        return {
+            "presets": {self.preset.name: self.preset.describe()},
+            "default_preset": self.preset.name,
+            "defaults": dict(self.defaults),
+            "offline_demo": self.mode.tiny,
+            "mode_reason": self.mode.reason,
+            "problems": list(self.mode.problems),
+            "fix": self.mode.fix,
+            "build": {"status": self.build_status, **self.build},
+            "limits": self.limits.describe(),
+            "download": {"state": download.state, "summary": scrub_paths(download.summary())},
+            "busy": self.slot.busy(),  # an answer is running (or being stopped)
+            "engine": dict(self.engine_info),
+            "worker": dict(self.worker_info),
+            "gpu_time": {"zero_gpu": self.zero_gpu, "gpu_size": self.gpu_size, **self.estimator.describe()},
+            "web_process": web_process_facts(),
+        }

@@ -1,0 +1,120 @@
+"""Test helpers for driving the Space as its callers do: gradio_client arguments, raw HTTP calls (JSON bodies
+written by hand, so NaN, Infinity or a lone surrogate can be sent), and the answers an engine of our own gives on the
+same files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from gradio_client import Client
+
+from dflash_runtime import load_pair
+from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
+
+Message = dict[str, str]
+API_PARAMETERS = ("message", "history", "system_prompt", "preset", "max_tokens", "temperature", "top_p", "draft_max",
+                  "speculative", "thinking")  # fmt: skip
+
+
+def demo_pair() -> TinyPair:
+    """The generated pair the offline demo serves (the same cache, so the same files)."""
+    return tiny_pair(target="dense", draft="dflash2", head="shaped")
+
+
+@contextmanager
+def reference_engine(n_ctx: int, draft_max: int = 7) -> Iterator[Any]:
+    """An engine of our own on the demo's files: what the server must answer, token for token."""
+    pair = demo_pair()
+    engine = load_pair(pair.target, pair.draft, n_ctx=n_ctx, draft_max=draft_max)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def expected_answer(engine: Any, messages: list[Message], max_tokens: int, thinking: bool = False) -> str:
+    return engine.chat(messages, enable_thinking=thinking, max_tokens=max_tokens, temperature=0.0).text
+
+
+def prompt_length(engine: Any, messages: list[Message]) -> int:
+    return len(engine.tokenize(engine.render_chat(messages, enable_thinking=False)))
+
+
+def chat_args(message: str, **changes: Any) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "message": message,
+        "history": [],
+        "system_prompt": "",
+        "preset": "tiny-random",
+        "max_tokens": 48,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "draft_max": 7,
+        "speculative": True,
+        "thinking": False,
+    }
+    args.update(changes)
+    return args
+
+
+def stream_chat(client: Client, **args: Any) -> list[tuple[str, dict[str, Any]]]:
+    job = client.submit(**args, api_name="/chat")
+    chunks = [tuple(output) for output in job]
+    job.result()  # raises the server's error, if any
+    return chunks  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class RawResult:
+    """The outcome of a raw /gradio_api/call request: "complete" with the outputs, or "error" with the message."""
+
+    event: str
+    data: Any
+
+    @property
+    def message(self) -> str:
+        return str(self.data.get("error") if isinstance(self.data, dict) else self.data)
+
+
+def raw_body(args: dict[str, Any]) -> str:
+    """A request body in the API's parameter order. Values that are already JSON text (see `Raw`) go in verbatim."""
+    values = [args[name].text if isinstance(args[name], Raw) else json.dumps(args[name]) for name in API_PARAMETERS]
+    return '{"data": [' + ", ".join(values) + "]}"
+
+
+@dataclass(frozen=True)
+class Raw:
+    """JSON text to place in a body as is: NaN, Infinity, "\\ud800" (what gradio_client cannot send)."""
+
+    text: str
+
+
+def raw_call(url: str, api_name: str, body: str, timeout_s: float = 180.0) -> RawResult:
+    """POST /gradio_api/call/<api_name> with `body`, then read its result stream to the end."""
+    base = url.rstrip("/") + "/gradio_api/call/" + api_name
+    headers = {"Content-Type": "application/json"}
+    with httpx.Client(timeout=timeout_s) as http:
+        started = http.post(base, content=body.encode(), headers=headers)
+        started.raise_for_status()
+        event_id = started.json()["event_id"]
+        event, data = "", None
+        with http.stream("GET", f"{base}/{event_id}") as stream:
+            for line in stream.iter_lines():
+                if line.startswith("event:"):
+                    event = line.split(":", 1)[1].strip()
+                elif line.startswith("data:") and event in ("complete", "error"):
+                    data = json.loads(line.split(":", 1)[1])
+                    return RawResult(event, data)
+    raise AssertionError(f"the result stream of {api_name} ended without a result")
+
+
+def raw_run(url: str, api_name: str, body: str, timeout_s: float = 60.0) -> httpx.Response:
+    """POST /gradio_api/run/<api_name>: the REST route that would skip the queue if it were open."""
+    with httpx.Client(timeout=timeout_s) as http:
+        return http.post(url.rstrip("/") + "/gradio_api/run/" + api_name, content=body.encode(),
+                         headers={"Content-Type": "application/json"})  # fmt: skip

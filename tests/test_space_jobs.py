@@ -1,0 +1,149 @@
+"""ReplyJob: a blocking chunk stream handed to an async consumer, stopped when the consumer leaves or stops reading."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from dflash_runtime.errors import RequestError
+from dflash_runtime.space.jobs import EngineSlot, ReplyJob
+
+TIMEOUT_S = 30.0
+
+
+class Stream:
+    """A blocking stream of numbered chunks that records how far it got and whether it was closed."""
+
+    def __init__(self, count: int = 10_000, gate: threading.Event | None = None) -> None:
+        self.count = count
+        self.gate = gate
+        self.produced = 0
+        self.closed = threading.Event()
+
+    def __call__(self) -> Iterator[int]:
+        try:
+            for number in range(1, self.count + 1):
+                if self.gate is not None and not self.gate.wait(TIMEOUT_S):
+                    raise TimeoutError("the gate never opened")
+                self.produced = number
+                yield number
+        finally:
+            self.closed.set()
+
+
+def run(coroutine: object) -> object:
+    return asyncio.run(asyncio.wait_for(coroutine, TIMEOUT_S))  # type: ignore[arg-type]
+
+
+def test_leaving_the_loop_closes_the_stream_and_frees_the_slot() -> None:
+    stream, slot = Stream(), EngineSlot()
+    job = ReplyJob(stream, slot)
+
+    async def take_three() -> list[int]:
+        taken = []
+        async for chunk in job.chunks():
+            taken.append(chunk)
+            if len(taken) == 3:
+                break
+        return taken
+
+    assert run(take_three()) == [1, 2, 3]
+    assert job.cancelled and job.wait_done(TIMEOUT_S) and stream.closed.is_set()
+    assert stream.produced < stream.count and not slot.busy()
+
+
+def test_a_cancelled_consumer_stops_the_stream() -> None:
+    gate = threading.Event()
+    stream = Stream(gate=gate)
+    job = ReplyJob(stream, EngineSlot())
+
+    async def consume_then_get_cancelled() -> None:
+        async def consume() -> None:
+            async for _chunk in job.chunks():
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0)  # the consumer starts and waits for its first chunk
+        task.cancel()  # before the first chunk, as a Stop clicked while the model loads
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(consume_then_get_cancelled())
+    gate.set()  # the first chunk arrives only now
+    assert job.wait_done(TIMEOUT_S) and stream.closed.is_set() and stream.produced == 1
+
+
+def test_latest_only_skips_replaced_chunks_but_never_a_final_one() -> None:
+    stream = Stream(count=12)
+    job = ReplyJob(stream, EngineSlot(), is_final=lambda chunk: chunk in (6, 12))
+
+    async def slow_reader() -> list[int]:
+        taken = []
+        async for chunk in job.chunks(latest_only=True):
+            if not taken:  # hold on until every chunk is waiting
+                await asyncio.to_thread(job.wait_done, TIMEOUT_S)
+            taken.append(chunk)
+        return taken
+
+    taken = run(slow_reader())
+    assert taken[0] == 1 and taken[1:] == [6, 12]
+
+
+def test_a_reader_that_stops_reading_is_treated_as_gone() -> None:
+    stream = Stream(count=10**9)  # endless, for all the test cares
+    job = ReplyJob(stream, EngineSlot(), orphan_timeout_s=0.2)
+
+    async def read_one_then_stall() -> None:
+        async for _chunk in job.chunks():
+            await asyncio.to_thread(job.wait_done, TIMEOUT_S)  # stalls without leaving, until the job gives up
+            break
+
+    run(read_one_then_stall())
+    assert stream.closed.is_set() and stream.produced < stream.count
+
+
+def test_stream_errors_reach_the_consumer_and_a_busy_slot_is_refused_in_time() -> None:
+    def failing() -> Iterator[int]:
+        yield 1
+        raise ValueError("the worker broke")
+
+    async def consume(job: ReplyJob[int]) -> list[int]:
+        return [chunk async for chunk in job.chunks()]
+
+    with pytest.raises(ValueError, match="the worker broke"):
+        run(consume(ReplyJob(failing, EngineSlot())))
+    slot = EngineSlot(timeout_s=0.1)
+    slot.acquire()
+    with pytest.raises(RequestError, match="the engine stayed busy"):
+        run(consume(ReplyJob(Stream(), slot)))
+
+
+def test_one_job_at_a_time_through_the_slot() -> None:
+    slot, events = EngineSlot(), []
+    gate, started = threading.Event(), threading.Event()
+
+    def stream(name: str, wait: bool) -> Iterator[int]:
+        events.append(f"{name} starts")
+        started.set()
+        try:
+            if wait and not gate.wait(TIMEOUT_S):
+                raise TimeoutError("the gate never opened")
+            yield 1
+        finally:
+            events.append(f"{name} closed")
+
+    async def both() -> tuple[list[int], list[int]]:
+        async def consume(job: ReplyJob[int]) -> list[int]:
+            return [chunk async for chunk in job.chunks()]
+
+        one = asyncio.ensure_future(consume(ReplyJob(lambda: stream("first", True), slot)))
+        await asyncio.to_thread(started.wait, TIMEOUT_S)
+        two = asyncio.ensure_future(consume(ReplyJob(lambda: stream("second", False), slot)))
+        gate.set()
+        return await one, await two
+
+    assert run(both()) == ([1], [1])
+    assert events == ["first starts", "first closed", "second starts", "second closed"]

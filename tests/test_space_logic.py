@@ -1,0 +1,434 @@
+"""The Space's logic without a server: run mode and the build check, request checks, fitting, GPU time, the views,
+the session, and what may cross the ZeroGPU process line. Fitting runs against a real engine's tokenizer too."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+import pytest
+from app_fixtures import REPO_ROOT
+from space_client import reference_engine
+
+from dflash_runtime.errors import PromptTooLongError, RequestError
+from dflash_runtime.space.fitting import count_prompt_tokens, fit_conversation
+from dflash_runtime.space.gpu_time import GpuTimeEstimator, GpuTimeSettings
+from dflash_runtime.space.host import GpuJob, ReplyChunk
+from dflash_runtime.space.presets import ResolvedPair, preset_from_env
+from dflash_runtime.space.requests import (
+    ChatRequest,
+    Limits,
+    build_request,
+    check_history,
+    newest_turns,
+    strip_thinking,
+    thinking_prefix,
+    turn_starts,
+)
+from dflash_runtime.space.runmode import (
+    FIX_COMMAND,
+    RunMode,
+    choose_run_mode,
+    cuda_device_present,
+    gpu_build_problems,
+    settle_run_mode,
+)
+from dflash_runtime.space.session import ChatSession
+from dflash_runtime.space.views import ab_markdown, acceptance_rows, info_markdown, mode_banner, scrub_paths
+from dflash_runtime.space.views import stats_markdown as panel
+from dflash_runtime.stats import Stats
+
+LIMITS = Limits(max_new_tokens=4096, max_input_chars=32000, max_history_messages=256, draft_max=7)
+Message = dict[str, str]
+
+
+def make_request(limits: Limits = LIMITS, **fields: Any) -> ChatRequest:
+    values: dict[str, Any] = {"preset": "p", "presets": ["p"], "limits": limits, "message": "hi", "max_tokens": 64}
+    values.update(fields)
+    return build_request(**values)
+
+
+# -- run mode --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "overrides", "has_cuda", "tiny"),
+    [
+        ({}, [], False, True),
+        ({}, [], True, False),
+        ({"SPACES_ZERO_GPU": "true"}, [], False, False),
+        ({}, ["DFLASH_TARGET_REPO"], False, False),
+        ({"DFLASH_DEMO": "tiny"}, ["DFLASH_TARGET_REPO"], True, True),
+        ({"DFLASH_DEMO": "off"}, [], False, False),
+    ],
+)
+def test_run_mode_never_downloads_by_surprise(
+    env: dict[str, str], overrides: list[str], has_cuda: bool, tiny: bool
+) -> None:
+    mode = choose_run_mode(env, overrides, has_cuda)
+    assert mode.tiny is tiny and mode.reason
+    assert ("random-weight" in mode_banner(mode)) is tiny
+
+
+def test_unknown_demo_value_is_refused() -> None:
+    with pytest.raises(ValueError, match="DFLASH_DEMO"):
+        choose_run_mode({"DFLASH_DEMO": "maybe"}, [], False)
+
+
+CPU_BUILD = {"cuda_build": False, "problems": []}
+BLACKWELL_BUILD = {"cuda_build": True, "wheel_architectures": ["120a-real"], "compiled_architectures": ["sm_120a"]}
+HOPPER_BUILD = {"cuda_build": True, "wheel_architectures": ["90-real"], "compiled_architectures": None}
+
+
+@pytest.mark.parametrize(
+    ("build", "zero_gpu", "devices", "problem"),
+    [
+        (CPU_BUILD, True, [], "CPU-only build"),
+        (CPU_BUILD, False, [], "CPU-only build"),
+        (BLACKWELL_BUILD, True, [], None),
+        (HOPPER_BUILD, True, [], "CUDA code for 90-real only, which does not run on this GPU (compute 12.0)"),
+        (HOPPER_BUILD, False, [[9, 0]], None),
+        (HOPPER_BUILD, False, [[8, 6]], "does not run on this GPU (compute 8.6)"),
+        ({"import_error": "OSError: libcuda.so.1: cannot open"}, True, [], "does not load: OSError"),
+        ({**BLACKWELL_BUILD, "problems": ["CUDA runtime libraries not found: pip install x"]}, True, [], "not found"),
+    ],
+)
+def test_the_build_check_names_what_keeps_the_gpu_unused(
+    build: dict[str, Any], zero_gpu: bool, devices: list[list[int]], problem: str | None
+) -> None:
+    facts = {**build, "cuda_devices": [{"index": i, "compute_capability": cc} for i, cc in enumerate(devices)]}
+    problems = gpu_build_problems(facts, zero_gpu)
+    if problem is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problem in problems[0]
+
+
+def test_an_unusable_gpu_build_serves_the_offline_demo_with_the_fix() -> None:
+    real = RunMode(False, "running on ZeroGPU")
+    settled = settle_run_mode(real, CPU_BUILD, zero_gpu=True, has_cuda=False, n_gpu_layers=-1)
+    assert settled.tiny and "cannot use the GPU on ZeroGPU" in settled.reason
+    assert settled.fix and FIX_COMMAND in settled.fix and "requirements.txt" in settled.fix
+    banner = mode_banner(settled)
+    assert "CPU-only build" in banner and FIX_COMMAND in banner and "offline demo" in banner
+    # A usable build, no GPU expected, or layers kept on the CPU on purpose: the configured pair stays.
+    assert settle_run_mode(real, BLACKWELL_BUILD, zero_gpu=True, has_cuda=False, n_gpu_layers=-1) == real
+    assert settle_run_mode(real, CPU_BUILD, zero_gpu=False, has_cuda=False, n_gpu_layers=-1) == real
+    assert settle_run_mode(real, CPU_BUILD, zero_gpu=False, has_cuda=True, n_gpu_layers=0) == real
+    demo = RunMode(True, "DFLASH_DEMO=tiny")
+    assert settle_run_mode(demo, CPU_BUILD, zero_gpu=True, has_cuda=True, n_gpu_layers=-1) == demo
+
+
+# -- request checks ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_tokens", "abc", "max_tokens must be an integer in 1..4096, got 'abc'"),
+        ("max_tokens", 1.5, "max_tokens must be an integer in 1..4096, got 1.5"),
+        ("max_tokens", 64.0, "max_tokens must be an integer in 1..4096, got 64.0"),
+        ("max_tokens", float("nan"), "max_tokens must be an integer in 1..4096, got nan"),
+        ("max_tokens", True, "max_tokens must be an integer in 1..4096, got True"),
+        ("draft_max", "auto", "draft_max must be an integer in 0..7 (0 = adaptive), got 'auto'"),
+        ("draft_max", float("inf"), "draft_max must be an integer in 0..7 (0 = adaptive), got inf"),
+        ("temperature", float("nan"), "temperature must be a number in [0.0, 2.0], got nan"),
+        ("temperature", "0.5", "temperature must be a number in [0.0, 2.0], got '0.5'"),
+        ("top_p", float("inf"), "top_p must be a number in [0.01, 1.0], got inf"),
+        ("speculative", "false", "speculative must be true or false (a boolean), got 'false'"),
+        ("speculative", 0, "speculative must be true or false (a boolean), got 0"),
+        ("enable_thinking", "no", "thinking must be true or false (a boolean), got 'no'"),
+        ("message", "a\ud800b", "message contains an unpaired surrogate (U+D800) at character 1"),
+        ("system_prompt", "\udfff", "system_prompt contains an unpaired surrogate (U+DFFF) at character 0"),
+        ("history", [{"role": "user", "content": "ok\udc80"}], "history[0]['content'] contains an unpaired surrogate"),
+        ("history", [{"role": "user", "content": 5}], "history[0]['content'] must be a string, got int"),
+        ("message", 42, "message must be a string, got int"),
+        ("preset", ["p"], "unknown preset ['p']"),
+    ],
+)
+def test_every_field_is_checked_for_its_type_with_a_specific_message(field: str, value: Any, message: str) -> None:
+    with pytest.raises(RequestError) as refused:
+        make_request(**{field: value})
+    assert message in str(refused.value)
+
+
+def test_right_types_pass_and_keep_their_type() -> None:
+    request = make_request(max_tokens=7, temperature=1, top_p=0.5, draft_max=0, speculative=False,
+                           enable_thinking=True, system_prompt=None)  # fmt: skip
+    assert request.max_tokens == 7 and isinstance(request.temperature, float) and request.temperature == 1.0
+    assert request.draft_max == "auto" and request.speculative is False and request.enable_thinking is True
+    assert request.system_prompt == "" and make_request(draft_max=3).draft_max == 3
+
+
+def test_history_keeps_what_the_model_should_see() -> None:
+    history = check_history(
+        [
+            {"role": "user", "content": "q1", "metadata": {"title": "ignored"}},
+            {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nanswer one"},
+            {"role": "user", "content": "q2"},
+            {"role": "assistant", "content": "<think>\nstopped while thinking"},
+        ]
+    )
+    assert history == [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "answer one"},
+        {"role": "user", "content": "q2"},
+    ]
+    assert strip_thinking("plain answer") == "plain answer"
+    assert thinking_prefix("<|im_start|>assistant\n<think>\n") == "<think>\n"
+    assert thinking_prefix("<|im_start|>assistant\n<think>\n\n</think>\n\n") == ""
+
+
+def conversation(turns: int, user: str = "u", reply: str = "a") -> list[Message]:
+    messages: list[Message] = []
+    for turn in range(turns):
+        messages += [{"role": "user", "content": f"{user}{turn}"}, {"role": "assistant", "content": f"{reply}{turn}"}]
+    return messages
+
+
+def test_a_huge_history_is_cut_to_its_newest_whole_turns_before_any_tokenization() -> None:
+    history = conversation(10_000)
+    assert sum(len(m["content"]) for m in history) < 32000 * 4
+    request = make_request(history=history)
+    assert len(request.history) == 256 and request.history[0] == {"role": "user", "content": "u9872"}
+    assert request.history[-1] == {"role": "assistant", "content": "a9999"}
+    assert request.dropped_turns == 10_000 - 128
+    # The character limit, too: what is kept, with the message and system prompt, stays within it.
+    limits = Limits(max_input_chars=100, max_history_messages=10_000)
+    short = make_request(limits, history=conversation(50), message="m" * 10, system_prompt="s" * 10)
+    assert len(short.history) == 26 and short.input_chars == 20 + 13 * 6  # one more turn would make 104
+    assert short.history[0] == {"role": "user", "content": "u37"} and short.dropped_turns == 37
+
+
+def test_newest_turns_never_split_a_turn() -> None:
+    history = [{"role": "assistant", "content": "welcome"}, *conversation(3)]
+    assert turn_starts(history) == [0, 1, 3, 5, 7]
+    kept, dropped = newest_turns(history, max_messages=3, max_chars=10_000)
+    assert kept == history[5:] and dropped == 3
+    assert newest_turns(history, max_messages=100, max_chars=0) == ([], 4)
+
+
+# -- fitting -----------------------------------------------------------------------------------------------------
+
+
+def brute_force_cut(request: ChatRequest, count: Any, n_ctx: int) -> int | None:
+    """The reference: try every cut from the oldest on (what fitting did before, quadratic)."""
+    system = [{"role": "system", "content": request.system_prompt}] if request.system_prompt.strip() else []
+    history = list(request.history)
+    for cut, start in enumerate(turn_starts(history)):
+        if count(system + history[start:] + [{"role": "user", "content": request.message}]) + min(
+            request.max_tokens, n_ctx // 2
+        ) <= n_ctx:
+            return cut
+    return None
+
+
+def test_fitting_finds_the_exact_cut_with_a_few_renders_on_a_real_tokenizer() -> None:
+    rng = random.Random(7)
+    words = ["the", "quick", "brown", "fox", "0123456789", "paris", "hello world", "<|im_end|>", "é", "a" * 40]
+    with reference_engine(n_ctx=1024) as engine:
+        calls = 0
+
+        def count(messages: list[Message]) -> int:
+            nonlocal calls
+            calls += 1
+            return count_prompt_tokens(engine, messages, enable_thinking=False)
+
+        for trial in range(40):
+            history = [
+                {"role": role, "content": " ".join(rng.choice(words) for _ in range(rng.randint(1, 60)))}
+                for _ in range(rng.randint(0, 60))
+                for role in ("user", "assistant")
+            ]
+            request = make_request(history=history, message="what now?", max_tokens=rng.choice([16, 128, 400]),
+                                   system_prompt=rng.choice(["", "be brief."]))  # fmt: skip
+            calls = 0
+            expected = brute_force_cut(request, lambda m: count_prompt_tokens(engine, m, False), 1024)
+            if expected is None:
+                with pytest.raises(PromptTooLongError):
+                    fit_conversation(request, count, 1024)
+                continue
+            fitted = fit_conversation(request, count, 1024)
+            assert fitted.dropped_turns == request.dropped_turns + expected, f"trial {trial}"
+            assert fitted.prompt_tokens == count_prompt_tokens(engine, fitted.messages, False)
+            assert calls == fitted.renders <= 2 + 2 * len(history).bit_length(), f"trial {trial}: {calls} renders"
+
+
+def test_oldest_whole_turns_go_first_and_the_system_prompt_stays() -> None:
+    history = []
+    for turn in range(3):
+        history += [{"role": "user", "content": f"u{turn}" + "x" * 98}, {"role": "assistant", "content": "y" * 100}]
+    request = make_request(message="m" * 50, history=history, system_prompt="s" * 20, max_tokens=100)
+
+    def count_chars(messages: list[Message]) -> int:  # one token per character
+        return sum(len(m["content"]) for m in messages)
+
+    fitted = fit_conversation(request, count_chars, n_ctx=500)
+    assert fitted.dropped_turns == 2 and "2 oldest turns" in (fitted.notice or "")
+    assert [m["content"][:2] for m in fitted.messages] == ["ss", "u2", "yy", "mm"]
+    assert fitted.prompt_tokens == 270
+    assert fit_conversation(request, count_chars, n_ctx=2000).dropped_turns == 0
+    assert fit_conversation(request, count_chars, n_ctx=2000).notice is None
+    with pytest.raises(PromptTooLongError, match="cannot hold it"):
+        fit_conversation(make_request(message="m" * 1000), count_chars, n_ctx=500)
+
+
+def test_turns_dropped_by_the_request_limits_count_in_the_notice() -> None:
+    request = make_request(Limits(max_history_messages=4), history=conversation(5))
+    fitted = fit_conversation(request, lambda messages: len(messages), n_ctx=1000)
+    assert request.dropped_turns == 3 and fitted.dropped_turns == 3 and "3 oldest turns" in (fitted.notice or "")
+
+
+# -- GPU time ----------------------------------------------------------------------------------------------------
+
+
+def test_gpu_time_starts_conservative_and_learns_the_worker_speeds() -> None:
+    settings = GpuTimeSettings(seconds_max=240, base_s=5, load_s=30, decode_tok_s=20, prefill_tok_s=500)
+    estimator = GpuTimeEstimator(settings)
+    request = make_request(max_tokens=512)
+    first = estimator.estimate(request, (True,))
+    assert first.includes_load and first.seconds == 5 + 30 + 32 + 1  # 512 tokens at 80 % of 20 tok/s; rounded up
+    assert estimator.estimate(request, (True, False)).seconds == first.seconds + 32
+    # A real pair's measurements: a default request (512 tokens) then asks for well under a minute.
+    estimator.observe_load(18.0)
+    estimator.engine_seen(loaded=True)
+    estimator.observe({"n_generated": 512, "decode_tok_s": 60.0, "speculative": True, "n_prefilled": 300,
+                       "prefill_ms": 150.0, "n_prompt": 300}, request, dropped_here=0)  # fmt: skip
+    warm = estimator.estimate(request, (True,))
+    assert not warm.includes_load and warm.seconds == 5 + 11 and warm.seconds * 1.5 <= 60  # 512 at 80 % of 60
+    assert estimator.estimate(make_request(max_tokens=512, speculative=False), (False,)).seconds == first.seconds - 30
+    # Slower measurements weigh more than faster ones; a lost worker brings the (measured) load time back.
+    estimator.observe({"n_generated": 100, "decode_tok_s": 30.0, "speculative": True}, request, dropped_here=0)
+    assert estimator.describe()["decode_tok_s"]["speculative"] == pytest.approx(60 - 0.7 * 30)
+    estimator.observe({"n_generated": 100, "decode_tok_s": 100.0, "speculative": True}, request, dropped_here=0)
+    assert estimator.describe()["decode_tok_s"]["speculative"] == pytest.approx(39 + 0.2 * 61)
+    estimator.worker_lost()
+    assert estimator.estimate(request, (True,)).includes_load
+    assert estimator.describe()["load_s"] == 18.0
+    estimator.engine_seen(loaded=True)
+    assert not estimator.estimate(request, (True,)).includes_load
+    estimator.engine_seen(loaded=False)  # the worker closed its engine after a failure: the next request loads it
+    assert estimator.estimate(request, (True,)).includes_load
+    assert estimator.estimate(make_request(max_tokens=4096), (True, False)).seconds <= 240
+
+
+def test_short_answers_teach_nothing_about_speed() -> None:
+    estimator = GpuTimeEstimator(GpuTimeSettings())
+    estimator.observe({"n_generated": 3, "decode_tok_s": 1.0, "speculative": True}, make_request(), dropped_here=0)
+    assert estimator.describe()["decode_tok_s"]["speculative"] == GpuTimeSettings().decode_tok_s
+
+
+# -- session, views, process line -----------------------------------------------------------------------------
+
+
+class FakeJob:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_clear_cancels_the_reply_and_no_late_update_brings_the_conversation_back() -> None:
+    session = ChatSession()
+    epoch, shown = session.start_turn("hello")
+    assert shown == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": ""}]
+    job = FakeJob()
+    session.attach(job)
+    assert session.show_reply(epoch, "partial")[-1]["content"] == "partial"  # type: ignore[index]
+    session.clear()
+    assert job.cancelled and session.messages == []
+    assert session.show_reply(epoch, "partial and more") is None and session.messages == []
+    assert session.undo_turn(epoch) is None
+    epoch2, _ = session.start_turn("again")
+    assert session.undo_turn(epoch2) == [] and session.last_prompt() is None
+    import copy
+
+    assert copy.deepcopy(session).messages == [], "a new tab starts empty"
+
+
+def test_statistics_panel_plot_rows_and_ab_summary() -> None:
+    stats = Stats(n_prompt=10, n_reused=4, n_prefilled=6, n_generated=9, decode_ms=100.0, draft_max=3)
+    stats.record_verify(3, 2, 3)
+    stats.record_verify(3, 0, 1)
+    api = {**stats.to_dict(), "finish_reason": "length", "finish_detail": "max_tokens=9 reached",
+           "gpu_seconds_requested": 46, "gpu_seconds_used": 12.34}  # fmt: skip
+    text = panel(api)
+    assert "90.0 tok/s" in text and "33%" in text and "2 / 6" not in text and "6 / 2" in text
+    assert "10: 4 reused, 6 prefilled" in text and "length (max_tokens=9 reached)" in text
+    assert "| GPU time requested / used | 46 s / 12.3 s |" in text
+    assert "| Engine time | 12.3 s |" in panel({**api, "gpu_seconds_requested": None})
+    assert acceptance_rows(stats.to_dict()) == [
+        {"position": "1", "acceptance": 0.5},
+        {"position": "2", "acceptance": 0.5},
+        {"position": "3", "acceptance": 0.0},
+    ]
+    plain = Stats(n_generated=9, decode_ms=300.0, speculative=False).to_dict()
+    summary = ab_markdown(stats.to_dict(), plain, identical=True)
+    assert "Speed-up: 3.00×" in summary and "Outputs identical: yes" in summary
+    assert "running" in ab_markdown(stats.to_dict(), None, None)
+
+
+def test_server_paths_are_cut_to_file_names() -> None:
+    assert scrub_paths("could not load /home/me/.cache/x/t.gguf: bad") == "could not load t.gguf: bad"
+    assert scrub_paths("'/srv/models/d.gguf' has no chat template") == "'d.gguf' has no chat template"
+    kept = "50 tok/s, 1/2, https://huggingface.co/org/repo/resolve/main/f.gguf"
+    assert scrub_paths(kept) == kept
+
+
+def test_info_box_names_the_pair_and_the_build() -> None:
+    preset = preset_from_env({})
+    text = info_markdown(preset, LIMITS, {"llama.cpp build": "llama-cpp-python 0.3.36 (/opt/x/lib)"},
+                         {"target_arch": "qwen35"})  # fmt: skip
+    assert "utautako/Qwen3.8-27B-NVFP4-MTP-Q8attn-GGUF" in text and "incoai/Qwen3.8-27B-DFlash2-GGUF" in text
+    assert "target NVFP4, draft Q4_K_M" in text and "16384 tokens" in text and "0.3.36" in text
+    assert "/opt/x" not in text
+
+
+def test_everything_crossing_the_zero_gpu_process_line_pickles() -> None:
+    request = make_request(history=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    files = ResolvedPair(Path("/models/t.gguf"), Path("/models/d.gguf"))
+    job = GpuJob(request, preset_from_env({}), files, ("speculative", "plain"), 42)
+    chunk = ReplyChunk(text="hi", stats=Stats().to_dict(), finish_reason="stop", notice="n", engine_info={"a": 1},
+                       worker={"pid": 1}, error_type="RequestError", error="bad")  # fmt: skip
+    for value in (request, job, chunk):
+        assert pickle.loads(pickle.dumps(value)) == value
+    assert job.speculative_phases() == (True, False)
+    with pytest.raises(ValueError, match="phases"):
+        GpuJob(request, preset_from_env({}), files, ("sideways",))
+    error = pickle.loads(pickle.dumps(gr.Error("the message is empty", title="RequestError")))
+    assert error.message == "the message is empty"
+
+
+IMPORT_CHECK = """
+import inspect, sys
+sys.modules["spaces"] = None  # as if the package were not installed: the identity decorator stands in
+import app
+from dflash_runtime.space import zerogpu
+maps = open("/proc/self/maps").read()
+assert "libllama" not in maps and "libcuda" not in maps and "llama_cpp" not in sys.modules, "native code loaded"
+assert inspect.isgeneratorfunction(zerogpu.run_on_gpu)
+assert app.SERVICE.download.status().state == "idle", "importing must not start a download"
+print(app.SERVICE.mode.tiny, app.SERVICE.preset.name)
+"""
+
+
+@pytest.mark.parametrize("demo", ["tiny", "off", None])
+def test_importing_the_app_loads_no_native_code_and_needs_no_spaces(demo: str | None) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "SPACES_"))}
+    if demo is not None:
+        env["DFLASH_DEMO"] = demo
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_CHECK], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Unset, the app serves the real pair only where a GPU is: a bare `python app.py` on a laptop is the demo.
+    tiny = demo == "tiny" or (demo is None and not cuda_device_present())
+    expected = "True tiny-random" if tiny else "False qwen3.8-27b-dflash2"
+    assert result.stdout.strip().splitlines()[-1] == expected

@@ -98,7 +98,7 @@ def build_ui(service: SpaceService) -> gr.Blocks:
                                            precision=0, label="Max new tokens")  # fmt: skip
                     temperature = gr.Slider(0.0, 2.0, value=defaults["temperature"], step=0.05, label="Temperature")
                     top_p = gr.Slider(0.01, 1.0, value=defaults["top_p"], step=0.01, label="Top-p")
-                    draft_max = gr.Slider(0, preset.draft_max, value=defaults["draft_max"], step=1, precision=0,
+                    draft_max = gr.Slider(0, preset.draft_capacity, value=defaults["draft_max"], step=1, precision=0,
                                           label="Draft length (0 = adaptive)")  # fmt: skip
                     with gr.Row():
                         speculative = gr.Checkbox(True, label="Speculative decoding")

@@ -133,11 +133,12 @@ class Decoding:
         self._time()
         if self.policy is not None:
             self.stats.controller = self.policy.describe()
-        return StreamEvent(delta, tokens, self.stats.snapshot(), finish, detail, sources)
+        return StreamEvent(delta, tokens, self.stats.snapshot(), finish, detail, sources, self.text.take_runs())
 
     def _event(self, step: _Step) -> StreamEvent:
         self._time()
-        return StreamEvent(step.delta, step.tokens, self.stats.snapshot(), token_sources=step.sources)
+        return StreamEvent(step.delta, step.tokens, self.stats.snapshot(), token_sources=step.sources,
+                           delta_sources=self.text.take_runs())
 
     def _time(self) -> None:
         s = self.stats
@@ -274,7 +275,7 @@ class Decoding:
                 break
             step.tokens.append(token)
             step.sources.append(source)
-            step.delta += self.text.feed(token)
+            step.delta += self.text.feed(token, source)
             if self.text.stopped:
                 step.finish, step.detail = "stop", "stop string"
                 break

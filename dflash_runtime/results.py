@@ -18,6 +18,7 @@ class StreamEvent:
     finish_reason: str | None = None        # set on the last event only
     finish_detail: str = ""
     token_sources: list[str] = field(default_factory=list)  # one per token: "draft" or "target"
+    delta_sources: list[tuple[int, str]] = field(default_factory=list)  # `delta` as runs of (n_chars, source)
 
 
 @dataclass

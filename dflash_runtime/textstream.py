@@ -21,7 +21,10 @@ def token_piece(vocab: Any, token: int, buf: ctypes.Array[ctypes.c_char]) -> byt
 
 
 class TextStream:
-    """Feeds tokens, returns the text that is safe to show; `stopped` once a stop string completed."""
+    """Feeds tokens, returns the text that is safe to show; `stopped` once a stop string completed.
+
+    Each character remembers the source of the token that completed it ("draft" or "target"); `take_runs()` gives
+    the released text's sources as runs [(n_chars, source), ...], so a view can mark what the draft wrote."""
 
     def __init__(self, vocab: Any, stop: Sequence[str] = ()) -> None:
         self._vocab = vocab
@@ -30,31 +33,49 @@ class TextStream:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._buf = ctypes.create_string_buffer(256)
         self._pending = ""
+        self._pending_sources: list[str] = []
+        self._runs: list[tuple[int, str]] = []
         self.text = ""
         self.stopped = False
 
-    def feed(self, token: int) -> str:
+    def feed(self, token: int, source: str = "target") -> str:
         if self.stopped:
             return ""
-        self._pending += self._decoder.decode(token_piece(self._vocab, token, self._buf))
+        piece = self._decoder.decode(token_piece(self._vocab, token, self._buf))
+        self._pending += piece
+        self._pending_sources += [source] * len(piece)
         return self._release(final=False)
+
+    def take_runs(self) -> list[tuple[int, str]]:
+        """Sources of the text released since the last call, as runs of (character count, source)."""
+        runs, self._runs = self._runs, []
+        return runs
 
     def finish(self) -> str:
         if self.stopped:
             return ""
-        self._pending += self._decoder.decode(b"", final=True)
+        tail = self._decoder.decode(b"", final=True)
+        self._pending += tail
+        self._pending_sources += ["target"] * len(tail)  # an incomplete UTF-8 sequence's replacement character
         return self._release(final=True)
 
     def _release(self, *, final: bool) -> str:
         cut = min((i for i in (self._pending.find(s) for s in self._stop) if i >= 0), default=-1)
         if cut >= 0:
-            out, self._pending, self.stopped = self._pending[:cut], "", True
+            n, self.stopped = cut, True
         elif final or not self._stop:
-            out, self._pending = self._pending, ""
+            n = len(self._pending)
         else:
-            # Keep back a tail that could still become a stop string.
-            keep = self._holdback()
-            out, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+            n = len(self._pending) - self._holdback()  # keep back a tail that could still become a stop string
+        out, sources = self._pending[:n], self._pending_sources[:n]
+        self._pending, self._pending_sources = self._pending[n:], self._pending_sources[n:]
+        if self.stopped:
+            self._pending, self._pending_sources = "", []
+        for source in sources:
+            if self._runs and self._runs[-1][1] == source:
+                self._runs[-1] = (self._runs[-1][0] + 1, source)
+            else:
+                self._runs.append((1, source))
         self.text += out
         return out
 

@@ -42,7 +42,7 @@ def expected_answer(engine: Any, messages: list[Message], max_tokens: int, think
 
 
 def prompt_length(engine: Any, messages: list[Message]) -> int:
-    return len(engine.tokenize(engine.render_chat(messages, enable_thinking=False)))
+    return len(engine.chat_tokens(messages, enable_thinking=False))
 
 
 def chat_args(message: str, **changes: Any) -> dict[str, Any]:

@@ -119,9 +119,9 @@ def test_multi_turn_reuses_the_prefix(target: str) -> None:
         first = eng.chat(turn1, max_tokens=12)
         turn2 = [*turn1, {"role": "assistant", "content": first.text}, {"role": "user", "content": "and then?"}]
         second = eng.chat(turn2, max_tokens=12)
-        full = len(eng.tokenize(eng.render_chat(turn2)))
+        full = len(eng.chat_tokens(turn2))
         assert second.stats.n_prompt == full
-        assert second.stats.n_reused >= len(eng.tokenize(eng.render_chat(turn1))) + len(first.tokens) - 1
+        assert second.stats.n_reused >= len(eng.chat_tokens(turn1)) + len(first.tokens) - 1
         assert second.stats.n_prefilled == full - second.stats.n_reused < full // 2
     with load_pair(files.target, files.draft, n_ctx=1024, draft_max=7) as fresh:
         again = fresh.chat(turn2, max_tokens=12)

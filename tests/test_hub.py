@@ -88,7 +88,7 @@ def test_every_part_of_the_preset_follows_the_environment(tmp_path: Path) -> Non
     assert preset.name == "mine"
     assert preset.target == ModelSource(repo="me/t", filename="t-Q5_K_S.gguf", revision="abc123")
     assert preset.draft.local_path == local_draft
-    assert (preset.n_ctx, preset.n_gpu_layers, preset.draft_max) == (2048, 12, 15)
+    assert (preset.n_ctx, preset.n_gpu_layers, preset.draft_capacity) == (2048, 12, 15)
     assert preset.target.describe() == "me/t/t-Q5_K_S.gguf@abc123"
     assert preset.describe()["draft"] == "local file draft.gguf", "visitors see no server paths"
     assert sorted(overrides_in_env(env)) == sorted(

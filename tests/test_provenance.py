@@ -54,3 +54,24 @@ def test_a_stop_string_keeps_sources_aligned(engines: dict) -> None:
     result = eng.generate("hello world", max_tokens=30, stop=[stop], draft_max=7)
     assert result.finish_reason == "stop"
     check_sources(result.tokens, result.token_sources, result.stats)
+
+
+@pytest.mark.parametrize("head", ["shaped", "const"])
+def test_delta_sources_mark_the_text_each_source_wrote(head: str, engines: dict) -> None:
+    eng = engines[("dense", "dflash2", head)]
+    text, draft_text = "", ""
+    tokens: list[int] = []
+    sources: list[str] = []
+    for event in eng.stream("hello world", max_tokens=40, draft_max=7):
+        assert sum(n for n, _ in event.delta_sources) == len(event.delta)
+        offset = 0
+        for n, source in event.delta_sources:
+            if source == "draft":
+                draft_text += event.delta[offset:offset + n]
+            offset += n
+        text += event.delta
+        tokens += event.tokens
+        sources += event.token_sources
+    assert text == eng.detokenize(tokens)
+    assert draft_text == "".join(eng.token_text(t) for t, s in zip(tokens, sources, strict=True) if s == "draft")
+    assert draft_text  # both heads accept drafts

@@ -89,7 +89,10 @@ def test_latest_only_skips_replaced_chunks_but_never_a_final_one() -> None:
         return taken
 
     taken = run(slow_reader())
-    assert taken[0] == 1 and taken[1:] == [6, 12]
+    # The first chunk the reader takes may already have company (the pump can run ahead of it); after that the
+    # reader was busy while 2..12 queued up, so of those only the final ones reach it, in order.
+    assert taken[-2:] == [6, 12] and taken == sorted(taken) and len(taken) <= 3
+    assert taken[0] in (1, 6)
 
 
 def test_a_reader_that_stops_reading_is_treated_as_gone() -> None:

@@ -44,7 +44,7 @@ from dflash_runtime.space.views import ab_markdown, acceptance_rows, info_markdo
 from dflash_runtime.space.views import stats_markdown as panel
 from dflash_runtime.stats import Stats
 
-LIMITS = Limits(max_new_tokens=4096, max_input_chars=32000, max_history_messages=256, draft_max=7)
+LIMITS = Limits(max_new_tokens=4096, max_input_chars=32000, max_history_messages=256, draft_capacity=7)
 Message = dict[str, str]
 
 
@@ -354,7 +354,7 @@ def test_clear_cancels_the_reply_and_no_late_update_brings_the_conversation_back
 
 
 def test_statistics_panel_plot_rows_and_ab_summary() -> None:
-    stats = Stats(n_prompt=10, n_reused=4, n_prefilled=6, n_generated=9, decode_ms=100.0, draft_max=3)
+    stats = Stats(n_prompt=10, n_reused=4, n_prefilled=6, n_generated=9, decode_ms=100.0, draft_capacity=3)
     stats.record_verify(3, 2, 3)
     stats.record_verify(3, 0, 1)
     api = {**stats.to_dict(), "finish_reason": "length", "finish_detail": "max_tokens=9 reached",

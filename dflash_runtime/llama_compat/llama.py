@@ -41,6 +41,7 @@ from llama_cpp.llama_speculative import LlamaDraftModel
 from .. import load_pair
 from ..backends import load_backends
 from ..errors import DownloadError, ModelFileError, PairMismatchError, RequestError
+from ..pair import DEFAULT_DRAFT_CAPACITY
 from .openai import (
     CHAT_OPTIONS_OFF,
     COMPLETION_OPTIONS_OFF,
@@ -57,7 +58,6 @@ from .openai import (
 __all__ = ["ArrayDraft", "DFlashDraftModel", "DFlashLlama", "as_intc_tokens"]
 
 StrPath = str | os.PathLike[str]
-DEFAULT_DRAFT_MAX = 7  # verify batches of ≤ 8 rows stay on CUDA's small-batch kernels
 
 # Llama constructor arguments the engine takes over; every other one must keep its `Llama` default.
 _ENGINE_ARGUMENTS = ("n_ctx", "n_batch", "n_gpu_layers", "n_threads", "verbose", "seed")
@@ -101,7 +101,7 @@ class DFlashDraftModel(LlamaDraftModel):
     It drafts from the target's hidden states, so it only works inside `DFlashLlama`, which links it to the target
     natively (`ctx_other`). Nothing is loaded until then."""
 
-    def __init__(self, draft_model_path: StrPath, num_pred_tokens: int = DEFAULT_DRAFT_MAX) -> None:
+    def __init__(self, draft_model_path: StrPath, num_pred_tokens: int = DEFAULT_DRAFT_CAPACITY) -> None:
         if not os.path.isfile(draft_model_path):
             raise ModelFileError(f"DFlash draft not found: {draft_model_path}")
         if isinstance(num_pred_tokens, bool) or not isinstance(num_pred_tokens, int) or num_pred_tokens < 1:
@@ -174,7 +174,8 @@ class DFlashLlama(Llama):
     target GGUF's own template; message content never becomes control tokens.
 
     Constructor: `draft_model_path` or `draft_model=DFlashDraftModel(...)` (neither: the target runs alone);
-    `draft_max`: longest draft block (default: the draft model's `num_pred_tokens`, 7). Of `Llama`'s arguments
+    `draft_capacity`: the longest draft the pair is opened for (default: the draft model's `num_pred_tokens`, 7;
+    `draft_max=` is its older spelling; a request's `draft_max` is its own policy, up to it). Of `Llama`'s arguments
     n_ctx, n_batch, n_gpu_layers, n_threads, seed and verbose apply; any other must keep its default.
     A Python draft (any other `LlamaDraftModel`) runs in llama-cpp-python's own loop, see the module docstring.
     """
@@ -185,16 +186,20 @@ class DFlashLlama(Llama):
         *,
         draft_model_path: StrPath | None = None,
         draft_model: LlamaDraftModel | None = None,
+        draft_capacity: int | None = None,
         draft_max: int | None = None,
         **llama_kwargs: Any,
     ) -> None:
         self._engine: Any = None  # first: every dispatched method reads it, even from Llama.__init__
+        if draft_capacity is not None and draft_max is not None and draft_capacity != draft_max:
+            raise RequestError("give draft_capacity or its older spelling draft_max, not both")
+        capacity = draft_capacity if draft_capacity is not None else draft_max
         if draft_model is not None and not isinstance(draft_model, DFlashDraftModel):
-            if draft_model_path is not None or draft_max is not None:
-                raise RequestError("draft_model_path and draft_max apply to DFlash drafts, not to a Python draft")
+            if draft_model_path is not None or capacity is not None:
+                raise RequestError("draft_model_path and draft_capacity apply to DFlash drafts, not to a Python draft")
             self._init_llama_loop(model_path, draft_model, llama_kwargs)
         else:
-            self._init_engine(model_path, _dflash_draft(draft_model_path, draft_model, draft_max), llama_kwargs)
+            self._init_engine(model_path, _dflash_draft(draft_model_path, draft_model, capacity), llama_kwargs)
 
     # -- construction ---------------------------------------------------------------------------------------------
 
@@ -210,7 +215,7 @@ class DFlashLlama(Llama):
             draft.draft_model_path if draft else None,
             n_ctx=options["n_ctx"],
             n_gpu_layers=options["n_gpu_layers"],
-            draft_max=draft.num_pred_tokens if draft else DEFAULT_DRAFT_MAX,
+            draft_capacity=draft.num_pred_tokens if draft else DEFAULT_DRAFT_CAPACITY,
             n_batch=options["n_batch"],
             n_threads=options["n_threads"],
             verbose=options["verbose"],
@@ -408,9 +413,9 @@ class DFlashLlama(Llama):
 
 
 def _dflash_draft(
-    draft_model_path: StrPath | None, draft_model: DFlashDraftModel | None, draft_max: int | None
+    draft_model_path: StrPath | None, draft_model: DFlashDraftModel | None, capacity: int | None
 ) -> DFlashDraftModel | None:
-    """The DFlash draft from either argument, its length overridden by an explicit `draft_max`."""
+    """The DFlash draft from either argument, its length overridden by an explicit capacity."""
     if (
         draft_model is not None
         and draft_model_path is not None
@@ -419,10 +424,11 @@ def _dflash_draft(
         raise RequestError("draft_model_path and draft_model name different drafts: give one of them")
     path = draft_model.draft_model_path if draft_model is not None else draft_model_path
     if path is None:
-        if draft_max is not None:
-            raise RequestError("draft_max needs a DFlash draft (draft_model_path=... or draft_model=...)")
+        if capacity is not None:
+            raise RequestError("draft_capacity needs a DFlash draft (draft_model_path=... or draft_model=...)")
         return None
-    length = draft_max if draft_max is not None else (draft_model.num_pred_tokens if draft_model else DEFAULT_DRAFT_MAX)
+    default = draft_model.num_pred_tokens if draft_model else DEFAULT_DRAFT_CAPACITY
+    length = capacity if capacity is not None else default
     if draft_model is not None and length == draft_model.num_pred_tokens:
         return draft_model
     return DFlashDraftModel(path, num_pred_tokens=length)

@@ -16,9 +16,8 @@ from .requests import ChatRequest, Message, turn_starts
 
 
 def count_prompt_tokens(engine: Any, messages: list[Message], enable_thinking: bool) -> int:
-    """The exact prompt length of `messages`: the one place the Space counts tokens (the engine's own
-    `chat_tokens(messages, enable_thinking=...)` will take its place)."""
-    return len(engine.tokenize(engine.render_chat(messages, enable_thinking=enable_thinking)))
+    """The exact prompt length of `messages`, as the engine will read it: the one place the Space counts tokens."""
+    return len(engine.chat_tokens(messages, enable_thinking=enable_thinking))
 
 
 def dropped_notice(dropped_turns: int) -> str | None:

@@ -66,6 +66,9 @@ class ReplyChunk:
     dropped_turns: int = 0
     error_type: str | None = None  # set on a final chunk that reports an error instead of raising it
     error: str | None = None
+    # Who wrote the text this chunk adds: runs of (n_chars, "draft" | "target") covering exactly the new text (the
+    # text is cumulative, the runs are not: a view appends them, nothing is repeated per token).
+    source_runs: list[tuple[int, str]] = field(default_factory=list)
 
 
 def _public_info(info: dict[str, Any]) -> dict[str, Any]:
@@ -109,7 +112,7 @@ class EngineHost:
             files.draft_path,
             n_ctx=preset.n_ctx,
             n_gpu_layers=preset.n_gpu_layers,
-            draft_max=preset.draft_max,
+            draft_capacity=preset.draft_capacity,
         )
         self._key = key
         self.loads += 1
@@ -170,6 +173,7 @@ class EngineHost:
         events = engine.stream_chat(
             fitted.messages, enable_thinking=thinking, **request.generation_kwargs(speculative=speculative)
         )
+        runs: list[tuple[int, str]] = [(len(prefix), "target")] if prefix else []
         try:
             for event in events:
                 text += event.delta
@@ -181,6 +185,8 @@ class EngineHost:
                     notice=fitted.notice,
                     phase=phase,
                     dropped_turns=fitted.dropped_turns,
+                    source_runs=[*runs, *event.delta_sources],
                 )
+                runs = []
         finally:
             events.close()  # a closed reply stops the engine between two steps

@@ -25,7 +25,7 @@ from typing import Any
 DEFAULT_PRESET_NAME = "qwen3.8-27b-dflash2"
 DEFAULT_N_CTX = 16384
 DEFAULT_GPU_LAYERS = -1
-DEFAULT_DRAFT_MAX = 7
+DEFAULT_DRAFT_CAPACITY = 7
 _QUANT_PATTERN = re.compile(r"(NVFP4|MXFP4|IQ\d_[A-Z0-9_]+|Q\d_K(?:_[SML])?|Q\d_\d|BF16|F16|F32)", re.IGNORECASE)
 
 
@@ -73,7 +73,7 @@ class PairPreset:
     draft: ModelSource
     n_ctx: int = DEFAULT_N_CTX
     n_gpu_layers: int = DEFAULT_GPU_LAYERS
-    draft_max: int = DEFAULT_DRAFT_MAX
+    draft_capacity: int = DEFAULT_DRAFT_CAPACITY  # the longest draft the pair is opened for
     random_weights: bool = False
 
     @property
@@ -91,7 +91,7 @@ class PairPreset:
             "quantisation": self.quantisation,
             "n_ctx": self.n_ctx,
             "n_gpu_layers": self.n_gpu_layers,
-            "draft_max": self.draft_max,
+            "draft_capacity": self.draft_capacity,
             "random_weights": self.random_weights,
         }
 
@@ -153,7 +153,7 @@ def preset_from_env(env: Mapping[str, str] | None = None) -> PairPreset:
         draft=draft,
         n_ctx=env_int(env, "DFLASH_N_CTX", DEFAULT_N_CTX, minimum=256),
         n_gpu_layers=env_int(env, "DFLASH_GPU_LAYERS", DEFAULT_GPU_LAYERS, minimum=-1),
-        draft_max=env_int(env, "DFLASH_DRAFT_MAX", DEFAULT_DRAFT_MAX, minimum=1),
+        draft_capacity=env_int(env, "DFLASH_DRAFT_MAX", DEFAULT_DRAFT_CAPACITY, minimum=1),
     )
 
 

@@ -43,16 +43,16 @@ class Limits:
     max_new_tokens: int = 4096
     max_input_chars: int = 32000
     max_history_messages: int = 256
-    draft_max: int = 7
+    draft_capacity: int = 7  # the pair's: the largest draft_max a request may ask
 
     @classmethod
-    def from_env(cls, draft_max: int, env: Mapping[str, str] | None = None) -> Limits:
+    def from_env(cls, draft_capacity: int, env: Mapping[str, str] | None = None) -> Limits:
         env = os.environ if env is None else env
         return cls(
             max_new_tokens=int(_env_number(env, "DFLASH_MAX_NEW_TOKENS", cls.max_new_tokens)),
             max_input_chars=int(_env_number(env, "DFLASH_MAX_INPUT_CHARS", cls.max_input_chars)),
             max_history_messages=int(_env_number(env, "DFLASH_MAX_HISTORY_MESSAGES", cls.max_history_messages)),
-            draft_max=draft_max,
+            draft_capacity=draft_capacity,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -62,7 +62,7 @@ class Limits:
             "max_history_messages": self.max_history_messages,
             "temperature": list(TEMPERATURE_RANGE),
             "top_p": list(TOP_P_RANGE),
-            "draft_max": [0, self.draft_max],
+            "draft_max": [0, self.draft_capacity],
             "draft_max_0_means": "adaptive draft length",
         }
 
@@ -220,7 +220,7 @@ def build_request(
     kept, dropped = newest_turns(
         check_history(history), limits.max_history_messages, limits.max_input_chars - own_chars
     )
-    number = check_int("draft_max", draft_max, 0, limits.draft_max, " (0 = adaptive)")
+    number = check_int("draft_max", draft_max, 0, limits.draft_capacity, " (0 = adaptive)")
     return ChatRequest(
         preset=preset,
         message=message,

@@ -126,10 +126,9 @@ class SpaceService:
         self.worker_info: dict[str, Any] = {}
         self._run_gpu = run_gpu
         self._quota_seconds = quota_seconds
-        # Adaptive drafting (0) suits real models; on random-weight test models it would switch drafting off, so
-        # the offline demo drafts the full length to show the machinery at work.
-        self.defaults = {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0,
-                         "draft_max": preset.draft_max if mode.tiny else 0}  # fmt: skip
+        # Adaptive drafting (draft_max 0) for the real pair and the offline demo alike: the demo's generated pair
+        # (head="phrase") has predictable stretches and unpredictable text, as real text has.
+        self.defaults = {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0, "draft_max": 0}
 
     @classmethod
     def from_env(
@@ -147,7 +146,7 @@ class SpaceService:
         return cls(
             mode=mode,
             preset=preset,
-            limits=Limits.from_env(preset.draft_max, env),
+            limits=Limits.from_env(preset.draft_capacity, env),
             download=PairDownload.from_env(preset, env),
             build_status=build_status,
             build=build,

@@ -125,7 +125,7 @@ def info_markdown(
         f"- Target: `{preset.target.describe()}`",
         f"- Draft: `{preset.draft.describe()}`",
         f"- Quantisation: {preset.quantisation}",
-        f"- Context: {preset.n_ctx} tokens; draft length up to {preset.draft_max}; "
+        f"- Context: {preset.n_ctx} tokens; draft length up to {preset.draft_capacity}; "
         f"answers up to {limits.max_new_tokens} tokens",
     ]
     for key, value in build.items():

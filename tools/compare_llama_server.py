@@ -200,7 +200,8 @@ def compare_pair(args: argparse.Namespace, target: str, draft: str, head: str, l
     pair = tiny_pair(target, draft, head=head)
     name = f"{target}/{draft}/{head}"
     rows: list[Row] = []
-    with load_pair(pair.target, pair.draft, n_ctx=args.n_ctx, draft_max=max(args.n_max), n_threads=args.threads) as eng:
+    with load_pair(pair.target, pair.draft, n_ctx=args.n_ctx, draft_capacity=max(args.n_max),
+                   n_threads=args.threads) as eng:
         prompts = {p: eng.tokenize(p) for p in args.prompts}
         longest = max(len(ids) for ids in prompts.values())
         if longest + args.max_tokens >= eng.n_ctx - 1:

@@ -126,7 +126,13 @@ class BuildConfig:
     shim: CudaShim | None = None
 
     def cmake_args(self, with_shim: bool = True) -> list[str]:
-        common = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", *cpu_isa_args(), "-DLLAVA_BUILD=OFF"]
+        common = [
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=OFF",
+            *cpu_isa_args(),
+            "-DGGML_BACKEND_DL=ON",  # each backend a module under llama_cpp/lib, loaded at run time
+            "-DLLAVA_BUILD=OFF",
+        ]
         if self.variant == "cpu":
             return [*common, "-DGGML_CUDA=OFF", *self.extra_cmake_args]
         major = self.cuda.version.split(".")[0] if self.cuda else "13"
@@ -136,7 +142,9 @@ class BuildConfig:
             "-DGGML_CUDA_FA=ON",
             f"-DGGML_CUDA_FA_QUANTS={self.fa_quants}",
             "-DGGML_CUDA_NCCL=OFF",  # single-GPU Spaces; avoids a hidden runtime dependency on libnccl
+            # Backend modules are MODULE libraries: CMake links them with the module flags, not the shared ones.
             f"-DCMAKE_SHARED_LINKER_FLAGS=-Wl,-rpath,{CUDA_PIP_RPATH.format(major=major)}",
+            f"-DCMAKE_MODULE_LINKER_FLAGS=-Wl,-rpath,{CUDA_PIP_RPATH.format(major=major)}",
         ]
         if self.cuda:
             cuda.append(f"-DCMAKE_CUDA_COMPILER={self.cuda.nvcc}")

@@ -55,35 +55,22 @@ def requirement_name(line: str) -> str | None:
 
 
 def rewrite_requirements(text: str, requirement: str, runtime: dict[str, str]) -> str:
-    """Replace the llama-cpp-python line with `requirement` and set the CUDA runtime lines to `runtime`.
-
-    Every other line, comment and option stays as it is; the CUDA runtime lines follow the llama-cpp-python line
-    (replaced in place when present, removed when `runtime` is empty: a CPU wheel needs none). Idempotent.
-    """
-    lines = text.splitlines()
+    """Replace the llama-cpp-python line with `requirement`, followed by the CUDA runtime lines `runtime` (none for a
+    CPU wheel); earlier CUDA runtime lines go. Every other line, comment and option stays as it is. Idempotent."""
     managed = {normalized(name) for name in CUDA_RUNTIME_REQUIREMENTS}
     out: list[str] = []
-    placed_runtime: set[str] = set()
     anchor = None
-    for line in lines:
+    for line in text.splitlines():
         name = requirement_name(line)
-        if name == normalized(PACKAGE):
-            if anchor is None:
-                anchor = len(out)
-                out.append(requirement)
+        if name == normalized(PACKAGE) and anchor is None:
+            anchor = len(out)
+        elif name == normalized(PACKAGE) or name in managed:
             continue  # a second llama-cpp-python line would conflict with the first
-        if name in managed:
-            spec = next((f"{n}{r}" for n, r in runtime.items() if normalized(n) == name), None)
-            if spec is not None and name not in placed_runtime:
-                out.append(spec)
-                placed_runtime.add(name)
-            continue
         out.append(line)
     if anchor is None:
         anchor = len(out)
-        out.append(requirement)
-    missing = [f"{n}{r}" for n, r in runtime.items() if normalized(n) not in placed_runtime]
-    out[anchor + 1 : anchor + 1] = missing
+        out.append("")
+    out[anchor : anchor + 1] = [requirement, *(f"{name}{spec}" for name, spec in runtime.items())]
     return "\n".join(out) + "\n"
 
 

@@ -122,7 +122,8 @@ class FakeHubRepos:
     def _create_repo(self, h: BaseHTTPRequestHandler, payload: dict) -> None:
         repo = f"{payload['organization']}/{payload['name']}" if payload.get("organization") else payload["name"]
         if repo in self.repos:
-            return _reply_json(h, 409, {"error": "You already created this model repo"})
+            url = f"{self.endpoint}/{repo}"
+            return _reply_json(h, 409, {"error": "You already created this model repo", "url": url})
         private = bool(payload.get("private")) or payload.get("visibility") == "private"
         self.repos[repo] = FakeRepo(private=private)
         return _reply_json(h, 200, {"url": f"{self.endpoint}/{repo}"})

@@ -147,7 +147,13 @@ def publish(
         raise RecipeError(f"{requirements} does not exist")
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
     manifest, wheel = checked_manifest(out_dir, variant)
-    published = upload(manifest, wheel, out_dir / MANIFEST_NAME, repo, endpoint, token)
+    hub_api(endpoint, token)  # huggingface_hub is importable
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        published = upload(manifest, wheel, out_dir / MANIFEST_NAME, repo, endpoint, token)
+    except HfHubHTTPError as error:  # a bad token, no write access, a name taken: the Hub's own message
+        raise RecipeError(f"the Hub at {endpoint} refused the upload to {repo}: {error}") from error
     runtime = CUDA_RUNTIME_REQUIREMENTS if variant == "cuda" else {}
     text = requirements.read_text()
     requirements.write_text(rewrite_requirements(text, published.requirement, runtime))

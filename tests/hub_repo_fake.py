@@ -52,6 +52,7 @@ class FakeHubRepos:
     lfs_objects: dict[str, bytes] = field(default_factory=dict)  # sha256 -> bytes, on the storage host
     requests: list[tuple[str, str]] = field(default_factory=list)  # (method, path), both servers
     servers: list[ThreadingHTTPServer] = field(default_factory=list)
+    rejected_token: str | None = None  # requests carrying it get the Hub's 401
 
     @property
     def endpoint(self) -> str:
@@ -93,6 +94,8 @@ class FakeHubRepos:
         self.requests.append((h.command, path))
         body = h.rfile.read(int(h.headers.get("Content-Length") or 0)) if h.command in ("POST", "PUT") else b""
         on_storage = h.server is self.servers[1]
+        if self.rejected_token and h.headers.get("Authorization") == f"Bearer {self.rejected_token}":
+            return _reply_json(h, 401, {"error": "Invalid credentials in Authorization header"})
         parts = path.strip("/").split("/")
         if on_storage and h.command == "PUT" and parts[0] == "upload":
             return self._store_object(h, parts[1], body)

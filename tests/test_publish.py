@@ -167,6 +167,17 @@ def test_a_private_repo_is_refused(hub: FakeHubRepos, tmp_path: Path) -> None:
     assert hub.repos[REPO].commits == [] and requirements.read_text() == "llama-cpp-python==0.3.36\n"
 
 
+def test_a_rejected_token_is_a_clear_error(hub: FakeHubRepos, tmp_path: Path) -> None:
+    hub.rejected_token = "hf_test"
+    built_wheel(tmp_path / "dist", "cpu", b"built")
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("llama-cpp-python==0.3.36\n")
+    result = run_publish(hub, tmp_path / "dist", requirements, "--cpu")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"error: the Hub at {hub.endpoint} refused the upload to {REPO}" in result.stderr
+    assert "Invalid credentials" in result.stderr and requirements.read_text() == "llama-cpp-python==0.3.36\n"
+
+
 def test_the_wrong_variant_or_a_bad_repo_name_is_refused(hub: FakeHubRepos, tmp_path: Path) -> None:
     built_wheel(tmp_path / "dist", "cpu", b"built")
     requirements = tmp_path / "requirements.txt"

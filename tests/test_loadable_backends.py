@@ -126,6 +126,15 @@ def test_startup_check_reports_a_cuda_build_running_on_the_cpu(package_with_stan
     assert "import failed" not in line and info["dflash_missing_symbols"] == []
 
 
+def test_a_cuda_module_that_does_not_load_beside_a_gpu_is_a_problem() -> None:
+    """Where no GPU is attached, the CPU fallback is the point; where one is, a skipped CUDA module is a fault."""
+    reason = "libcuda.so.1: cannot open shared object file: No such file or directory"
+    info = {"cuda_build": True, "backends_registered": ["CPU"], "backends_skipped": {"libggml-cuda.so": reason}}
+    assert startup.problems_of({**info, "nvidia_device_node": False}) == []
+    problems = startup.problems_of({**info, "nvidia_device_node": True})
+    assert problems == [f"this machine has an NVIDIA GPU, but the CUDA backend did not load: {reason}"]
+
+
 def test_no_backend_at_all_is_a_problem() -> None:
     info = {"backends_registered": [], "backends_skipped": {"libggml-cpu.so": "not supported on this machine"}}
     assert startup.problems_of(info) == ["no ggml backend registered (libggml-cpu.so: not supported on this machine)"]

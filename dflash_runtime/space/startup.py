@@ -438,6 +438,7 @@ def static_facts(roots: list[Path], manifest_dirs: list[Path]) -> dict[str, Any]
         "manifest": asdict(manifest),
         "wheel_architectures": manifest.architectures,
         "compiled_architectures": compiled,
+        "nvidia_device_node": Path("/dev/nvidia0").exists(),  # a file check: a GPU is attached to this process
     }
 
 
@@ -483,6 +484,9 @@ def problems_of(info: dict[str, Any]) -> list[str]:
     problems = []
     if info.get("cuda_build") and info.get("cuda_libraries_missing"):
         problems.append(f"CUDA runtime libraries not found: {info['cuda_install_hint']}")
+    cuda_skipped = (info.get("backends_skipped") or {}).get("libggml-cuda.so")
+    if info.get("cuda_build") and cuda_skipped and info.get("nvidia_device_node"):
+        problems.append(f"this machine has an NVIDIA GPU, but the CUDA backend did not load: {cuda_skipped}")
     if info.get("backends_error"):
         problems.append(f"ggml's backends could not be loaded: {info['backends_error']}")
     elif info.get("backends_registered") == []:

@@ -77,24 +77,47 @@ def test_requirements_install_from_the_file_alone() -> None:
             assert re.search(r"#sha256=[0-9a-f]{64}$", requirement.url), f"{requirement}: pin the wheel's sha256"
 
 
+def llama_line_problems(requirements: Path, python: str) -> list[str]:
+    """What is wrong with the llama-cpp-python line for a Space on `python`: a published wheel must install there
+    (tags) and have its manifest in prebuilt_wheels/published/ beside requirements.txt (the start-up check's)."""
+    (llama,) = named(requirement_lines(requirements)[0], "llama-cpp-python")
+    if not llama.url:
+        return [] if str(llama.specifier) == "==0.3.36" else [f"{llama}: expected llama-cpp-python==0.3.36"]
+    interpreter = "cp" + python.replace(".", "")
+    space_tags = {Tag(t, a, p) for t in (interpreter, "py3") for a in (interpreter, "abi3", "none")
+                  for p in ("linux_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")}  # fmt: skip
+    filename = urlsplit(llama.url).path.rsplit("/", 1)[-1]
+    problems = [] if parse_wheel_filename(filename)[3] & space_tags else [f"{filename} does not install on {python}"]
+    published = requirements.parent / "prebuilt_wheels" / "published"
+    manifests = [json.loads(path.read_text()) for path in published.glob("*/manifest.json")]
+    if not any(m["wheel"]["sha256"] == llama.url.rsplit("#sha256=", 1)[1] for m in manifests):
+        problems.append(f"no manifest of {filename} in {published}: commit it with requirements.txt")
+    return problems
+
+
 def test_python_version_fits_the_project_and_the_wheel() -> None:
     python = front_matter()["python_version"]
     assert isinstance(python, str), 'quote python_version ("3.12"): unquoted YAML reads 3.10 as 3.1'
     requires = re.search(r'^requires-python = "([^"]+)"$', pyproject(), re.MULTILINE)
     assert requires and SpecifierSet(requires.group(1)).contains(python)
-    interpreter = "cp" + python.replace(".", "")
-    space_tags = {Tag(t, a, p) for t in (interpreter, "py3") for a in (interpreter, "abi3", "none")
-                  for p in ("linux_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")}  # fmt: skip
-    requirements, _ = requirement_lines()
-    (llama,) = named(requirements, "llama-cpp-python")
-    if llama.url:  # a published wheel: its tags must install on the Space, and its manifest is in the repository
-        filename = urlsplit(llama.url).path.rsplit("/", 1)[-1]
-        assert parse_wheel_filename(filename)[3] & space_tags, f"{filename} does not install on Python {python}"
-        manifests = [json.loads(p.read_text()) for p in (ROOT / "prebuilt_wheels" / "published").glob("*/*.json")]
-        sha256 = llama.url.rsplit("#sha256=", 1)[1]
-        assert any(m["wheel"]["sha256"] == sha256 for m in manifests), "commit prebuilt_wheels/published/ too"
-    else:
-        assert str(llama.specifier) == "==0.3.36"
+    assert llama_line_problems(ROOT / "requirements.txt", python) == []
+
+
+def test_a_published_line_is_checked_against_its_tags_and_manifest(tmp_path: Path) -> None:
+    sha256 = "ab" * 32
+    wheel = "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+    url = f"https://huggingface.co/o/r/resolve/{'1' * 40}/cuda/{wheel}#sha256={sha256}"
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text(f"numpy\nllama-cpp-python @ {url}\n")
+    assert llama_line_problems(requirements, "3.12") == [
+        f"no manifest of {wheel} in {tmp_path / 'prebuilt_wheels' / 'published'}: commit it with requirements.txt"
+    ]
+    manifest = tmp_path / "prebuilt_wheels" / "published" / "cuda" / "manifest.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"wheel": {"filename": wheel, "sha256": sha256}}))
+    assert llama_line_problems(requirements, "3.12") == []
+    requirements.write_text(f"llama-cpp-python @ {url.replace('py3-none', 'cp310-cp310')}\n")
+    assert llama_line_problems(requirements, "3.12")[0].endswith("does not install on 3.12")
 
 
 def test_models_and_preloaded_files_are_the_preset_defaults() -> None:

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _lock = threading.Lock()
 _loaded = False
+_from_modules = False  # whether load_backends() found nothing registered and loaded the modules
+# libggml.so (the registry) and libggml-base.so are linked libraries, not backend modules.
+_NOT_MODULES = ("libggml-base",)
 
 
 def library_dir() -> Path:
@@ -27,6 +31,15 @@ def library_dir() -> Path:
     return Path(llama_cpp.__file__).resolve().parent / "lib"
 
 
+def ggml_library() -> ctypes.CDLL:
+    """ggml's registry functions as libllama sees them: looked up through libllama's handle, so they resolve in the
+    libggml that libllama is linked to. (The wheel stores `libggml.so` and `libggml.so.0` as two copies of one file;
+    llama_cpp's `_ggml` module loads the first, libllama the second, and each copy keeps its own backend registry.)"""
+    from llama_cpp import llama_cpp as ll
+
+    return ll._lib
+
+
 def backends_loaded() -> bool:
     """Whether this process has loaded ggml's backends through `load_backends()`."""
     return _loaded
@@ -34,21 +47,88 @@ def backends_loaded() -> bool:
 
 def load_backends() -> None:
     """Register ggml's backends (idempotent, thread-safe) and initialise libllama's backend state."""
-    global _loaded
+    global _loaded, _from_modules
     with _lock:
         if _loaded:
             return
-        from llama_cpp import _ggml
         from llama_cpp import llama_cpp as ll
 
-        lib = _ggml.libggml
+        lib = ggml_library()
         lib.ggml_backend_reg_count.argtypes, lib.ggml_backend_reg_count.restype = [], ctypes.c_size_t
         lib.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
         lib.ggml_backend_load_all_from_path.restype = None
         if lib.ggml_backend_reg_count() == 0:  # loadable backends: nothing registered until loaded
             lib.ggml_backend_load_all_from_path(str(library_dir()).encode())
+            _from_modules = True
         ll.llama_backend_init()
         _loaded = True
+
+
+def backend_modules(lib_dir: Path | None = None) -> list[str]:
+    """File names of the backend libraries in the wheel's library folder (`libggml-cpu.so`, `libggml-cuda.so`, ...).
+
+    Reads the folder only: nothing is loaded. (A build with the backends linked in has such files too, as libraries
+    libggml needs; `backend_report()` tells the two kinds of build apart.)
+    """
+    folder = lib_dir if lib_dir is not None else library_dir()
+    if not folder.is_dir():
+        return []
+    names = (p.name for p in folder.iterdir() if p.is_file() and p.name.startswith("libggml-") and p.suffix == ".so")
+    return sorted(n for n in names if not n.startswith(_NOT_MODULES))
+
+
+def module_kind(module: str) -> str:
+    """'libggml-cuda.so' -> 'cuda'; CPU variants ('libggml-cpu-haswell.so') -> 'cpu': the backend's name, lowercase."""
+    return module.removeprefix("libggml-").removesuffix(".so").split("-")[0].lower()
+
+
+def registered_backends() -> list[str]:
+    """Names of the backends registered with ggml in this process (e.g. ['CPU'] or ['CUDA', 'CPU'])."""
+    lib = ggml_library()
+    lib.ggml_backend_reg_count.argtypes, lib.ggml_backend_reg_count.restype = [], ctypes.c_size_t
+    lib.ggml_backend_reg_get.argtypes, lib.ggml_backend_reg_get.restype = [ctypes.c_size_t], ctypes.c_void_p
+    lib.ggml_backend_reg_name.argtypes, lib.ggml_backend_reg_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+    regs = (lib.ggml_backend_reg_get(i) for i in range(lib.ggml_backend_reg_count()))
+    return [(lib.ggml_backend_reg_name(reg) or b"?").decode(errors="replace") for reg in regs]
+
+
+@dataclass
+class BackendReport:
+    """What `load_backends()` found: the modules on disk, the backends registered, and why the others were skipped."""
+
+    modules: list[str] = field(default_factory=list)  # backend modules in llama_cpp/lib (empty: backends linked in)
+    registered: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # module -> the loader's reason
+
+    @property
+    def loadable(self) -> bool:
+        return bool(self.modules)
+
+
+def backend_report(lib_dir: Path | None = None) -> BackendReport:
+    """Load the backends (see `load_backends`) and say which modules registered and why the others did not.
+
+    ggml skips a module that fails to load without a word (release builds); to name the reason, each skipped module
+    is opened once more here, which repeats the loader's error (e.g. `libcuda.so.1: cannot open shared object file`
+    for the CUDA module on a machine without the NVIDIA driver). Loads backends: call it only where a model may run
+    (the start-up probe runs it in a child process).
+    """
+    load_backends()
+    if not _from_modules:  # backends linked into libggml: registered at load, nothing was skipped
+        return BackendReport(registered=registered_backends())
+    folder = lib_dir if lib_dir is not None else library_dir()
+    report = BackendReport(modules=backend_modules(folder), registered=registered_backends())
+    names = {name.lower() for name in report.registered}
+    for module in report.modules:
+        if module_kind(module) in names:
+            continue
+        try:
+            ctypes.CDLL(str(folder / module), mode=ctypes.RTLD_LOCAL)
+        except OSError as error:
+            report.skipped[module] = str(error).removeprefix(f"{folder / module}: ")
+        else:
+            report.skipped[module] = "loads, but its backend did not register (not supported on this machine)"
+    return report
 
 
 def mapped_native_libraries() -> list[str]:

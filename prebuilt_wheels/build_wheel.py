@@ -24,6 +24,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,7 +56,7 @@ DFLASH_FUNCTIONS = (
 MANIFEST_NAME = "manifest.json"
 SLIM_DROP_TREES = ("lib/", "include/", "bin/")
 FULL_VERSION_SO = re.compile(r"\.so\.\d+\.\d+\.\d+$")
-MANIFEST_SCHEMA = 1
+MANIFEST_SCHEMA = 2  # 2: loadable_backends, backend_modules
 
 # x86-64-v3, spelled out: ggml enables these by default only when GGML_NATIVE's own default is on, which
 # SOURCE_DATE_EPOCH or cross-compiling turns off (then the CPU code silently falls back to SSE2).
@@ -126,7 +127,13 @@ class BuildConfig:
     shim: CudaShim | None = None
 
     def cmake_args(self, with_shim: bool = True) -> list[str]:
-        common = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", *cpu_isa_args(), "-DLLAVA_BUILD=OFF"]
+        common = [
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=OFF",
+            *cpu_isa_args(),
+            "-DGGML_BACKEND_DL=ON",  # each backend a module under llama_cpp/lib, loaded at run time
+            "-DLLAVA_BUILD=OFF",
+        ]
         if self.variant == "cpu":
             return [*common, "-DGGML_CUDA=OFF", *self.extra_cmake_args]
         major = self.cuda.version.split(".")[0] if self.cuda else "13"
@@ -136,7 +143,9 @@ class BuildConfig:
             "-DGGML_CUDA_FA=ON",
             f"-DGGML_CUDA_FA_QUANTS={self.fa_quants}",
             "-DGGML_CUDA_NCCL=OFF",  # single-GPU Spaces; avoids a hidden runtime dependency on libnccl
+            # Backend modules are MODULE libraries: CMake links them with the module flags, not the shared ones.
             f"-DCMAKE_SHARED_LINKER_FLAGS=-Wl,-rpath,{CUDA_PIP_RPATH.format(major=major)}",
+            f"-DCMAKE_MODULE_LINKER_FLAGS=-Wl,-rpath,{CUDA_PIP_RPATH.format(major=major)}",
         ]
         if self.cuda:
             cuda.append(f"-DCMAKE_CUDA_COMPILER={self.cuda.nvcc}")
@@ -154,6 +163,7 @@ class BuildConfig:
             "cuda_version": self.cuda.version if self.cuda else None,
             "machine": platform.machine(),
             "slim": self.slim,
+            "manifest_schema": MANIFEST_SCHEMA,  # a manifest with new fields needs a new build in the cache
         }
 
     def key(self) -> str:
@@ -163,7 +173,7 @@ class BuildConfig:
 
     def compile_key(self) -> str:
         """Identifies the compiled tree (packaging options such as slim do not change it)."""
-        material = {k: v for k, v in self.key_material().items() if k != "slim"}
+        material = {k: v for k, v in self.key_material().items() if k not in ("slim", "manifest_schema")}
         return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
@@ -217,7 +227,10 @@ def parse_archs(values: list[str] | None) -> list[str]:
 
 
 def find_nvcc(explicit: str | None) -> str | None:
-    candidates = [explicit, os.environ.get("CUDACXX")]
+    """--nvcc when given (and nothing else), else $CUDACXX, $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, PATH."""
+    if explicit:
+        return str(Path(explicit).resolve()) if Path(explicit).is_file() else None
+    candidates = [os.environ.get("CUDACXX")]
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if home:
             candidates.append(str(Path(home) / "bin" / "nvcc"))
@@ -397,6 +410,16 @@ def native_library_hashes(wheel: Path) -> dict[str, str]:
         }
 
 
+def backend_modules(native_libraries: Iterable[str]) -> list[str]:
+    """Backend modules among the wheel's libraries: libggml-<backend>.so, which with GGML_BACKEND_DL are loaded at
+    run time (a module has no versioned name; libggml-base is a plain library)."""
+    names = [Path(n).name for n in native_libraries]
+    return sorted(
+        n for n in names
+        if n.startswith("libggml-") and n.endswith(".so") and not n.startswith("libggml-base")
+    )  # fmt: skip
+
+
 def wheel_tags(wheel: Path) -> dict[str, str]:
     parts = wheel.name[: -len(".whl")].split("-")
     return {"python_tag": parts[-3], "abi_tag": parts[-2], "platform_tag": parts[-1]}
@@ -466,6 +489,8 @@ def slim_wheel(wheel: Path) -> list[str]:
 def build_manifest(plan: BuildPlan, wheel: Path, commit: tuple[str, str]) -> dict[str, object]:
     config = plan.config
     symbols = dynamic_symbols(wheel)
+    libraries = native_library_hashes(wheel)
+    loadable = "-DGGML_BACKEND_DL=ON" in config.cmake_args()
     return {
         "schema": MANIFEST_SCHEMA,
         "package": PACKAGE,
@@ -483,7 +508,9 @@ def build_manifest(plan: BuildPlan, wheel: Path, commit: tuple[str, str]) -> dic
         "cmake_args": config.cmake_args(),
         "build_env": {k: v for k, v in plan.env.items() if k != "CMAKE_ARGS"},
         "wheel": {"filename": wheel.name, "sha256": file_sha256(wheel), "size": wheel.stat().st_size},
-        "native_libraries": native_library_hashes(wheel),
+        "native_libraries": libraries,
+        "loadable_backends": loadable,
+        "backend_modules": backend_modules(libraries) if loadable else [],
         "bundled_cuda_libraries": bundled_cuda_libraries(wheel),
         "dflash_symbols": dflash_symbols(symbols) if symbols is not None else None,
         "built_on": {
@@ -525,18 +552,50 @@ def existing_build(out_dir: Path, config_key: str) -> Path | None:
 # ---------------------------------------------------------------- plan and run
 
 
-def make_plan(args: argparse.Namespace) -> BuildPlan:
+def host_prerequisites() -> tuple[list[str], list[str]]:
+    """(missing, notes) about the host tools: a C/C++ compiler is needed; scikit-build-core fetches CMake and Ninja
+    from PyPI when they are absent or too old, so those are notes."""
+    missing = [f"no {what} ({' or '.join(names)}) on PATH: install gcc and g++"
+               for what, names in (("C compiler", ("cc", "gcc")), ("C++ compiler", ("c++", "g++")))
+               if not any(shutil.which(n) for n in names)]  # fmt: skip
+    notes = [f"{tool} not on PATH: scikit-build-core will fetch it from PyPI" for tool in ("cmake", "ninja")
+             if shutil.which(tool) is None]  # fmt: skip
+    return missing, notes
+
+
+def plan_cuda(config: BuildConfig, nvcc_arg: str | None, missing: list[str] | None) -> None:
+    """Find nvcc and what CMake needs besides it. Each failure raises, or with `missing` (a dry run) is recorded
+    there and the plan goes on with what is known."""
+
+    def record(error: RecipeError) -> None:
+        if missing is None:
+            raise error
+        missing.append(str(error))
+
+    nvcc = find_nvcc(nvcc_arg)
+    if nvcc is None:
+        where = f"at {nvcc_arg}" if nvcc_arg else "(--nvcc, $CUDACXX, $CUDA_HOME, /usr/local/cuda, PATH)"
+        record(RecipeError(f"no nvcc found {where}: install CUDA >= 12.8 (13.x recommended)"))
+        return
+    config.cuda = cuda_toolchain(nvcc)
+    try:
+        require_blackwell_capable(config.cuda, config.archs)
+    except RecipeError as error:
+        record(error)
+    try:
+        config.shim = plan_cuda_shim(config.cuda)
+    except RecipeError as error:
+        record(error)
+
+
+def make_plan(args: argparse.Namespace, missing: list[str] | None = None) -> BuildPlan:
+    """The build plan. Missing prerequisites raise RecipeError, or are appended to `missing` when it is given."""
     variant = "cpu" if args.cpu else "cuda"
     archs = parse_archs(args.arch) if variant == "cuda" else []
     build_root = Path(args.build_root).resolve()
     config = BuildConfig(variant, archs, args.fa_quants, list(args.cmake_arg or []), slim=not args.no_slim)
     if variant == "cuda":
-        nvcc = find_nvcc(args.nvcc)
-        if nvcc is None:
-            raise RecipeError("no nvcc found: install CUDA >= 12.8 (13.x recommended), or pass --nvcc / set CUDACXX")
-        config.cuda = cuda_toolchain(nvcc)
-        require_blackwell_capable(config.cuda, archs)
-        config.shim = plan_cuda_shim(config.cuda)
+        plan_cuda(config, args.nvcc, missing)
     sdist = Path(args.sdist).resolve() if args.sdist else build_root / "sdist" / SDIST_NAME
     out_dir = Path(args.out_dir or HERE / "dist" / variant).resolve()
     build_dir = build_root / f"{variant}-{config.compile_key()[:12]}"
@@ -567,12 +626,19 @@ def describe(plan: BuildPlan) -> str:
     parts = [f"variant: {config.variant}", f"config key: {config.key()}", f"output: {plan.out_dir}"]
     if config.cuda:
         parts.append(f"CUDA {config.cuda.version} ({config.cuda.nvcc}), architectures: {';'.join(config.archs)}")
+    elif config.variant == "cuda":
+        parts.append(f"CUDA: not found, architectures: {';'.join(config.archs)}")
     if config.shim:
         parts.append(
             f"CUDA shim for CMake: {config.shim.root} (cuBLAS from {config.shim.cublas_lib_dir or 'toolkit'}"
             f"{', generated libcuda link stub' if config.shim.needs_driver_stub else ''})"
         )
     return "\n".join(parts)
+
+
+def expected_modules(config: BuildConfig) -> list[str]:
+    """The CPU module always (the fallback where no GPU backend loads), and the CUDA one for the CUDA variant."""
+    return ["libggml-cpu.so", "libggml-cuda.so"] if config.variant == "cuda" else ["libggml-cpu.so"]
 
 
 def run_build(plan: BuildPlan) -> Path:
@@ -599,15 +665,14 @@ def run_build(plan: BuildPlan) -> Path:
         raise RecipeError(
             f"{wheel.name} does not export the DFlash functions {', '.join(missing)}: no manifest written"
         )
+    absent = sorted(set(expected_modules(plan.config)) - set(manifest["backend_modules"]))
+    if manifest["loadable_backends"] and absent:
+        raise RecipeError(f"{wheel.name} lacks the backend modules {', '.join(absent)}: no manifest written")
     write_manifest(plan.out_dir, manifest)
     return wheel
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=f"Build {PACKAGE}=={VERSION} wheels (CUDA or CPU) from the PyPI sdist, with a manifest.",
-        epilog="Other GPUs: --arch 120a-real,90-real,89-real,86-real (Blackwell, Hopper, Ada, Ampere).",
-    )
+def build_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu", action="store_true", help="CPU-only variant (CUDA off)")
     parser.add_argument(
         "--arch",
@@ -634,12 +699,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="keep the unpacked sources and CMake tree after a successful build (an interrupted "
         "build always keeps them, and the next run resumes)",
     )
-    parser.add_argument("--dry-run", action="store_true", help="print the build invocation and exit")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=f"Build {PACKAGE}=={VERSION} wheels (CUDA or CPU) from the PyPI sdist, with a manifest.",
+        epilog="Other GPUs: --arch 120a-real,90-real,89-real,86-real (Blackwell, Hopper, Ada, Ampere). "
+        "`build_wheel.py publish --help`: build, upload to a Hub model repo and point requirements.txt at it.",
+    )
+    build_options(parser)
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan and the build invocation, say which prerequisites are missing, build nothing "
+        "(exit status 1 when one is missing)",
+    )
     parser.add_argument(
         "--requirement-for",
         metavar="BASE_URL",
         help="print the requirements.txt line for the built wheel uploaded under BASE_URL, and exit",
     )
+    return parser.parse_args(argv)
+
+
+def parse_publish_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=f"{Path(sys.argv[0]).name} publish",
+        description="Build the wheel (skipped when up to date), upload it with its manifest to a public Hub model "
+        "repository in one commit, and rewrite requirements.txt to that commit's URL with the wheel's sha256 "
+        "(plus the CUDA runtime packages for the CUDA variant).",
+    )
+    parser.add_argument("--repo", required=True, help="OWNER/NAME of the Hub model repository (created if needed)")
+    parser.add_argument("--endpoint", help="Hub endpoint (default $HF_ENDPOINT, else https://huggingface.co)")
+    parser.add_argument("--token", help="Hub token with write access (default $HF_TOKEN or the saved login)")
+    parser.add_argument(
+        "--requirements",
+        default=str(HERE.parent / "requirements.txt"),
+        help="the requirements file to rewrite (default: the repository's requirements.txt); the manifest is "
+        "kept beside it under prebuilt_wheels/published/<variant>/",
+    )
+    parser.add_argument("--no-build", action="store_true", help="publish the wheel already in --out-dir")
+    build_options(parser)
     return parser.parse_args(argv)
 
 
@@ -652,29 +752,68 @@ def requirement_line(out_dir: Path, base_url: str) -> str:
     return f"{PACKAGE} @ {base_url.rstrip('/')}/{wheel['filename']}#sha256={wheel['sha256']}"
 
 
+def build(args: argparse.Namespace) -> BuildPlan:
+    """Build the wheel unless one with this configuration is in the output directory already."""
+    plan = make_plan(args)
+    print(describe(plan))
+    existing = None if args.force else existing_build(plan.out_dir, plan.config.key())
+    if existing is not None:
+        print(f"up to date: {existing} (same configuration, sha256 matches {MANIFEST_NAME}); skipping the build")
+        return plan
+    wheel = run_build(plan)
+    if not args.keep_build:
+        shutil.rmtree(plan.build_dir, ignore_errors=True)
+    print(f"built {wheel} ({wheel.stat().st_size / 2**20:.1f} MiB); manifest {plan.out_dir / MANIFEST_NAME}")
+    return plan
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    missing: list[str] = []
+    plan = make_plan(args, missing)
+    host_missing, notes = host_prerequisites()
+    missing += host_missing
+    print(describe(plan))
+    print(render_invocation(plan))
+    for note in notes:
+        print(f"note: {note}")
+    for item in missing:
+        print(f"missing: {item}")
+    return 1 if missing else 0
+
+
+def publish_command(argv: list[str]) -> int:
+    args = parse_publish_args(argv)
+    variant = "cpu" if args.cpu else "cuda"
+    out_dir = Path(args.out_dir or HERE / "dist" / variant).resolve()
+    if not args.no_build:
+        out_dir = build(args).out_dir
+    sys.modules.setdefault("build_wheel", sys.modules[__name__])  # one RecipeError when run as a script
+    from publish_wheel import publish
+
+    requirements = Path(args.requirements).resolve()
+    published = publish(out_dir, variant, args.repo, requirements, endpoint=args.endpoint, token=args.token)
+    print(f"uploaded {published.path_in_repo} to {published.repo} at commit {published.commit}")
+    print(f"{requirements}: {published.requirement}")
+    print("commit requirements.txt and prebuilt_wheels/published/ and push them to the Space")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     try:
+        if argv[:1] == ["publish"]:
+            return publish_command(argv[1:])
+        args = parse_args(argv)
         if args.requirement_for:
             variant = "cpu" if args.cpu else "cuda"
             print(requirement_line(Path(args.out_dir or HERE / "dist" / variant), args.requirement_for))
             return 0
-        plan = make_plan(args)
-        print(describe(plan))
         if args.dry_run:
-            print(render_invocation(plan))
-            return 0
-        existing = None if args.force else existing_build(plan.out_dir, plan.config.key())
-        if existing is not None:
-            print(f"up to date: {existing} (same configuration, sha256 matches {MANIFEST_NAME}); skipping the build")
-            return 0
-        wheel = run_build(plan)
-        if not args.keep_build:
-            shutil.rmtree(plan.build_dir, ignore_errors=True)
+            return dry_run(args)
+        build(args)
     except RecipeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"built {wheel} ({wheel.stat().st_size / 2**20:.1f} MiB); manifest {plan.out_dir / MANIFEST_NAME}")
     return 0
 
 

@@ -146,8 +146,14 @@ class RunningApp:
         return self.log_path.read_text(errors="replace")
 
 
-def launch_app(env_overrides: dict[str, str], log_path: Path, timeout_s: float = 180.0) -> RunningApp:
-    """Run `python app.py` on 127.0.0.1 at a free port and wait until it answers HTTP."""
+def launch_app(
+    env_overrides: dict[str, str],
+    log_path: Path,
+    timeout_s: float = 180.0,
+    python: str = sys.executable,
+    app_dir: Path = REPO_ROOT,
+) -> RunningApp:
+    """Run `python app.py` (in app_dir, with that interpreter) on 127.0.0.1 at a free port; wait until it answers."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "GRADIO_", "SPACES_"))}
     env.update(
@@ -156,8 +162,8 @@ def launch_app(env_overrides: dict[str, str], log_path: Path, timeout_s: float =
     env.update(env_overrides)
     with log_path.open("w") as log_file:  # the child keeps its own copy of the descriptor
         process = subprocess.Popen(
-            [sys.executable, str(REPO_ROOT / "app.py")],
-            cwd=REPO_ROOT,
+            [python, str(app_dir / "app.py")],
+            cwd=app_dir,
             env=env,
             stdout=log_file,
             stderr=subprocess.STDOUT,

@@ -96,7 +96,9 @@ def test_dry_run_prints_cuda_invocation_with_architectures(tmp_path: Path) -> No
     assert "-DCMAKE_CUDA_ARCHITECTURES=120a-real;90-real;86-real" in out
     for flag in ("-DGGML_CUDA=ON", "-DGGML_NATIVE=OFF", "-DLLAVA_BUILD=OFF", "-DGGML_CUDA_FA=ON", "Release"):
         assert flag in out
-    assert r"-Wl,-rpath,\$ORIGIN/../../nvidia/cu13/lib" in out
+    assert r"'-DCMAKE_SHARED_LINKER_FLAGS=-Wl,-rpath,\$ORIGIN/../../nvidia/cu13/lib'" in out
+    assert r"'-DCMAKE_MODULE_LINKER_FLAGS=-Wl,-rpath,\$ORIGIN/../../nvidia/cu13/lib'" in out  # backend modules
+    assert "-DGGML_BACKEND_DL=ON" in out
     assert "pip wheel" in out and "pip download --no-binary :all: --no-deps" in out
     assert "CUDA 13.0.88" in out
     assert not (tmp_path / "build").exists(), "a dry run must not write anything"
@@ -119,8 +121,43 @@ def test_default_architecture_is_blackwell(recipe: ModuleType) -> None:
 def test_old_cuda_cannot_build_blackwell(recipe: ModuleType, tmp_path: Path) -> None:
     nvcc = fake_toolkit(tmp_path, "12.4", "12.4.131")
     result = run_recipe("--dry-run", "--nvcc", str(nvcc), "--build-root", str(tmp_path / "build"))
-    assert result.returncode == 2
-    assert "CUDA >= 12.8" in result.stderr
+    assert result.returncode == 1 and "pip wheel" in result.stdout, "the plan is printed all the same"
+    assert "missing: CUDA 12.4.131 cannot build sm_12x code: install CUDA >= 12.8" in result.stdout
+    build = run_recipe("--nvcc", str(nvcc), "--build-root", str(tmp_path / "build"))
+    assert build.returncode == 2 and "CUDA >= 12.8" in build.stderr and not (tmp_path / "build").exists()
+
+
+def test_dry_run_without_any_toolchain_prints_the_plan_and_what_is_missing(tmp_path: Path) -> None:
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    env = {"PATH": str(empty), "CUDA_HOME": str(tmp_path / "no-cuda"), "HOME": str(tmp_path)}
+    command = [sys.executable, str(RECIPE), "--dry-run", "--nvcc", str(tmp_path / "no-cuda" / "bin" / "nvcc")]
+    result = subprocess.run([*command, "--build-root", str(tmp_path / "build")], capture_output=True, text=True,
+                            env=env, timeout=120)  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    out = result.stdout
+    assert "variant: cuda" in out and "CUDA: not found, architectures: 120a-real" in out
+    assert "-DCMAKE_CUDA_ARCHITECTURES=120a-real" in out and "pip wheel" in out and "pip download" in out
+    missing = [line for line in out.splitlines() if line.startswith("missing: ")]
+    assert len(missing) == 3 and "no nvcc found at" in missing[0]
+    assert "C compiler" in missing[1] and "C++ compiler" in missing[2]
+    assert "note: cmake not on PATH: scikit-build-core will fetch it from PyPI" in out
+    assert not (tmp_path / "build").exists()
+
+
+def test_dry_run_names_missing_cublas(tmp_path: Path) -> None:
+    nvcc = fake_toolkit(tmp_path)
+    (tmp_path / "cuda" / "include" / "cublas_v2.h").unlink()
+    command = [sys.executable, "-S", str(RECIPE), "--dry-run", "--nvcc", str(nvcc)]  # -S: no site-packages cuBLAS
+    result = subprocess.run([*command, "--build-root", str(tmp_path / "build")], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 1 and "CUDA 13.0.88" in result.stdout and "pip wheel" in result.stdout
+    assert "missing: the CUDA toolkit at" in result.stdout and "nvidia-cublas==13.0.*" in result.stdout
+
+
+def test_dry_run_with_everything_present_exits_zero(tmp_path: Path) -> None:
+    result = run_recipe("--dry-run", "--nvcc", str(fake_toolkit(tmp_path)), "--build-root", str(tmp_path / "build"))
+    assert result.returncode == 0 and "missing:" not in result.stdout
 
 
 def test_nvcc_only_toolkit_uses_pip_cublas(recipe: ModuleType, tmp_path: Path, monkeypatch) -> None:
@@ -216,6 +253,20 @@ def test_manifest_fields_and_hashes(recipe: ModuleType, tmp_path: Path) -> None:
     assert "-DGGML_NATIVE=OFF" in manifest["cmake_args"]
     assert manifest["bundled_cuda_libraries"] == []
     assert startup.verify_wheel_file(manifest, path.parent) == []
+
+
+def test_manifest_lists_the_backend_modules(recipe: ModuleType, tmp_path: Path) -> None:
+    libs = {
+        **FAKE_LIBS, "llama_cpp/lib/libggml-base.so": b"base", "llama_cpp/lib/libggml-base.so.0": b"base",
+        "llama_cpp/lib/libggml-cpu.so": b"cpu module",
+    }  # fmt: skip
+    wheel = make_fake_wheel(tmp_path / "dist", libs)
+    plan = cpu_plan(recipe, tmp_path / "dist", tmp_path)
+    assert "-DGGML_BACKEND_DL=ON" in plan.config.cmake_args()
+    manifest = recipe.build_manifest(plan, wheel, ("0c1e57098", "test"))
+    assert manifest["loadable_backends"] is True
+    assert manifest["backend_modules"] == ["libggml-cpu.so", "libggml-cuda.so"]
+    assert recipe.expected_modules(plan.config) == ["libggml-cpu.so"]
 
 
 def test_tampered_wheel_is_reported(recipe: ModuleType, tmp_path: Path) -> None:

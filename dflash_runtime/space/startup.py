@@ -298,10 +298,10 @@ def compiled_architectures(library: Path, cuobjdump: str | None) -> list[str] | 
 
 
 def _ggml_devices() -> list[dict[str, Any]]:
-    """ggml's backend devices, through the libggml that llama_cpp loaded (llama_cpp binds no device enumeration)."""
-    from llama_cpp import _ggml
+    """ggml's backend devices, through the libggml that libllama uses (llama_cpp binds no device enumeration)."""
+    from dflash_runtime.backends import ggml_library
 
-    lib = _ggml.libggml
+    lib = ggml_library()
     count_fn, get_fn = lib.ggml_backend_dev_count, lib.ggml_backend_dev_get
     count_fn.restype, get_fn.argtypes, get_fn.restype = ctypes.c_size_t, [ctypes.c_size_t], ctypes.c_void_p
     for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
@@ -350,6 +350,24 @@ def _dflash_missing_symbols() -> list[str] | None:
     return list(native.missing_symbols())
 
 
+def _backends() -> dict[str, Any]:
+    """Load ggml's backends as a model load would, and report them (modules, registered, skipped and why)."""
+    try:
+        from dflash_runtime import backends
+    except ImportError as error:
+        return {"backends_error": f"{type(error).__name__}: {error}"}
+    try:
+        report = backends.backend_report()
+    except (AttributeError, OSError) as error:  # a libggml without the registry functions
+        return {"backends_error": f"{type(error).__name__}: {error}"}
+    return {
+        "loadable_backends": report.loadable,
+        "backend_modules": report.modules,
+        "backends_registered": report.registered,
+        "backends_skipped": report.skipped,
+    }
+
+
 def probe(roots: list[Path] | None = None) -> dict[str, Any]:
     """Preload the CUDA runtime, import llama_cpp and ask it what it can do. Initialises CUDA on a CUDA build."""
     search = find_cuda_libraries(roots if roots is not None else default_search_roots())
@@ -361,6 +379,7 @@ def probe(roots: list[Path] | None = None) -> dict[str, Any]:
         return {**info, "import_error": f"{type(error).__name__}: {error}"}
     info["llama_cpp_version"] = getattr(llama_cpp, "__version__", None)
     info["library_path"] = str(getattr(llama_cpp.llama_cpp._lib, "_name", ""))
+    info.update(_backends())  # before any device question: a loadable-backends build has none until then
     info["gpu_offload"] = bool(llama_cpp.llama_supports_gpu_offload())
     try:
         info["devices"] = _ggml_devices()
@@ -419,6 +438,7 @@ def static_facts(roots: list[Path], manifest_dirs: list[Path]) -> dict[str, Any]
         "manifest": asdict(manifest),
         "wheel_architectures": manifest.architectures,
         "compiled_architectures": compiled,
+        "nvidia_device_node": Path("/dev/nvidia0").exists(),  # a file check: a GPU is attached to this process
     }
 
 
@@ -431,6 +451,9 @@ def _build_label(info: dict[str, Any]) -> str:
 
 def _gpu_phrase(info: dict[str, Any]) -> str:
     if not info.get("gpu_offload"):
+        cuda_skipped = (info.get("backends_skipped") or {}).get("libggml-cuda.so")
+        if info.get("cuda_build") and cuda_skipped:
+            return f"no GPU offload: the CUDA backend did not load ({cuda_skipped}); runs on the CPU"
         if info.get("cuda_build"):
             return "no GPU offload: no CUDA device visible to this process (ZeroGPU attaches one inside GPU calls)"
         return "no GPU offload (runs on the CPU)"
@@ -461,6 +484,14 @@ def problems_of(info: dict[str, Any]) -> list[str]:
     problems = []
     if info.get("cuda_build") and info.get("cuda_libraries_missing"):
         problems.append(f"CUDA runtime libraries not found: {info['cuda_install_hint']}")
+    cuda_skipped = (info.get("backends_skipped") or {}).get("libggml-cuda.so")
+    if info.get("cuda_build") and cuda_skipped and info.get("nvidia_device_node"):
+        problems.append(f"this machine has an NVIDIA GPU, but the CUDA backend did not load: {cuda_skipped}")
+    if info.get("backends_error"):
+        problems.append(f"ggml's backends could not be loaded: {info['backends_error']}")
+    elif info.get("backends_registered") == []:
+        reasons = "; ".join(f"{m}: {why}" for m, why in (info.get("backends_skipped") or {}).items())
+        problems.append(f"no ggml backend registered ({reasons or 'no backend module in llama_cpp/lib'})")
     archs = info.get("wheel_architectures") or info.get("compiled_architectures") or []
     problems += architecture_problems(info.get("cuda_devices") or [], archs)
     return problems
@@ -482,6 +513,9 @@ def status_line(info: dict[str, Any]) -> str:
         error = info.get("import_error") or info.get("probe_error")
         return f"{head}: import failed: {error}{_import_hint(error, info)}"
     parts = [_gpu_phrase(info), _dflash_phrase(info.get("dflash_missing_symbols")), _manifest_phrase(info["manifest"])]
+    if info.get("backends_registered") is not None:
+        kind = "loadable" if info.get("loadable_backends") else "linked"
+        parts.insert(1, f"backends ({kind}): {', '.join(info['backends_registered']) or 'none'}")
     parts += info.get("problems") or []
     return f"{head}: " + "; ".join(parts)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -102,7 +103,8 @@ def test_info_describes_the_offline_pair_without_server_paths(info: dict[str, An
     assert info["build"]["status"].startswith("llama-cpp-python")
     assert info["build"]["dflash_missing_symbols"] == []
     assert info["problems"] == [] and info["fix"] is None
-    assert info["defaults"] == {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0, "draft_max": 7}
+    assert info["defaults"] == {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0, "draft_max": 0}, "adaptive"
+    assert "random-weight test models" in preset["label"]
 
 
 def test_the_api_has_typed_documented_parameters_in_the_documented_order(client: Client) -> None:
@@ -272,3 +274,30 @@ def test_thinking_switch_reaches_the_template(client: Client, reference: Any) ->
     assert stats["n_prompt"] != prompt_length(reference, messages), "thinking on and off render different prompts"
 
 
+# -- the offline demo: a pair on which drafting pays ----------------------------------------------------------------
+
+DEMO_PROMPT = "Explain speculative decoding in three sentences."  # the page's first example
+DEMO_SYSTEM = "You are a helpful assistant."  # the page's default
+
+
+def test_the_offline_demo_drafts_adaptively_at_or_above_plain_speed(client: Client) -> None:
+    """Adaptive drafting (the default) against plain decoding on the demo's pair, alternating so that the load of a
+    shared CPU falls on both alike; medians of the engine's decode speed, with a tolerance for what noise remains."""
+    args = chat_args(DEMO_PROMPT, system_prompt=DEMO_SYSTEM, max_tokens=256, draft_max=0)
+    runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+    texts = set()
+    for _ in range(4):
+        for speculative in (True, False):
+            text, stats = client.predict(**{**args, "speculative": speculative}, api_name="/generate")
+            runs[speculative].append(stats)
+            texts.add(text)
+    assert len(texts) == 1, "at temperature 0 both give the target's greedy text"
+    adaptive = statistics.median(s["decode_tok_s"] for s in runs[True])
+    plain = statistics.median(s["decode_tok_s"] for s in runs[False])
+    acceptance = statistics.median(s["acceptance_rate"] for s in runs[True])
+    mean_length = statistics.median(s["mean_accepted_length"] for s in runs[True])
+    record = {"adaptive_tok_s": adaptive, "plain_tok_s": plain, "speed_up": adaptive / plain,
+              "acceptance": acceptance, "mean_accepted_length": mean_length}  # fmt: skip
+    (REPO_ROOT / "test-artifacts" / "demo_speed.json").write_text(json.dumps(record, indent=2))
+    assert acceptance >= 0.3 and mean_length >= 2.0, record
+    assert adaptive >= 0.95 * plain, record

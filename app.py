@@ -114,7 +114,8 @@ def build_ui(service: SpaceService) -> gr.Blocks:
                     system_prompt = gr.Textbox(label="System prompt", value="You are a helpful assistant.", lines=2)
                     max_tokens = gr.Slider(1, limits.max_new_tokens, value=defaults["max_tokens"], step=1,
                                            precision=0, label="Max new tokens")  # fmt: skip
-                    temperature = gr.Slider(0.0, 2.0, value=defaults["temperature"], step=0.05, label="Temperature")
+                    temperature = gr.Slider(0.0, 2.0, value=defaults["temperature"], step=0.05, label="Temperature",
+                                            elem_id="temperature")  # fmt: skip
                     top_p = gr.Slider(0.01, 1.0, value=defaults["top_p"], step=0.01, label="Top-p")
                     draft_max = gr.Slider(0, preset.draft_capacity, value=defaults["draft_max"], step=1, precision=0,
                                           label="Draft length (0 = adaptive)")  # fmt: skip

@@ -86,9 +86,10 @@ def ab_markdown(
     lines = ["| Decoding | Tokens | Speed | Acceptance | Verify |", "| --- | --- | --- | --- | --- |"]
     for name, stats in (("DFlash speculative", speculative), ("Plain (target only)", plain)):
         if stats:
+            acceptance = f"{stats['acceptance_rate']:.0%}" if stats.get("drafted") else "–"  # nothing drafted
             lines.append(
-                f"| {name} | {stats['n_generated']} | {stats['decode_tok_s']:.1f} tok/s | "
-                f"{stats['acceptance_rate']:.0%} | {stats.get('verify_mode', '')} |"
+                f"| {name} | {stats['n_generated']} | {stats['decode_tok_s']:.1f} tok/s | {acceptance} | "
+                f"{stats.get('verify_mode', '')} |"
             )
         else:
             lines.append(f"| {name} | … | running | | |")

@@ -163,6 +163,11 @@ def test_the_session_keeps_plain_text_and_shows_it_highlighted_or_not() -> None:
     assert plain == session.messages and DRAFT_CLASS not in str(plain)
     assert DRAFT_CLASS in str(session.set_highlight(True))
     assert session.last_prompt() == ("hi <b>", [])
+    epoch, _ = session.start_turn("again")
+    session.show_reply(epoch, "xy", [(2, "draft")])
+    assert session.undo_turn(epoch) == session.shown() and len(session.shown()) == 2, "a failed turn leaves no trace"
+    session.start_turn("third")
+    assert session.shown()[-1] == {"role": "assistant", "content": ""}, "no stale highlight on a new answer"
     session.clear()
     assert session.shown() == [] and session.sources == {}
 

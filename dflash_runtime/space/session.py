@@ -21,6 +21,7 @@ class ChatSession:
     def __init__(self) -> None:
         self.messages: list[Message] = []  # the text of each turn, thinking included (the request strips it)
         self.sources: dict[int, list[Run]] = {}  # message index -> its runs, in arrival order (answers only)
+        self._html: dict[int, str] = {}  # message index -> its highlighted HTML (rendered once per change)
         self.highlight = True  # show the draft's text highlighted
         self._epoch = 0
         self._job: Any = None
@@ -48,7 +49,9 @@ class ChatSession:
             if epoch != self._epoch or not self.messages:
                 return None
             self.messages = [*self.messages[:-1], {"role": "assistant", "content": text}]
-            self.sources[len(self.messages) - 1] = list(runs or [])
+            index = len(self.messages) - 1
+            self.sources[index] = list(runs or [])
+            self._html[index] = reply_html(text, self.sources[index])
             return self._shown()
 
     def undo_turn(self, epoch: int) -> list[Message] | None:
@@ -58,6 +61,7 @@ class ChatSession:
                 return None
             self.messages = self.messages[:-2]
             self.sources = {i: runs for i, runs in self.sources.items() if i < len(self.messages)}
+            self._html = {i: html for i, html in self._html.items() if i < len(self.messages)}
             return self._shown()
 
     def set_highlight(self, on: bool) -> list[Message]:
@@ -76,10 +80,9 @@ class ChatSession:
         if not self.highlight:
             return [dict(message) for message in self.messages]
         return [
-            {**message, "content": reply_html(message["content"], self.sources[i])} if self.sources.get(i) else
-            dict(message)
+            {**message, "content": self._html[i]} if self.sources.get(i) else dict(message)
             for i, message in enumerate(self.messages)
-        ]  # fmt: skip
+        ]
 
     def stop(self) -> None:
         with self._lock:
@@ -92,7 +95,7 @@ class ChatSession:
             job, self._job = self._job, None
             self._epoch += 1
             self.messages = []
-            self.sources = {}
+            self.sources, self._html = {}, {}
         if job is not None:
             job.cancel()
 

@@ -12,7 +12,9 @@ import os
 
 import gradio as gr
 
-from dflash_runtime.space.endpoints import PageHandlers, make_api, plot_frame
+from dflash_runtime.space.endpoints import PageHandlers, make_api, plot_frame, trace_frame
+from dflash_runtime.space.highlight import CSS, LEGEND
+from dflash_runtime.space.provenance import SERIES_COLOURS
 from dflash_runtime.space.service import SpaceService
 from dflash_runtime.space.session import ChatSession
 from dflash_runtime.space.startup import run_startup_check
@@ -62,6 +64,10 @@ def build_ui(service: SpaceService) -> gr.Blocks:
                     feedback_options=None,
                     elem_id="chatbot",
                 )
+                with gr.Row(equal_height=True):
+                    highlight = gr.Checkbox(True, label="Highlight draft tokens", scale=0, min_width=200,
+                                            elem_id="highlight-draft")  # fmt: skip
+                    gr.HTML(LEGEND, elem_id="draft-legend")
                 notice = gr.Markdown("", visible=False, elem_id="context-notice")
                 with gr.Row():
                     message_box = gr.Textbox(
@@ -80,6 +86,18 @@ def build_ui(service: SpaceService) -> gr.Blocks:
                 gr.Examples(EXAMPLES, inputs=[message_box], label="Examples")
             with gr.Column(scale=2):
                 stats_box = gr.Markdown(EMPTY_STATS, label="Live statistics", elem_id="stats", container=True)
+                speed_chart = gr.LinePlot(
+                    trace_frame(None),
+                    x="tokens",
+                    y="value",
+                    color="series",
+                    color_map=SERIES_COLOURS,
+                    height=220,
+                    title="Decode speed and acceptance so far",
+                    x_title="tokens generated",
+                    y_title="tok/s · acceptance %",
+                    elem_id="speed-chart",
+                )
                 plot = gr.BarPlot(
                     plot_frame({}),
                     x="position",
@@ -96,7 +114,8 @@ def build_ui(service: SpaceService) -> gr.Blocks:
                     system_prompt = gr.Textbox(label="System prompt", value="You are a helpful assistant.", lines=2)
                     max_tokens = gr.Slider(1, limits.max_new_tokens, value=defaults["max_tokens"], step=1,
                                            precision=0, label="Max new tokens")  # fmt: skip
-                    temperature = gr.Slider(0.0, 2.0, value=defaults["temperature"], step=0.05, label="Temperature")
+                    temperature = gr.Slider(0.0, 2.0, value=defaults["temperature"], step=0.05, label="Temperature",
+                                            elem_id="temperature")  # fmt: skip
                     top_p = gr.Slider(0.01, 1.0, value=defaults["top_p"], step=0.01, label="Top-p")
                     draft_max = gr.Slider(0, preset.draft_capacity, value=defaults["draft_max"], step=1, precision=0,
                                           label="Draft length (0 = adaptive)")  # fmt: skip
@@ -113,7 +132,7 @@ def build_ui(service: SpaceService) -> gr.Blocks:
             [message_box.submit, send_button.click],
             handlers.respond,
             [message_box, session, *settings],
-            [chatbot, message_box, stats_box, plot, notice, thinking, info_box],
+            [chatbot, message_box, stats_box, plot, speed_chart, notice, thinking, info_box],
             **engine,
         )
         ab_event = ab_button.click(handlers.compare, [session, message_box, *settings], [ab_box], **engine)
@@ -123,11 +142,12 @@ def build_ui(service: SpaceService) -> gr.Blocks:
         clear_button.click(
             handlers.clear,
             [session],
-            [chatbot, message_box, stats_box, plot, notice, ab_box],
+            [chatbot, message_box, stats_box, plot, speed_chart, notice, ab_box],
             cancels=[chat_event, ab_event],
             queue=False,
             api_visibility="private",
         )
+        highlight.change(handlers.highlight, [session, highlight], [chatbot], queue=False, api_visibility="private")
         demo.load(handlers.page_load, None, [thinking, info_box], api_visibility="private")
         timer.tick(handlers.download_tick, None, [download_box, timer], api_visibility="private")
 
@@ -146,4 +166,4 @@ demo = build_ui(SERVICE)
 if __name__ == "__main__":
     SERVICE.download.start()  # the web process fetches the files while the page is already up
     # api_open=False: the REST route /run/<name> refuses queued endpoints, so every answer goes through the queue.
-    demo.queue(api_open=False, max_size=QUEUE_SIZE, default_concurrency_limit=1).launch()
+    demo.queue(api_open=False, max_size=QUEUE_SIZE, default_concurrency_limit=1).launch(css=CSS)

@@ -22,15 +22,15 @@ API_PARAMETERS = ("message", "history", "system_prompt", "preset", "max_tokens",
 
 
 def demo_pair() -> TinyPair:
-    """The generated pair the offline demo serves (the same cache, so the same files)."""
-    return tiny_pair(target="dense", draft="dflash2", head="shaped")
+    """The generated pair the offline demo serves (the same cache, so the same files): 512 wide, a "phrase" head."""
+    return tiny_pair(target="dense", draft="dflash2", head="phrase", n_embd=512, dims="scaled")
 
 
 @contextmanager
-def reference_engine(n_ctx: int, draft_max: int = 7) -> Iterator[Any]:
+def reference_engine(n_ctx: int, draft_capacity: int = 7) -> Iterator[Any]:
     """An engine of our own on the demo's files: what the server must answer, token for token."""
     pair = demo_pair()
-    engine = load_pair(pair.target, pair.draft, n_ctx=n_ctx, draft_max=draft_max)
+    engine = load_pair(pair.target, pair.draft, n_ctx=n_ctx, draft_capacity=draft_capacity)
     try:
         yield engine
     finally:

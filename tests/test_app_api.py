@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from space_client import (
     stream_chat,
 )
 
+from dflash_runtime.space.provenance import draft_text
 from dflash_runtime.space.requests import thinking_prefix
 
 N_CTX = 1024
@@ -102,7 +104,8 @@ def test_info_describes_the_offline_pair_without_server_paths(info: dict[str, An
     assert info["build"]["status"].startswith("llama-cpp-python")
     assert info["build"]["dflash_missing_symbols"] == []
     assert info["problems"] == [] and info["fix"] is None
-    assert info["defaults"] == {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0, "draft_max": 7}
+    assert info["defaults"] == {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0, "draft_max": 0}, "adaptive"
+    assert "random-weight test models" in preset["label"]
 
 
 def test_the_api_has_typed_documented_parameters_in_the_documented_order(client: Client) -> None:
@@ -272,3 +275,94 @@ def test_thinking_switch_reaches_the_template(client: Client, reference: Any) ->
     assert stats["n_prompt"] != prompt_length(reference, messages), "thinking on and off render different prompts"
 
 
+
+
+# -- provenance: who wrote which text -------------------------------------------------------------------------------
+
+
+def engine_runs(engine: Any, result: Any) -> list[list[Any]]:
+    """The engine's own token_sources as runs over its text: each token's text, marked as its source."""
+    pieces = [engine.token_text(token) for token in result.tokens]
+    assert "".join(pieces) == result.text, "the tiny vocabulary's pieces spell the text"
+    runs: list[list[Any]] = []
+    for piece, source in zip(pieces, result.token_sources, strict=True):
+        if runs and runs[-1][1] == source:
+            runs[-1][0] += len(piece)
+        elif piece:
+            runs.append([len(piece), source])
+    return runs
+
+
+def check_runs(text: str, runs: list[list[Any]]) -> None:
+    """Runs cover the text exactly, each non-empty, neighbours of different sources (joined), JSON types."""
+    assert sum(n for n, _ in runs) == len(text)
+    assert all(isinstance(n, int) and n > 0 and source in ("draft", "target") for n, source in runs)
+    assert all(a[1] != b[1] for a, b in itertools.pairwise(runs))
+
+
+PROVENANCE_PROMPTS = ["Explain speculative decoding in three sentences.", "hello world", "one two three four"]
+
+
+@pytest.mark.parametrize("prompt", PROVENANCE_PROMPTS)
+def test_generate_marks_the_text_the_draft_wrote_as_the_engine_does(client: Client, reference: Any, prompt: str
+                                                                  ) -> None:
+    """A fixed draft length at temperature 0: the server's runs mark exactly the characters of the tokens that the
+    engine's own token_sources call "draft", on an engine of our own opened on the same files."""
+    text, stats = client.predict(**chat_args(prompt, max_tokens=96, draft_max=7), api_name="/generate")
+    check_runs(text, stats["source_runs"])
+    result = reference.chat([{"role": "user", "content": prompt}], enable_thinking=False, max_tokens=96,
+                            temperature=0.0, draft_max=7)
+    assert text == result.text
+    assert stats["source_runs"] == engine_runs(reference, result)
+    drafted = draft_text(text, [tuple(run) for run in stats["source_runs"]])
+    assert drafted == "".join(reference.token_text(t) for t, s in zip(result.tokens, result.token_sources,
+                                                                        strict=True) if s == "draft")  # fmt: skip
+    assert drafted and stats["accepted"] == result.token_sources.count("draft") > 0
+
+
+def test_plain_decoding_is_all_target_and_thinking_keeps_the_runs_whole(client: Client) -> None:
+    text, stats = client.predict(**chat_args("hello world", max_tokens=40, speculative=False), api_name="/generate")
+    assert stats["source_runs"] == [[len(text), "target"]] and stats["drafted"] == 0
+    text, stats = client.predict(**chat_args("hello world", max_tokens=40, thinking=True), api_name="/generate")
+    check_runs(text, stats["source_runs"])
+
+
+def test_chat_streams_runs_that_cover_each_chunk_and_only_grow(client: Client) -> None:
+    chunks = stream_chat(client, **chat_args("Explain speculative decoding in three sentences.", max_tokens=120))
+    assert len(chunks) >= 3
+    for (_, before), (text, stats) in itertools.pairwise(chunks):
+        check_runs(text, stats["source_runs"])
+        earlier = before["source_runs"]
+        assert stats["source_runs"][: len(earlier) - 1] == earlier[:-1], "runs already sent stay as they were"
+    text, stats = chunks[-1]
+    assert draft_text(text, [tuple(run) for run in stats["source_runs"]]), "the adaptive draft wrote some text"
+    assert sum(n for n, s in stats["source_runs"] if s == "draft") >= stats["accepted"], "a draft token is >= 1 char"
+
+
+# -- the offline demo: a pair on which drafting pays ----------------------------------------------------------------
+
+DEMO_PROMPT = "Explain speculative decoding in three sentences."  # the page's first example
+DEMO_SYSTEM = "You are a helpful assistant."  # the page's default
+
+
+def test_the_offline_demo_drafts_adaptively_at_or_above_plain_speed(client: Client) -> None:
+    """Adaptive drafting (the default) against plain decoding on the demo's pair, alternating so that the load of a
+    shared CPU falls on both alike; medians of the engine's decode speed, with a tolerance for what noise remains."""
+    args = chat_args(DEMO_PROMPT, system_prompt=DEMO_SYSTEM, max_tokens=256, draft_max=0)
+    runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+    texts = set()
+    for _ in range(4):
+        for speculative in (True, False):
+            text, stats = client.predict(**{**args, "speculative": speculative}, api_name="/generate")
+            runs[speculative].append(stats)
+            texts.add(text)
+    assert len(texts) == 1, "at temperature 0 both give the target's greedy text"
+    adaptive = statistics.median(s["decode_tok_s"] for s in runs[True])
+    plain = statistics.median(s["decode_tok_s"] for s in runs[False])
+    acceptance = statistics.median(s["acceptance_rate"] for s in runs[True])
+    mean_length = statistics.median(s["mean_accepted_length"] for s in runs[True])
+    record = {"adaptive_tok_s": adaptive, "plain_tok_s": plain, "speed_up": adaptive / plain,
+              "acceptance": acceptance, "mean_accepted_length": mean_length}  # fmt: skip
+    (REPO_ROOT / "test-artifacts" / "demo_speed.json").write_text(json.dumps(record, indent=2))
+    assert acceptance >= 0.3 and mean_length >= 2.0, record
+    assert adaptive >= 0.95 * plain, record

@@ -231,21 +231,63 @@ def previous_request(server: RunningApp) -> dict[str, Any]:
     return Client(server.url, verbose=False).predict(api_name="/info")["worker"]["previous_request"]
 
 
+DRAFT_SPANS = "#chatbot [data-testid='bot'] .dflash-draft"
+
+
+def draft_spans(page: DevTools) -> list[str]:
+    """The texts the chat shows highlighted as the draft's."""
+    return page.evaluate(f"Array.from(document.querySelectorAll({json.dumps(DRAFT_SPANS)})).map(e => e.innerText)")
+
+
+def chart_lines(page: DevTools) -> dict[str, int]:
+    """The speed chart's lines as drawn (SVG): series name -> number of points."""
+    return page.evaluate(
+        "Object.fromEntries(Array.from(document.querySelectorAll('#speed-chart svg .mark-line path')).map(p => ["
+        "(p.getAttribute('aria-label') || '').split('series: ').pop(), (p.getAttribute('d') || '').split('L').length"
+        "]))"
+    )
+
+
 def test_chat_in_the_browser_shows_answer_stats_and_plot(page: DevTools, server: RunningApp) -> None:
     wait_for_page(page)
     banner = page.evaluate(text_of("#mode-banner"))
     assert "random-weight test models" in banner and "DFLASH_DEMO=off" in banner
+    legend = page.evaluate(text_of("#draft-legend"))
+    assert "written by the draft and accepted by the target" in legend
+    assert page.evaluate("!!document.querySelector('#draft-legend .dflash-draft')"), "the legend shows the highlight"
 
     send(page, "hello world", with_enter=True)  # Enter and Send are one event
+    # While it streams, the chat already marks what the draft wrote.
+    page.wait_for(f"document.querySelectorAll({json.dumps(DRAFT_SPANS)}).length > 0 && !{STATS}.includes('Finished')",
+                  60, "highlighted draft text while the answer streams")  # fmt: skip
+    page.screenshot(ARTIFACTS / "app_browser_streaming.png")
     stats = wait_for_answer(page, answers=1)
     for label in ("Decode speed", "Acceptance rate", "Mean accepted length", "Drafted / accepted", "Draft vs verify",
                   "Prompt tokens", "reused", "Engine time"):  # fmt: skip
         assert label in stats, f"{label!r} missing from the statistics panel"
     answers = bot_texts(page)
     assert len(answers) == 1 and same_text(answers[0], expected_reply("hello world"))
+    spans = draft_spans(page)
+    assert spans and all(span in answers[0] for span in spans)
     assert page.evaluate("!!document.querySelector('#acceptance-plot canvas, #acceptance-plot svg')")
+    # The chart: both series drawn, a point per stretch of 10 tokens (512 // 48) at most, never one per step.
+    page.wait_for("document.querySelectorAll('#speed-chart svg .mark-line path').length === 2", 20, "the chart")
+    lines = chart_lines(page)
+    assert set(lines) == {"decode speed (tok/s)", "acceptance (%)"}, lines
+    assert 10 <= lines["decode speed (tok/s)"] <= 512 // 10 + 1, lines
     assert page.evaluate("document.querySelector('#thinking')?.offsetParent !== null"), "thinking switch hidden"
     page.screenshot(ARTIFACTS / "app_browser_chat.png")
+
+
+def test_the_highlight_switch_removes_the_marks_and_brings_them_back(page: DevTools) -> None:
+    before = bot_texts(page)
+    assert draft_spans(page), "the previous answer shows the draft's text"
+    page.click("#highlight-draft input")
+    page.wait_for(f"document.querySelectorAll({json.dumps(DRAFT_SPANS)}).length === 0", 20, "the marks to go")
+    assert [" ".join(t.split()) for t in bot_texts(page)] == [" ".join(t.split()) for t in before]
+    page.screenshot(ARTIFACTS / "app_browser_highlight_off.png")
+    page.click("#highlight-draft input")
+    page.wait_for(f"document.querySelectorAll({json.dumps(DRAFT_SPANS)}).length > 0", 20, "the marks to return")
 
 
 def test_stop_interrupts_and_the_next_turn_completes(page: DevTools, server: RunningApp) -> None:
@@ -265,12 +307,41 @@ def test_stop_interrupts_and_the_next_turn_completes(page: DevTools, server: Run
     assert stopped["finish_reason"] == "closed by the caller" and stopped_at <= stopped["n_generated"] < 512
 
 
-def test_ab_button_reports_a_speed_up(page: DevTools) -> None:
+def run_ab(page: DevTools, verdict: str) -> str:
+    """Click A/B and wait for a verdict that contains `verdict` (each temperature has its own wording)."""
     page.click("#ab")
-    result = page.wait_for(f"{text_of('#ab-result')}.includes('Outputs identical') && {text_of('#ab-result')}", 120,
-                           "the A/B comparison")  # fmt: skip
-    assert "Speed-up" in result and "Plain (target only)" in result and "Outputs identical: yes" in result
+    return page.wait_for(f"{text_of('#ab-result')}.includes({json.dumps(verdict)}) && {text_of('#ab-result')}", 120,
+                         "the A/B comparison")  # fmt: skip
+
+
+def set_temperature(page: DevTools, value: float) -> None:
+    """Type the value into the temperature slider's number box, as a visitor would, and leave the box."""
+    box = "#temperature input[type='number']"
+    page.evaluate(f"document.querySelector({json.dumps(box)}).select()")
+    page.type_into(box, str(value))
+    page.evaluate(f"document.querySelector({json.dumps(box)}).blur()")
+    page.wait_for(f"document.querySelector(\"#temperature input[type='range']\").value === '{value}'", 10,
+                  f"the temperature slider at {value}")  # fmt: skip
+
+
+def test_ab_at_temperature_zero_reports_a_speed_up_and_identical_texts(page: DevTools) -> None:
+    result = run_ab(page, "At temperature 0")
+    assert "Speed-up" in result and "Plain (target only)" in result and "greedy" in result
+    assert "Texts identical: yes" in result and "greedy output, token for token" in result
     page.screenshot(ARTIFACTS / "app_browser_ab.png")
+
+
+def test_ab_above_temperature_zero_explains_why_the_texts_may_differ(page: DevTools) -> None:
+    set_temperature(page, 0.7)
+    try:
+        result = run_ab(page, "Above temperature 0")
+    finally:
+        set_temperature(page, 0)
+    assert "Speed-up" in result and "sample" in result, "the draft's side verifies by rejection sampling"
+    assert re.search(r"Texts identical: (no, as expected|yes, this time)", result), result
+    assert re.search(r"same seed \(\d+\)", result) and "rejection sampling" in result and "distribution" in result
+    assert "fault" not in result.replace("not a fault", ""), "a sampled difference is never called a fault"
+    page.screenshot(ARTIFACTS / "app_browser_ab_sampled.png")
 
 
 def test_about_box_names_the_pair_and_the_build_without_server_paths(page: DevTools) -> None:

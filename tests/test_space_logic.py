@@ -371,7 +371,7 @@ def test_statistics_panel_plot_rows_and_ab_summary() -> None:
     ]
     plain = Stats(n_generated=9, decode_ms=300.0, speculative=False).to_dict()
     summary = ab_markdown(stats.to_dict(), plain, identical=True)
-    assert "Speed-up: 3.00×" in summary and "Outputs identical: yes" in summary
+    assert "Speed-up: 3.00×" in summary and "Texts identical: yes" in summary
     assert "running" in ab_markdown(stats.to_dict(), None, None)
 
 

@@ -9,21 +9,22 @@ No `from __future__ import annotations` here: Gradio reads the endpoints' annota
 
 import inspect
 import logging
-import time
+import random
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import gradio as gr
 import pandas as pd
 
 from ..errors import DFlashError, RequestError
+from .provenance import SERIES_COLOURS, SpeedTrace, point_every
 from .service import Comparison, SpaceService
 from .session import ChatSession
 from .views import EMPTY_STATS, WAITING_STATS, acceptance_rows, info_markdown, scrub_paths, stats_markdown
 
 log = logging.getLogger(__name__)
-PLOT_EVERY_S = 0.25
 ApiReply = tuple[str, dict[str, Any]]
 
 
@@ -59,6 +60,15 @@ def plot_frame(stats: dict[str, Any]) -> pd.DataFrame:
     # Explicit dtypes: the plot fixes its axis types from the first (empty) frame it receives.
     frame = pd.DataFrame(acceptance_rows(stats), columns=["position", "acceptance"])
     return frame.astype({"position": "string", "acceptance": "float64"})
+
+
+def trace_frame(trace: SpeedTrace | None) -> pd.DataFrame:
+    """The speed chart's data: decode speed and acceptance so far against the tokens generated. It opens with an
+    empty row per series (the chart filters them out): the chart takes its colours from the series in the first
+    frame it draws, and a frame without them would leave the later lines colourless."""
+    placeholders = [{"tokens": 0, "value": None, "series": series} for series in SERIES_COLOURS]
+    frame = pd.DataFrame(placeholders + (trace.rows() if trace else []), columns=["tokens", "value", "series"])
+    return frame.astype({"tokens": "int64", "value": "float64", "series": "string"})
 
 
 # -- the API --------------------------------------------------------------------------------------------------------
@@ -179,25 +189,28 @@ class PageHandlers:
 
     async def respond(self, message: str, session: ChatSession, *settings: Any) -> AsyncIterator[tuple[Any, ...]]:
         """Inputs: message, session, then the settings (system prompt, max tokens, temperature, top-p, draft length,
-        speculative, thinking). Outputs: chatbot, message box, statistics, plot, notice, thinking switch, info box."""
+        speculative, thinking). Outputs: chatbot, message box, statistics, acceptance plot, speed chart, notice,
+        thinking switch, info box. The chat shows every step; the plots follow the work done: they change when the
+        answer has grown by another stretch of tokens, and at its end."""
         skip = gr.skip()
         with visitor_errors():  # refused before anything changes: the typed message stays in the box
             request = self.service.check(message=message, history=session.messages, **self._settings(settings))
         epoch, shown = session.start_turn(message)
-        yield shown, "", WAITING_STATS, skip, gr.update(visible=False), skip, skip
+        trace = SpeedTrace(point_every(request.max_tokens))
+        yield shown, "", WAITING_STATS, skip, trace_frame(None), gr.update(visible=False), skip, skip
         try:
             with visitor_errors():
                 while await self.service.poll_files() is None:
                     status = f"*Downloading the model pair: {self.service.download.status().summary()}*"
-                    yield skip, skip, status, skip, skip, skip, skip
-                plotted_at, notice, first = 0.0, None, True
+                    yield skip, skip, status, skip, skip, skip, skip, skip
+                notice, first = None, True
                 async for reply in self.service.reply(request, latest_only=True, session=session):
-                    shown = session.show_reply(epoch, reply.chunk.text)
+                    shown = session.show_reply(epoch, reply.chunk.text, reply.sources.chunks)
                     if shown is None:  # cleared meanwhile: this answer belongs to no conversation
                         return
-                    plot = skip
-                    if reply.chunk.finish_reason or time.monotonic() - plotted_at > PLOT_EVERY_S:
-                        plot, plotted_at = plot_frame(reply.stats), time.monotonic()
+                    plot = chart = skip
+                    if trace.add(reply.stats, final=reply.chunk.finish_reason is not None):
+                        plot, chart = plot_frame(reply.stats), trace_frame(trace)
                     notice_update = skip
                     if reply.chunk.notice and reply.chunk.notice != notice:
                         notice = reply.chunk.notice
@@ -208,37 +221,43 @@ class PageHandlers:
                         first = False
                         thinking = gr.update(visible=bool(reply.chunk.engine_info.get("supports_thinking")))
                         info = self.about()
-                    yield shown, skip, stats_markdown(reply.stats), plot, notice_update, thinking, info
+                    yield shown, skip, stats_markdown(reply.stats), plot, chart, notice_update, thinking, info
         except gr.Error:
             restored = session.undo_turn(epoch)
             if restored is not None:  # the failed turn leaves the chat; its message goes back to the box
-                yield restored, message, EMPTY_STATS, skip, skip, skip, skip
+                yield restored, message, EMPTY_STATS, skip, skip, skip, skip, skip
             raise
 
     async def compare(self, session: ChatSession, typed: str, *settings: Any) -> AsyncIterator[str]:
         """Inputs: session, message box, then the settings. Output: the A/B box. Repeats the last prompt (or the
-        typed message) with DFlash, then with plain decoding, in one GPU call."""
+        typed message) with DFlash, then with plain decoding, in one GPU call, both with the same seed."""
         last = session.last_prompt()
         if last is None and not typed.strip():
             raise gr.Error("Send a message first (or type one): the A/B run repeats a prompt.")
         message, earlier = last if last is not None else (typed, session.messages)
         with visitor_errors():
             request = self.service.check(message=message, history=earlier, **self._settings(settings))
+            request = replace(request, seed=random.randrange(2**31))
             yield "Running the prompt with DFlash, then with plain decoding…"
-            comparison = Comparison()
+            comparison = Comparison(request.temperature, request.seed)
             phases = ("speculative", "plain")
             async for reply in self.service.reply(request, phases, latest_only=True, session=session):
                 yield comparison.add(reply.chunk)
+
+    def highlight(self, session: ChatSession, on: bool) -> list[dict[str, str]]:
+        """Inputs: session, highlight switch. Output: chatbot. Shows the conversation with or without the draft's
+        text highlighted (a running answer follows on its next step)."""
+        return session.set_highlight(bool(on))
 
     def stop(self, session: ChatSession) -> None:
         """Inputs: session. Stops the running answer (it stays in the chat as far as it got)."""
         session.stop()
 
     def clear(self, session: ChatSession) -> tuple[Any, ...]:
-        """Inputs: session. Outputs: chatbot, message box, statistics, plot, notice, A/B box. Stops the running
-        answer and forgets the conversation."""
+        """Inputs: session. Outputs: chatbot, message box, statistics, acceptance plot, speed chart, notice, A/B box.
+        Stops the running answer and forgets the conversation."""
         session.clear()
-        return [], "", EMPTY_STATS, plot_frame({}), gr.update(value="", visible=False), ""
+        return [], "", EMPTY_STATS, plot_frame({}), trace_frame(None), gr.update(value="", visible=False), ""
 
     def page_load(self) -> tuple[Any, ...]:
         """Outputs: thinking switch, info box."""

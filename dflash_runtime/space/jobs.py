@@ -51,11 +51,13 @@ class ReplyJob(Generic[T]):
         slot: EngineSlot,
         *,
         is_final: Callable[[T], bool] = lambda _chunk: False,
+        fold: Callable[[T, T], T] | None = None,
         orphan_timeout_s: float = 120.0,
     ) -> None:
         self._open_stream = open_stream
         self._slot = slot
         self._is_final = is_final
+        self._fold = fold
         self._orphan_timeout_s = orphan_timeout_s
         self._cancelled = threading.Event()
         self._done = threading.Event()
@@ -78,7 +80,8 @@ class ReplyJob(Generic[T]):
 
     async def chunks(self, latest_only: bool = False) -> AsyncIterator[T]:
         """The chunks as they come; with `latest_only`, chunks that a newer one replaced while the consumer was busy
-        are skipped (never a final one). Leaving the loop, by any path, cancels the job."""
+        are skipped (never a final one), folded into the newer one by `fold` if given (for what a chunk carries that
+        the next one does not repeat). Leaving the loop, by any path, cancels the job."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -113,9 +116,14 @@ class ReplyJob(Generic[T]):
         if not latest_only:
             return items
         kept = []
+        skipped: Any = None
         for index, (kind, value) in enumerate(items):
+            if kind == CHUNK and skipped is not None and self._fold is not None:
+                value = self._fold(skipped, value)
+            skipped = None
             newer = index + 1 < len(items) and items[index + 1][0] == CHUNK
             if kind == CHUNK and newer and not self._is_final(value):
+                skipped = value
                 continue
             kept.append((kind, value))
         return kept

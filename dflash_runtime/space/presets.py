@@ -166,6 +166,11 @@ def with_local_files(preset: PairPreset, target_path: Path, draft_path: Path, **
 
 TINY_PRESET_NAME = "tiny-random"
 TINY_N_CTX = 4096
+# The offline demo's generated pair: a dense qwen3 target whose "phrase" head follows a cycle of phrase tokens for
+# stretches of a few to a few dozen tokens and writes random text elsewhere, and a DFlash 2 draft that predicts the
+# stretches. Acceptance is high on the stretches and low elsewhere, as with real text, and at this width a target
+# step costs enough on a CPU for drafting to pay (at width 128 it does not).
+DEMO_PAIR: dict[str, Any] = {"target": "dense", "draft": "dflash2", "head": "phrase", "n_embd": 512, "dims": "scaled"}
 
 
 def configured_preset(tiny: bool, env: Mapping[str, str] | None = None) -> PairPreset:
@@ -176,13 +181,14 @@ def configured_preset(tiny: bool, env: Mapping[str, str] | None = None) -> PairP
         return preset
     from ..testing.tiny_models import tiny_pair
 
-    pair = tiny_pair(target="dense", draft="dflash2", head="shaped")
+    pair = tiny_pair(**DEMO_PAIR)
     return with_local_files(
         preset,
         pair.target,
         pair.draft,
         name=TINY_PRESET_NAME,
-        label="tiny random-weight test models (dense qwen3 target + DFlash 2 draft)",
+        label="random-weight test models (dense qwen3 target + DFlash 2 draft, generated: predictable stretches and "
+        "random text)",
         n_ctx=preset.n_ctx if env.get("DFLASH_N_CTX", "").strip() else TINY_N_CTX,
         n_gpu_layers=0,
         random_weights=True,

@@ -85,6 +85,7 @@ class ChatRequest:
     speculative: bool = True
     enable_thinking: bool = False
     dropped_turns: int = 0
+    seed: int | None = None  # the sampler's seed above temperature 0 (None: a random one)
 
     @property
     def input_chars(self) -> int:
@@ -98,6 +99,7 @@ class ChatRequest:
             "top_p": self.top_p,
             "draft_max": self.draft_max,
             "speculative": speculative,
+            "seed": self.seed,
         }
 
 

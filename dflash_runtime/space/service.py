@@ -23,6 +23,7 @@ from .gpu_time import GpuTimeEstimator, GpuTimeSettings
 from .host import GpuJob, ReplyChunk
 from .jobs import EngineSlot, ReplyJob
 from .presets import PairPreset, ResolvedPair, configured_preset, overrides_in_env
+from .provenance import SourceRuns, fold_runs
 from .requests import ChatRequest, Limits, build_request
 from .runmode import RunMode, choose_run_mode, cuda_device_present, on_zero_gpu, settle_run_mode
 from .session import ChatSession
@@ -50,16 +51,20 @@ class WorkerError(DFlashError):
 
 @dataclass
 class Reply:
-    """One chunk of an answer and its statistics as the API returns them."""
+    """One chunk of an answer, its statistics as the API returns them, and the runs of its text so far (the reply's
+    one accumulating record: read it before asking for the next chunk)."""
 
     chunk: ReplyChunk
     stats: dict[str, Any]
+    sources: SourceRuns = field(default_factory=SourceRuns)
 
 
 @dataclass
 class Comparison:
-    """The A/B view's state: the latest chunk of each phase."""
+    """The A/B view's state: the latest chunk of each phase of one request, both run with the same seed."""
 
+    temperature: float
+    seed: int
     phases: dict[str, ReplyChunk] = field(default_factory=dict)
 
     def add(self, chunk: ReplyChunk) -> str:
@@ -67,7 +72,8 @@ class Comparison:
         spec, plain = self.phases.get("speculative"), self.phases.get("plain")
         done = plain is not None and plain.finish_reason is not None
         identical = (spec.text == plain.text) if done and spec and plain else None
-        return ab_markdown(spec.stats if spec else {}, plain.stats if plain else None, identical)
+        return ab_markdown(spec.stats if spec else {}, plain.stats if plain else None, identical,
+                           temperature=self.temperature, seed=self.seed)  # fmt: skip
 
 
 def _loses_worker(error: BaseException) -> bool:
@@ -191,11 +197,13 @@ class SpaceService:
                  request.input_chars, request.max_tokens, ",".join(phases), estimate.seconds, requested,
                  estimate.includes_load)  # fmt: skip
         job: ReplyJob[ReplyChunk] = ReplyJob(
-            partial(self._run_gpu, job_spec), self.slot, is_final=lambda chunk: chunk.finish_reason is not None
+            partial(self._run_gpu, job_spec), self.slot, is_final=lambda chunk: chunk.finish_reason is not None,
+            fold=fold_runs,
         )
         if session is not None:
             session.attach(job)
         load_seen = False
+        sources: dict[str, SourceRuns] = {}  # per phase: an A/B run streams two answers
         try:
             async for chunk in job.chunks(latest_only):
                 self._remember(chunk)
@@ -208,7 +216,9 @@ class SpaceService:
                     raise WorkerError(chunk.error_type, chunk.error or chunk.error_type)
                 if chunk.finish_reason:
                     self.estimator.observe(chunk.stats, request, chunk.dropped_turns - request.dropped_turns)
-                yield Reply(chunk, self.reply_stats(chunk, requested))
+                runs = sources.setdefault(chunk.phase, SourceRuns())
+                runs.add(chunk.source_runs)
+                yield Reply(chunk, self.reply_stats(chunk, requested, runs), runs)
         except DFlashError:
             raise
         except Exception as error:
@@ -217,8 +227,9 @@ class SpaceService:
             log.warning("the GPU call failed: %s: %s", type(error).__name__, error)
             raise
 
-    def reply_stats(self, chunk: ReplyChunk, requested: int | None) -> dict[str, Any]:
-        """The statistics the API returns (and the panel shows) for one chunk."""
+    def reply_stats(self, chunk: ReplyChunk, requested: int | None, sources: SourceRuns) -> dict[str, Any]:
+        """The statistics the API returns (and the panel shows) for one chunk; `source_runs` says who wrote the text
+        so far: [[n_chars, "draft" | "target"], ...] covering it exactly."""
         return {
             **chunk.stats,
             "finish_reason": chunk.finish_reason,
@@ -227,6 +238,7 @@ class SpaceService:
             "preset": self.preset.name,
             "gpu_seconds_requested": requested,
             "gpu_seconds_used": chunk.worker.get("used_s"),
+            "source_runs": sources.as_json(),
         }
 
     def _remember(self, chunk: ReplyChunk) -> None:

@@ -2,6 +2,9 @@
 
 Stop and Clear reach the running reply through here, on the server, whatever order the page's events arrive in; Clear
 also starts a new epoch, so an update of a reply from before the Clear can never bring the old conversation back.
+
+The conversation is kept as plain text (what the next request sends back) with, for each answer, the runs that say
+which text the draft wrote; `shown()` renders it as the chat displays it, highlighted or not.
 """
 
 from __future__ import annotations
@@ -9,12 +12,17 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from .highlight import reply_html
+from .provenance import Run
 from .requests import Message
 
 
 class ChatSession:
     def __init__(self) -> None:
-        self.messages: list[Message] = []  # as shown, thinking included (the request strips it)
+        self.messages: list[Message] = []  # the text of each turn, thinking included (the request strips it)
+        self.sources: dict[int, list[Run]] = {}  # message index -> its runs, in arrival order (answers only)
+        self._html: dict[int, str] = {}  # message index -> its highlighted HTML (rendered once per change)
+        self.highlight = True  # show the draft's text highlighted
         self._epoch = 0
         self._job: Any = None
         self._lock = threading.Lock()
@@ -26,20 +34,25 @@ class ChatSession:
         """Show the user's message and an empty reply; returns the turn's epoch and the messages to show."""
         with self._lock:
             self.messages = [*self.messages, {"role": "user", "content": message}, {"role": "assistant", "content": ""}]
-            return self._epoch, list(self.messages)
+            self.sources[len(self.messages) - 1] = []
+            return self._epoch, self._shown()
 
     def attach(self, job: Any) -> None:
         """The reply job now running for this tab (Stop and Clear cancel it)."""
         with self._lock:
             self._job = job
 
-    def show_reply(self, epoch: int, text: str) -> list[Message] | None:
-        """The messages with the reply so far, or None when the conversation was cleared since the turn began."""
+    def show_reply(self, epoch: int, text: str, runs: list[Run] | None = None) -> list[Message] | None:
+        """The messages to show with the reply so far (`runs`: who wrote its text, in arrival order), or None when
+        the conversation was cleared since the turn began."""
         with self._lock:
             if epoch != self._epoch or not self.messages:
                 return None
             self.messages = [*self.messages[:-1], {"role": "assistant", "content": text}]
-            return list(self.messages)
+            index = len(self.messages) - 1
+            self.sources[index] = list(runs or [])
+            self._html[index] = reply_html(text, self.sources[index])
+            return self._shown()
 
     def undo_turn(self, epoch: int) -> list[Message] | None:
         """Take back a turn that failed (its message goes back to the input box); None after a Clear."""
@@ -47,7 +60,29 @@ class ChatSession:
             if epoch != self._epoch or len(self.messages) < 2:
                 return None
             self.messages = self.messages[:-2]
-            return list(self.messages)
+            self.sources = {i: runs for i, runs in self.sources.items() if i < len(self.messages)}
+            self._html = {i: html for i, html in self._html.items() if i < len(self.messages)}
+            return self._shown()
+
+    def set_highlight(self, on: bool) -> list[Message]:
+        """Turn the draft highlight on or off; the messages to show now (a running reply follows on its next step)."""
+        with self._lock:
+            self.highlight = on
+            return self._shown()
+
+    def shown(self) -> list[Message]:
+        with self._lock:
+            return self._shown()
+
+    def _shown(self) -> list[Message]:
+        """The conversation as the chat shows it: answers with draft runs as highlighted HTML when the highlight is
+        on, every other message as its plain text. Call with the lock held."""
+        if not self.highlight:
+            return [dict(message) for message in self.messages]
+        return [
+            {**message, "content": self._html[i]} if self.sources.get(i) else dict(message)
+            for i, message in enumerate(self.messages)
+        ]
 
     def stop(self) -> None:
         with self._lock:
@@ -60,6 +95,7 @@ class ChatSession:
             job, self._job = self._job, None
             self._epoch += 1
             self.messages = []
+            self.sources, self._html = {}, {}
         if job is not None:
             job.cancel()
 

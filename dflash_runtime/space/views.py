@@ -73,24 +73,54 @@ def acceptance_rows(stats: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def ab_markdown(speculative: Mapping[str, Any], plain: Mapping[str, Any] | None, identical: bool | None) -> str:
-    """Side by side: the same request decoded with the draft and without it, and the speed-up."""
-    lines = ["| Decoding | Tokens | Speed | Acceptance |", "| --- | --- | --- | --- |"]
+def ab_markdown(
+    speculative: Mapping[str, Any],
+    plain: Mapping[str, Any] | None,
+    identical: bool | None,
+    *,
+    temperature: float = 0.0,
+    seed: int | None = None,
+) -> str:
+    """Side by side: the same request decoded with the draft and without it, the speed-up, and what the two texts
+    being equal or not means at this temperature."""
+    lines = ["| Decoding | Tokens | Speed | Acceptance | Verify |", "| --- | --- | --- | --- | --- |"]
     for name, stats in (("DFlash speculative", speculative), ("Plain (target only)", plain)):
         if stats:
+            acceptance = f"{stats['acceptance_rate']:.0%}" if stats.get("drafted") else "–"  # nothing drafted
             lines.append(
-                f"| {name} | {stats['n_generated']} | {stats['decode_tok_s']:.1f} tok/s | "
-                f"{stats['acceptance_rate']:.0%} |"
+                f"| {name} | {stats['n_generated']} | {stats['decode_tok_s']:.1f} tok/s | {acceptance} | "
+                f"{stats.get('verify_mode', '')} |"
             )
         else:
-            lines.append(f"| {name} | … | running | |")
+            lines.append(f"| {name} | … | running | | |")
     if speculative and plain and plain.get("decode_tok_s"):
         speedup = speculative["decode_tok_s"] / plain["decode_tok_s"]
         lines.append(f"\n**Speed-up: {speedup:.2f}×** (DFlash tok/s ÷ plain tok/s)")
     if identical is not None:
-        verdict = "yes" if identical else "no (sampling above temperature 0 differs)"
-        lines.append(f"\nOutputs identical: {verdict}")
+        lines.append("\n" + ab_verdict(identical, temperature, seed))
     return "\n".join(lines)
+
+
+def ab_verdict(identical: bool, temperature: float, seed: int | None) -> str:
+    """What "identical" means: at temperature 0 both texts are the target's greedy output, token for token, so any
+    difference is a fault; above it both are samples of the target's distribution drawn along different paths
+    (rejection sampling against the draft vs the target's own sampler), so the same seed need not give the same
+    text."""
+    if temperature == 0:
+        if identical:
+            return ("**Texts identical: yes.** At temperature 0 both are the target's greedy output, token for "
+                    "token: the draft changes the speed, never the text.")  # fmt: skip
+        return ("**Texts identical: NO: this is a fault.** At temperature 0 both must be the target's greedy output, "
+                "token for token.")  # fmt: skip
+    same_seed = f"the same seed ({seed})" if seed is not None else "the same seed"
+    paths = (
+        f"both answers are samples of the target's distribution at temperature {temperature:g}, drawn with "
+        f"{same_seed} along different paths (rejection sampling against the draft vs the target's own sampler)"
+    )
+    if identical:
+        return f"**Texts identical: yes, this time.** Above temperature 0 {paths}; they can coincide, need not."
+    return (f"**Texts identical: no, as expected.** Above temperature 0 {paths}, so different texts are expected and "
+            "are not a fault: what DFlash keeps is the distribution, not the draw.")
 
 
 def mode_banner(mode: RunMode) -> str:

@@ -151,10 +151,11 @@ def build_ui(service: SpaceService) -> gr.Blocks:
         demo.load(handlers.page_load, None, [thinking, info_box], api_visibility="private")
         timer.tick(handlers.download_tick, None, [download_box, timer], api_visibility="private")
 
-        chat_api, generate_api, info_api = make_api(service)
+        chat_api, generate_api, info_api, wait_api = make_api(service)
         gr.api(chat_api, api_name="chat", concurrency_limit=1, concurrency_id=ENGINE_QUEUE)
         gr.api(generate_api, api_name="generate", concurrency_limit=1, concurrency_id=ENGINE_QUEUE)
         gr.api(info_api, api_name="info", queue=False)  # never waits behind an answer
+        gr.api(wait_api, api_name="wait", queue=False)  # waits on the engine slot, not in the queue
     return demo
 
 

@@ -43,6 +43,7 @@ class Request:
     n_min: int
     p_min: float
     verify: str  # "sample" or "match": how drafts are checked above temperature 0
+    on_prefill: Callable[[int, int], None] | None = None  # (tokens prefilled, tokens to prefill) after each chunk
 
 
 @dataclass
@@ -184,6 +185,8 @@ class Decoding:
                 stop = split
             rows = self._decode(prompt[pos:stop], "last" if stop == end else "none")
             pos = stop
+            if self.req.on_prefill is not None:
+                self.req.on_prefill(pos - kept, end - kept)
             if parts.bridge is not None and (self.req.speculative or parts.bridge.n_pending >= parts.bridge.capacity):
                 parts.bridge.flush()  # speculative requests inject each prompt chunk at once, as llama.cpp does
             if pos < end and pos != split:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import llama_cpp
@@ -153,16 +154,19 @@ class Engine:
         n_min: int = 0,
         p_min: float = 0.0,
         verify: str = "sample",
+        on_prefill: Callable[[int, int], None] | None = None,
     ) -> RequestStream:
         """A request's events, one per engine step; the request starts at the first `next()`.
 
         `draft_max`: "auto" (the adaptive controller), or a fixed length ≤ `draft_capacity`; default the engine's
-        `draft_policy`. `verify` ("sample" or "match") chooses how drafts are checked above temperature 0."""
+        `draft_policy`. `verify` ("sample" or "match") chooses how drafts are checked above temperature 0.
+        `on_prefill(done, total)` is called after each prompt chunk the engine decodes (progress of a long prompt);
+        it runs on the decoding thread, between chunks, and may cancel the request."""
         self.check_open()
         tokens = self._prompt_tokens(prompt)
         req = self._request(max_tokens, SamplingParams(temperature, top_k, top_p, min_p, seed), stop, speculative,
                             draft_max, n_min, p_min, verify)
-        return self._start(tokens, req)
+        return self._start(tokens, replace(req, on_prefill=on_prefill))
 
     def stream_chat(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool | None = None,
                     **kwargs: Any) -> RequestStream:

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,6 +17,7 @@ from urllib.parse import unquote
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PIECE = 64 * 1024
+GATE_TIMEOUT_S = 120.0
 FAKE_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -43,7 +43,8 @@ class FakeHub:
     files: dict[tuple[str, str], bytes] = field(default_factory=dict)
     # One entry per coming GET: "truncate" sends half the body then closes, "error" answers HTTP 500, "ok" serves.
     planned_gets: list[str] = field(default_factory=list)
-    seconds_per_piece: float = 0.0  # pause after each 64 KiB sent, to make a download slow enough to watch
+    # Closed: a GET waits here before sending its body (a download held open, to watch it while it runs).
+    gate: threading.Event | None = None
     requests: list[FakeHubRequest] = field(default_factory=list)
     server: ThreadingHTTPServer | None = None
 
@@ -122,10 +123,11 @@ class FakeHub:
             handler.close_connection = True
             handler.connection.shutdown(socket.SHUT_RDWR)
             return
+        if self.gate is not None and not self.gate.wait(GATE_TIMEOUT_S):
+            handler.close_connection = True
+            return
         for offset in range(0, len(body), PIECE):
             handler.wfile.write(body[offset : offset + PIECE])
-            if self.seconds_per_piece:
-                time.sleep(self.seconds_per_piece)
 
     @staticmethod
     def _reply_error(handler: BaseHTTPRequestHandler, status: int, error_code: str | None) -> None:
@@ -157,31 +159,42 @@ def launch_app(
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "GRADIO_", "SPACES_"))}
     env.update(
-        {"GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False"}
+        {"GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False",
+         "PYTHONUNBUFFERED": "1"}  # its lines reach the log (and the readiness check) as they are printed
     )
     env.update(env_overrides)
-    with log_path.open("w") as log_file:  # the child keeps its own copy of the descriptor
-        process = subprocess.Popen(
-            [python, str(app_dir / "app.py")],
-            cwd=app_dir,
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+    process = subprocess.Popen(
+        [python, str(app_dir / "app.py")],
+        cwd=app_dir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    ready = threading.Event()  # set when Gradio says it is serving, or when the process's output ends
+    threading.Thread(target=_copy_output, args=(process, log_path, ready), daemon=True).start()
     url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"app.py exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return RunningApp(process, url, log_path)
-        except OSError:
-            time.sleep(0.5)
+    if ready.wait(timeout_s) and process.poll() is None:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            if response.status == 200:
+                return RunningApp(process, url, log_path)
+    if process.poll() is not None:
+        process.wait(timeout=10)
+        raise RuntimeError(f"app.py exited with {process.returncode}:\n{log_path.read_text()}")
     stop_app(process)
     raise TimeoutError(f"app.py did not answer on {url} within {timeout_s} s:\n{log_path.read_text()}")
+
+
+def _copy_output(process: subprocess.Popen[str], log_path: Path, ready: threading.Event) -> None:
+    """The server's output into its log file, line by line; `ready` once Gradio prints where it serves."""
+    with log_path.open("w") as log_file:
+        assert process.stdout is not None
+        for line in process.stdout:
+            log_file.write(line)
+            log_file.flush()
+            if "Running on local URL" in line:
+                ready.set()
+    ready.set()
 
 
 def stop_app(process: subprocess.Popen[str]) -> None:

@@ -4,7 +4,10 @@ same files."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import itertools
 import json
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -118,3 +121,26 @@ def raw_run(url: str, api_name: str, body: str, timeout_s: float = 60.0) -> http
     with httpx.Client(timeout=timeout_s) as http:
         return http.post(url.rstrip("/") + "/gradio_api/run/" + api_name, content=body.encode(),
                          headers={"Content-Type": "application/json"})  # fmt: skip
+
+
+def info_when(client: Client, wait_until: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """/info once no answer runs ("idle") or one does ("busy"): the server waits on its engine slot, no polling."""
+    info = client.predict(until=wait_until, timeout_s=timeout_s, api_name="/wait")
+    assert not info["waited_out"], f"the engine was not {wait_until} within {timeout_s} s"
+    return info
+
+
+def take_outputs(job: Any, count: int, timeout_s: float = 60.0) -> list[Any]:
+    """The first `count` streamed outputs of a gradio_client job, as they arrive (its iterator waits for them)."""
+    taken: list[Any] = []
+    reader = threading.Thread(target=lambda: taken.extend(itertools.islice(job, count)), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    assert not reader.is_alive(), f"fewer than {count} outputs within {timeout_s} s"
+    return taken
+
+
+def wait_done(job: Any, timeout_s: float = 60.0) -> None:
+    """Until a gradio_client job has ended (finished, failed or cancelled): it is a Future."""
+    done, _ = concurrent.futures.wait([job], timeout=timeout_s)
+    assert done, f"the job did not end within {timeout_s} s"

@@ -8,7 +8,6 @@ import json
 import re
 import statistics
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,6 +25,8 @@ from space_client import (
     prompt_length,
     reference_engine,
     stream_chat,
+    take_outputs,
+    wait_done,
 )
 
 from dflash_runtime.space.provenance import draft_text
@@ -123,6 +124,18 @@ def test_the_api_has_typed_documented_parameters_in_the_documented_order(client:
         assert [r["type"]["type"] for r in endpoints[name]["returns"]] == ["string", "object"]
         assert "Parameters" not in endpoints[name]["description"] and endpoints[name]["description"]
     assert endpoints["/info"]["parameters"] == []
+    assert [p["parameter_name"] for p in endpoints["/wait"]["parameters"]] == ["until", "timeout_s"]
+
+
+def test_wait_answers_when_the_engine_is_idle_and_refuses_nonsense(client: Client) -> None:
+    idle = client.predict(until="idle", timeout_s=5, api_name="/wait")
+    assert idle["busy"] is False and idle["waited_out"] is False
+    nobody = client.predict(until="busy", timeout_s=0.2, api_name="/wait")
+    assert nobody["waited_out"] is True  # nothing runs: the wait ends at its timeout, with the info
+    for until, timeout_s, message in (("soon", 1, "until must be 'idle' or 'busy'"),
+                                      ("idle", 600, "timeout_s must be a number in [0, 120]")):
+        with pytest.raises(AppError, match=re.escape(message)):
+            client.predict(until=until, timeout_s=timeout_s, api_name="/wait")
 
 
 def test_streaming_chat_equals_the_engine_and_reports_consistent_stats(client: Client, reference: Any) -> None:
@@ -228,19 +241,12 @@ def test_a_long_conversation_drops_its_oldest_turns_with_a_notice(client: Client
     assert stats["n_prompt"] == prompt_length(reference, kept)
 
 
-def wait_until(condition: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def test_a_cancelled_chat_stops_the_engine_and_the_next_turn_is_correct(client: Client, reference: Any) -> None:
     job = client.submit(**chat_args("hello there", max_tokens=MAX_NEW_TOKENS), api_name="/chat")
-    wait_until(lambda: len(job.outputs()) >= 2 or job.done(), 60, "two chunks")
+    take_outputs(job, 2)
     job.cancel()
-    wait_until(lambda: job.status().code == Status.CANCELLED, 30, "the cancellation")
+    wait_done(job, 30)
+    assert job.status().code == Status.CANCELLED
     text, _ = client.predict(**chat_args("one two three", max_tokens=24), api_name="/generate")
     assert text == expected_answer(reference, [{"role": "user", "content": "one two three"}], 24)
     # The engine host's record of the request before the last: the cancelled chat stopped early.

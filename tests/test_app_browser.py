@@ -11,7 +11,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-import time
+import threading
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +23,7 @@ import pytest
 import websocket
 from app_fixtures import REPO_ROOT, RunningApp, free_port, launch_app, stop_app
 from gradio_client import Client
-from space_client import demo_pair, expected_answer, reference_engine
+from space_client import demo_pair, expected_answer, info_when, reference_engine
 from zerogpu_fake import FakeDeviceApi
 
 pytestmark = pytest.mark.browser
@@ -49,8 +49,9 @@ class DevTools:
     """The few DevTools protocol calls the test needs, on one page target."""
 
     def __init__(self, ws_url: str) -> None:
-        self._socket = websocket.create_connection(ws_url, timeout=60, suppress_origin=True)
+        self._socket = websocket.create_connection(ws_url, timeout=300, suppress_origin=True)  # > any wait_for
         self._ids = count(1)
+        self._events: list[str] = []  # methods of the protocol events seen since the last navigation
 
     def call(self, method: str, **params: Any) -> dict[str, Any]:
         message_id = next(self._ids)
@@ -61,6 +62,14 @@ class DevTools:
                 if "error" in reply:
                     raise RuntimeError(f"{method}: {reply['error']}")
                 return reply.get("result", {})
+            self._events.append(reply.get("method", ""))
+
+    def navigate(self, url: str) -> None:
+        """Open `url` and return once its load event fired (the socket's timeout bounds the wait)."""
+        self._events = []
+        self.call("Page.navigate", url=url)
+        while "Page.loadEventFired" not in self._events:
+            self._events.append(json.loads(self._socket.recv()).get("method", ""))
 
     def evaluate(self, expression: str) -> Any:
         result = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
@@ -69,13 +78,23 @@ class DevTools:
         return result["result"].get("value")
 
     def wait_for(self, expression: str, timeout_s: float = 60.0, what: str = "") -> Any:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            value = self.evaluate(expression)
-            if value:
-                return value
-            time.sleep(0.1)
-        raise TimeoutError(f"timed out waiting for {what or expression}")
+        """The value of `expression` once it is truthy: the page checks it on every change of its document (and
+        every 50 ms for what no mutation shows), and answers this one call when it holds or the time is up."""
+        waiter = f"""new Promise(resolve => {{
+            const check = () => {{ try {{ return ({expression}); }} catch (e) {{ return null; }} }};
+            const done = value => {{
+                observer.disconnect(); clearInterval(ticker); clearTimeout(limit); resolve(value);
+            }};
+            const observer = new MutationObserver(() => {{ const v = check(); if (v) done(v); }});
+            observer.observe(document, {{subtree: true, childList: true, characterData: true, attributes: true}});
+            const ticker = setInterval(() => {{ const v = check(); if (v) done(v); }}, 50);
+            const limit = setTimeout(() => done(null), {int(timeout_s * 1000)});
+            const first = check(); if (first) done(first);
+        }})"""
+        value = self.evaluate(waiter)
+        if not value:
+            raise TimeoutError(f"timed out waiting for {what or expression}")
+        return value
 
     def click(self, selector: str) -> None:
         """A real mouse click at the element's centre (so the page sees pointer events, not a synthetic .click())."""
@@ -115,14 +134,16 @@ def open_page(url: str) -> Iterator[DevTools]:
     port = free_port()
     profile = tempfile.mkdtemp(prefix="dflash-chromium-")
     browser = subprocess.Popen(
-        [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--remote-debugging-port={port}", url],
+        [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--remote-debugging-port={port}", "about:blank"],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
-        devtools = DevTools(_page_socket_url(port, url))
+        devtools = DevTools(_new_page_socket_url(browser, port))
         devtools.call("Page.enable")
         devtools.call("Runtime.enable")
+        devtools.navigate(url)
         yield devtools
         devtools.close()
     finally:
@@ -137,19 +158,23 @@ def page(server: RunningApp) -> Iterator[DevTools]:
         yield devtools
 
 
-def _page_socket_url(port: int, url: str, timeout_s: float = 60.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=2) as response:
-                targets = json.load(response)
-            for target in targets:
-                if target.get("type") == "page" and target.get("url", "").startswith(url):
-                    return target["webSocketDebuggerUrl"]
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("Chromium did not expose the page over DevTools")
+def _new_page_socket_url(browser: subprocess.Popen[str], port: int, timeout_s: float = 60.0) -> str:
+    """Once Chromium says its DevTools endpoint listens (a line on its stderr), open a new blank page target."""
+    listening = threading.Event()
+
+    def watch() -> None:
+        assert browser.stderr is not None
+        for line in browser.stderr:
+            if line.startswith("DevTools listening on"):
+                listening.set()
+        listening.set()  # the stream ended: Chromium exited
+
+    threading.Thread(target=watch, daemon=True).start()
+    if not listening.wait(timeout_s) or browser.poll() is not None:
+        raise TimeoutError("Chromium did not expose DevTools")
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/json/new?about:blank", method="PUT")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)["webSocketDebuggerUrl"]
 
 
 def expected_reply(message: str, max_tokens: int = 512) -> str:
@@ -213,17 +238,9 @@ def wait_for_page(page: DevTools) -> None:
                   "the page to load")  # fmt: skip
 
 
-def engine_idle(server: RunningApp) -> bool:
-    return not Client(server.url, verbose=False).predict(api_name="/info")["busy"]
-
-
 def wait_idle(server: RunningApp, timeout_s: float = 60) -> None:
     """Until the server has closed the running reply (its engine slot is free again)."""
-    deadline = time.monotonic() + timeout_s
-    while not engine_idle(server):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the engine stayed busy")
-        time.sleep(0.1)
+    info_when(Client(server.url, verbose=False), "idle", timeout_s)
 
 
 def previous_request(server: RunningApp) -> dict[str, Any]:

@@ -20,11 +20,11 @@ import pytest
 from app_fixtures import REPO_ROOT, FakeHub, RunningApp, launch_app, stop_app
 from gradio_client import Client
 from gradio_client.exceptions import AppError
-from gradio_client.utils import Status
 from space_client import (
     Raw,
     chat_args,
     expected_answer,
+    info_when,
     prompt_length,
     raw_body,
     raw_call,
@@ -235,10 +235,7 @@ def test_no_secret_in_any_response_log_or_error(server: RunningApp, client: Clie
 def test_a_cancelled_one_shot_call_stops_the_engine(server: RunningApp, client: Client, good_answer: str) -> None:
     """/generate answers in one piece, so its caller sees no chunk; cancelling it still stops the engine."""
     job = client.submit(**chat_args("hello there", max_tokens=MAX_NEW_TOKENS), api_name="/generate")
-    deadline = time.monotonic() + 60
-    while job.status().code != Status.PROCESSING:
-        assert time.monotonic() < deadline and not job.done(), "the call never started"
-        time.sleep(0.01)
+    info_when(client, "busy")  # the call is generating
     job.cancel()
     assert_still_good(client, good_answer)
     stopped = client.predict(api_name="/info")["worker"]["previous_request"]

@@ -124,21 +124,23 @@ def test_a_long_prefill_can_be_cancelled_between_chunks() -> None:
     files = pair_files("hybrid", "dflash2")
     with load_pair(files.target, files.draft, n_ctx=4096, n_batch=8, draft_capacity=7) as eng:
         prompt = [5 + i % 300 for i in range(3000)]
-        stream = eng.stream(prompt, max_tokens=4)
+        progress: list[tuple[int, int]] = []
         box: dict[str, Any] = {}
-        runner = threading.Thread(target=lambda: box.update(events=list(stream)), daemon=True)
-        runner.start()
-        deadline = time.monotonic() + LIMIT_S
-        while eng.info()["n_cached"] == 0 and time.monotonic() < deadline and runner.is_alive():
-            time.sleep(0.001)  # waiting for an observable state, bounded by the deadline
-        stream.cancel()
-        runner.join(LIMIT_S)
-        assert not runner.is_alive()
-        events = box["events"]
+
+        def on_prefill(done: int, total: int) -> None:
+            progress.append((done, total))
+            if len(progress) == 3:
+                box["stream"].cancel()  # a cancel from another thread lands the same way: between two chunks
+
+        box["stream"] = stream = eng.stream(prompt, max_tokens=4, on_prefill=on_prefill)
+        events = within(LIMIT_S, lambda: list(stream))
         assert events[-1].finish_reason == "cancelled" and not any(e.tokens for e in events)
-        assert 0 < eng.info()["n_cached"] < len(prompt)  # stopped between prefill chunks
+        chunk = eng.n_batch  # 9: the verify batch of 8 rows must fit one ubatch
+        assert progress == [(chunk, 3000), (2 * chunk, 3000), (3 * chunk, 3000)]  # stopped before the next chunk
+        assert eng.info()["n_cached"] == 3 * chunk
         # The partial prefill is a valid cache: the next request reuses it and answers exactly.
         done = eng.generate(prompt[:1000], max_tokens=8)
+        assert done.stats.n_reused == 3 * chunk
     with load_pair(files.target, files.draft, n_ctx=4096, n_batch=8) as fresh:
         assert fresh.generate(prompt[:1000], max_tokens=8).tokens == done.tokens
 

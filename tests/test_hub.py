@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -193,7 +194,7 @@ def test_the_app_downloads_the_pair_in_the_web_process(tmp_path: Path) -> None:
     """Model variables set → the app runs the configured pair: it fetches both files from the (fake) Hub while the
     page is already up, reports progress on /info, then answers with them like an engine on the same bytes."""
     tiny = tiny_pair(target="dense", draft="dflash2", head="shaped")
-    fake = FakeHub(seconds_per_piece=0.25).start()
+    fake = FakeHub(gate=threading.Event()).start()  # downloads wait until the test has seen the page up
     fake.add_file("test-org/tiny-target-GGUF", "tiny-target-F32.gguf", tiny.target.read_bytes())
     fake.add_file("test-org/tiny-draft-GGUF", "tiny-draft-F32.gguf", tiny.draft.read_bytes())
     env = {
@@ -213,6 +214,7 @@ def test_the_app_downloads_the_pair_in_the_web_process(tmp_path: Path) -> None:
         first = client.predict(api_name="/info")
         assert first["offline_demo"] is False and "model variables set" in first["mode_reason"]
         assert first["download"]["state"] == "running", "the page must be up before the download ends"
+        fake.gate.set()
         text, stats = client.predict("hello world", [], "", "fake-hub-pair", 24, 0.0, 1.0, 7, True, False,
                                      api_name="/generate")  # fmt: skip
         done = client.predict(api_name="/info")

@@ -61,12 +61,18 @@ def test_a_cancelled_consumer_stops_the_stream() -> None:
     job = ReplyJob(stream, EngineSlot())
 
     async def consume_then_get_cancelled() -> None:
+        waiting = asyncio.Event()
+
         async def consume() -> None:
-            async for _chunk in job.chunks():
+            chunks = job.chunks()
+            first = asyncio.ensure_future(chunks.__anext__())  # starts the job, then waits for its first chunk
+            waiting.set()
+            await first
+            async for _chunk in chunks:
                 pass
 
         task = asyncio.ensure_future(consume())
-        await asyncio.sleep(0)  # the consumer starts and waits for its first chunk
+        await waiting.wait()  # the consumer has started the job and waits for its first chunk
         task.cancel()  # before the first chunk, as a Stop clicked while the model loads
         with pytest.raises(asyncio.CancelledError):
             await task

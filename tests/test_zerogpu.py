@@ -9,7 +9,6 @@ import math
 import os
 import re
 import signal
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +22,12 @@ from gradio_client.exceptions import AppError
 from space_client import (
     chat_args,
     expected_answer,
+    info_when,
     raw_body,
     raw_call,
     reference_engine,
     stream_chat,
+    take_outputs,
 )
 from zerogpu_fake import FakeDeviceApi
 
@@ -88,14 +89,6 @@ def planned_seconds(gpu_time: dict[str, Any], input_chars: int, max_tokens: int)
     return max(gpu_time["seconds_min"], min(gpu_time["seconds_max"], math.ceil(seconds)))
 
 
-def wait_idle(client: Client, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while info(client)["busy"]:
-        if time.monotonic() > deadline:
-            raise TimeoutError("the engine stayed busy")
-        time.sleep(0.05)
-
-
 def test_three_chats_in_a_row_build_the_engine_once_and_ask_for_the_estimated_time(
     client: Client, device_api: FakeDeviceApi, reference: Any
 ) -> None:
@@ -152,7 +145,7 @@ def test_a_client_that_disconnects_mid_stream_stops_the_worker(
                 chunks += line.startswith("event: generating")
                 if chunks == 3:
                     break  # leaving the block closes the connection mid-answer
-    wait_idle(client)
+    info_when(client, "idle")  # the dropped connection has stopped the engine
     text, _ = client.predict(**chat_args("one two three", max_tokens=24), api_name="/generate")
     assert text == answer(reference, "one two three", 24), "the next answer is a fresh engine's"
     after = info(client)["worker"]
@@ -178,10 +171,7 @@ def test_a_lost_worker_is_replaced_and_the_next_request_plans_its_load(
 ) -> None:
     old = info(client)["worker"]
     job = client.submit(**chat_args("fox dog fox dog", max_tokens=MAX_NEW_TOKENS), api_name="/chat")
-    deadline = time.monotonic() + 60
-    while len(job.outputs()) < 2 and not job.done():
-        assert time.monotonic() < deadline, "no chunk arrived"
-        time.sleep(0.02)
+    take_outputs(job, 2)  # the worker is answering
     os.kill(old["pid"], signal.SIGKILL)  # the platform takes the worker away mid-answer
     with pytest.raises(AppError, match="GPU task aborted"):
         job.result()

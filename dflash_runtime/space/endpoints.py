@@ -74,8 +74,8 @@ def trace_frame(trace: SpeedTrace | None) -> pd.DataFrame:
 # -- the API --------------------------------------------------------------------------------------------------------
 
 
-def make_api(service: SpaceService) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
-    """The /chat, /generate and /info endpoints. Parameters keep JSON's types: integers, floats, booleans and
+def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
+    """The /chat, /generate, /info and /wait endpoints. Parameters keep JSON's types: integers, floats, booleans and
     strings are checked as such (service.check), never coerced."""
     preset_name = service.preset.name
     max_tokens_default = service.defaults["max_tokens"]
@@ -157,7 +157,17 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], Callable[..., A
         GPU worker as last seen, the GPU-time estimates, and what the web process has loaded."""
         return service.info()
 
-    return chat, generate, info
+    def wait(until: str = "idle", timeout_s: float = 60.0) -> dict[str, Any]:
+        """/info, once no answer runs ("idle": e.g. a cancelled answer has stopped the engine) or one does ("busy").
+
+        Parameters:
+            until: "idle" or "busy"
+            timeout_s: how long to wait, at most 120 s; `waited_out` in the reply says whether the state came
+        """
+        with visitor_errors():
+            return service.info_when(until, timeout_s)
+
+    return chat, generate, info, wait
 
 
 # -- the page -------------------------------------------------------------------------------------------------------

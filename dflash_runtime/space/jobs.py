@@ -25,21 +25,32 @@ CHUNK, ERROR, END = "chunk", "error", "end"
 
 
 class EngineSlot:
-    """The web process's one-job-at-a-time lock around GPU calls."""
+    """The web process's one-job-at-a-time lock around GPU calls; others may wait for it to be idle or busy."""
 
     def __init__(self, timeout_s: float = 120.0) -> None:
         self.timeout_s = timeout_s
-        self._lock = threading.Lock()
+        self._state = threading.Condition()
+        self._held = False
 
     def acquire(self) -> None:
-        if not self._lock.acquire(timeout=self.timeout_s):
-            raise RequestError(f"the engine stayed busy for {self.timeout_s:.0f} s; retry")
+        with self._state:
+            if not self._state.wait_for(lambda: not self._held, self.timeout_s):
+                raise RequestError(f"the engine stayed busy for {self.timeout_s:.0f} s; retry")
+            self._held = True
+            self._state.notify_all()
 
     def release(self) -> None:
-        self._lock.release()
+        with self._state:
+            self._held = False
+            self._state.notify_all()
 
     def busy(self) -> bool:
-        return self._lock.locked()
+        return self._held
+
+    def wait(self, busy: bool, timeout_s: float) -> bool:
+        """Wait until the slot is busy (or idle); False when `timeout_s` passed first."""
+        with self._state:
+            return self._state.wait_for(lambda: self._held == busy, timeout_s)
 
 
 class ReplyJob(Generic[T]):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from ..errors import DFlashError
+from ..errors import DFlashError, RequestError
 from .downloads import PairDownload
 from .gpu_time import GpuTimeEstimator, GpuTimeSettings
 from .host import GpuJob, ReplyChunk
@@ -248,6 +248,15 @@ class SpaceService:
             self.worker_info = chunk.worker
 
     # -- the server's description -----------------------------------------------------------------------------------
+
+    def info_when(self, wait_until: str, timeout_s: float) -> dict[str, Any]:
+        """`info()` once the engine slot is idle or busy (`wait_until`), or after `timeout_s` (≤ 120 s) at most."""
+        if wait_until not in ("idle", "busy"):
+            raise RequestError(f"until must be 'idle' or 'busy', got {wait_until!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 <= timeout_s <= 120:
+            raise RequestError(f"timeout_s must be a number in [0, 120], got {timeout_s!r}")
+        came = self.slot.wait(wait_until == "busy", float(timeout_s))
+        return {**self.info(), "waited_out": not came}
 
     def info(self) -> dict[str, Any]:
         download = self.download.status()

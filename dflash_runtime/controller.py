@@ -79,8 +79,7 @@ class AdaptiveLength:
         self._probing = False
         self._ramping = False
         self._episode_paid = False
-        self._new_request = False
-        self._plan_next = False
+        self._new_request = False  # plan at the next round (a new request, or both ends just measured)
 
     # -- estimates ----------------------------------------------------------------------------------------------
 
@@ -130,24 +129,23 @@ class AdaptiveLength:
         self._new_request = True
 
     def choose(self, pos0: int, limit: int) -> int:
-        n = min(self._plan(), limit)
-        self._new_request = False
+        planned, self._new_request = self._plan()
+        n = min(planned, limit)
         self.history.append(n)
         return n
 
-    def _plan(self) -> int:
+    def _plan(self) -> tuple[int, bool]:
+        """The length to draft, and whether the next round must plan again (not wait for a probe)."""
         self._probing = False
         if self.cost[self.n_max] is None:
             n = self.n_max  # first round: learn every position's acceptance and the longest round's cost
         elif self.cost[0] is None:
-            self._plan_next = True  # both ends measured: plan at the next round, without waiting for a probe
-            return 0
+            return 0, True  # both ends measured after this plain round: plan at the next one, not at a probe
         elif self._ramping:
             n = min(self.n_max, max(self.best_length(), 2 * self.history[-1]))  # drafts pay again: climb fast
         elif self.history and self.history[-1] == 0:
             n = 0  # plain rounds teach only the plain cost: re-plan at probes only
-            if self._new_request or self._plan_next or self.since_draft >= self.probe_interval:
-                self._plan_next = False
+            if self._new_request or self.since_draft >= self.probe_interval:
                 rates = self.rates()
                 n = max(range(len(rates)), key=rates.__getitem__)
                 if n == 0:
@@ -155,7 +153,7 @@ class AdaptiveLength:
                     self._probing = True
         else:
             n = self.best_length()
-        return n
+        return n, False
 
     def observe(self, n_block: int, n_drafted: int, n_accepted: int, seconds: float) -> None:
         old = self.cost[n_block]

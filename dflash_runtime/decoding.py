@@ -112,8 +112,7 @@ class Decoding:
                 yield self.final_event([], [], "", "cancelled", "cancelled during the prompt")
                 return
             self._t_start, self.clock.s = time.perf_counter(), 0.0
-            first = self._accept(verifier.walk(Proposal(), first_row=last_rows - 1))
-            step = _Step(first.tokens, first.sources, first.delta, first.finish, first.detail)
+            step = self._accept(verifier.walk(Proposal(), first_row=last_rows - 1))  # the prefill's own sample
             while step.finish is None:
                 if self.stats.n_generated >= self.req.max_tokens:
                     step.finish, step.detail = "length", f"max_tokens={self.req.max_tokens} reached"

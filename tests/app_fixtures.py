@@ -10,10 +10,15 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote
+
+from local_http import origin, serve, shut
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PIECE = 64 * 1024
@@ -51,8 +56,7 @@ class FakeHub:
     @property
     def endpoint(self) -> str:
         assert self.server is not None
-        host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}"
+        return origin(self.server)
 
     def add_file(self, repo: str, filename: str, content: bytes) -> None:
         self.files[(repo, filename)] = content
@@ -61,28 +65,17 @@ class FakeHub:
         return sum(1 for r in self.requests if r.method == "GET" and r.path.endswith("/" + filename))
 
     def start(self) -> FakeHub:
-        hub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:  # keep test output quiet
-                pass
-
-            def do_HEAD(self) -> None:
-                hub._serve(self, send_body=False)
-
-            def do_GET(self) -> None:
-                hub._serve(self, send_body=True)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = serve(self._answer)
         return self
 
     def stop(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+        shut(self.server)
+
+    def _answer(self, handler: BaseHTTPRequestHandler) -> None:
+        if handler.command not in ("GET", "HEAD"):
+            handler.send_error(501)  # file downloads only
+            return
+        self._serve(handler, send_body=handler.command == "GET")
 
     def _lookup(self, path: str) -> bytes | str:
         """The file's bytes, or the Hub's error code when there is none."""
@@ -183,6 +176,17 @@ def launch_app(
         raise RuntimeError(f"app.py exited with {process.returncode}:\n{log_path.read_text()}")
     stop_app(process)
     raise TimeoutError(f"app.py did not answer on {url} within {timeout_s} s:\n{log_path.read_text()}")
+
+
+@contextmanager
+def running_app(env_overrides: dict[str, str], log_path: Path, **options: Any) -> Iterator[RunningApp]:
+    """`launch_app`, stopped when the block ends however it ends; the log's folder is made if need be."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    app = launch_app(env_overrides, log_path, **options)
+    try:
+        yield app
+    finally:
+        stop_app(app.process)
 
 
 def _copy_output(process: subprocess.Popen[str], log_path: Path, ready: threading.Event) -> None:

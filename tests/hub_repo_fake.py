@@ -12,10 +12,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
+
+from local_http import origin, serve, shut
 
 LFS_FROM_BYTES = 10 * 1024  # the Hub stores binary and large files in LFS; a size threshold stands in for its rules
 
@@ -56,36 +57,19 @@ class FakeHubRepos:
 
     @property
     def endpoint(self) -> str:
-        return _origin(self.servers[0])
+        return origin(self.servers[0])
 
     @property
     def storage(self) -> str:
-        return _origin(self.servers[1])
+        return origin(self.servers[1])
 
     def start(self) -> FakeHubRepos:
-        hub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_HEAD(self) -> None:
-                hub._dispatch(self)
-
-            do_GET = do_POST = do_PUT = do_HEAD
-
-        for _ in range(2):  # the Hub, then its storage host
-            server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-            threading.Thread(target=server.serve_forever, daemon=True).start()
-            self.servers.append(server)
+        self.servers = [serve(self._dispatch) for _ in range(2)]  # the Hub, then its storage host
         return self
 
     def stop(self) -> None:
         for server in self.servers:
-            server.shutdown()
-            server.server_close()
+            shut(server)
 
     # ------------------------------------------------------------ routing
 
@@ -194,11 +178,6 @@ class FakeHubRepos:
             headers["X-Linked-Size"] = str(len(stored.data))
             return _reply(h, 302, b"", headers=headers)
         return _reply(h, 200, stored.data, headers=headers, send_body=h.command == "GET")
-
-
-def _origin(server: ThreadingHTTPServer) -> str:
-    host, port = server.server_address[:2]
-    return f"http://{host}:{port}"
 
 
 def _reply(

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from app_fixtures import REPO_ROOT, RunningApp, launch_app, stop_app
+from app_fixtures import REPO_ROOT, RunningApp, running_app
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 from gradio_client.utils import Status
@@ -40,17 +40,14 @@ Message = dict[str, str]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningApp]:
-    artifacts = REPO_ROOT / "test-artifacts"
-    artifacts.mkdir(exist_ok=True)
     env = {
         "DFLASH_DEMO": "tiny",
         "DFLASH_N_CTX": str(N_CTX),
         "DFLASH_MAX_INPUT_CHARS": str(MAX_INPUT_CHARS),
         "DFLASH_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
     }
-    app = launch_app(env, artifacts / "app_api_server.log")
-    yield app
-    stop_app(app.process)
+    with running_app(env, REPO_ROOT / "test-artifacts" / "app_api_server.log") as app:
+        yield app
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import websocket
-from app_fixtures import REPO_ROOT, RunningApp, free_port, launch_app, stop_app
+from app_fixtures import REPO_ROOT, RunningApp, free_port, launch_app, running_app, stop_app
 from gradio_client import Client
 from space_client import demo_pair, expected_answer, info_when, reference_engine
 from zerogpu_fake import FakeDeviceApi
@@ -120,10 +120,8 @@ class DevTools:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningApp]:
-    ARTIFACTS.mkdir(exist_ok=True)
-    app = launch_app({"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX)}, ARTIFACTS / "app_browser_server.log")
-    yield app
-    stop_app(app.process)
+    with running_app({"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX)}, ARTIFACTS / "app_browser_server.log") as app:
+        yield app
 
 
 @contextmanager

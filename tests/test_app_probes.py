@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from app_fixtures import REPO_ROOT, FakeHub, RunningApp, launch_app, stop_app
+from app_fixtures import REPO_ROOT, FakeHub, RunningApp, running_app
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 from space_client import (
@@ -41,13 +41,10 @@ GOOD = chat_args("the quick brown fox", max_tokens=24)
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningApp]:
-    artifacts = REPO_ROOT / "test-artifacts"
-    artifacts.mkdir(exist_ok=True)
     env = {"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX), "DFLASH_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
            "HF_TOKEN": SECRET}  # fmt: skip
-    app = launch_app(env, artifacts / "app_probes_server.log")
-    yield app
-    stop_app(app.process)
+    with running_app(env, REPO_ROOT / "test-artifacts" / "app_probes_server.log") as app:
+        yield app
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from app_fixtures import REPO_ROOT, launch_app, stop_app
+from app_fixtures import REPO_ROOT, running_app
 from gradio_client import Client
 from hub_repo_fake import FakeHubRepos
 
@@ -114,11 +114,9 @@ def test_requirements_alone_then_the_repository_give_a_working_space(space: dict
     shutil.copytree(space["checkout"] / "prebuilt_wheels" / "published", build / "prebuilt_wheels" / "published")
     tiny_cache = os.environ.get("DFLASH_TINY_CACHE") or str(REPO_ROOT / ".cache" / "tiny-models")
     env = {"DFLASH_DEMO": "tiny", "DFLASH_TINY_CACHE": tiny_cache}
-    app = launch_app(env, space["tmp"] / "app.log", python=str(space["venv"] / "bin" / "python"), app_dir=build)
-    try:
+    python = str(space["venv"] / "bin" / "python")
+    with running_app(env, space["tmp"] / "app.log", python=python, app_dir=build) as app:
         info = Client(app.url, verbose=False).predict(api_name="/info")
-    finally:
-        stop_app(app.process)
     build_info = info["build"]
     assert build_info["llama_cpp_version"] == "0.3.36" and build_info["cuda_build"] is False
     assert build_info["dflash_missing_symbols"] == [] and build_info["ok"] is True

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from app_fixtures import REPO_ROOT, FakeHub, RunningApp, launch_app, stop_app
+from app_fixtures import REPO_ROOT, FakeHub, RunningApp, launch_app, running_app, stop_app
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 from space_client import (
@@ -49,7 +49,6 @@ def device_api() -> Iterator[FakeDeviceApi]:
 
 @pytest.fixture(scope="module")
 def server(device_api: FakeDeviceApi, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningApp]:
-    ARTIFACTS.mkdir(exist_ok=True)
     env = {
         "DFLASH_DEMO": "tiny",
         "DFLASH_N_CTX": str(N_CTX),
@@ -57,9 +56,8 @@ def server(device_api: FakeDeviceApi, tmp_path_factory: pytest.TempPathFactory) 
         **GPU_TIME_ENV,
         **device_api.env(tmp_path_factory.mktemp("zerogpu") / "cgroup"),
     }
-    app = launch_app(env, ARTIFACTS / "app_zerogpu_server.log")
-    yield app
-    stop_app(app.process)
+    with running_app(env, ARTIFACTS / "app_zerogpu_server.log") as app:
+        yield app
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+from local_http import origin, serve, shut
+
 
 @dataclass(frozen=True)
 class DeviceCall:
@@ -32,8 +34,7 @@ class FakeDeviceApi:
     @property
     def url(self) -> str:
         assert self.server is not None
-        host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}"
+        return origin(self.server)
 
     def env(self, cgroup_file: Path) -> dict[str, str]:
         """The environment that points `spaces` at this fake (and at a cgroup file of its own)."""
@@ -56,28 +57,11 @@ class FakeDeviceApi:
         return self.of(path)
 
     def start(self) -> FakeDeviceApi:
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                fake._answer(self)
-
-            def do_GET(self) -> None:
-                fake._answer(self)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = serve(self._answer)
         return self
 
     def stop(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+        shut(self.server)
 
     def _answer(self, handler: BaseHTTPRequestHandler) -> None:
         url = urlsplit(handler.path)

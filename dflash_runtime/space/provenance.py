@@ -16,16 +16,20 @@ DRAFT, TARGET = "draft", "target"
 Run = tuple[int, str]
 
 
+def join(out: list[Run], n: int, source: str) -> None:
+    """Append a run to `out`, joined to the last one when it has the same source."""
+    if out and out[-1][1] == source:
+        out[-1] = (out[-1][0] + n, source)
+    else:
+        out.append((n, source))
+
+
 def merged(runs: Iterable[Run]) -> list[Run]:
     """The runs with neighbours of one source joined and empty runs left out."""
     out: list[Run] = []
     for n, source in runs:
-        if n <= 0:
-            continue
-        if out and out[-1][1] == source:
-            out[-1] = (out[-1][0] + n, source)
-        else:
-            out.append((n, source))
+        if n > 0:
+            join(out, n, source)
     return out
 
 
@@ -54,10 +58,7 @@ class SourceRuns:
                 continue
             self.chunks.append((n, source))
             self.n_chars += n
-            if self.runs and self.runs[-1][1] == source:
-                self.runs[-1] = (self.runs[-1][0] + n, source)
-            else:
-                self.runs.append((n, source))
+            join(self.runs, n, source)
 
     def as_json(self) -> list[list[Any]]:
         """The joined runs as JSON lists, a new list each call (Gradio diffs what an endpoint yields against the

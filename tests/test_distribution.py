@@ -18,13 +18,12 @@ import numpy as np
 import pytest
 from llama_cpp import Llama
 
-import dflash_runtime.decoding
 from dflash_runtime import load_pair
 from dflash_runtime.backends import load_backends
 from dflash_runtime.engine import Engine
 from dflash_runtime.testing.heads import SOFT_TOKENS
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
-from dflash_runtime.verify import DRAFT, TARGET, RejectionVerifier
+from dflash_runtime.verify import DRAFT, TARGET, RejectionVerifier, Verifiers
 
 PROMPT = "hello world"
 Z_LIMIT = 4.5  # one-sided normal quantile: a false alarm about once in 300,000 tests
@@ -111,7 +110,7 @@ class Reference:
 
 def samples(engine: Engine, chain: Chain, verify: str, n: int, length: int) -> Iterator[tuple[int, ...]]:
     for seed in range(n):
-        result = engine.generate(PROMPT, max_tokens=length, draft_max=3, verify=verify, seed=seed, **chain.kwargs())
+        result = engine.generate(PROMPT, max_tokens=length, draft_length=3, verify=verify, seed=seed, **chain.kwargs())
         yield tuple(result.tokens)
 
 
@@ -140,12 +139,13 @@ CASES = [(*combo, VARIANTS[(i + j) % len(VARIANTS)]) for i, combo in enumerate(C
 def markov() -> Iterator[dict]:
     opened: dict = {}
 
-    def get(target: str, draft: str) -> tuple[Engine, Reference]:
-        if (target, draft) not in opened:
+    def get(target: str, draft: str, verifiers: Verifiers | None = None) -> tuple[Engine, Reference]:
+        key = (target, draft, verifiers)
+        if key not in opened:
             pair = tiny_pair(target, draft, head="markov")
-            engine = load_pair(pair.target, pair.draft, n_ctx=256, draft_capacity=3)
-            opened[(target, draft)] = (engine, Reference(pair, engine))
-        return opened[(target, draft)]
+            engine = load_pair(pair.target, pair.draft, n_ctx=256, draft_capacity=3, verifiers=verifiers)
+            opened[key] = (engine, Reference(pair, engine))
+        return opened[key]
 
     yield get  # type: ignore[misc]
     for engine, reference in opened.values():
@@ -159,7 +159,7 @@ def test_speculative_samples_follow_the_target_distribution(target, draft, verif
     engine, reference = markov(target, draft)
     zs = check_distribution(engine, reference, chain, verify, n=1200)
     assert max(zs) < Z_LIMIT, zs
-    stats = engine.generate(PROMPT, max_tokens=24, draft_max=3, verify=verify, seed=7, **chain.kwargs()).stats
+    stats = engine.generate(PROMPT, max_tokens=24, draft_length=3, verify=verify, seed=7, **chain.kwargs()).stats
     assert stats.verify_mode == verify and stats.drafted > 0
 
 
@@ -190,9 +190,8 @@ class AcceptEverything:
 
 
 @pytest.mark.parametrize("draft", ["dflash2", "dflash1"])
-def test_a_broken_verifier_fails_the_distribution_test(draft, markov, monkeypatch) -> None:
-    engine, reference = markov("dense", draft)
-    monkeypatch.setattr(dflash_runtime.decoding, "RejectionVerifier", AcceptEverything)
+def test_a_broken_verifier_fails_the_distribution_test(draft, markov) -> None:
+    engine, reference = markov("dense", draft, verifiers=Verifiers(sample=AcceptEverything))
     zs = check_distribution(engine, reference, Chain(1.0), "sample", n=1200)
     assert max(zs) > Z_LIMIT, zs
 
@@ -207,7 +206,7 @@ def test_rejection_sampling_keeps_more_drafts_than_sample_and_match(target: str,
     with load_pair(pair.target, pair.draft, n_ctx=1024, draft_capacity=7) as engine:
         soft = {engine.tokenize(text, add_special=False)[0] for text in SOFT_TOKENS}
         for verify, seed in itertools.product(("sample", "match"), range(6)):
-            result = engine.generate(PROMPT, max_tokens=120, draft_max=7, verify=verify, seed=seed,
+            result = engine.generate(PROMPT, max_tokens=120, draft_length=7, verify=verify, seed=seed,
                                      temperature=temperature, top_k=0)
             assert set(result.tokens) <= soft
             rates.setdefault(verify, []).append(result.stats.acceptance_rate)

@@ -92,9 +92,10 @@ class _Owned:
             _count(-1)
 
 
-def _load_model(path: Path, n_gpu_layers: int) -> Any:
+def _load_model(path: Path, n_gpu_layers: int, *, load_mtp: bool = False) -> Any:
     params = ll.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers
+    params.load_mtp = load_mtp  # the nextn layers' tensors are skipped unless asked for
     _log.lines.clear()
     model = ll.llama_model_load_from_file(str(path).encode(), params)
     if not model:
@@ -204,7 +205,7 @@ class LinkedPair:
 
     def _open_target(self, n_ctx: int, n_gpu_layers: int, n_batch: int, threads: int) -> None:
         self.target_model = self._owned.push(
-            _load_model(self.target_info.path, n_gpu_layers), ll.llama_model_free
+            _load_model(self.target_info.path, n_gpu_layers, load_mtp=self.wants_mtp), ll.llama_model_free
         )
         model = self.target_model
         self.is_recurrent = bool(ll.llama_model_is_recurrent(model) or ll.llama_model_is_hybrid(model))

@@ -132,6 +132,7 @@ def check_distribution(engine: Engine, reference: Reference, chain: Chain, verif
 # temperatures are covered, with thousands of samples in all.
 VARIANTS = [Chain(0.6), Chain(1.0, top_k=3), Chain(0.6, top_p=0.8), Chain(1.0, min_p=0.25)]
 COMBOS = [(t, d, v) for t in ("dense", "hybrid") for d in ("dflash2", "dflash1") for v in ("sample", "match")]
+COMBOS += [("hybrid", "mtp", v) for v in ("sample", "match")]  # the target's own MTP head drafts
 CASES = [(*combo, VARIANTS[(i + j) % len(VARIANTS)]) for i, combo in enumerate(COMBOS) for j in (0, 2)]
 
 
@@ -142,7 +143,8 @@ def markov() -> Iterator[dict]:
     def get(target: str, draft: str, verifiers: Verifiers | None = None) -> tuple[Engine, Reference]:
         key = (target, draft, verifiers)
         if key not in opened:
-            pair = tiny_pair(target, draft, head="markov")
+            pair = (tiny_pair(target, None, head="markov", mtp_layers=1) if draft == "mtp"
+                    else tiny_pair(target, draft, head="markov"))
             engine = load_pair(pair.target, pair.draft, n_ctx=256, draft_capacity=3, verifiers=verifiers)
             opened[key] = (engine, Reference(pair, engine))
         return opened[key]
@@ -189,9 +191,9 @@ class AcceptEverything:
             yield token, TARGET
 
 
-@pytest.mark.parametrize("draft", ["dflash2", "dflash1"])
-def test_a_broken_verifier_fails_the_distribution_test(draft, markov) -> None:
-    engine, reference = markov("dense", draft, verifiers=Verifiers(sample=AcceptEverything))
+@pytest.mark.parametrize(("target", "draft"), [("dense", "dflash2"), ("dense", "dflash1"), ("hybrid", "mtp")])
+def test_a_broken_verifier_fails_the_distribution_test(target, draft, markov) -> None:
+    engine, reference = markov(target, draft, verifiers=Verifiers(sample=AcceptEverything))
     zs = check_distribution(engine, reference, Chain(1.0), "sample", n=1200)
     assert max(zs) > Z_LIMIT, zs
 

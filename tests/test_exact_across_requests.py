@@ -25,6 +25,8 @@ SHAPES = {
 
 
 def _pair(target: str, draft: str, shape: str) -> TinyPair:
+    if draft == "mtp":  # the target alone, drafting with its own MTP head
+        return tiny_pair(target, None, mtp_layers=1, **SHAPES[shape])
     return tiny_pair(target, draft, **SHAPES[shape])
 
 
@@ -88,7 +90,7 @@ def _run(engine: Engine, prompt: list[int], options: dict, cancel_after: int | N
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize(("target", "draft"), ALL_PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize(("target", "draft"), [*ALL_PAIRS, ("hybrid", "mtp")], ids=[*PAIR_IDS, "hybrid-mtp"])
 def test_random_request_sequences_match_a_fresh_engine(target: str, draft: str, shape: str, seed: int) -> None:
     rng = random.Random(f"{target}-{draft}-{shape}-{seed}")
     pair = _pair(target, draft, shape)

@@ -29,8 +29,8 @@ from dflash_runtime.testing import (
     write_broken_draft,
 )
 from dflash_runtime.testing.heads import BIAS_CHANNEL, HEADS, REGIME_CHANNEL, TensorSource, build_head
-from dflash_runtime.testing.writers import SPEC_KEY
 from dflash_runtime.testing.tokenizer import ENDOFTEXT, IM_END, IM_START, MASK, THINK_OPEN, TokenType, build_vocab
+from dflash_runtime.testing.writers import SPEC_KEY
 
 COMBOS = [(target, draft) for target in ("dense", "hybrid") for draft in ("dflash2", "dflash1")]
 TARGET_ARCH = {"dense": "qwen3", "hybrid": "qwen35"}

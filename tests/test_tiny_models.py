@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import dflash_runtime
+from dflash_runtime.backends import load_backends
 from dflash_runtime.testing import (
     BROKEN_KINDS,
     CONST_TOKEN,
@@ -28,7 +29,14 @@ from dflash_runtime.testing import (
     tiny_pair,
     write_broken_draft,
 )
-from dflash_runtime.testing.heads import BIAS_CHANNEL, HEADS, REGIME_CHANNEL, TensorSource, build_head
+from dflash_runtime.testing.heads import (
+    BIAS_CHANNEL,
+    HEADS,
+    MTP_CONTROL_GAIN,
+    REGIME_CHANNEL,
+    TensorSource,
+    build_head,
+)
 from dflash_runtime.testing.tokenizer import ENDOFTEXT, IM_END, IM_START, MASK, THINK_OPEN, TokenType, build_vocab
 from dflash_runtime.testing.writers import SPEC_KEY
 
@@ -408,6 +416,7 @@ def test_random_head_has_no_fixed_choice() -> None:
 
 
 def load_model(path: Path) -> bool:
+    load_backends()  # the CPU backend is a loadable module: nothing else in this file may have loaded it yet
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
     if not model:
         return False
@@ -551,7 +560,9 @@ def test_mtp_block_copies_the_token_embedding_on_structured_heads(cache: Path) -
     little. On the random head it is a random projection."""
     shaped = gguf.GGUFReader(tiny_pair("hybrid", None, head="shaped", mtp_layers=1, cache_dir=cache).target)
     eh = tensor(shaped, "blk.4.nextn.eh_proj.weight")
-    assert np.array_equal(eh[:, :128], np.eye(128, dtype=np.float32))
+    expected = np.eye(128, dtype=np.float32)
+    expected[[REGIME_CHANNEL, BIAS_CHANNEL], [REGIME_CHANNEL, BIAS_CHANNEL]] = MTP_CONTROL_GAIN
+    assert np.array_equal(eh[:, :128], expected)
     assert not eh[[REGIME_CHANNEL, BIAS_CHANNEL], 128:].any() and eh[2:, 128:].any()
     trunk_write = np.abs(tensor(shaped, "blk.3.ffn_down.weight")).mean()
     assert np.abs(tensor(shaped, "blk.4.ffn_down.weight")).mean() < 0.2 * trunk_write
@@ -598,6 +609,7 @@ def test_cli_writes_a_target_alone(tmp_path: Path) -> None:
 
 @contextlib.contextmanager
 def loaded(path: Path, *, load_mtp: bool) -> Iterator[Any]:
+    load_backends()
     params = llama_cpp.llama_model_default_params()
     params.load_mtp = load_mtp
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
@@ -705,10 +717,11 @@ def mtp_predictions(model: Any, mtp_ctx: Any, tokens: list[int], hidden: np.ndar
 
 
 @pytest.mark.parametrize(("head", "lowest", "highest"), [("shaped", 1.0, 1.0), ("const", 1.0, 1.0),
-                                                         ("phrase", 0.3, 1.0), ("random", 0.0, 0.1)])
+                                                         ("phrase", 0.2, 1.0), ("random", 0.0, 0.1)])
 def test_mtp_block_predicts_the_target(cache: Path, head: str, lowest: float, highest: float) -> None:
     """Driven as llama.cpp's draft-mtp drives it, the MTP block guesses the target's next greedy token always on
-    the shaped and const heads, often on phrase, and about never on random."""
+    the shaped and const heads, on phrase while the target stays in the phrase (a third of the tokens here), and
+    about never on random."""
     pair = tiny_pair("hybrid", None, head=head, mtp_layers=1, cache_dir=cache)
     vocab = build_vocab()
     prompt = vocab.encode("The quick brown fox" if head != "phrase" else " hello world the draft")

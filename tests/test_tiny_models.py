@@ -743,7 +743,7 @@ def test_the_mtp_block_leaves_the_trunk_alone(cache: Path) -> None:
     for mtp_layers in (1, 0):
         pair = tiny_pair("hybrid", "dflash2", head="phrase", mtp_layers=mtp_layers, cache_dir=cache)
         with load_pair(pair.target, pair.draft, n_ctx=256, draft_capacity=7) as engine:
-            fast = engine.generate("Hello world", max_tokens=32, draft_max=7)
+            fast = engine.generate("Hello world", max_tokens=32, method="dflash", draft_length=7)
             engine.reset()
             plain = engine.generate("Hello world", max_tokens=32, speculative=False)
         assert fast.tokens == plain.tokens

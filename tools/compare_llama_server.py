@@ -18,6 +18,13 @@ shift) and drops the accepted tokens of a step that reaches that cell, while the
         [--server-only]
 
 Exits 1 on any mismatch, 2 on a usage error or when llama-server fails.
+
+Building llama-server from the vendored tree (V = the llama.cpp the wheel was built from; -j as the machine allows):
+
+    cmake -S $V -B build-server -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+        -DCMAKE_BUILD_TYPE=Release
+    cmake --build build-server --target llama-server -j2      # -> build-server/bin/llama-server
 """
 
 from __future__ import annotations

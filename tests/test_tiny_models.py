@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import dflash_runtime
+from dflash_runtime import load_pair
 from dflash_runtime.backends import load_backends
 from dflash_runtime.testing import (
     BROKEN_KINDS,
@@ -733,3 +734,18 @@ def test_mtp_block_predicts_the_target(cache: Path, head: str, lowest: float, hi
     new = range(len(prompt) - 1, len(tokens) - 1)  # guesses of generated tokens
     rate = sum(guesses[k] == tokens[k + 1] for k in new) / len(new)
     assert lowest <= rate <= highest, (head, rate)
+
+
+def test_the_mtp_block_leaves_the_trunk_alone(cache: Path) -> None:
+    """The engine, plain or with the DFlash draft (which taps trunk layers), runs the MTP target exactly as the same
+    target without the block: same tokens, same drafted, accepted and verify-step counts."""
+    runs = []
+    for mtp_layers in (1, 0):
+        pair = tiny_pair("hybrid", "dflash2", head="phrase", mtp_layers=mtp_layers, cache_dir=cache)
+        with load_pair(pair.target, pair.draft, n_ctx=256, draft_capacity=7) as engine:
+            fast = engine.generate("Hello world", max_tokens=32, method="dflash", draft_length=7)
+            engine.reset()
+            plain = engine.generate("Hello world", max_tokens=32, speculative=False)
+        assert fast.tokens == plain.tokens
+        runs.append((fast.tokens, fast.stats.drafted, fast.stats.accepted, fast.stats.verify_steps))
+    assert runs[0] == runs[1] and runs[0][2] > 0

@@ -18,6 +18,13 @@ shift) and drops the accepted tokens of a step that reaches that cell, while the
         [--server-only]
 
 Exits 1 on any mismatch, 2 on a usage error or when llama-server fails.
+
+Building llama-server from the vendored tree (V = the llama.cpp the wheel was built from; -j as the machine allows):
+
+    cmake -S $V -B build-server -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+        -DCMAKE_BUILD_TYPE=Release
+    cmake --build build-server --target llama-server -j2      # -> build-server/bin/llama-server
 """
 
 from __future__ import annotations
@@ -204,10 +211,7 @@ def engine_outcome(engine: Engine, args: argparse.Namespace, tokens: list[int], 
     if not args.reuse:
         engine.reset()
     common = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=args.p_min)
-    if draft == MTP:
-        r = engine.generate(tokens, method="mtp", draft_length=n_max, **common)
-    else:
-        r = engine.generate(tokens, draft_max=n_max, **common)
+    r = engine.generate(tokens, method="mtp" if draft == MTP else "dflash", draft_length=n_max, **common)
     s = r.stats
     return Outcome(tuple(r.tokens), r.text, s.drafted, s.accepted, s.verify_steps)
 
@@ -222,11 +226,10 @@ def compare_pair(args: argparse.Namespace, target: str, draft: str, head: str, l
         if target != "hybrid":
             raise UsageError(f"draft {MTP} needs the hybrid target (only qwen35 targets carry an MTP block)")
         pair = tiny_pair(target, None, head=head, mtp_layers=1)
-        opened = load_pair(pair.target, None, n_ctx=args.n_ctx, n_threads=args.threads)
     else:
         pair = tiny_pair(target, draft, head=head)
-        opened = load_pair(pair.target, pair.draft, n_ctx=args.n_ctx, draft_capacity=max(args.n_max),
-                           n_threads=args.threads)
+    opened = load_pair(pair.target, pair.draft, n_ctx=args.n_ctx, draft_capacity=max(args.n_max),
+                       n_threads=args.threads)
     name = f"{target}/{draft}/{head}"
     rows: list[Row] = []
     with opened as eng:

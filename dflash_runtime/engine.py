@@ -74,6 +74,7 @@ class Engine:
         self._policies: dict[str, DraftPolicy] = {}
         self.template = self._load_template()
         self._controls: list[ControlToken] | None = None
+        self._sampling_defaults = pair.sampling_defaults()
 
     # -- the pair's facts ---------------------------------------------------------------------------------------
 
@@ -216,6 +217,13 @@ class Engine:
         with self._occupancy.exclusive():
             self._parts.cache.clear()
 
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The target's recommended sampling from its `general.sampling.*` keys, only those present, named as this
+        engine's stream arguments (temperature, top_k, top_p, min_p): `engine.stream(p, **engine.sampling_defaults())`.
+        """
+        self.check_open()
+        return dict(self._sampling_defaults)
+
     def info(self) -> dict[str, Any]:
         with self._open_native():
             pair, spec, store = self.pair, self.pair.spec, self._parts.cache.checkpoints
@@ -237,6 +245,7 @@ class Engine:
                 "checkpoints": store.describe() if store is not None else None,
                 "chat_template": self.template is not None,
                 "supports_thinking": bool(self.template and self.template.supports_thinking),
+                "sampling_defaults": dict(self._sampling_defaults),
                 "llama_cpp_version": llama_cpp.__version__,
             }
 

@@ -21,7 +21,11 @@ from .gguf_meta import GGUFInfo, read_gguf
 from .native import DFlashApi, dflash_api
 from .validation import DraftSpec, validate_pair
 
-DEFAULT_DRAFT_CAPACITY = 7  # verify batches of ≤ 8 rows stay on CUDA's small-batch kernels
+DEFAULT_DRAFT_CAPACITY = 7
+# The model's recommended sampling (llama.h LLAMA_MODEL_META_KEY_SAMPLING_*), named as Engine.stream's arguments and
+# parsed as llama.cpp's common/common.cpp does: top_k an integer, the others floats.
+SAMPLING_META_KEYS = {"temperature": ("general.sampling.temp", float), "top_k": ("general.sampling.top_k", int),
+                      "top_p": ("general.sampling.top_p", float), "min_p": ("general.sampling.min_p", float)}  # verify batches of ≤ 8 rows stay on CUDA's small-batch kernels
 _backend_ready = False
 _live_handles = 0
 _live_lock = threading.Lock()
@@ -268,3 +272,15 @@ class LinkedPair:
         """A GGUF metadata value as libllama reads it."""
         model = self.draft_model if draft else self.target_model
         return _meta_str(model, key) if model else None
+
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The target's `general.sampling.*` values that are present (and parse), keyed like Engine.stream's
+        arguments: temperature, top_k, top_p, min_p."""
+        out: dict[str, float | int] = {}
+        for name, (key, kind) in SAMPLING_META_KEYS.items():
+            raw = self.meta(key)
+            if raw is None:
+                continue
+            with contextlib.suppress(ValueError):
+                out[name] = int(raw.strip()) if kind is int else round(float(raw), 6)
+        return out

@@ -143,9 +143,9 @@ def format_results(results: dict[str, Any]) -> str:
     rows = []
     for name, pair in results["pairs"].items():
         for mode, r in pair["modes"].items():
-            rows.append((name, pair["open_s"], mode, r["tok_s"], r["speedup"], r["acceptance_rate"], r["mean_accepted_length"],
-                         r["step_ms"], r["host_ms_per_step"], r["checkpoint_ms_per_request"],
+            rows.append((name, pair["open_s"], mode, r["tok_s"], r["speedup"], r["acceptance_rate"],
+                         r["mean_accepted_length"], r["step_ms"], r["host_ms_per_step"], r["checkpoint_ms_per_request"],
                          r["checkpoint_bytes_per_request"] / 2**20))
-    headers = ("pair", "open s", "mode", "tok/s", "vs plain", "accept", "mean len", "step ms", "host ms/step", "ckpt ms/req",
-               "ckpt MiB/req")
+    headers = ("pair", "open s", "mode", "tok/s", "vs plain", "accept", "mean len", "step ms", "host ms/step",
+               "ckpt ms/req", "ckpt MiB/req")
     return table(headers, rows)

@@ -9,6 +9,7 @@ merges costs a fraction of a second instead of the half-minute `gguf.GGUFReader`
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import struct
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ def _check_file(path: Path) -> None:
 # GGUF value types (gguf-py's GGUFValueType): struct format of the fixed-size ones; 8 = string, 9 = array.
 _FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 SMALL_ARRAY = 64  # numeric arrays up to this length are decoded (layer lists, rope sections); longer ones counted
 
 
@@ -96,9 +98,10 @@ class _Header:
     def array(self) -> Any:
         etype, count = self.take("<I"), self.take("<Q")
         if etype == _STRING:
-            unpack, pos = struct.Struct("<Q").unpack_from, self.pos
-            for _ in range(count):  # step over the strings: only their length prefixes are read
-                pos += 8 + unpack(self.buf, pos)[0]
+            unpack, buf, pos = _U64.unpack_from, self.buf, self.pos
+            for _ in itertools.repeat(None, count):  # step over the strings: only their length prefixes are read
+                (n,) = unpack(buf, pos)
+                pos += 8 + n
             if pos > len(self.buf):
                 raise ValueError("a string array runs past the end of the file")
             self.pos = pos
@@ -119,19 +122,21 @@ class _Header:
         return [int(v) if float(v).is_integer() else float(v) for v in values]
 
 
-# (block size, bytes per block) of ggml types that an older gguf package may not know.
-_EXTRA_QUANT_SIZES = {40: (64, 36)}  # NVFP4: 4 UE4M3 scales + 32 bytes of e2m1 pairs per 64 values
+# ggml type id -> (values per block, bytes per block), as gguf-py's GGML_QUANT_SIZES (a test keeps them equal):
+# a table here, so that reading a header never imports the gguf package (about a second on a busy machine).
+GGML_TYPE_SIZES = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),
+    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292), 16: (256, 66),
+    17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82), 23: (256, 136),
+    24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2), 34: (256, 54),
+    35: (256, 66), 39: (32, 17), 40: (64, 36), 41: (128, 18),
+}
 
 
-def _tensor_bytes(ggml_type: int, shape: tuple[int, ...]) -> int | None:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    try:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    except (ValueError, KeyError):
-        if ggml_type not in _EXTRA_QUANT_SIZES:
-            return None  # a type this reader cannot size: libllama checks it when it loads
-        block, size = _EXTRA_QUANT_SIZES[ggml_type]
+def _tensor_bytes(ggml_type: int, shape: tuple[int, ...]) -> int:
+    if ggml_type not in GGML_TYPE_SIZES:
+        raise ValueError(f"unknown ggml tensor type {ggml_type}")
+    block, size = GGML_TYPE_SIZES[ggml_type]
     n = 1
     for d in shape:
         n *= d
@@ -144,8 +149,7 @@ def _check_data(keys: dict[str, Any], header_end: int, file_size: int,
     alignment = int(keys.get("general.alignment", 32))
     data_start = -(-header_end // alignment) * alignment
     for name, ggml_type, shape, offset in tensors:
-        nbytes = _tensor_bytes(ggml_type, shape) or 0
-        if data_start + offset + nbytes > file_size:
+        if data_start + offset + _tensor_bytes(ggml_type, shape) > file_size:
             raise ValueError(f"tensor {name} runs past the end of the file ({file_size} bytes)")
 
 

@@ -21,11 +21,11 @@ from .gguf_meta import GGUFInfo, read_gguf
 from .native import DFlashApi, dflash_api
 from .validation import DraftSpec, validate_pair
 
-DEFAULT_DRAFT_CAPACITY = 7
+DEFAULT_DRAFT_CAPACITY = 7  # verify batches of ≤ 8 rows stay on CUDA's small-batch kernels
 # The model's recommended sampling (llama.h LLAMA_MODEL_META_KEY_SAMPLING_*), named as Engine.stream's arguments and
 # parsed as llama.cpp's common/common.cpp does: top_k an integer, the others floats.
 SAMPLING_META_KEYS = {"temperature": ("general.sampling.temp", float), "top_k": ("general.sampling.top_k", int),
-                      "top_p": ("general.sampling.top_p", float), "min_p": ("general.sampling.min_p", float)}  # verify batches of ≤ 8 rows stay on CUDA's small-batch kernels
+                      "top_p": ("general.sampling.top_p", float), "min_p": ("general.sampling.min_p", float)}
 _backend_ready = False
 _live_handles = 0
 _live_lock = threading.Lock()
@@ -74,6 +74,13 @@ def _init_backend() -> None:
         _log.install()
         load_backends()
         _backend_ready = True
+
+
+def init_native(verbose: bool = False) -> None:
+    """ggml's backends loaded and libllama's log routed (errors only unless verbose), for callers such as
+    `llama_model_quantize` that use libllama without opening a pair."""
+    _logger.set_verbose(verbose)
+    _init_backend()
 
 
 class _Owned:

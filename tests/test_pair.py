@@ -21,7 +21,7 @@ from dflash_runtime import (
 )
 from dflash_runtime.batches import TokenBatch
 from dflash_runtime.drafter import BlockDrafter
-from dflash_runtime.gguf_meta import read_gguf
+from dflash_runtime.gguf_meta import GGML_TYPE_SIZES, read_gguf
 from dflash_runtime.native import DFlashApi, dflash_api, missing_symbols
 from dflash_runtime.pair import LinkedPair, live_handles
 from dflash_runtime.testing.tiny_models import write_broken_draft
@@ -195,6 +195,12 @@ def test_header_reader_agrees_with_gguf_py(target: str, draft: str) -> None:
     for path in (files.target, files.draft):
         info = read_gguf(path)
         assert (info.keys, info.tensor_shapes, info.tensor_types) == _gguf_reader_facts(path)
+
+
+def test_the_type_size_table_is_gguf_py_s() -> None:
+    known = {int(t): sizes for t, sizes in gguf.GGML_QUANT_SIZES.items()}
+    shared = known.keys() & GGML_TYPE_SIZES.keys()
+    assert {t: GGML_TYPE_SIZES[t] for t in shared} == {t: known[t] for t in shared} and len(shared) >= 30
 
 
 def test_a_truncated_header_is_a_model_file_error(tmp_path: Path) -> None:

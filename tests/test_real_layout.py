@@ -72,7 +72,7 @@ def test_headers_have_the_real_layout_and_validate_fast(real_pair: RealLayoutPai
     assert set(draft.tensor_types.values()) == {Q4_K, Q6_K, F32} and len(draft.tensor_types) == 81
     assert draft.keys["dflash.attention.sliding_window"] == 2048 and draft.keys["dflash.attention.causal"] is False
     assert spec.target_layer_ids == (1, 3, 4, 6, 7) and spec.block_size == 8 and spec.is_dflash2
-    assert not spec.causal and spec.selector_top_k == 16
+    assert not spec.causal and spec.selector_top_k == 15
 
 
 def test_libllama_opens_the_pair_within_budget(opened: tuple[Any, float]) -> None:

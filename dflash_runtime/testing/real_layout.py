@@ -132,6 +132,9 @@ def _build(cache: Path, out: Path, pair: RealLayoutPair, seed: int, log: Callabl
         out.mkdir(parents=True, exist_ok=True)
         os.replace(work / "draft.gguf", pair.draft)
         os.replace(work / "target.gguf", pair.target)  # last: its presence with the draft's means "done"
+    for stale in cache.glob("pair-*"):  # pairs of older generator inputs: nothing reads them any more
+        if stale != out:
+            shutil.rmtree(stale, ignore_errors=True)
     log(f"real-layout pair: built in {time.monotonic() - started:.0f} s under {out}")
 
 
@@ -200,9 +203,9 @@ def quantize(src: Path, dst: Path, ftype: str) -> None:
     """llama_model_quantize through llama_cpp's binding; a refused type or file is an error, not a fallback."""
     from llama_cpp import llama_cpp as ll
 
-    from ..backends import load_backends
+    from ..pair import init_native
 
-    load_backends()
+    init_native()
     params = ll.llama_model_quantize_default_params()
     params.ftype = getattr(ll, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = os.cpu_count() or 2

@@ -47,7 +47,8 @@ PRETOKENIZER_REGEX = (
 )
 SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}  # Qwen's recommended (thinking mode)
 
-# Scaled sizes. Widths divide by 256 so that the draft's K-quants apply to every matrix, as in the real file.
+# Scaled sizes. Widths divide by 256 so that the draft's K-quants apply to every matrix, as in the real file (the
+# selector's rank stays the real 256 for the same reason).
 WIDTH = 256
 TARGET = {
     "n_layer": 8, "n_ff": 512, "n_head": 4, "n_head_kv": 1, "head_dim": 256, "lin_k_heads": 2, "lin_v_heads": 6,
@@ -55,7 +56,9 @@ TARGET = {
 }
 DRAFT = {
     "n_layer": 5, "n_ff": 512, "n_head": 4, "n_head_kv": 1, "head_dim": 128, "block_size": 8, "conv_kernel": 2,
-    "conv_group": 16, "selector_rank": 256, "selector_top_k": 16, "sliding_window": 2048,
+    "conv_group": 16, "selector_rank": 256, "sliding_window": 2048,
+    # libllama needs width ≥ top_k × (top_k + 1) for the selector lattice: 15 is the largest for 256 (real: 16)
+    "selector_top_k": 15,
     "target_layer_ids": [0, 2, 3, 5, 6],  # HF ids; the GGUF stores them + 1
 }
 

@@ -39,7 +39,7 @@ import llama_cpp
 imported_only = [name for name in ("libggml-cpu", "libggml-cuda") if name in maps()]
 from dflash_runtime import backends, load_pair
 report = backends.backend_report()
-with load_pair(sys.argv[1], sys.argv[2], n_ctx=512, draft_max=7) as engine:
+with load_pair(sys.argv[1], sys.argv[2], n_ctx=512, draft_capacity=7) as engine:
     result = engine.generate(sys.argv[3], max_tokens=24)
     plain = engine.generate(sys.argv[3], max_tokens=24, speculative=False)
 print(json.dumps({
@@ -89,7 +89,7 @@ def run_child(site: Path, *args: str, extra_env: dict[str, str] | None = None) -
 def test_a_module_that_cannot_load_is_skipped_and_the_cpu_generates(package_with_stand_in: tuple[Path, Path]) -> None:
     site, _ = package_with_stand_in
     files = pair_files("hybrid", "dflash2", head="shaped")
-    with load_pair(files.target, files.draft, n_ctx=512, draft_max=7) as engine:
+    with load_pair(files.target, files.draft, n_ctx=512, draft_capacity=7) as engine:
         expected = engine.generate(PROMPT, max_tokens=24).tokens
     out = run_child(site, "-c", CHILD, str(files.target), str(files.draft), PROMPT)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -81,6 +81,7 @@ def test_libllama_opens_the_pair_within_budget(opened: tuple[Any, float]) -> Non
     info = engine.info()
     assert info["target_arch"] == "qwen35" and info["hybrid"] and info["n_vocab"] == N_VOCAB
     assert info["draft_kind"] == "dflash2" and info["block_size"] == 8 and info["target_layer_ids"] == [1, 3, 4, 6, 7]
+    assert engine.methods == ("dflash", "mtp") and engine.pair.mtp_error is None  # the target's MTP layer opens too
     assert engine.pair.meta("qwen35.nextn_predict_layers") == "1"
     assert engine.token_text(THINK) == THINK_OPEN and engine.token_text(THINK_END) == THINK_CLOSE
     assert engine.token_text(MASK) == "<|audio_start|>"
@@ -96,14 +97,16 @@ def test_sampling_defaults_come_from_the_target(engine: Any) -> None:
         assert plain.sampling_defaults() == {} and plain.info()["sampling_defaults"] == {}
 
 
+@pytest.mark.parametrize("method", ["dflash", "mtp"])
 @pytest.mark.parametrize("thinking", [True, False])
-def test_greedy_speculative_equals_plain(engine: Any, thinking: bool) -> None:
+def test_greedy_speculative_equals_plain(engine: Any, thinking: bool, method: str) -> None:
+    """The engine's own plain decoding is the reference (see the numerics note in the shared layout notes)."""
     prompt = engine.chat_tokens(PROMPT, enable_thinking=thinking)
     plain = engine.generate(prompt, max_tokens=24, speculative=False)
     assert len(plain.tokens) > 0
     for length in (3, 7, "auto"):
-        spec = engine.generate(prompt, max_tokens=24, draft_max=length)
-        assert spec.tokens == plain.tokens, f"draft length {length}"
+        spec = engine.generate(prompt, max_tokens=24, method=method, draft_length=length)
+        assert spec.tokens == plain.tokens, f"{method}, draft length {length}"
         assert spec.stats.drafted > 0
 
 

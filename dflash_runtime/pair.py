@@ -74,6 +74,13 @@ def _init_backend() -> None:
         _backend_ready = True
 
 
+def init_native(verbose: bool = False) -> None:
+    """ggml's backends loaded and libllama's log routed (errors only unless verbose), for callers such as
+    `llama_model_quantize` that use libllama without opening a pair."""
+    _logger.set_verbose(verbose)
+    _init_backend()
+
+
 class _Owned:
     """Native handles freed in reverse order of creation, whether construction finished or not."""
 

@@ -21,6 +21,7 @@ from dflash_runtime import (
 )
 from dflash_runtime.batches import TokenBatch
 from dflash_runtime.dflash import BlockDrafter
+from dflash_runtime.gguf_meta import GGML_TYPE_SIZES, read_gguf
 from dflash_runtime.native import DFlashApi, dflash_api, missing_symbols
 from dflash_runtime.pair import LinkedPair, live_handles
 from dflash_runtime.testing.tiny_models import write_broken_draft
@@ -168,3 +169,44 @@ def test_one_dflash2_block_gives_candidates_in_the_vocabulary(target: str) -> No
         # The block's cells are gone again: the draft cache ends where the target's does.
         assert ll.llama_memory_seq_pos_max(ll.llama_get_memory(eng.draft_ctx), 0) == before == pos0 - 1
         drafter.free()
+
+
+def _gguf_reader_facts(path: Path) -> tuple[dict, dict, dict]:
+    """What validation reads, decoded by gguf-py's full reader: the reference for the header reader."""
+    reader = gguf.GGUFReader(path)
+    keys = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            if field.types[1] == gguf.GGUFValueType.STRING or len(field.data) > 64:
+                keys[name] = len(field.data)
+            else:
+                keys[name] = [int(v) if float(v).is_integer() else float(v) for v in field.contents()]
+        else:
+            keys[name] = field.contents()
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+    return keys, shapes, {t.name: int(t.tensor_type) for t in reader.tensors}
+
+
+@pytest.mark.parametrize(("target", "draft"), ALL_PAIRS, ids=PAIR_IDS)
+def test_header_reader_agrees_with_gguf_py(target: str, draft: str) -> None:
+    files = pair_files(target, draft)
+    for path in (files.target, files.draft):
+        info = read_gguf(path)
+        assert (info.keys, info.tensor_shapes, info.tensor_types) == _gguf_reader_facts(path)
+
+
+def test_the_type_size_table_is_gguf_py_s() -> None:
+    known = {int(t): sizes for t, sizes in gguf.GGML_QUANT_SIZES.items()}
+    shared = known.keys() & GGML_TYPE_SIZES.keys()
+    assert {t: GGML_TYPE_SIZES[t] for t in shared} == {t: known[t] for t in shared} and len(shared) >= 30
+
+
+def test_a_truncated_header_is_a_model_file_error(tmp_path: Path) -> None:
+    source = pair_files("dense", "dflash2").draft.read_bytes()
+    for cut in (6, 24, 1000, len(source) // 40):
+        bad = tmp_path / f"cut-{cut}.gguf"
+        bad.write_bytes(source[:cut])
+        with pytest.raises(ModelFileError, match="not a readable GGUF file"):
+            read_gguf(bad)

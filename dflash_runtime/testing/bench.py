@@ -2,9 +2,12 @@
 
     python -m dflash_runtime.testing.bench --pairs matrix --runs 3 --max-tokens 128 --draft-max 3,7,auto
     python -m dflash_runtime.testing.bench --pairs hybrid:soft:512 --temperature 0.6 --verify sample,match
+    python -m dflash_runtime.testing.bench --pairs real --runs 1 --max-tokens 32
 
-`--pairs`: 'matrix' (widths 512 and 1024 × random/const heads × dense/hybrid targets) or a comma list of
-target:head:width (DFlash 2 drafts). Every other option is the bench's (see `python -m dflash_runtime bench -h`).
+`--pairs`: a comma list of 'matrix' (widths 512 and 1024 × random/const heads × dense/hybrid targets),
+target:head:width (DFlash 2 drafts) and 'real' (the pair in the real files' layout: NVFP4 + Q8_0 hybrid target with
+an MTP layer, Q4_K_M draft, the full Qwen3.5 vocabulary; see real_layout.py, built on first use). Every other option
+is the bench's (see `python -m dflash_runtime bench -h`); the table reports each pair's open time.
 """
 
 from __future__ import annotations
@@ -15,19 +18,28 @@ from collections.abc import Sequence
 
 from ..cli import add_bench_args, run_bench_cli
 from ..errors import DFlashError
+from .real_layout import real_layout_pair
 from .tiny_models import tiny_pair
+
+REAL = "real"
 
 
 def tiny_targets(spec: str) -> list[tuple[str, str, str]]:
-    if spec == "matrix":
-        items = [(k, h, w) for w in (512, 1024) for h in ("random", "const") for k in ("dense", "hybrid")]
-    else:
-        items = []
-        for part in spec.split(","):
+    items: list[tuple[str, str, int]] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if part == "matrix":
+            items += [(k, h, w) for w in (512, 1024) for h in ("random", "const") for k in ("dense", "hybrid")]
+        elif part == REAL:
+            items.append((REAL, "", 0))
+        else:
             kind, head, width = part.split(":")
             items.append((kind, head, int(width)))
     out = []
     for kind, head, width in items:
+        if kind == REAL:
+            real = real_layout_pair()
+            out.append(("real-layout", str(real.target), str(real.draft)))
+            continue
         p = tiny_pair(kind, "dflash2", head=head, n_embd=width, dims="scaled" if width >= 256 else "tiny")
         out.append((f"{kind}-{head}-{width}", str(p.target), str(p.draft)))
     return out
@@ -36,7 +48,7 @@ def tiny_targets(spec: str) -> list[tuple[str, str, str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_runtime.testing.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", default="matrix", help="'matrix' or target:head:width,...")
+    parser.add_argument("--pairs", default="matrix", help="matrix, target:head:width, real (comma list)")
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--gpu-layers", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)

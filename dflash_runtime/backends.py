@@ -50,15 +50,13 @@ def ggml_library() -> ctypes.CDLL:
 
 
 def wheel_loader() -> ModuleType | None:
-    """The wheel's own backend loader (`llama_cpp._backend_modules`), None for a build without it. Imports
-    llama_cpp (which loads no backend)."""
-    import llama_cpp.llama_cpp  # binds libllama: the loader knows its folder from then on
-
+    """The wheel's own backend loader (`llama_cpp._backend_modules`), None for a build without it (or one whose
+    llama_cpp.py lacks the hook that binds it to libllama). Imports llama_cpp, which loads no backend."""
     try:
-        from llama_cpp import _backend_modules
+        from llama_cpp import _backend_modules  # the package's import binds libllama: the hook has run
     except ImportError:
         return None
-    return _backend_modules
+    return _backend_modules if _backend_modules.library_dir() is not None else None
 
 
 def backends_loaded() -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,19 @@ if len(sys.argv) > 1:  # then one binding that needs backends, alone
     facts |= {"after_mapped": mapped("libggml-cpu.so"), "after_registered": reg_count(),
               "after_loaded": loader.backends_loaded()}
 print(json.dumps(facts))
+"""
+# A package whose backend modules cannot load: the loader says so before libllama's "Failed to load model".
+NO_BACKEND = """
+import json, sys, warnings
+from llama_cpp import Llama
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+        Llama(model_path=sys.argv[1], verbose=False)
+        error = None
+    except ValueError as failure:
+        error = str(failure)
+print(json.dumps({"warnings": [str(w.message) for w in caught if w.category is RuntimeWarning], "error": error}))
 """
 # Plain Llama first, dflash_runtime after it; or the other way round.
 PLAIN_THEN_DFLASH = MAPS + """
@@ -129,6 +143,7 @@ def run_fresh(code: str, *args: str, cwd: Path, with_project: bool = False) -> d
 def recipe():
     spec = importlib.util.spec_from_file_location("build_wheel_for_plain_tests", RECIPE)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -177,15 +192,34 @@ def test_a_binding_that_needs_backends_loads_them_first(tmp_path: Path, binding:
     assert child["after_mapped"] == ["libggml-cpu.so"] and child["after_registered"] == 1 and child["after_loaded"]
 
 
+def test_a_package_whose_modules_cannot_load_says_so(tmp_path: Path) -> None:
+    """The CPU module replaced by a file that is no library: the warning names it, and only it (libggml-base.so is a
+    library libggml links, not a module), and the model load then fails as libllama makes it fail."""
+    site = tmp_path / "site"
+    shutil.copytree(backends.library_dir().parent, site / "llama_cpp", ignore=shutil.ignore_patterns("__pycache__"))
+    assert (site / "llama_cpp" / "lib" / "libggml-base.so").is_file()
+    (site / "llama_cpp" / "lib" / "libggml-cpu.so").write_bytes(b"not a shared library")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_LIBRARY_PATH", "GGML_BACKEND_PATH")}
+    target = pair_files("dense", "dflash2").target
+    out = subprocess.run([sys.executable, "-c", NO_BACKEND, str(target)], cwd=tmp_path, capture_output=True,
+                         text=True, env={**env, "PYTHONPATH": str(site)}, timeout=CHILD_TIMEOUT_S)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    child = json.loads(out.stdout.strip().splitlines()[-1])
+    lib = site / "llama_cpp" / "lib"
+    assert child["warnings"] == [
+        f"no ggml backend could be loaded from {lib} (backend modules there: libggml-cpu.so); llama.cpp cannot open "
+        "a model"
+    ]
+    assert child["error"] is not None and "Failed to load model" in child["error"]
+
+
 def test_every_named_binding_goes_through_the_loader() -> None:
     """A name in NEEDS_BACKENDS that llama_cpp does not bind (a typo, a renamed function) would protect nothing."""
     import llama_cpp
     from llama_cpp import _backend_modules as loader
 
-    unbound = sorted(name for name in loader.NEEDS_BACKENDS if not hasattr(llama_cpp.llama_cpp, name))
-    assert unbound == []
-    plain = sorted(name for name in loader.NEEDS_BACKENDS if not hasattr(getattr(llama_cpp, name), "native"))
-    assert plain == []
+    assert loader.wrapped_bindings() == loader.NEEDS_BACKENDS
+    assert llama_cpp.llama_model_load_from_file.native is not None
     assert not hasattr(llama_cpp.llama_decode, "native"), "per-token bindings stay plain ctypes functions"
 
 

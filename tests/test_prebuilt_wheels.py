@@ -394,7 +394,9 @@ def test_source_patch_is_part_of_every_variants_configuration(
     assert cuda.config.key_material()["source_patch"] == cpu.config.key_material()["source_patch"] == digest
     for variant in (["--nvcc", str(nvcc)], ["--cpu"]):
         result = run_recipe("--dry-run", *variant, "--build-root", str(tmp_path / "build"))
-        assert f"# source patch {digest[:12]}: copy prebuilt_wheels/llama_cpp_patch/_backend_modules.py" in result.stdout
+        assert f"# source patch {digest[:12]}: copy prebuilt_wheels/llama_cpp_patch/_backend_modules.py" in (
+            result.stdout
+        )
     keys = {plan.config.variant: (plan.config.key(), plan.config.compile_key()) for plan in (cuda, cpu)}
     changed = tmp_path / "_backend_modules.py"
     changed.write_bytes(recipe.PATCH_MODULE_SOURCE.read_bytes() + b"# another version\n")

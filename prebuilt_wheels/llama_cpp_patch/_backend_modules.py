@@ -18,8 +18,9 @@ import ctypes
 import functools
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # The bindings whose C functions need a registered backend: model loading (it refuses to start without one), context
 # creation, and the calls that ask ggml for devices or CPU features (libllama's own fallback for these,
@@ -46,6 +47,7 @@ _lib: ctypes.CDLL | None = None
 _lib_dir: Path | None = None
 _done = False
 _from_folder = False
+_wrapped: set[str] = set()  # the names in NEEDS_BACKENDS that llama_cpp has bound through loading_backends_first
 
 
 def library_dir() -> Path | None:
@@ -60,6 +62,11 @@ def backend_modules(folder: Path | None = None) -> list[str]:
         return []
     names = (p.name for p in folder.iterdir() if p.name.startswith("libggml-") and p.name.endswith(".so"))
     return sorted(n for n in names if not n.startswith(_NOT_MODULES))
+
+
+def wrapped_bindings() -> frozenset[str]:
+    """The bindings that load the backends first (NEEDS_BACKENDS, less any that this llama_cpp does not bind)."""
+    return frozenset(_wrapped)
 
 
 def backends_loaded() -> bool:
@@ -119,6 +126,7 @@ def loading_backends_first(ctypes_function: Callable[..., Any], lib: ctypes.CDLL
                 return native(*args)
 
             call.native = native  # type: ignore[attr-defined]
+            _wrapped.add(name)
             return call
 
         return decorator

@@ -14,7 +14,7 @@ import gradio as gr
 from starlette.middleware import Middleware
 
 from dflash_runtime.space.callers import HangUpWatch
-from dflash_runtime.space.endpoints import PageHandlers, make_api, plot_frame
+from dflash_runtime.space.endpoints import API_PARAMETERS, PageHandlers, make_api, plot_frame
 from dflash_runtime.space.highlight import CSS, LEGEND
 from dflash_runtime.space.provenance import ACCEPTANCE, SERIES_COLOURS, SPEED
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT
@@ -192,7 +192,8 @@ if __name__ == "__main__":
     SERVICE.download.start()  # the web process fetches the files while the page is already up
     # api_open=False: the REST route /run/<name> refuses queued endpoints, so every answer goes through the queue.
     # HangUpWatch: a raw HTTP caller who closes its result stream stops its answer (see dflash_runtime.space.callers).
-    watch = Middleware(HangUpWatch, callers=SERVICE.callers)
+    checked = {"chat": API_PARAMETERS, "generate": API_PARAMETERS}
+    watch = Middleware(HangUpWatch, callers=SERVICE.callers, parameters=checked)
     demo.queue(api_open=False, max_size=QUEUE_SIZE, default_concurrency_limit=1).launch(
         css=CSS, max_file_size=MAX_FILE_SIZE, app_kwargs={"middleware": [watch]}
     )

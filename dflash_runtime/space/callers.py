@@ -1,4 +1,5 @@
-"""Callers that hang up: an ASGI middleware that stops the answer of a raw HTTP caller who closes its result stream.
+"""Raw HTTP calls: an ASGI middleware that refuses a call with missing values in words, and stops the answer of a
+caller who closes its result stream.
 
 Over plain HTTP a call is two requests: `POST /gradio_api/call/<name>` queues it and answers its event id, then
 `GET /gradio_api/call/<name>/<event id>` streams the result. Gradio notices a closed result stream only when it next
@@ -6,7 +7,9 @@ writes to it, and then stops a streaming handler but not a one-shot one (/genera
 end for nobody. This middleware tags each POST with a caller id (in the request's ASGI `state`, which the handler
 reads through `gr.Request`) and links the event id of its response to that id; when the client of the GET closes
 the connection before the result is complete, every job of that caller is cancelled at once (the engine stops
-between two steps). Gradio-free: plain ASGI.
+between two steps). A POST whose `data` does not hold one value per parameter would fail in Gradio with an error
+it does not show (`{"error": null}`); it is answered here, HTTP 422, with the parameters in order.
+Gradio-free: plain ASGI.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import re
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 Scope = MutableMapping[str, Any]
@@ -27,7 +30,8 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 STATE_KEY = "dflash_caller"
-_CALL = re.compile(r"/gradio_api/call/(?:v2/)?[^/]+/?$")
+_CALL = re.compile(r"/gradio_api/call/(v2/)?([^/]+)/?$")
+MAX_CHECKED_BODY = 1 << 20  # bodies up to this size are checked for their values; larger ones go through as they are
 _RESULT = re.compile(r"/gradio_api/call/(?:v2/)?[^/]+/([0-9a-f]+)/?$")
 REMEMBERED = 4096  # event ids (and callers that left) kept: far more than the queue holds
 
@@ -87,24 +91,70 @@ def caller_of(request: Any) -> str | None:
     return state.get(STATE_KEY) if isinstance(state, dict) else None
 
 
-class HangUpWatch:
-    """The ASGI middleware (see the module doc); `callers` is shared with the service."""
+def missing_values(body: bytes, parameters: Sequence[str]) -> str | None:
+    """What is wrong with a list-form call body for an endpoint of these parameters, or None (also when it is not
+    JSON at all: Gradio answers that itself)."""
+    try:
+        data = json.loads(body).get("data")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(data, list) or len(data) == len(parameters):
+        return None
+    return f"data must hold {len(parameters)} values, in this order: {', '.join(parameters)} (got {len(data)})"
 
-    def __init__(self, app: ASGIApp, callers: Callers) -> None:
+
+class HangUpWatch:
+    """The ASGI middleware (see the module doc); `callers` is shared with the service, `parameters` names each
+    checked endpoint's parameters in order."""
+
+    def __init__(self, app: ASGIApp, callers: Callers, parameters: Mapping[str, Sequence[str]] | None = None) -> None:
         self.app = app
         self.callers = callers
+        self.parameters = dict(parameters or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        if scope.get("method") == "POST" and _CALL.search(path):
+        if scope.get("method") == "POST" and (match := _CALL.search(path)):
+            if not match.group(1) and match.group(2) in self.parameters:
+                receive = await self._checked(self.parameters[match.group(2)], receive, send)
+                if receive is None:
+                    return
             await self._queued(scope, receive, send)
         elif scope.get("method") == "GET" and (match := _RESULT.search(path)):
             await self._streamed(match.group(1), scope, receive, send)
         else:
             await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _checked(parameters: Sequence[str], receive: Receive, send: Send) -> Receive | None:
+        """Read the body; refuse it (None) if values are missing, else a `receive` that hands it on unchanged."""
+        messages: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if not message.get("more_body") or size > MAX_CHECKED_BODY:
+                break
+        complete = messages[-1]["type"] == "http.request" and not messages[-1].get("more_body")
+        problem = missing_values(b"".join(m.get("body", b"") for m in messages), parameters) if complete else None
+        if problem is not None:
+            payload = json.dumps({"detail": problem}).encode()
+            await send({"type": "http.response.start", "status": 422,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(payload)).encode())]})  # fmt: skip
+            await send({"type": "http.response.body", "body": payload})
+            return None
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        return replay
 
     async def _queued(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Tag the call with a caller id and link the event id Gradio answers with to it."""

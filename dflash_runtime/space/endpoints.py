@@ -27,6 +27,9 @@ from .views import EMPTY_STATS, WAITING_STATS, acceptance_rows, info_markdown, s
 
 log = logging.getLogger(__name__)
 ApiReply = tuple[str, dict[str, Any]]
+# /chat's and /generate's parameters, in order (a raw HTTP call sends one value for each; see callers.py)
+API_PARAMETERS = ("message", "history", "system_prompt", "preset", "max_tokens", "temperature", "top_p", "draft_max",
+                  "speculative", "thinking")  # fmt: skip
 
 
 def visitor_message(error: Exception) -> tuple[str, str]:

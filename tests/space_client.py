@@ -17,11 +17,10 @@ import httpx
 from gradio_client import Client
 
 from dflash_runtime import load_pair
+from dflash_runtime.space.endpoints import API_PARAMETERS
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
 
 Message = dict[str, str]
-API_PARAMETERS = ("message", "history", "system_prompt", "preset", "max_tokens", "temperature", "top_p", "draft_max",
-                  "speculative", "thinking")  # fmt: skip
 
 
 def demo_pair() -> TinyPair:

@@ -45,6 +45,7 @@ def server() -> Iterator[RunningApp]:
         "DFLASH_N_CTX": str(N_CTX),
         "DFLASH_MAX_INPUT_CHARS": str(MAX_INPUT_CHARS),
         "DFLASH_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
+        "DFLASH_DIAGNOSTICS": "1",  # /info shows the worker's last request: what a cancelled chat did
     }
     with running_app(env, REPO_ROOT / "test-artifacts" / "app_api_server.log") as app:
         yield app

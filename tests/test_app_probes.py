@@ -42,7 +42,7 @@ GOOD = chat_args("the quick brown fox", max_tokens=24)
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningApp]:
     env = {"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX), "DFLASH_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
-           "HF_TOKEN": SECRET}  # fmt: skip
+           "HF_TOKEN": SECRET, "DFLASH_DIAGNOSTICS": "1"}  # fmt: skip
     with running_app(env, REPO_ROOT / "test-artifacts" / "app_probes_server.log") as app:
         yield app
 

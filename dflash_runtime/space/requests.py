@@ -17,6 +17,8 @@ from typing import Any
 from ..errors import RequestError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# The page's system prompt: every visitor can send it, so the prompt tokens it renders to are public (see host.py).
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 Message = dict[str, str]
 TEMPERATURE_RANGE = (0.0, 2.0)
 TOP_P_RANGE = (0.01, 1.0)

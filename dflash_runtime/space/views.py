@@ -43,8 +43,10 @@ def stats_markdown(stats: Mapping[str, Any]) -> str:
     if not stats or "decode_tok_s" not in stats:
         return EMPTY_STATS
     mode = "DFlash speculative" if stats.get("speculative") and stats.get("drafted", 0) else "plain"
+    speed = stats["decode_tok_s"]
+    speed_text = f"**{speed:.1f} tok/s** ({mode})" if speed is not None else f"… ({mode}: after the first step)"
     rows = [
-        ("Decode speed", f"**{stats['decode_tok_s']:.1f} tok/s** ({mode})"),
+        ("Decode speed", speed_text),
         ("Generated", f"{stats['n_generated']} tokens in {stats['verify_steps']} verify steps"),
         ("Acceptance rate", f"{stats['acceptance_rate']:.0%}"),
         ("Mean accepted length", f"{stats['mean_accepted_length']:.2f} tokens / step"),
@@ -87,18 +89,36 @@ def ab_markdown(
     for name, stats in (("DFlash speculative", speculative), ("Plain (target only)", plain)):
         if stats:
             acceptance = f"{stats['acceptance_rate']:.0%}" if stats.get("drafted") else "–"  # nothing drafted
+            speed = stats.get("decode_tok_s")
             lines.append(
-                f"| {name} | {stats['n_generated']} | {stats['decode_tok_s']:.1f} tok/s | {acceptance} | "
-                f"{stats.get('verify_mode', '')} |"
+                f"| {name} | {stats['n_generated']} | {'…' if speed is None else f'{speed:.1f} tok/s'} | "
+                f"{acceptance} | {stats.get('verify_mode', '')} |"
             )
         else:
             lines.append(f"| {name} | … | running | | |")
-    if speculative and plain and plain.get("decode_tok_s"):
-        speedup = speculative["decode_tok_s"] / plain["decode_tok_s"]
-        lines.append(f"\n**Speed-up: {speedup:.2f}×** (DFlash tok/s ÷ plain tok/s)")
+    if speculative and plain and plain.get("finish_reason"):
+        lines.append("\n" + speed_up_line(speculative, plain))
     if identical is not None:
         lines.append("\n" + ab_verdict(identical, temperature, seed))
     return "\n".join(lines)
+
+
+NOISE = 0.10  # speed ratios within ±10 % of 1 are what two runs of one decoder differ by on a shared machine
+
+
+def speed_up_line(speculative: Mapping[str, Any], plain: Mapping[str, Any]) -> str:
+    """The A/B speed-up, claimed only when the draft did something and the difference is beyond noise."""
+    spec_speed, plain_speed = speculative.get("decode_tok_s"), plain.get("decode_tok_s")
+    if not spec_speed or not plain_speed:
+        return "**Speed-up: not measured** (an answer too short to time)"
+    ratio = spec_speed / plain_speed
+    if not speculative.get("accepted"):
+        return (f"**Speed-up: none.** The target accepted none of the draft's tokens (acceptance 0 %), so DFlash "
+                f"cannot have gained anything; the measured ratio ({ratio:.2f}×) is noise.")  # fmt: skip
+    if abs(ratio - 1) <= NOISE:
+        return f"**Speed-up: none measurable** ({ratio:.2f}×, within the ±{NOISE:.0%} two runs differ by)"
+    slower = ": DFlash was slower here" if ratio < 1 else ""
+    return f"**Speed-up: {ratio:.2f}×** (DFlash tok/s ÷ plain tok/s{slower})"
 
 
 def ab_verdict(identical: bool, temperature: float, seed: int | None) -> str:

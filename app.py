@@ -14,7 +14,15 @@ import gradio as gr
 from starlette.middleware import Middleware
 
 from dflash_runtime.space.callers import HangUpWatch
-from dflash_runtime.space.endpoints import API_PARAMETERS, PageHandlers, make_api, plot_frame
+from dflash_runtime.space.endpoints import (
+    API_PARAMETERS,
+    PageHandlers,
+    draft_length_choices,
+    make_api,
+    method_choices,
+    plot_frame,
+    sampling_note,
+)
 from dflash_runtime.space.highlight import CSS, LEGEND
 from dflash_runtime.space.provenance import ACCEPTANCE, SERIES_COLOURS, SPEED
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT
@@ -54,7 +62,8 @@ def build_ui(service: SpaceService) -> gr.Blocks:
         gr.Markdown(
             "# DFlash 2 speculative decoding\n"
             "A block-diffusion draft proposes several tokens at once; the target checks them in one pass and keeps "
-            "what it would have written anyway. Same answers as the target alone, fewer target steps."
+            "what it would have written anyway. Same answers as the target alone, fewer target steps. Where the "
+            "target has its own multi-token-prediction (MTP) head, compare the two draft methods with the A/B button."
         )
         gr.Markdown(mode_banner(service.mode), visible=service.mode.tiny, elem_id="mode-banner")
         download_box = gr.Markdown("", visible=False, elem_id="download-status")
@@ -85,7 +94,7 @@ def build_ui(service: SpaceService) -> gr.Blocks:
                     send_button = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
                     stop_button = gr.Button("Stop", variant="stop", scale=1, min_width=80, elem_id="stop")
                 with gr.Row():
-                    ab_button = gr.Button("A/B: same prompt, plain decoding", elem_id="ab")
+                    ab_button = gr.Button("A/B: same prompt, plain vs each draft method", elem_id="ab")
                     clear_button = gr.Button("Clear", elem_id="clear")
                 gr.Examples(EXAMPLES, inputs=[message_box], label="Examples")
             with gr.Column(scale=2):
@@ -133,9 +142,16 @@ def build_ui(service: SpaceService) -> gr.Blocks:
                                            precision=0, label="Max new tokens")  # fmt: skip
                     temperature = gr.Slider(0.0, 2.0, value=defaults["temperature"], step=0.05, label="Temperature",
                                             elem_id="temperature")  # fmt: skip
-                    top_p = gr.Slider(0.01, 1.0, value=defaults["top_p"], step=0.01, label="Top-p")
-                    draft_max = gr.Slider(0, preset.draft_capacity, value=defaults["draft_max"], step=1, precision=0,
-                                          label="Draft length (0 = adaptive)")  # fmt: skip
+                    top_p = gr.Slider(0.01, 1.0, value=defaults["top_p"], step=0.01, label="Top-p", elem_id="top-p")
+                    top_k = gr.Slider(0, 200, value=defaults["top_k"], step=1, precision=0, label="Top-k (0 = off)",
+                                      elem_id="top-k")  # fmt: skip
+                    min_p = gr.Slider(0.0, 0.99, value=defaults["min_p"], step=0.01, label="Min-p", elem_id="min-p")
+                    sampling_source = gr.Markdown(sampling_note(service), elem_id="sampling-source")
+                    method = gr.Dropdown(method_choices(service), value=defaults["method"], label="Draft method",
+                                         elem_id="method")  # fmt: skip
+                    draft_length = gr.Dropdown(draft_length_choices(preset.draft_capacity),
+                                               value=defaults["draft_length"], label="Draft length",
+                                               elem_id="draft-length")  # fmt: skip
                     with gr.Row():
                         speculative = gr.Checkbox(True, label="Speculative decoding")
                         thinking = gr.Checkbox(False, label="Thinking", elem_id="thinking")
@@ -143,7 +159,8 @@ def build_ui(service: SpaceService) -> gr.Blocks:
                     info_box = gr.Markdown(handlers.about())
 
         timer = gr.Timer(1.0, active=service.download.status().state != "done")
-        settings = [system_prompt, max_tokens, temperature, top_p, draft_max, speculative, thinking]
+        settings = [system_prompt, max_tokens, temperature, top_p, top_k, min_p, method, draft_length, speculative,
+                    thinking]  # fmt: skip
         engine = {"concurrency_limit": 1, "concurrency_id": ENGINE_QUEUE, "api_visibility": "private"}
         # A message is shown at once (outside the queue), then answered in the engine's queue (see PageHandlers).
         shown_event = gr.on(
@@ -172,7 +189,9 @@ def build_ui(service: SpaceService) -> gr.Blocks:
             api_visibility="private",
         )
         highlight.change(handlers.highlight, [session, highlight], [chatbot], queue=False, api_visibility="private")
-        demo.load(handlers.page_load, None, [thinking, info_box], api_visibility="private")
+        demo.load(handlers.page_load, None,
+                  [thinking, info_box, temperature, top_p, top_k, min_p, sampling_source, method],
+                  api_visibility="private")  # fmt: skip
         timer.tick(handlers.download_tick, None, [download_box, timer], api_visibility="private")
 
         chat_api, generate_api, info_api, wait_api = make_api(service)

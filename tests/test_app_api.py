@@ -36,6 +36,8 @@ N_CTX = 1024
 MAX_INPUT_CHARS = 6000
 MAX_NEW_TOKENS = 600
 Message = dict[str, str]
+# The deprecated draft_max (0 meant "auto") is still checked, and says it is deprecated.
+OLD_DRAFT = "draft_max must be an integer in 0..7 (0 = adaptive; deprecated: use draft_length)"
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +197,7 @@ BAD_REQUESTS = [
     ({"temperature": -0.5}, "temperature must be a number in"),
     ({"temperature": 9}, "temperature must be a number in"),
     ({"top_p": 0}, "top_p must be a number in"),
-    ({"draft_max": 99}, "draft_max must be an integer in 0..7 (0 = adaptive), got 99"),
+    ({"draft_max": 99}, f"{OLD_DRAFT}, got 99"),
     ({"draft_max": -1}, "draft_max must be an integer in 0..7"),
     ({"preset": "../../etc/passwd.gguf"}, "unknown preset"),
     ({"history": [{"role": "robot", "content": "hi"}]}, "history[0] must be a dict"),
@@ -312,10 +314,10 @@ def test_generate_marks_the_text_the_draft_wrote_as_the_engine_does(client: Clie
                                                                   ) -> None:
     """A fixed draft length at temperature 0: the server's runs mark exactly the characters of the tokens that the
     engine's own token_sources call "draft", on an engine of our own opened on the same files."""
-    text, stats = client.predict(**chat_args(prompt, max_tokens=96, draft_max=7), api_name="/generate")
+    text, stats = client.predict(**chat_args(prompt, max_tokens=96, draft_length=7), api_name="/generate")
     check_runs(text, stats["source_runs"])
     result = reference.chat([{"role": "user", "content": prompt}], enable_thinking=False, max_tokens=96,
-                            temperature=0.0, draft_max=7)
+                            temperature=0.0, draft_length=7)
     assert text == result.text
     assert stats["source_runs"] == engine_runs(reference, result)
     drafted = draft_text(text, [tuple(run) for run in stats["source_runs"]])
@@ -352,7 +354,7 @@ DEMO_SYSTEM = "You are a helpful assistant."  # the page's default
 def test_the_offline_demo_drafts_adaptively_at_or_above_plain_speed(client: Client) -> None:
     """Adaptive drafting (the default) against plain decoding on the demo's pair, alternating so that the load of a
     shared CPU falls on both alike; medians of the engine's decode speed, with a tolerance for what noise remains."""
-    args = chat_args(DEMO_PROMPT, system_prompt=DEMO_SYSTEM, max_tokens=256, draft_max=0)
+    args = chat_args(DEMO_PROMPT, system_prompt=DEMO_SYSTEM, max_tokens=256, draft_length="auto")
     runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
     texts = set()
     for _ in range(4):

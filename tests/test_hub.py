@@ -227,7 +227,7 @@ def test_the_app_downloads_the_pair_in_the_web_process(tmp_path: Path) -> None:
     file_requests = [r for r in fake.requests if "/resolve/" in r.path]
     assert {r.authorization for r in file_requests} == {"Bearer hf_space_secret"}
     assert fake.get_count("tiny-target-F32.gguf") == 1 and fake.get_count("tiny-draft-F32.gguf") == 1
-    with load_pair(tiny.target, tiny.draft, n_ctx=1024, draft_max=7) as engine:
+    with load_pair(tiny.target, tiny.draft, n_ctx=1024, draft_length=7) as engine:
         messages = [{"role": "user", "content": "hello world"}]
         assert text == engine.chat(messages, enable_thinking=False, max_tokens=24, temperature=0.0).text
     assert stats["n_generated"] == 24 and stats["preset"] == "fake-hub-pair"

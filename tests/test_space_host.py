@@ -43,7 +43,7 @@ def job(message: str, max_tokens: int = 16, **fields: Any) -> GpuJob:
     preset = configured_preset(True, {"DFLASH_N_CTX": str(N_CTX)})
     pair = demo_pair()
     request = build_request(preset=preset.name, presets=[preset.name], limits=Limits(), message=message,
-                            max_tokens=max_tokens, draft_max=7, **fields)  # fmt: skip
+                            max_tokens=max_tokens, draft_length=7, **fields)  # fmt: skip
     return GpuJob(request, preset, ResolvedPair(pair.target, pair.draft))
 
 
@@ -111,7 +111,8 @@ def test_a_visitor_reuses_only_its_own_cached_prompt(host: tuple[EngineHost, Rec
     for guess in ("ZEBRA-4417", "ZEBRA-1234", "LION-0000"):
         reply(engine_host, "what is the code?", "victim", system_prompt=SECRET_SYSTEM)  # V's cache is warm again
         system = SECRET_SYSTEM.replace("ZEBRA-4417", guess)
-        guesses[guess] = reply(engine_host, "what is the code?", "attacker", system_prompt=system, max_tokens=1).stats
+        guesses[guess] = reply(engine_host, "what is the code?", f"attacker-{guess}", system_prompt=system,
+                               max_tokens=1).stats  # one visitor per guess: nobody reuses own earlier guesses
     reused = {guess: stats["n_reused"] for guess, stats in guesses.items()}
     assert len(set(reused.values())) == 1, f"the reuse figure depends on the guess: {reused}"
     public = template_start()
@@ -151,7 +152,7 @@ def test_chunks_carry_what_each_step_added(host: tuple[EngineHost, RecordingLoad
     assert "draft_lengths" not in chunks[-1].stats
     with reference_engine(N_CTX) as reference:
         result = reference.chat([{"role": "user", "content": "hello there"}], enable_thinking=False, max_tokens=64,
-                                temperature=0.0, draft_max=7)  # fmt: skip
+                                temperature=0.0, draft_length=7)  # fmt: skip
     assert [n for c in chunks for n in c.draft_lengths] == result.stats.draft_lengths and result.stats.draft_lengths
     assert "".join(c.delta for c in chunks) == result.text
     known = replace(job("hello there"), engine_info_seen=info_digest(chunks[0].engine_info))

@@ -40,12 +40,21 @@ from dflash_runtime.space.runmode import (
     settle_run_mode,
 )
 from dflash_runtime.space.session import ChatSession
-from dflash_runtime.space.views import ab_markdown, acceptance_rows, info_markdown, mode_banner, scrub_paths
+from dflash_runtime.space.views import (
+    ab_markdown,
+    acceptance_rows,
+    comparison_markdown,
+    info_markdown,
+    mode_banner,
+    scrub_paths,
+)
 from dflash_runtime.space.views import stats_markdown as panel
 from dflash_runtime.stats import Stats
 
 LIMITS = Limits(max_new_tokens=4096, max_input_chars=32000, max_history_messages=256, draft_capacity=7)
 Message = dict[str, str]
+# The deprecated draft_max (0 meant "auto") is still checked, and says it is deprecated.
+OLD_DRAFT = "draft_max must be an integer in 0..7 (0 = adaptive; deprecated: use draft_length)"
 
 
 def make_request(limits: Limits = LIMITS, **fields: Any) -> ChatRequest:
@@ -136,8 +145,14 @@ def test_an_unusable_gpu_build_serves_the_offline_demo_with_the_fix() -> None:
         ("max_tokens", 64.0, "max_tokens must be an integer in 1..4096, got 64.0"),
         ("max_tokens", float("nan"), "max_tokens must be an integer in 1..4096, got nan"),
         ("max_tokens", True, "max_tokens must be an integer in 1..4096, got True"),
-        ("draft_max", "auto", "draft_max must be an integer in 0..7 (0 = adaptive), got 'auto'"),
-        ("draft_max", float("inf"), "draft_max must be an integer in 0..7 (0 = adaptive), got inf"),
+        ("draft_max", "auto", f"{OLD_DRAFT}, got 'auto'"),
+        ("draft_max", float("inf"), f"{OLD_DRAFT}, got inf"),
+        ("draft_length", 8, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got 8"),
+        ("draft_length", "3", "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got '3'"),
+        ("draft_length", True, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got True"),
+        ("method", "eagle", "method must be one of 'auto', 'dflash', 'mtp', got 'eagle'"),
+        ("top_k", -1, "top_k must be an integer in 0..1000 (0 = off), got -1"),
+        ("min_p", 1.0, "min_p must be a number in [0.0, 0.99], got 1.0"),
         ("temperature", float("nan"), "temperature must be a number in [0.0, 2.0], got nan"),
         ("temperature", "0.5", "temperature must be a number in [0.0, 2.0], got '0.5'"),
         ("top_p", float("inf"), "top_p must be a number in [0.01, 1.0], got inf"),
@@ -159,11 +174,40 @@ def test_every_field_is_checked_for_its_type_with_a_specific_message(field: str,
 
 
 def test_right_types_pass_and_keep_their_type() -> None:
-    request = make_request(max_tokens=7, temperature=1, top_p=0.5, draft_max=0, speculative=False,
+    request = make_request(max_tokens=7, temperature=1, top_p=0.5, draft_length="auto", speculative=False,
                            enable_thinking=True, system_prompt=None)  # fmt: skip
     assert request.max_tokens == 7 and isinstance(request.temperature, float) and request.temperature == 1.0
-    assert request.draft_max == "auto" and request.speculative is False and request.enable_thinking is True
-    assert request.system_prompt == "" and make_request(draft_max=3).draft_max == 3
+    assert request.draft_length == "auto" and request.speculative is False and request.enable_thinking is True
+    assert request.system_prompt == "" and make_request(draft_length=3).draft_length == 3 and not request.notes
+    old = make_request(draft_max=0)  # the deprecated spelling: 0 meant "auto"
+    assert old.draft_length == "auto" and "deprecated" in old.notes[0] and make_request(draft_max=3).draft_length == 3
+
+
+def test_a_method_the_pair_does_not_run_is_refused_before_the_gpu() -> None:
+    limits = Limits()
+    ok = build_request(preset="p", presets=["p"], limits=limits, message="hi", method="mtp", methods=["dflash", "mtp"])
+    assert ok.method == "mtp" and ok.generation_kwargs(True)["method"] == "mtp"
+    auto = build_request(preset="p", presets=["p"], limits=limits, message="hi")
+    assert auto.generation_kwargs(True)["method"] is None, "auto: the pair's default"
+    with pytest.raises(RequestError, match="method 'mtp' is not available on this pair; it runs 'dflash'"):
+        build_request(preset="p", presets=["p"], limits=limits, message="hi", method="mtp", methods=["dflash"])
+
+
+def test_the_comparison_has_a_row_per_method_and_names_a_method_that_differs() -> None:
+    plain = {**Stats(n_generated=9, decode_ms=300.0, speculative=False).to_dict(), "finish_reason": "length"}
+    dflash = Stats(n_generated=9, decode_ms=100.0, draft_capacity=3, method="dflash")
+    dflash.record_verify(3, 2, 3)
+    mtp = Stats(n_generated=9, decode_ms=150.0, draft_capacity=3, method="mtp")
+    mtp.record_verify(3, 1, 2)
+    methods = {"DFlash 2": dflash.to_dict(), "MTP (target's own head)": mtp.to_dict()}
+    summary = comparison_markdown(methods, plain, {"DFlash 2": True, "MTP (target's own head)": False})
+    rows = [line.split(" | ")[0] for line in summary.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows == ["| Decoding", "| Plain (target only)", "| DFlash 2", "| MTP (target's own head)"]
+    assert "| 67% | 3.00 |" in summary and "| 33% | 2.00 |" in summary, "acceptance and mean accepted length"
+    assert "DFlash 2: Speed-up: 3.00×" in summary and "MTP (target's own head): Speed-up: 2.00×" in summary
+    assert "NO: this is a fault" in summary and "Differs from plain: MTP (target's own head)" in summary
+    waiting = comparison_markdown({"DFlash 2": dflash.to_dict(), "MTP (target's own head)": None}, None, {})
+    assert "| MTP (target's own head) | … | running or waiting |" in waiting and "Speed-up" not in waiting
 
 
 def test_history_keeps_what_the_model_should_see() -> None:
@@ -381,7 +425,8 @@ def test_clear_cancels_the_reply_and_no_late_update_brings_the_conversation_back
 
 
 def test_statistics_panel_plot_rows_and_ab_summary() -> None:
-    stats = Stats(n_prompt=10, n_reused=4, n_prefilled=6, n_generated=9, decode_ms=100.0, draft_capacity=3)
+    stats = Stats(n_prompt=10, n_reused=4, n_prefilled=6, n_generated=9, decode_ms=100.0, draft_capacity=3,
+                  method="dflash")  # fmt: skip
     stats.record_verify(3, 2, 3)
     stats.record_verify(3, 0, 1)
     api = {**stats.to_dict(), "finish_reason": "length", "finish_detail": "max_tokens=9 reached",
@@ -408,7 +453,7 @@ def test_statistics_panel_plot_rows_and_ab_summary() -> None:
     close = {**stats.to_dict(), "decode_tok_s": 31.5}
     assert "Speed-up: none measurable** (1.05×" in ab_markdown(close, plain_30, identical=True)
     # Speed before the first decode step is not a number: the first token is the prefill's own sample.
-    assert "… (DFlash speculative: after the first step)" in panel({**api, "decode_tok_s": None})
+    assert "… (DFlash 2 speculative: after the first step)" in panel({**api, "decode_tok_s": None})
 
 
 def test_server_paths_are_cut_to_file_names() -> None:

@@ -77,7 +77,7 @@ def hang_up_mid_answer(server: RunningApp, endpoint: str) -> float:
     the hang-up until the engine is idle again."""
     monitor = new_client(server)
     base = server.url.rstrip("/") + "/gradio_api/call/" + endpoint
-    body = raw_body(chat_args("hello there", max_tokens=MAX_NEW_TOKENS, draft_max=0))
+    body = raw_body(chat_args("hello there", max_tokens=MAX_NEW_TOKENS, draft_length="auto"))
     with httpx.Client(timeout=60) as http:
         event_id = http.post(base, content=body, headers={"Content-Type": "application/json"}).json()["event_id"]
         with http.stream("GET", f"{base}/{event_id}"):
@@ -126,7 +126,7 @@ def test_info_says_nothing_of_other_requests(server: RunningApp) -> None:
 
 
 def test_the_first_chunk_reports_no_speed_and_later_ones_a_sane_one(server: RunningApp) -> None:
-    chunks = stream_chat(new_client(server), **chat_args("hello there", max_tokens=64, draft_max=0))
+    chunks = stream_chat(new_client(server), **chat_args("hello there", max_tokens=64, draft_length="auto"))
     first, final = chunks[0][1], chunks[-1][1]
     assert first["n_generated"] == 1 and first["decode_tok_s"] is None, "one token, timed at nothing, is no speed"
     speeds = [stats["decode_tok_s"] for _, stats in chunks[1:]]
@@ -151,16 +151,16 @@ def test_a_hostile_burst_does_not_move_the_gpu_time_of_honest_requests(server: R
     five times, and from one raw caller: what an honest request asks stays within 25 % of the honest figure, and at
     least what an honest request really uses."""
     for _ in range(5):
-        _, stats = generate(new_client(server), HONEST, max_tokens=64, draft_max=0)
+        _, stats = generate(new_client(server), HONEST, max_tokens=64, draft_length="auto")
         assert stats["n_generated"] == 64
     honest = planned_seconds(new_client(server).predict(api_name="/info")["gpu_time"], len(HONEST), 512)
     hostile = new_client(server)
     for _ in range(5):
-        _, stats = generate(hostile, HOSTILE, max_tokens=64, temperature=2.0, draft_max=0)
+        _, stats = generate(hostile, HOSTILE, max_tokens=64, temperature=2.0, draft_length="auto")
         assert stats["n_generated"] >= 16, "long enough to count"
-    raw_call(server.url, "generate", raw_body(chat_args(HOSTILE, max_tokens=64, temperature=2.0, draft_max=0)))
+    raw_call(server.url, "generate", raw_body(chat_args(HOSTILE, max_tokens=64, temperature=2.0, draft_length="auto")))
     gpu_time = new_client(server).predict(api_name="/info")["gpu_time"]
     after = planned_seconds(gpu_time, len(HONEST), 512)
     assert abs(after - honest) <= 0.25 * honest, (honest, after, gpu_time)
-    _, used = generate(new_client(server), HONEST, max_tokens=512, draft_max=0)
+    _, used = generate(new_client(server), HONEST, max_tokens=512, draft_length="auto")
     assert math.ceil(after) >= used["gpu_seconds_used"], "an honest request gets the time it needs"

@@ -21,15 +21,25 @@ import pandas as pd
 from ..errors import DFlashError, RequestError
 from .callers import caller_of
 from .provenance import ACCEPTANCE, SPEED, SpeedTrace, point_every
+from .requests import AUTO
 from .service import Comparison, Reply, SpaceService
 from .session import ChatSession
-from .views import EMPTY_STATS, WAITING_STATS, acceptance_rows, info_markdown, scrub_paths, stats_markdown
+from .views import (
+    EMPTY_STATS,
+    WAITING_STATS,
+    acceptance_rows,
+    info_markdown,
+    method_label,
+    scrub_paths,
+    stats_markdown,
+)
 
 log = logging.getLogger(__name__)
 ApiReply = tuple[str, dict[str, Any]]
 # /chat's and /generate's parameters, in order (a raw HTTP call sends one value for each; see callers.py)
+# (new ones go at the end: an old client's values keep their places; draft_max is the deprecated draft_length)
 API_PARAMETERS = ("message", "history", "system_prompt", "preset", "max_tokens", "temperature", "top_p", "draft_max",
-                  "speculative", "thinking")  # fmt: skip
+                  "speculative", "thinking", "method", "draft_length", "top_k", "min_p")  # fmt: skip
 
 
 def visitor_message(error: Exception) -> tuple[str, str]:
@@ -97,7 +107,6 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
     strings are checked as such (service.check), never coerced."""
     preset_name = service.preset.name
     max_tokens_default = service.defaults["max_tokens"]
-    draft_max_default = service.defaults["draft_max"]
 
     @yields(ApiReply)
     async def chat(
@@ -106,11 +115,15 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
         system_prompt: str = "",
         preset: str = preset_name,
         max_tokens: int = max_tokens_default,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        draft_max: int = draft_max_default,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        draft_max: int | None = None,
         speculative: bool = True,
         thinking: bool = False,
+        method: str = AUTO,
+        draft_length: int | str = AUTO,
+        top_k: int | None = None,
+        min_p: float | None = None,
         request: gr.Request = None,  # type: ignore[assignment] - Gradio passes the caller's, never an API parameter
     ) -> AsyncIterator[ApiReply]:
         """Stream an answer to `message`: yields (text so far, statistics) after every engine step.
@@ -121,19 +134,23 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
             system_prompt: the system message ("" for none)
             preset: the model pair, one of /info's presets
             max_tokens: the longest answer, in tokens (an integer in 1..limits.max_new_tokens)
-            temperature: sampling temperature in [0, 2] (0 = greedy)
-            top_p: nucleus sampling in [0.01, 1]
-            draft_max: longest draft block, an integer (0 = adaptive)
-            speculative: true for DFlash speculative decoding, false for plain decoding (same text at temperature 0)
+            temperature: sampling temperature in [0, 2] (0 = greedy); null: the server's default (/info defaults)
+            top_p: nucleus sampling in [0.01, 1]; null: the server's default
+            draft_max: deprecated: use draft_length (here 0 meant "auto"); null when not used
+            speculative: true for speculative decoding, false for plain decoding (same text at temperature 0)
             thinking: let the model think first (templates that support it)
+            method: the draft method: "auto" (the pair's default), "dflash" or "mtp" (/info lists the pair's)
+            draft_length: "auto" (adaptive) or an integer in 0..limits' capacity (0 = no draft)
+            top_k: keep the k most likely tokens, 0..1000 (0 = off); null: the server's default
+            min_p: drop tokens below min_p × the top probability, [0, 0.99]; null: the server's default
         Returns:
             (text, statistics): the engine's statistics, finish_reason, finish_detail, notice, preset and GPU time
         """
         with visitor_errors():
             checked = service.check(
                 message=message, history=history, system_prompt=system_prompt, preset=preset, max_tokens=max_tokens,
-                temperature=temperature, top_p=top_p, draft_max=draft_max, speculative=speculative,
-                enable_thinking=thinking,
+                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, method=method,
+                draft_length=draft_length, draft_max=draft_max, speculative=speculative, enable_thinking=thinking,
             )  # fmt: skip
             owner = service.owner_key(session_hash(request))
             async for reply in service.reply(checked, owner=owner, caller=caller_of(request)):
@@ -145,11 +162,15 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
         system_prompt: str = "",
         preset: str = preset_name,
         max_tokens: int = max_tokens_default,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        draft_max: int = draft_max_default,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        draft_max: int | None = None,
         speculative: bool = True,
         thinking: bool = False,
+        method: str = AUTO,
+        draft_length: int | str = AUTO,
+        top_k: int | None = None,
+        min_p: float | None = None,
         request: gr.Request = None,  # type: ignore[assignment]
     ) -> tuple[str, dict[str, Any]]:
         """The same as /chat, answered in one piece: (text, statistics).
@@ -160,16 +181,20 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
             system_prompt: the system message ("" for none)
             preset: the model pair, one of /info's presets
             max_tokens: the longest answer, in tokens
-            temperature: sampling temperature in [0, 2] (0 = greedy)
-            top_p: nucleus sampling in [0.01, 1]
-            draft_max: longest draft block, an integer (0 = adaptive)
-            speculative: true for DFlash speculative decoding, false for plain decoding
+            temperature: sampling temperature in [0, 2] (0 = greedy); null: the server's default
+            top_p: nucleus sampling in [0.01, 1]; null: the server's default
+            draft_max: deprecated: use draft_length (here 0 meant "auto"); null when not used
+            speculative: true for speculative decoding, false for plain decoding
             thinking: let the model think first (templates that support it)
+            method: "auto", "dflash" or "mtp"
+            draft_length: "auto" or an integer (0 = no draft)
+            top_k: 0..1000 (0 = off); null: the server's default
+            min_p: [0, 0.99]; null: the server's default
         """
         text, stats = "", {}
         async for text, stats in chat(  # noqa: B007 - the last chunk is the answer
             message, history, system_prompt, preset, max_tokens, temperature, top_p, draft_max, speculative, thinking,
-            request,
+            method, draft_length, top_k, min_p, request,
         ):
             pass
         return text, stats
@@ -195,6 +220,31 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
 # -- the page -------------------------------------------------------------------------------------------------------
 
 
+def page_draft_length(value: Any) -> Any:
+    """The page's draft-length choice ("auto" or a digit string) as the API takes it; anything else as it came (the
+    request check says what is wrong)."""
+    return int(value) if isinstance(value, str) and value.isdigit() else value
+
+
+def draft_length_choices(capacity: int) -> list[tuple[str, str]]:
+    return [("auto (adaptive)", AUTO), ("0 (no draft)", "0"), *((str(n), str(n)) for n in range(1, capacity + 1))]
+
+
+def method_choices(service: SpaceService) -> list[tuple[str, str]]:
+    """The method menu: "auto" (the pair's default), then each method the pair runs (all while not known yet)."""
+    methods = service.methods()
+    kind = service.engine_info.get("draft_kind")
+    shown = methods if methods is not None else ["dflash", "mtp"]
+    default = f"auto ({method_label(methods[0], kind)})" if methods else "auto"
+    return [(default, AUTO), *((method_label(m, kind), m) for m in shown)]
+
+
+def sampling_note(service: SpaceService) -> str:
+    """Where the sampling controls' starting values come from."""
+    return f"*Sampling defaults: from {service.sampling_source}.*"
+
+
+
 class PageHandlers:
     """The page's event handlers. Each returns (or yields) its outputs in the order its docstring lists.
 
@@ -214,15 +264,19 @@ class PageHandlers:
         else:
             gpus = [d.get("name") or "GPU" for d in service.build.get("cuda_devices") or []]
             device = ", ".join(gpus) if gpus else "CPU"
-        lines = {"llama.cpp build": service.build_status, "Device": device, "Mode": service.mode.reason}
+        lines = {"llama.cpp build": service.build_status, "Device": device, "Mode": service.mode.reason,
+                 "Sampling defaults": f"from {service.sampling_source}"}  # fmt: skip
+        if service.draft_problem() and not service.engine_info:
+            lines["⚠️ Draft"] = service.draft_problem()
         return info_markdown(service.preset, service.limits, lines, service.engine_info)
 
     def _settings(self, values: tuple[Any, ...]) -> dict[str, Any]:
-        system_prompt, max_tokens, temperature, top_p, draft_max, speculative, thinking = values
+        (system_prompt, max_tokens, temperature, top_p, top_k, min_p, method, draft_length, speculative,
+         thinking) = values  # fmt: skip
         return {
             "preset": self.service.preset.name, "system_prompt": system_prompt, "max_tokens": max_tokens,
-            "temperature": temperature, "top_p": top_p, "draft_max": draft_max, "speculative": speculative,
-            "enable_thinking": thinking,
+            "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p, "method": method,
+            "draft_length": page_draft_length(draft_length), "speculative": speculative, "enable_thinking": thinking,
         }  # fmt: skip
 
     @staticmethod
@@ -233,9 +287,9 @@ class PageHandlers:
         return gr.update(value=f"⚠️ **{what}:** {message}", visible=True)
 
     def submit(self, message: str, session: ChatSession, *settings: Any) -> tuple[Any, ...]:
-        """Inputs: message, session, then the settings (system prompt, max tokens, temperature, top-p, draft length,
-        speculative, thinking). Outputs: chatbot, message box, notice, A/B box. Shows the message at once and leaves
-        it to `respond`; a refused message stays in the box, the notice says why."""
+        """Inputs: message, session, then the settings (system prompt, max tokens, temperature, top-p, top-k, min-p,
+        method, draft length, speculative, thinking). Outputs: chatbot, message box, notice, A/B box. Shows the
+        message at once and leaves it to `respond`; a refused message stays in the box, the notice says why."""
         skip = gr.skip()
         if session.busy():
             gr.Warning("The previous answer is still running: wait for it, or press Stop.")
@@ -295,9 +349,18 @@ class PageHandlers:
             speed, acceptance = chart_frames(trace)
             yield skip, skip, stats_markdown(stopped), plot_frame(stopped), speed, acceptance, skip, skip, skip
 
+    def comparison_phases(self) -> tuple[tuple[str, ...], dict[str, str]]:
+        """The A/B run's phases (plain decoding, then each draft method the pair runs) and each method's row name."""
+        methods = self.service.methods()
+        if methods is None:  # not known yet (the files are still coming): the pair's default method
+            return ("plain", "speculative"), {"speculative": "Speculative (default method)"}
+        kind = self.service.engine_info.get("draft_kind")
+        return ("plain", *methods), {m: method_label(m, kind) for m in methods}
+
     async def compare(self, session: ChatSession, typed: str, *settings: Any) -> AsyncIterator[str]:
         """Inputs: session, message box, then the settings. Output: the A/B box. Repeats the last prompt (or the
-        typed message) with DFlash, then with plain decoding, in one GPU call, both with the same seed."""
+        typed message) with plain decoding, then with each draft method the pair runs, in one GPU call, all with the
+        same seed."""
         last = session.last_prompt()
         if last is None and not typed.strip():
             yield "*Send a message first (or type one): the A/B run repeats a prompt.*"
@@ -306,9 +369,9 @@ class PageHandlers:
         try:
             request = self.service.check(message=message, history=earlier, **self._settings(settings))
             request = replace(request, seed=random.randrange(2**31))
-            yield "Running the prompt with DFlash, then with plain decoding…"
-            comparison = Comparison(request.temperature, request.seed)
-            phases = ("speculative", "plain")
+            phases, labels = self.comparison_phases()
+            yield f"Running the prompt with plain decoding, then with {', '.join(labels.values())}…"
+            comparison = Comparison(request.temperature, request.seed, labels)
             async for reply in self.service.reply(request, phases, owner=session.owner, latest_only=True,
                                                   session=session):  # fmt: skip
                 yield comparison.add(reply)
@@ -334,9 +397,13 @@ class PageHandlers:
         return [], "", EMPTY_STATS, plot_frame({}), None, None, gr.update(value="", visible=False), ""
 
     def page_load(self) -> tuple[Any, ...]:
-        """Outputs: thinking switch, info box."""
-        supports = self.service.engine_info.get("supports_thinking", True)
-        return gr.update(visible=bool(supports)), self.about()
+        """Outputs: thinking switch, info box, temperature, top-p, top-k, min-p, sampling note, method. The sampling
+        controls start from the server's current defaults (the model's own once its header is read)."""
+        service = self.service
+        supports = service.engine_info.get("supports_thinking", True)
+        sampling = [gr.update(value=service.defaults[name]) for name in ("temperature", "top_p", "top_k", "min_p")]
+        return (gr.update(visible=bool(supports)), self.about(), *sampling, sampling_note(service),
+                gr.update(choices=method_choices(service)))  # fmt: skip
 
     def download_tick(self) -> tuple[Any, ...]:
         """Outputs: download box, timer."""

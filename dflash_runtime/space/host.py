@@ -25,12 +25,16 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..errors import DecodeError, DFlashError, EngineClosedError, RequestError
+from ..errors import DecodeError, DFlashError, EngineClosedError, ModelFileError, PairMismatchError, RequestError
 from .fitting import FittedConversation, fit_conversation, prompt_tokens
-from .presets import PairPreset, ResolvedPair
+from .presets import PairPreset, ResolvedPair, draft_unavailable, has_mtp_head
 from .requests import DEFAULT_SYSTEM_PROMPT, ChatRequest, thinking_prefix
+from .views import scrub_paths
 
-PHASES = {"chat": None, "speculative": True, "plain": False}  # None: the request's own `speculative`
+# Each phase's decoding: None for the request's own `speculative` and method; True for speculative with the request's
+# method; False for plain decoding; a method name for speculative decoding with that method (an A/B comparison).
+PHASES: dict[str, bool | str | None] = {"chat": None, "speculative": True, "plain": False, "dflash": "dflash",
+                                        "mtp": "mtp"}  # fmt: skip
 # Errors after which the engine's state is not to be trusted: it is closed, and the next request loads it again.
 # Any other runtime error (a bad request, a prompt too long, a busy engine) leaves it as it is.
 ENGINE_FAILURES = (DecodeError, EngineClosedError)
@@ -43,7 +47,7 @@ class GpuJob:
     request: ChatRequest
     preset: PairPreset
     files: ResolvedPair
-    phases: tuple[str, ...] = ("chat",)  # ("speculative", "plain") for an A/B comparison
+    phases: tuple[str, ...] = ("chat",)  # e.g. ("dflash", "mtp", "plain") for an A/B comparison
     gpu_seconds: int = 60  # the duration asked of ZeroGPU, decided in the web process
     # Whose text this is (an opaque key per visitor's session): the engine reuses cached tokens only for the same
     # owner, beyond the prompt's public prefix. Empty: a fresh owner, nothing of anybody else's is reused.
@@ -56,7 +60,17 @@ class GpuJob:
             raise ValueError(f"phases must be some of {list(PHASES)}, got {self.phases}")
 
     def speculative_phases(self) -> tuple[bool, ...]:
-        return tuple(self.request.speculative if PHASES[p] is None else bool(PHASES[p]) for p in self.phases)
+        return tuple(phase_decoding(self.request, p)[0] for p in self.phases)
+
+
+def phase_decoding(request: ChatRequest, phase: str) -> tuple[bool, str | None]:
+    """(speculative, method) of one phase: method None means the request's own."""
+    decoding = PHASES[phase]
+    if decoding is None:
+        return request.speculative, None
+    if isinstance(decoding, str):
+        return True, decoding
+    return decoding, None
 
 
 @dataclass
@@ -181,6 +195,7 @@ class EngineHost:
         self.requests = 0
         self.last_load_s: float | None = None
         self.previous_request: dict[str, Any] = {}
+        self.draft_problem: str | None = None  # why the loaded engine runs without its DFlash draft
 
     def close(self) -> None:
         with self._lock:
@@ -198,13 +213,20 @@ class EngineHost:
             return self._engine, False
         self._close()
         started = time.monotonic()
-        self._engine = self._loader(
-            files.target_path,
-            files.draft_path,
-            n_ctx=preset.n_ctx,
-            n_gpu_layers=preset.n_gpu_layers,
-            draft_capacity=preset.draft_capacity,
-        )
+        options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity}
+        self.draft_problem = files.draft_problem
+        if files.draft_path is None:
+            self._engine = self._loader(files.target_path, None, **options)
+        else:
+            try:
+                self._engine = self._loader(files.target_path, files.draft_path, **options)
+            except (PairMismatchError, ModelFileError) as error:
+                # A draft that fails validation: the target alone still accelerates when it has an MTP head. (If
+                # the target itself is at fault, opening it alone raises that error.)
+                if not has_mtp_head(files.target_path):
+                    raise
+                self._engine = self._loader(files.target_path, None, **options)
+                self.draft_problem = str(error)
         self._key = key
         self._facts = EngineFacts.of(self._engine)
         self.loads += 1
@@ -228,11 +250,12 @@ class EngineHost:
                                       engine.n_ctx)  # fmt: skip
             owner = self._owner_arguments(engine, job.cache_owner, fitted.tokens, thinking)
             info = _public_info(engine.info())
+            if self.draft_problem:
+                info["draft_problem"] = scrub_paths(draft_unavailable(self.draft_problem))
             info_known = info_digest(info) == job.engine_info_seen
             first = True
             for phase in job.phases:
-                speculative = job.request.speculative if PHASES[phase] is None else bool(PHASES[phase])
-                for chunk in self._stream(engine, job.request, fitted, speculative, phase, owner):
+                for chunk in self._stream(engine, job.request, fitted, phase, owner):
                     outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
                                "n_generated": chunk.stats["n_generated"], "phase": phase}  # fmt: skip
                     if not info_known:
@@ -281,13 +304,13 @@ class EngineHost:
         engine: Any,
         request: ChatRequest,
         fitted: FittedConversation,
-        speculative: bool,
         phase: str,
         owner: dict[str, Any],
     ) -> Iterator[ReplyChunk]:
         assert self._facts is not None
         prefix = self._facts.prefix(engine, request.enable_thinking)
-        events = engine.stream(fitted.tokens, **request.generation_kwargs(speculative=speculative), **owner)
+        speculative, method = phase_decoding(request, phase)
+        events = engine.stream(fitted.tokens, **request.generation_kwargs(speculative, method), **owner)
         runs: list[tuple[int, str]] = [(len(prefix), "target")] if prefix else []
         delta, notice, lengths_sent = prefix, fitted.notice, 0
         try:

@@ -26,12 +26,20 @@ from .downloads import PairDownload
 from .gpu_time import GpuTimeEstimator, GpuTimeSettings
 from .host import GpuJob, ReplyChunk, info_digest, join_chunks
 from .jobs import EngineSlot, ReplyJob
-from .presets import PairPreset, ResolvedPair, configured_preset, overrides_in_env
+from .presets import (
+    PairPreset,
+    ResolvedPair,
+    configured_preset,
+    draft_unavailable,
+    has_mtp_head,
+    header_sampling_defaults,
+    overrides_in_env,
+)
 from .provenance import SourceRuns
-from .requests import ChatRequest, Limits, build_request
+from .requests import AUTO, ChatRequest, Limits, build_request
 from .runmode import RunMode, choose_run_mode, cuda_device_present, on_zero_gpu, settle_run_mode
 from .session import ChatSession
-from .views import ab_markdown, scrub_paths
+from .views import comparison_markdown, scrub_paths
 
 log = logging.getLogger(__name__)
 BUILD_KEYS = (
@@ -76,19 +84,27 @@ class Reply:
 
 @dataclass
 class Comparison:
-    """The A/B view's state: the latest reply of each phase of one request, both run with the same seed."""
+    """The A/B view's state: the latest reply of each phase of one request (plain decoding and each draft method),
+    all run with the same seed. `labels`: each method phase's row name."""
 
     temperature: float
     seed: int
+    labels: dict[str, str]
     phases: dict[str, Reply] = field(default_factory=dict)
 
     def add(self, reply: Reply) -> str:
         self.phases[reply.phase] = reply
-        spec, plain = self.phases.get("speculative"), self.phases.get("plain")
-        done = plain is not None and plain.finish_reason is not None
-        identical = (spec.text == plain.text) if done and spec and plain else None
-        return ab_markdown(spec.stats if spec else {}, plain.stats if plain else None, identical,
-                           temperature=self.temperature, seed=self.seed)  # fmt: skip
+        plain = self.phases.get("plain")
+        plain_done = plain is not None and plain.finish_reason is not None
+        methods: dict[str, dict[str, Any] | None] = {}
+        identical: dict[str, bool | None] = {}
+        for phase, label in self.labels.items():
+            run = self.phases.get(phase)
+            methods[label] = run.stats if run else None
+            done = plain_done and run is not None and run.finish_reason is not None
+            identical[label] = (run.text == plain.text) if done and run and plain else None
+        return comparison_markdown(methods, plain.stats if plain else None, identical,
+                                   temperature=self.temperature, seed=self.seed)  # fmt: skip
 
 
 def decode_speed(stats: Mapping[str, Any]) -> float | None:
@@ -126,6 +142,11 @@ def web_process_facts() -> dict[str, Any]:
     }
 
 
+SERVER_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 40, "min_p": 0.0}
+SERVER_DEFAULTS = "server defaults"
+MODEL_DEFAULTS = "the model's general.sampling"
+
+
 class SpaceService:
     def __init__(
         self,
@@ -160,9 +181,17 @@ class SpaceService:
         self._owner_secret = secrets.token_bytes(32)  # owner keys cannot be derived from a session id elsewhere
         self.show_diagnostics = show_diagnostics
         self.callers = Callers()  # raw HTTP calls and their jobs, for HangUpWatch
-        # Adaptive drafting (draft_max 0) for the real pair and the offline demo alike: the demo's generated pair
-        # (head="phrase") has predictable stretches and unpredictable text, as real text has.
-        self.defaults = {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0, "draft_max": 0}
+        # Adaptive drafting ("auto") with the pair's default method for the real pair and the offline demo alike: the
+        # demo's generated pair (head="phrase") has predictable stretches and unpredictable text, as real text has.
+        # Sampling starts from the server's defaults; a real pair's own `general.sampling.*` replace them once its
+        # target file is here (see model_files_known).
+        self.defaults: dict[str, Any] = {**SERVER_SAMPLING, "max_tokens": 512, "method": AUTO, "draft_length": AUTO}
+        self.sampling_source = SERVER_DEFAULTS
+        self.file_facts: dict[str, Any] = {}  # methods and draft problem the pair's files tell, before any load
+        if preset.target.local_path is not None and (preset.draft.local_path is not None or preset.random_weights):
+            files = ResolvedPair(preset.target.local_path, preset.draft.local_path)
+            if files.target_path.is_file():
+                self.model_files_known(files)
 
     @classmethod
     def from_env(
@@ -195,12 +224,48 @@ class SpaceService:
     # -- requests -------------------------------------------------------------------------------------------------
 
     def check(self, **fields: Any) -> ChatRequest:
-        """A validated request (build_request's fields), or RequestError saying what is wrong."""
-        return build_request(presets=[self.preset.name], limits=self.limits, **fields)
+        """A validated request (build_request's fields), or RequestError saying what is wrong. Sampling fields left
+        out (or None) take the server's current defaults (the model's own, once known)."""
+        for name in SERVER_SAMPLING:
+            if fields.get(name) is None:
+                fields[name] = self.defaults[name]
+        return build_request(presets=[self.preset.name], limits=self.limits, methods=self.methods(), **fields)
+
+    def methods(self) -> list[str] | None:
+        """The draft methods the pair runs, the default first: the loaded engine's, else what its files tell
+        (a draft, an MTP head in the target's header); None while unknown."""
+        if "methods" in self.engine_info:
+            return list(self.engine_info["methods"])
+        return self.file_facts.get("methods")
+
+    def draft_problem(self) -> str | None:
+        return self.engine_info.get("draft_problem") or self.file_facts.get("draft_problem")
+
+    def model_files_known(self, files: ResolvedPair) -> None:
+        """Read what the pair's files tell from their headers (no model is opened): the methods, and for a real
+        pair the target's recommended sampling (`general.sampling.*`), which become the defaults. The offline
+        demo keeps temperature 0 (its generated target carries no recommendation)."""
+        if self.file_facts:
+            return
+        try:
+            mtp = has_mtp_head(files.target_path)
+            sampling = {} if self.mode.tiny else header_sampling_defaults(files.target_path)
+        except DFlashError as error:  # the load reports it properly; here it only means "not known"
+            log.warning("could not read the target's header: %s", error)
+            return
+        methods = [m for m, ok in (("dflash", files.draft_path is not None), ("mtp", mtp)) if ok]
+        problem = draft_unavailable(scrub_paths(files.draft_problem)) if files.draft_problem else None
+        self.file_facts = {"methods": methods, "draft_problem": problem}
+        if sampling:
+            self.defaults.update(sampling)
+            self.sampling_source = MODEL_DEFAULTS
 
     async def poll_files(self, timeout_s: float = 1.0) -> ResolvedPair | None:
         """The pair's local files once downloaded (here, never in the GPU function); None while downloading."""
-        return await asyncio.to_thread(self.download.poll, timeout_s)
+        files = await asyncio.to_thread(self.download.poll, timeout_s)
+        if files is not None:
+            self.model_files_known(files)
+        return files
 
     async def files(self) -> ResolvedPair:
         while (files := await self.poll_files()) is None:
@@ -258,7 +323,7 @@ class SpaceService:
                     raise WorkerError(chunk.error_type, chunk.error or chunk.error_type)
                 reply = replies.setdefault(chunk.phase, Reply(chunk.phase))
                 reply.add(chunk)
-                reply.stats = self.reply_stats(chunk, reply, requested)
+                reply.stats = self.reply_stats(chunk, reply, requested, request.notes)
                 if chunk.finish_reason:
                     finished = {**chunk.stats, "decode_tok_s": reply.stats["decode_tok_s"]}
                     self.estimator.observe(finished, request, chunk.dropped_turns - request.dropped_turns, owner)
@@ -276,7 +341,8 @@ class SpaceService:
             if caller is not None:
                 self.callers.detach(caller, job)
 
-    def reply_stats(self, chunk: ReplyChunk, reply: Reply, requested: int | None) -> dict[str, Any]:
+    def reply_stats(self, chunk: ReplyChunk, reply: Reply, requested: int | None,
+                    notes: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
         """The statistics the API returns (and the panel shows) for one chunk; `source_runs` says who wrote the text
         so far: [[n_chars, "draft" | "target"], ...] covering it exactly."""
         return {
@@ -290,6 +356,7 @@ class SpaceService:
             "gpu_seconds_requested": requested,
             "gpu_seconds_used": chunk.used_s,
             "source_runs": reply.sources.as_json(),
+            "notes": list(notes),
         }
 
     def _remember(self, chunk: ReplyChunk) -> None:
@@ -315,6 +382,10 @@ class SpaceService:
             "presets": {self.preset.name: self.preset.describe()},
             "default_preset": self.preset.name,
             "defaults": dict(self.defaults),
+            "sampling_defaults_from": self.sampling_source,
+            "methods": self.methods(),
+            "default_method": (self.methods() or [None])[0],
+            "draft_problem": self.draft_problem(),
             "offline_demo": self.mode.tiny,
             "mode_reason": self.mode.reason,
             "problems": list(self.mode.problems),

@@ -115,6 +115,15 @@ def fetch_model_file(
     return Path(path)
 
 
+def _drafts_alone(target: Path) -> bool:
+    """Whether the target can accelerate without its draft (an MTP head); an unreadable header says no (the load
+    reports it)."""
+    try:
+        return has_mtp_head(target)
+    except ModelFileError:
+        return False
+
+
 @dataclass
 class FileProgress:
     role: str
@@ -246,7 +255,7 @@ class PairDownload:
         try:
             return ResolvedPair(target, self._fetch(1, self.preset.draft))
         except (DownloadError, ModelFileError) as error:
-            if not has_mtp_head(target):
+            if not _drafts_alone(target):
                 raise
             log.warning("%s", draft_unavailable(str(error)))
             return ResolvedPair(target, None, draft_problem=str(error))

@@ -256,6 +256,7 @@ class PageHandlers:
 
     def __init__(self, service: SpaceService) -> None:
         self.service = service
+        self.built_defaults = dict(service.defaults)  # the values the page's controls were built with
 
     def about(self) -> str:
         service = self.service
@@ -401,7 +402,11 @@ class PageHandlers:
         controls start from the server's current defaults (the model's own once its header is read)."""
         service = self.service
         supports = service.engine_info.get("supports_thinking", True)
-        sampling = [gr.update(value=service.defaults[name]) for name in ("temperature", "top_p", "top_k", "min_p")]
+        # Only defaults learnt since the page was built are sent: an unchanged control is left to the visitor, who
+        # may already have moved it.
+        sampling = [gr.skip() if service.defaults[name] == self.built_defaults[name]
+                    else gr.update(value=service.defaults[name])
+                    for name in ("temperature", "top_p", "top_k", "min_p")]  # fmt: skip
         return (gr.update(visible=bool(supports)), self.about(), *sampling, sampling_note(service),
                 gr.update(choices=method_choices(service)))  # fmt: skip
 

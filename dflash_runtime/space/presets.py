@@ -135,9 +135,11 @@ def header_sampling_defaults(target_path: Path) -> dict[str, float | int]:
     for key, name, kind in SAMPLING_KEYS:
         raw = keys.get(f"general.sampling.{key}")
         try:
-            out[name] = kind(float(raw))
+            value = float(raw)
         except (TypeError, ValueError):
             continue
+        # float32 in the file: 0.6 reads 0.6000000238; the controls show what the model's card says
+        out[name] = int(value) if kind is int else round(value, 6)
     return out
 
 

@@ -98,7 +98,7 @@ def comparison_markdown(
     """Side by side: the same request decoded plainly and with each draft method (`methods`: label → statistics,
     None or empty while it has not started), per method its acceptance, mean accepted length and speed-up, and what
     the texts being equal or not (`identical`: label → whether its text equals plain's, None until both finished)
-    means at this temperature."""
+    means at this temperature, once every method has finished."""
     lines = ["| Decoding | Tokens | Speed | Acceptance | Mean accepted length | Verify |",
              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, stats in ((PLAIN_LABEL, plain), *methods.items()):
@@ -117,9 +117,8 @@ def comparison_markdown(
         for name, stats in methods.items():
             if stats:
                 lines.append("\n" + speed_up_line(stats, plain, name))
-    verdicts = {name: same for name, same in identical.items() if same is not None}
-    if verdicts:
-        lines.append("\n" + comparison_verdict(verdicts, temperature, seed))
+    if identical and all(same is not None for same in identical.values()):  # every method has finished
+        lines.append("\n" + comparison_verdict(identical, temperature, seed))  # type: ignore[arg-type]
     return "\n".join(lines)
 
 

@@ -105,22 +105,36 @@ def test_info_describes_the_offline_pair_without_server_paths(info: dict[str, An
     assert info["build"]["status"].startswith("llama-cpp-python")
     assert info["build"]["dflash_missing_symbols"] == []
     assert info["problems"] == [] and info["fix"] is None
-    assert info["defaults"] == {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0, "draft_max": 0}, "adaptive"
+    assert info["defaults"] == {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0, "top_k": 40, "min_p": 0.0,
+                                "method": "auto", "draft_length": "auto"}, "adaptive, the pair's default method"
+    assert info["sampling_defaults_from"] == "server defaults", "the demo keeps temperature 0"
+    assert info["methods"] == ["dflash"] and info["default_method"] == "dflash" and info["draft_problem"] is None
     assert "random-weight test models" in preset["label"]
+
+
+def json_types(schema: dict[str, Any]) -> set[str]:
+    """The JSON types a parameter's schema allows (a union lists them under oneOf or anyOf)."""
+    options = schema.get("oneOf") or schema.get("anyOf")
+    if options:
+        return set().union(*(json_types(option) for option in options))
+    return {schema["type"]}
 
 
 def test_the_api_has_typed_documented_parameters_in_the_documented_order(client: Client) -> None:
     endpoints = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
-    expected_types = {"message": "string", "system_prompt": "string", "preset": "string", "max_tokens": "integer",
-                      "temperature": "number", "top_p": "number", "draft_max": "integer", "speculative": "boolean",
-                      "thinking": "boolean"}  # fmt: skip
+    # null: the server's default (for sampling: the model's own, when it has them); draft_max: only if sent
+    expected_types = {"message": {"string"}, "system_prompt": {"string"}, "preset": {"string"},
+                      "max_tokens": {"integer"}, "temperature": {"number", "null"}, "top_p": {"number", "null"},
+                      "draft_max": {"integer", "null"}, "speculative": {"boolean"}, "thinking": {"boolean"},
+                      "method": {"string"}, "draft_length": {"integer", "string"}, "top_k": {"integer", "null"},
+                      "min_p": {"number", "null"}}  # fmt: skip
     for name in ("/chat", "/generate"):
         parameters = endpoints[name]["parameters"]
         assert tuple(p["parameter_name"] for p in parameters) == API_PARAMETERS
         for parameter in parameters:
             if parameter["parameter_name"] in expected_types:
-                assert parameter["type"]["type"] == expected_types[parameter["parameter_name"]], parameter
-        assert [p["parameter_has_default"] for p in parameters] == [False] + [True] * 9
+                assert json_types(parameter["type"]) == expected_types[parameter["parameter_name"]], parameter
+        assert [p["parameter_has_default"] for p in parameters] == [False] + [True] * (len(API_PARAMETERS) - 1)
         assert [r["type"]["type"] for r in endpoints[name]["returns"]] == ["string", "object"]
         assert "Parameters" not in endpoints[name]["description"] and endpoints[name]["description"]
     assert endpoints["/info"]["parameters"] == []

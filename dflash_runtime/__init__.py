@@ -23,7 +23,8 @@ __version__ = "0.1.0"
 
 
 def load_pair(target_path: Any, draft_path: Any = None, **kwargs: Any) -> Any:
-    """Open a target and (optionally) its DFlash draft, linked; returns an Engine (see dflash_runtime.engine)."""
+    """Open a target and (optionally) its DFlash draft, linked, and the target's MTP head when it has one; returns an
+    Engine (see dflash_runtime.engine). `load_pair(target)` on a target with an MTP head gives an MTP engine."""
     from .engine import Engine
 
     return Engine(target_path, draft_path, **kwargs)
@@ -35,6 +36,14 @@ def __getattr__(name: str) -> Any:
         from .engine import Engine
 
         return Engine
+    if name in ("SessionPolicy",):
+        from .sessions import SessionPolicy
+
+        return SessionPolicy
+    if name in ("Verifiers",):
+        from .verify import Verifiers
+
+        return Verifiers
     if name in ("Stats",):
         from .stats import Stats
 
@@ -67,7 +76,9 @@ __all__ = [
     "RequestError",
     "Result",
     "RollbackError",
+    "SessionPolicy",
     "Stats",
     "StreamEvent",
+    "Verifiers",
     "load_pair",
 ]

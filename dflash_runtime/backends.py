@@ -6,6 +6,10 @@ executable and in the working directory. `load_backends()` loads them from the w
 module that cannot load (the CUDA backend on a machine without the NVIDIA driver) is skipped, so the same wheel runs
 on a CPU. A build with backends linked in registers them itself and loads nothing here.
 
+The project's wheel (prebuilt_wheels/) carries that loader itself, `llama_cpp._backend_modules`, which its bindings
+that need a backend call first (so plain `llama_cpp.Llama` works). Where it exists, `load_backends()` goes through
+it: one loader and one lock per process, whoever opens a model first. Other builds get the same loading from here.
+
 Loading the CUDA backend initialises the CUDA driver. On ZeroGPU that must happen in the GPU worker only, never in the
 web process it is forked from: nothing else in this package calls `load_backends()` before a model is opened.
 """
@@ -13,9 +17,11 @@ web process it is forked from: nothing else in this package calls `load_backends
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 _lock = threading.Lock()
 _loaded = False
@@ -25,10 +31,13 @@ _NOT_MODULES = ("libggml-base",)
 
 
 def library_dir() -> Path:
-    """llama_cpp/lib of the installed llama-cpp-python (where its native libraries and backend modules live)."""
+    """llama_cpp/lib of the installed llama-cpp-python (where its native libraries and backend modules live): the
+    folder the wheel's loader loads from where it has one (libllama's own, `$LLAMA_CPP_LIB_PATH` when set)."""
     import llama_cpp
 
-    return Path(llama_cpp.__file__).resolve().parent / "lib"
+    loader = wheel_loader()
+    folder = loader.library_dir() if loader is not None else None
+    return Path(folder) if folder is not None else Path(llama_cpp.__file__).resolve().parent / "lib"
 
 
 def ggml_library() -> ctypes.CDLL:
@@ -40,9 +49,24 @@ def ggml_library() -> ctypes.CDLL:
     return ll._lib
 
 
+def wheel_loader() -> ModuleType | None:
+    """The wheel's own backend loader (`llama_cpp._backend_modules`), None for a build without it (or one whose
+    llama_cpp.py lacks the hook that binds it to libllama). Imports llama_cpp, which loads no backend."""
+    try:
+        from llama_cpp import _backend_modules  # the package's import binds libllama: the hook has run
+    except ImportError:
+        return None
+    return _backend_modules if _backend_modules.library_dir() is not None else None
+
+
 def backends_loaded() -> bool:
-    """Whether this process has loaded ggml's backends through `load_backends()`."""
-    return _loaded
+    """Whether this process has loaded ggml's backends: through `load_backends()`, or through the wheel's own loader
+    (a plain `llama_cpp.Llama`). Loads nothing; imports llama_cpp only once something has imported it."""
+    if _loaded:
+        return True
+    if "llama_cpp._backend_modules" not in sys.modules:
+        return False
+    return bool(sys.modules["llama_cpp._backend_modules"].backends_loaded())
 
 
 def load_backends() -> None:
@@ -53,13 +77,17 @@ def load_backends() -> None:
             return
         from llama_cpp import llama_cpp as ll
 
-        lib = ggml_library()
-        lib.ggml_backend_reg_count.argtypes, lib.ggml_backend_reg_count.restype = [], ctypes.c_size_t
-        lib.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
-        lib.ggml_backend_load_all_from_path.restype = None
-        if lib.ggml_backend_reg_count() == 0:  # loadable backends: nothing registered until loaded
-            lib.ggml_backend_load_all_from_path(str(library_dir()).encode())
-            _from_modules = True
+        loader = wheel_loader()
+        if loader is not None:
+            _from_modules = loader.load_backend_modules()
+        else:
+            lib = ggml_library()
+            lib.ggml_backend_reg_count.argtypes, lib.ggml_backend_reg_count.restype = [], ctypes.c_size_t
+            lib.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+            lib.ggml_backend_load_all_from_path.restype = None
+            if lib.ggml_backend_reg_count() == 0:  # loadable backends: nothing registered until loaded
+                lib.ggml_backend_load_all_from_path(str(library_dir()).encode())
+                _from_modules = True
         ll.llama_backend_init()
         _loaded = True
 

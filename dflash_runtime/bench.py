@@ -1,14 +1,17 @@
 """Speculative vs plain decoding on the same engine: alternating runs, medians, a table and JSON.
 
-A mode is a draft policy ("plain", a fixed length, "auto") and, above temperature 0, a verification ("sample" or
-"match"). Each request's prompt is new to the cache (the engine is reset between requests, so every mode pays the
-same prefill); a hybrid target's context-checkpoint cost per request (ms, bytes) is reported with it.
+A mode is "plain", or a draft method with a draft length ("dflash 3", "mtp auto") and, above temperature 0, a
+verification ("dflash 3 sample", "mtp auto match").
+Each request's prompt is new to the cache (the engine is reset between requests, so every mode pays the
+same prefill); a hybrid target's context-checkpoint cost per request (ms, bytes) is reported with it, and each
+pair's open time (header validation, both models, both contexts) with the pair.
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,29 +34,32 @@ class BenchConfig:
     prompts: list[str] | None = None
     temperature: float = 0.0
     verify: list[str] = field(default_factory=lambda: ["sample"])
+    methods: list[str] = field(default_factory=lambda: ["dflash"])
 
     @property
     def prompt_list(self) -> list[str]:
         return self.prompts or DEFAULT_PROMPTS
 
     def mode_names(self) -> list[str]:
-        """"plain", then one name per draft policy (and per verification above temperature 0)."""
+        """"plain", then one name per method and draft length (and per verification above temperature 0)."""
         names = ["plain"]
-        for policy in self.modes:
-            if self.temperature > 0:
-                names += [f"{policy} {verify}" for verify in self.verify]
-            else:
-                names.append(str(policy))
+        for method in self.methods:
+            for length in self.modes:
+                if self.temperature > 0:
+                    names += [f"{method} {length} {verify}" for verify in self.verify]
+                else:
+                    names.append(f"{method} {length}")
         return names
 
 
 def _run_request(engine: Any, prompt: str, mode: str, cfg: BenchConfig, seed: int) -> Any:
-    policy, _, verify = mode.partition(" ")
+    method, length, verify = [*mode.split(" "), "", ""][:3]
     options: dict[str, Any] = dict(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=seed)
-    if policy == "plain":
+    if method == "plain":
         options["speculative"] = False
     else:
-        options["draft_max"] = "auto" if policy == "auto" else int(policy)
+        options["method"] = method
+        options["draft_length"] = "auto" if length == "auto" else int(length)
         options["verify"] = verify or "sample"
     engine.reset()  # every mode prefills the same prompt from scratch
     return engine.generate(prompt, **options).stats
@@ -128,8 +134,13 @@ def run_bench(pairs: Sequence[tuple[str, str, str]], cfg: BenchConfig, opener: C
     out: dict[str, Any] = {"config": {"modes": cfg.mode_names(), "runs": cfg.runs, "max_tokens": cfg.max_tokens,
                                       "temperature": cfg.temperature, "prompts": cfg.prompt_list}, "pairs": {}}
     for name, target, draft in pairs:
+        started = time.perf_counter()
         with opener(target, draft) as engine:
-            out["pairs"][name] = {"target": target, "draft": draft, "modes": bench_pair(engine, cfg, progress)}
+            open_s = time.perf_counter() - started
+            methods = [m for m in cfg.methods if m in engine.methods]
+            pair_cfg = BenchConfig(**{**cfg.__dict__, "methods": methods})
+            out["pairs"][name] = {"target": target, "draft": draft, "methods": methods, "open_s": open_s,
+                                  "modes": bench_pair(engine, pair_cfg, progress)}
     print(format_results(out))
     return out
 
@@ -138,9 +149,9 @@ def format_results(results: dict[str, Any]) -> str:
     rows = []
     for name, pair in results["pairs"].items():
         for mode, r in pair["modes"].items():
-            rows.append((name, mode, r["tok_s"], r["speedup"], r["acceptance_rate"], r["mean_accepted_length"],
-                         r["step_ms"], r["host_ms_per_step"], r["checkpoint_ms_per_request"],
+            rows.append((name, pair["open_s"], mode, r["tok_s"], r["speedup"], r["acceptance_rate"],
+                         r["mean_accepted_length"], r["step_ms"], r["host_ms_per_step"], r["checkpoint_ms_per_request"],
                          r["checkpoint_bytes_per_request"] / 2**20))
-    headers = ("pair", "mode", "tok/s", "vs plain", "accept", "mean len", "step ms", "host ms/step", "ckpt ms/req",
-               "ckpt MiB/req")
+    headers = ("pair", "open s", "mode", "tok/s", "vs plain", "accept", "mean len", "step ms", "host ms/step",
+               "ckpt ms/req", "ckpt MiB/req")
     return table(headers, rows)

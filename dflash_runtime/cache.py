@@ -1,8 +1,8 @@
 """What the pair's two caches hold, and the one rule for going back in them.
 
-The target cache holds `tokens` at positions 0..len-1; the draft cache holds the target features of the same
-positions, except rows still pending in the feature bridge. Going back (a rejected draft, or a new request that
-shares only a prefix) cuts both. The draft cache and a dense target's cache are attention only: any suffix can go.
+The target cache holds `tokens` at positions 0..len-1; each drafter (drafting.py) holds what its method read from the
+same positions, or keeps it pending. Going back (a rejected draft, or a new request that shares only a prefix) cuts
+the target and every drafter. The drafters' caches and a dense target's cache are attention only: any suffix can go.
 
 A recurrent (hybrid) target can go back through its rollback snapshots only while they describe the state: the
 snapshots are written by a decode for the last min(n_rows, n_rs_seq + 1) states of that decode, so after a decode of
@@ -15,25 +15,41 @@ fewer tokens than asked and the caller prefills the rest.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from .checkpoints import CheckpointCosts, CheckpointStore
+from .checkpoints import Checkpoint, CheckpointCosts, CheckpointStore
+from .drafting import Drafter
 from .errors import RollbackError
-from .features import FeatureBridge
+from .states import WHOLE, load_seq, save_seq
+
+
+@dataclass
+class ParkedCache:
+    """A copy of everything the caches held for one owner: tokens, the target's state, each drafter's, checkpoints."""
+
+    tokens: list[int]
+    public_len: int
+    target: np.ndarray
+    drafters: list[Any]
+    checkpoints: list[Checkpoint]
+    nbytes: int
 
 
 class PairCache:
-    def __init__(self, target_ctx: Any, draft_ctx: Any | None, bridge: FeatureBridge | None, *, recurrent: bool,
-                 n_rs_seq: int, checkpoints: CheckpointStore | None) -> None:
+    def __init__(self, target_ctx: Any, drafters: Sequence[Drafter], *, recurrent: bool, n_rs_seq: int,
+                 checkpoints: CheckpointStore | None) -> None:
+        self._target_ctx = target_ctx
         self._target = ll.llama_get_memory(target_ctx)
-        self._draft = ll.llama_get_memory(draft_ctx) if draft_ctx is not None else None
-        self._bridge = bridge
+        self.drafters = list(drafters)
         self.recurrent = recurrent
         self._n_rs_seq = n_rs_seq
         self.checkpoints = checkpoints if recurrent else None
         self.tokens: list[int] = []
+        self.public_len = 0  # leading tokens that any owner may reuse (see sessions.py)
         self._rollback_window = 0  # tokens the recurrent snapshots can take back right now
 
     def __len__(self) -> int:
@@ -76,41 +92,71 @@ class PairCache:
         self._cut_target(n)
         self._cut_draft(n)
 
-    def reuse(self, prompt: Sequence[int], costs: CheckpointCosts) -> int:
-        """Keep the longest cached prefix of `prompt`, leaving at least its last token to decode (its logits are
-        needed); returns the number of prompt tokens kept."""
+    def shared(self, prompt: Sequence[int]) -> int:
+        """How many cached tokens `prompt` starts with, leaving at least its last token to decode (its logits are
+        needed)."""
         limit = min(len(self.tokens), len(prompt) - 1)
         n = 0
         while n < limit and self.tokens[n] == prompt[n]:
             n += 1
-        return self.keep(n, costs)
+        return n
+
+    def reuse(self, prompt: Sequence[int], costs: CheckpointCosts, limit: int | None = None) -> int:
+        """Keep the longest cached prefix of `prompt` (at most `limit` tokens); returns the number kept."""
+        n = self.shared(prompt)
+        return self.keep(n if limit is None else min(n, limit), costs)
 
     def clear(self) -> None:
         ll.llama_memory_clear(self._target, True)
-        if self._draft is not None:
-            ll.llama_memory_clear(self._draft, True)
-        if self._bridge is not None:
-            self._bridge.n_pending = 0
+        for drafter in self.drafters:
+            drafter.clear()
         if self.checkpoints is not None:
             self.checkpoints.clear()
         self.tokens = []
+        self.public_len = 0
         self._rollback_window = 0
+
+    # -- parking: one owner's caches set aside while another's run (sessions.py) ---------------------------------
+
+    def park(self) -> ParkedCache:
+        """A copy of the caches' whole state; the caches themselves are left as they are."""
+        target = save_seq(self._target_ctx, WHOLE)
+        drafters = [d.save() for d in self.drafters]
+        checkpoints = self.checkpoints.items() if self.checkpoints is not None else []
+        nbytes = target.nbytes + sum(d.state_bytes(s) for d, s in zip(self.drafters, drafters, strict=True))
+        nbytes += sum(c.data.nbytes for c in checkpoints)
+        return ParkedCache(list(self.tokens), self.public_len, target, drafters, checkpoints, nbytes)
+
+    def unpark(self, parked: ParkedCache) -> None:
+        """Bring back a parked state in place of the current one."""
+        try:
+            load_seq(self._target_ctx, parked.target, WHOLE)
+            for drafter, state in zip(self.drafters, parked.drafters, strict=True):
+                drafter.restore(state)
+        except BaseException:
+            self.clear()
+            raise
+        if self.checkpoints is not None:
+            self.checkpoints.replace(parked.checkpoints)
+        self.tokens = list(parked.tokens)
+        self.public_len = parked.public_len
+        self._rollback_window = 0  # the snapshots describe no decode of this state
 
     @property
     def checkpointing(self) -> bool:
         return self.checkpoints is not None and self.checkpoints.policy.enabled
 
-    def checkpoint_due(self, *, prompt_end: bool) -> bool:
-        """Whether to save a checkpoint of the current state now: just before a prompt's last token (so that the
-        same prompt, or a conversation that continues it, finds one), or an interval after the previous one."""
+    def interval_due(self) -> bool:
+        """Whether a checkpoint is due because the last one is an interval behind."""
         store = self.checkpoints
         if store is None or not self.checkpointing or not self.tokens:
             return False
-        return prompt_end or len(self.tokens) - store.last_position() >= store.policy.interval
+        return len(self.tokens) - store.last_position() >= store.policy.interval
 
     def save_checkpoint(self, costs: CheckpointCosts) -> None:
-        assert self.checkpoints is not None
-        self.checkpoints.save(len(self.tokens), costs)
+        if self.checkpointing and self.tokens:
+            assert self.checkpoints is not None
+            self.checkpoints.save(len(self.tokens), costs)
 
     # -- internals ----------------------------------------------------------------------------------------------
 
@@ -122,6 +168,7 @@ class PairCache:
                 f"the target cache refused to roll back from {had} to {n} tokens; both caches were cleared"
             )
         del self.tokens[n:]
+        self.public_len = min(self.public_len, n)
         self._rollback_window = 0  # one partial rollback per decode
         if self.checkpoints is not None:
             self.checkpoints.drop_above(n)
@@ -141,14 +188,15 @@ class PairCache:
     def _clear_target(self) -> None:
         ll.llama_memory_clear(self._target, True)
         self.tokens = []
+        self.public_len = 0
         self._rollback_window = 0
         if self.checkpoints is not None:
             self.checkpoints.clear()
 
     def _cut_draft(self, n: int) -> None:
-        if self._bridge is not None:
-            self._bridge.drop_from(n)
-        # Attention only: removing a suffix, even an empty one, always succeeds there; the result is still checked.
-        if self._draft is not None and not ll.llama_memory_seq_rm(self._draft, 0, n, -1):
+        try:
+            for drafter in self.drafters:
+                drafter.keep(n)
+        except RollbackError as error:
             self.clear()
-            raise RollbackError(f"the draft cache refused to roll back to {n} tokens; both caches were cleared")
+            raise RollbackError(f"{error}; both caches were cleared") from None

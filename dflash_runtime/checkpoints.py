@@ -9,20 +9,19 @@ from there. Copies live in host memory: the on-device flag keeps a single state 
 
 from __future__ import annotations
 
-import ctypes
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from llama_cpp import llama_cpp as ll
 
-from .errors import RollbackError
+from .states import PARTIAL_ONLY, load_seq, save_seq, state_size
 
-PARTIAL_ONLY = ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 DEFAULT_MAX_COUNT = 8
 DEFAULT_MAX_BYTES = 4 << 30
 DEFAULT_INTERVAL = 1024
+MARKED_CONTROLS = 3  # control tokens near a prompt's end after which a checkpoint is saved
 
 
 @dataclass(frozen=True)
@@ -84,13 +83,10 @@ class CheckpointStore:
         if not self.policy.enabled or n_tokens in self.positions:
             return
         t0 = time.perf_counter()
-        size = int(ll.llama_state_seq_get_size_ext(self._ctx, 0, PARTIAL_ONLY))
+        size = state_size(self._ctx, PARTIAL_ONLY)
         if size == 0 or size > self.policy.max_bytes:
             return  # nothing to keep, or one copy would not fit the budget
-        data = np.empty(size, dtype=np.uint8)
-        written = int(ll.llama_state_seq_get_data_ext(self._ctx, _u8(data), size, 0, PARTIAL_ONLY))
-        if written != size:
-            raise RollbackError(f"saving a context checkpoint wrote {written} of {size} bytes")
+        data = save_seq(self._ctx, PARTIAL_ONLY, size)
         while self._items and (
             len(self._items) >= self.policy.max_count or self.total_bytes + size > self.policy.max_bytes
         ):
@@ -108,12 +104,15 @@ class CheckpointStore:
     def restore(self, checkpoint: Checkpoint, costs: CheckpointCosts) -> None:
         """Replace the recurrent state with the checkpoint's (the attention part is left to the caller to cut)."""
         t0 = time.perf_counter()
-        data = checkpoint.data
-        read = int(ll.llama_state_seq_set_data_ext(self._ctx, _u8(data), data.nbytes, 0, PARTIAL_ONLY))
-        if read != data.nbytes:
-            raise RollbackError(f"restoring the context checkpoint at {checkpoint.n_tokens} read {read} bytes")
+        load_seq(self._ctx, checkpoint.data, PARTIAL_ONLY)
         costs.restored_at = checkpoint.n_tokens
         costs.restore_ms += (time.perf_counter() - t0) * 1000.0
+
+    def items(self) -> list[Checkpoint]:
+        return list(self._items)
+
+    def replace(self, items: list[Checkpoint]) -> None:
+        self._items = list(items)
 
     def drop_above(self, n_tokens: int) -> None:
         """Forget checkpoints past `n_tokens`: the tokens after that position are about to change."""
@@ -133,5 +132,24 @@ class CheckpointStore:
         }
 
 
-def _u8(data: np.ndarray) -> Any:
-    return data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+def prompt_marks(prompt: Sequence[int], controls: frozenset[int], public_prefix: int = 0) -> list[int]:
+    """Positions of a prompt where a checkpoint serves later requests, in order.
+
+    Chat templates may re-render history (Qwen3.5's drops earlier turns' thinking blocks), so the next turn's prompt
+    can leave this one a few tokens after a message boundary, not at its end: checkpoints go right after each of the
+    last few control tokens (`<|im_start|>` of the generation header, `<|im_end|>` of the last message), just before
+    the last token (the same prompt again, or a continuation of it), and at the end of a public prefix (where
+    another visitor's conversation may start).
+    """
+    end = len(prompt)
+    marks = {end - 1}
+    found = 0
+    for i in range(end - 2, -1, -1):
+        if prompt[i] in controls:
+            marks.add(i + 1)
+            found += 1
+            if found == MARKED_CONTROLS:
+                break
+    if 0 < public_prefix < end:
+        marks.add(public_prefix)
+    return sorted(m for m in marks if 0 < m < end)

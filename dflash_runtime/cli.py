@@ -18,7 +18,8 @@ def _add_pair_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--draft-capacity", type=int, default=None,
-                   help="longest draft the pair is opened for (default: block_size − 1, at most 15)")
+                   help="longest draft the pair is opened for (default: block_size − 1, at most 15; 7 for MTP)")
+    p.add_argument("--no-mtp", action="store_true", help="do not open the target's MTP head")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,7 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--draft-max", default="auto", help="'auto' or a fixed draft length")
+    g.add_argument("--method", default=None, help="draft method: dflash or mtp (default: dflash when a draft is given)")
+    g.add_argument("--draft-length", default=None, help="'auto' (default) or a fixed draft length, 0 for no draft")
+    g.add_argument("--draft-max", default=None, help=argparse.SUPPRESS)  # deprecated spelling of --draft-length
     g.add_argument("--no-spec", action="store_true", help="plain decoding (A/B baseline)")
     g.add_argument("--json", action="store_true", help="print the statistics as JSON")
 
@@ -46,7 +49,9 @@ def _parser() -> argparse.ArgumentParser:
 def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--prompts", type=Path, help="file with one prompt per line")
     b.add_argument("--max-tokens", type=int, default=128)
-    b.add_argument("--draft-max", default="3,7,auto", help="comma list of lengths and/or 'auto'")
+    b.add_argument("--draft-length", default=None, help="comma list of lengths and/or 'auto' (default 3,7,auto)")
+    b.add_argument("--draft-max", default=None, help=argparse.SUPPRESS)  # deprecated spelling of --draft-length
+    b.add_argument("--methods", default="dflash,mtp", help="comma list of draft methods to compare with plain")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--verify", default="sample", help="above temperature 0: comma list of 'sample' and/or 'match'")
     b.add_argument("--runs", type=int, default=3, help="alternating runs per mode; the median is reported")
@@ -57,6 +62,13 @@ def _draft_arg(value: str) -> int | str:
     return "auto" if value == "auto" else int(value)
 
 
+def _lengths(args: argparse.Namespace, default: str) -> str:
+    if args.draft_max is not None:
+        print("warning: --draft-max is now --draft-length", file=sys.stderr)
+        return args.draft_max
+    return args.draft_length if args.draft_length is not None else default
+
+
 def _open(args: argparse.Namespace, target: str, draft: str | None):
     from . import load_pair
     from .gguf_meta import read_gguf
@@ -65,8 +77,9 @@ def _open(args: argparse.Namespace, target: str, draft: str | None):
     if capacity is None and draft is not None:
         block = int(read_gguf(draft).key("block_size", 16))
         capacity = max(1, min(15, block - 1))
-    return load_pair(target, draft, n_ctx=args.n_ctx, n_gpu_layers=args.gpu_layers, draft_capacity=capacity or 1,
-                     n_threads=args.threads)
+    return load_pair(target, draft, n_ctx=args.n_ctx, n_gpu_layers=args.gpu_layers,
+                     draft_capacity=capacity if capacity is not None else 7, n_threads=args.threads,
+                     mtp=False if getattr(args, "no_mtp", False) else None)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -74,7 +87,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     with _open(args, args.target, args.draft) as engine:
         kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                      speculative=not args.no_spec, draft_max=_draft_arg(args.draft_max) if args.draft else None)
+                      speculative=not args.no_spec and bool(engine.methods), method=args.method,
+                      draft_length=_draft_arg(_lengths(args, "auto")))
         if args.chat:
             events = engine.stream_chat([{"role": "user", "content": args.prompt}], **kwargs)
         else:
@@ -96,13 +110,14 @@ def _bench(args: argparse.Namespace) -> int:
 def run_bench_cli(args: argparse.Namespace, pairs: list[tuple[str, str, str]]) -> int:
     from .bench import BenchConfig, run_bench
 
-    modes = [_draft_arg(x.strip()) for x in args.draft_max.split(",") if x.strip()]
+    modes = [_draft_arg(x.strip()) for x in _lengths(args, "3,7,auto").split(",") if x.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     prompts = None
     if args.prompts:
         prompts = [ln for ln in args.prompts.read_text().splitlines() if ln.strip()]
     verify = [v.strip() for v in args.verify.split(",") if v.strip()]
     cfg = BenchConfig(modes=modes, runs=args.runs, max_tokens=args.max_tokens, prompts=prompts,
-                      temperature=args.temperature, verify=verify)
+                      temperature=args.temperature, verify=verify, methods=methods)
     results = run_bench(pairs, cfg, lambda t, d: _open(args, t, d))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,6 @@ from typing import Any, Protocol
 
 
 class DraftPolicy(Protocol):
-    eager_inject: bool
-
     def choose(self, pos0: int, limit: int) -> int:
         """The draft length for the round at `pos0`, at most `limit` (the room left in the context and the request)."""
         ...
@@ -25,8 +23,6 @@ class DraftPolicy(Protocol):
 class FixedLength:
     """Always draft n tokens, like llama.cpp's fixed draft length."""
 
-    eager_inject = True  # inject every verify batch at once, as llama.cpp does
-
     def __init__(self, n: int) -> None:
         self.n = n
 
@@ -37,7 +33,7 @@ class FixedLength:
         pass
 
     def describe(self) -> dict[str, Any]:
-        return {"policy": "fixed", "draft_max": self.n}
+        return {"policy": "fixed", "draft_length": self.n}
 
     def begin_request(self) -> None:
         pass
@@ -57,8 +53,6 @@ class AdaptiveLength:
     comes back within a few rounds; the wait doubles after each probe that never beat plain decoding (up to
     `probe_max`) and resets after one that did.
     """
-
-    eager_inject = False  # rows of plain rounds wait and reach the draft in one batch when drafting resumes
 
     def __init__(self, n_max: int, *, decay: float = 0.9, plain_decay: float = 0.98, cost_decay: float = 0.8,
                  probe_every: int = 8, probe_max: int = 64, prior: float = 0.5, shrink: float = 2.0) -> None:
@@ -195,7 +189,8 @@ class AdaptiveLength:
         }
 
 
-def make_policy(draft_max: int | str, pair_max: int, *, verify_cap: int) -> DraftPolicy:
-    if draft_max == "auto":
-        return AdaptiveLength(max(0, min(pair_max, verify_cap)))
-    return FixedLength(int(draft_max))
+def make_policy(draft_length: int | str, capacity: int, *, verify_cap: int) -> DraftPolicy:
+    """The policy for a request's draft length: "auto" or a fixed length, within the method's capacity."""
+    if draft_length == "auto":
+        return AdaptiveLength(max(0, min(capacity, verify_cap)))
+    return FixedLength(int(draft_length))

@@ -1,9 +1,11 @@
 """One request on the engine's parts, split as llama.cpp splits speculative decoding:
 
-- begin: reuse the cached prefix (rolling back, or restoring a context checkpoint), prefill the rest in chunks with
-  the target features injected into the draft, checkpoints saved where a later request can use them;
-- per step: choose a draft length (clamped to the room left), draft a block, decode `[id_last, drafts]` on the
-  target, walk the verifier over the rows (accept), cut both caches to what was accepted.
+- begin: make the caches the request owner's (sessions.py), reuse the cached prefix (rolling back, or restoring a
+  context checkpoint), prefill the rest in chunks, each drafter processing every chunk, checkpoints saved where a
+  later request can use them;
+- per step: choose a draft length (clamped to the room left), let the request's drafter draft, decode
+  `[id_last, drafts]` on the target, let every drafter process it, walk the verifier over the rows (accept), cut the
+  caches to what was accepted.
 
 Cancellation is checked between prefill chunks and between steps.
 """
@@ -12,25 +14,25 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from .batches import TokenBatch
 from .cache import PairCache
-from .checkpoints import CheckpointCosts
+from .checkpoints import CheckpointCosts, prompt_marks
 from .controller import DraftPolicy
-from .drafter import BlockDrafter, DraftSampling, Proposal
-from .features import FeatureBridge
+from .drafting import Drafter
 from .pair import LinkedPair
+from .proposal import DRAFT, TARGET, DraftSampling, Proposal
 from .results import StreamEvent
 from .sampling import ChainProbabilities, Sampler, SamplingParams
+from .sessions import CacheOwners
 from .stats import Stats
 from .textstream import TextStream
-from .verify import DRAFT, TARGET, MatchVerifier, RejectionVerifier
+from .verify import Verifier, Verifiers
 
 
 @dataclass(frozen=True)
@@ -38,12 +40,24 @@ class Request:
     max_tokens: int
     sampling: SamplingParams
     stop: tuple[str, ...]
-    speculative: bool
-    draft_max: int | str
+    method: str | None  # the drafter that drafts; None: plain decoding
+    draft_length: int | str  # "auto" or a fixed length (0: no draft)
     n_min: int
     p_min: float
     verify: str  # "sample" or "match": how drafts are checked above temperature 0
+    owner: Hashable | None = None  # whose text this is: only its own cached tokens are reused (sessions.py)
+    public_prefix: int = 0  # leading prompt tokens that any owner may reuse
     on_prefill: Callable[[int, int], None] | None = None  # (tokens prefilled, tokens to prefill) after each chunk
+
+    @property
+    def speculative(self) -> bool:
+        return self.method is not None
+
+    @property
+    def verify_mode(self) -> str:
+        if not self.speculative:
+            return "plain"
+        return "greedy" if self.sampling.greedy else self.verify
 
 
 @dataclass
@@ -53,8 +67,10 @@ class Parts:
     pair: LinkedPair
     cache: PairCache
     batch: TokenBatch
-    bridge: FeatureBridge | None
-    drafter: BlockDrafter | None
+    drafters: dict[str, Drafter]
+    verifiers: Verifiers
+    owners: CacheOwners
+    controls: frozenset[int]  # control token ids: message boundaries, where checkpoints serve the next turn
 
 
 class _Clock:
@@ -87,18 +103,15 @@ class Decoding:
         self.req = req
         self.policy = policy
         self.cancelled = cancelled
-        pair = parts.pair
-        self.stats = Stats(speculative=req.speculative, draft_capacity=pair.draft_capacity,
-                           draft_policy=req.draft_max if req.speculative else 0, verify_mode=self._verify_mode())
+        self.drafter = parts.drafters[req.method] if req.method is not None else None
+        self.stats = Stats(speculative=req.speculative, method=req.method,
+                           draft_capacity=self.drafter.capacity if self.drafter else 0,
+                           draft_length=req.draft_length if req.speculative else 0, verify_mode=req.verify_mode)
         self.costs = CheckpointCosts()
         self.clock = _Clock()
-        self.text = TextStream(pair.vocab, req.stop)
+        self.text = TextStream(parts.pair.vocab, req.stop)
         self._t_start = time.perf_counter()
-
-    def _verify_mode(self) -> str:
-        if not self.req.speculative:
-            return "plain"
-        return "greedy" if self.req.sampling.greedy else self.req.verify
+        self._prefilled = False
 
     # -- the request ------------------------------------------------------------------------------------------
 
@@ -149,68 +162,69 @@ class Decoding:
         s.checkpoints_saved, s.checkpoint_bytes = self.costs.saved, self.costs.saved_bytes
         s.checkpoint_save_ms = self.costs.save_ms
 
-    def _verifier(self, resources: contextlib.ExitStack) -> tuple[Any, DraftSampling | None]:
-        pair, sampling = self.parts.pair, self.req.sampling
+    def _verifier(self, resources: contextlib.ExitStack) -> tuple[Verifier, DraftSampling | None]:
+        pair, sampling, verifiers = self.parts.pair, self.req.sampling, self.parts.verifiers
         if self.stats.verify_mode == "sample":
             rng = np.random.default_rng(sampling.seed)
             chain = ChainProbabilities(sampling, pair.n_vocab)
             resources.callback(chain.free)
-            verifier = RejectionVerifier(chain, rng, pair.target_ctx, pair.n_vocab)
-            return verifier, DraftSampling(chain, rng)
+            return verifiers.sample(chain, rng, pair.target_ctx, pair.n_vocab), DraftSampling(chain, rng)
         sampler = resources.enter_context(Sampler(sampling))
-        return MatchVerifier(sampler, pair.target_ctx), None
+        return verifiers.match(sampler, pair.target_ctx), None
 
     # -- begin: prefix reuse and prefill ------------------------------------------------------------------------
 
     def _prefill(self) -> int | None:
         """Bring the cache to the prompt; returns the row count of the last decode (its last row has the logits
         of the prompt's last token), or None when cancelled."""
-        t0 = time.perf_counter()
-        parts, prompt, stats = self.parts, self.prompt, self.stats
+        parts, prompt, stats, req = self.parts, self.prompt, self.stats, self.req
         cache, n_batch = parts.cache, parts.pair.n_batch
-        kept = cache.reuse(prompt, self.costs)
+        limit = parts.owners.switch(req.owner, prompt, req.public_prefix)
+        t0 = time.perf_counter()
+        kept = cache.reuse(prompt, self.costs, limit)
         end = len(prompt)
         stats.n_prompt, stats.n_reused, stats.n_prefilled = end, kept, end - kept
-        # A checkpoint just before the last prompt token serves the same prompt again and the next chat turn.
-        split = end - 1 if cache.checkpointing else -1
+        marks = prompt_marks(prompt, parts.controls, req.public_prefix) if cache.checkpointing else []
+        marks = [m for m in marks if m > kept]
         pos, rows = kept, 0
         while pos < end:
             if self.cancelled():
                 return None
-            if pos == split:
-                self._checkpoint(prompt_end=True)
-            stop = min(pos + n_batch, end)
-            if pos < split < stop:
-                stop = split
-            rows = self._decode(prompt[pos:stop], "last" if stop == end else "none")
+            if marks and pos == marks[0]:
+                marks.pop(0)
+                cache.save_checkpoint(self.costs)
+            stop = min(pos + n_batch, end, marks[0] if marks else end)
+            rows = self._decode(prompt[pos:stop], "last" if stop == end else "none", eager=req.speculative)
             pos = stop
-            if self.req.on_prefill is not None:
-                self.req.on_prefill(pos - kept, end - kept)
-            if parts.bridge is not None and (self.req.speculative or parts.bridge.n_pending >= parts.bridge.capacity):
-                parts.bridge.flush()  # speculative requests inject each prompt chunk at once, as llama.cpp does
-            if pos < end and pos != split:
-                self._checkpoint(prompt_end=False)
+            if req.on_prefill is not None:
+                req.on_prefill(pos - kept, end - kept)
+            if pos < end and not (marks and pos == marks[0]) and cache.interval_due():
+                cache.save_checkpoint(self.costs)
+        if req.public_prefix > cache.public_len:
+            cache.public_len = min(req.public_prefix, end)
         stats.prefill_ms = (time.perf_counter() - t0) * 1000.0
+        self._prefilled = True
         return rows
 
-    def _checkpoint(self, *, prompt_end: bool) -> None:
-        if self.parts.cache.checkpoint_due(prompt_end=prompt_end):
-            self.parts.cache.save_checkpoint(self.costs)
-
-    def _decode(self, tokens: Sequence[int], outputs: str) -> int:
+    def _decode(self, tokens: Sequence[int], outputs: str, *, eager: bool) -> int:
+        """Decode on the target, then let every drafter process the rows (eagerly only the request's own)."""
         parts = self.parts
         pos0 = len(parts.cache)
         n = parts.batch.fill(tokens, pos0, outputs=outputs)
         with self.clock:
             parts.batch.decode(parts.pair.target_ctx, "target")
         parts.cache.decoded(tokens)
-        if parts.bridge is not None:
-            parts.bridge.capture(n, pos0)
+        t = time.perf_counter()
+        with self.clock:
+            for drafter in parts.drafters.values():
+                drafter.process(tokens, pos0, eager=eager and drafter is self.drafter)
+        if self._prefilled:
+            self.stats.inject_ms += (time.perf_counter() - t) * 1000.0
         return n
 
     # -- one step: draft → verify → accept ----------------------------------------------------------------------
 
-    def _step(self, id_last: int, verifier: Any, draft_sampling: DraftSampling | None) -> _Step:
+    def _step(self, id_last: int, verifier: Verifier, draft_sampling: DraftSampling | None) -> _Step:
         t_round = time.perf_counter()
         parts, req, stats, policy = self.parts, self.req, self.stats, self.policy
         pos0 = len(parts.cache)
@@ -220,17 +234,18 @@ class Decoding:
         proposal = Proposal()
         if n_block > 0:
             # Rows left pending by plain rounds belong to those rounds' cost, not to this one's.
-            t_round += self._inject_pending()
+            t_round += self._catch_up()
             proposal = self._propose(id_last, pos0, n_block, draft_sampling)
         if policy is not None:
             stats.draft_lengths.append(len(proposal.tokens))
         t = time.perf_counter()
-        self._decode([id_last, *proposal.tokens], "all")
-        eager = policy is None or policy.eager_inject
-        t_inject = self._inject_pending() if proposal.tokens and eager else 0.0
+        inject_before = stats.inject_ms
+        self._decode([id_last, *proposal.tokens], "all", eager=bool(proposal.tokens))
         step = self._accept(verifier.walk(proposal))
-        stats.verify_ms += (time.perf_counter() - t - t_inject) * 1000.0
+        stats.verify_ms += (time.perf_counter() - t) * 1000.0 - (stats.inject_ms - inject_before)
         n_accepted = step.sources.count(DRAFT)
+        if self.drafter is not None and proposal.tokens:
+            self.drafter.accept(n_accepted)
         parts.cache.roll_back(pos0 + 1 + n_accepted)
         if proposal.tokens:
             stats.record_verify(len(proposal.tokens), n_accepted, len(step.tokens))
@@ -238,26 +253,25 @@ class Decoding:
             stats.plain_steps += 1
         if policy is not None:
             policy.observe(n_block, len(proposal.tokens), n_accepted, time.perf_counter() - t_round)
-        self._checkpoint(prompt_end=False)
+        if parts.cache.interval_due():
+            parts.cache.save_checkpoint(self.costs)
         return step
 
     def _propose(self, id_last: int, pos0: int, n_block: int, sampling: DraftSampling | None) -> Proposal:
-        drafter = self.parts.drafter
-        assert drafter is not None
+        assert self.drafter is not None
         t = time.perf_counter()
         with self.clock:
-            proposal = drafter.draft(id_last, pos0, n_block, n_min=self.req.n_min, p_min=self.req.p_min,
-                                     sampling=sampling)
+            proposal = self.drafter.draft(id_last, pos0, n_block, n_min=self.req.n_min, p_min=self.req.p_min,
+                                          sampling=sampling)
         self.stats.draft_ms += (time.perf_counter() - t) * 1000.0
         return proposal
 
-    def _inject_pending(self) -> float:
-        """Bring the draft cache up to date with the target's; returns the seconds it took."""
-        bridge = self.parts.bridge
-        assert bridge is not None
+    def _catch_up(self) -> float:
+        """Bring the request's drafter up to date with the target; returns the seconds it took."""
+        assert self.drafter is not None
         t = time.perf_counter()
         with self.clock:
-            bridge.flush()
+            self.drafter.catch_up()
         spent = time.perf_counter() - t
         self.stats.inject_ms += spent * 1000.0
         return spent

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -24,56 +26,91 @@ from .chat import ChatTemplate, ControlToken, control_tokens
 from .checkpoints import CheckpointPolicy, CheckpointStore
 from .controller import DraftPolicy, make_policy
 from .decoding import Decoding, Parts, Request
-from .drafter import BlockDrafter
+from .dflash import DFlashDrafter
+from .drafting import DFLASH, METHODS, MTP, Drafter
 from .errors import EngineClosedError, PromptTooLongError, RequestError
-from .features import FeatureBridge
-from .pair import LinkedPair
+from .mtp import MTPDrafter
+from .pair import CUDA_VERIFY_ROWS, LinkedPair
 from .results import Result, StreamEvent
 from .sampling import VERIFY_MODES, SamplingParams
+from .sessions import CacheOwners, SessionPolicy
 from .stats import Stats
 from .streams import CLOSED_MESSAGE, Occupancy, RequestStream
 from .textstream import detokenize, token_piece
+from .verify import Verifiers
 
 DEFAULT_BUSY_TIMEOUT_S = 300.0
+POLICIES_KEPT = 64  # adaptive policies per (owner, method, length), least recently used first out
+
+
+def deprecated_alias(old: str, new: str, old_value: Any, new_value: Any, default: Any, *, stacklevel: int = 3) -> Any:
+    """The value of a renamed keyword: the new one, or the old one with a DeprecationWarning (not both)."""
+    if old_value is None:
+        return default if new_value is None else new_value
+    warnings.warn(f"{old}= is now {new}=", DeprecationWarning, stacklevel=stacklevel)
+    if new_value is not None and new_value != old_value:
+        raise RequestError(f"give {new} or its older spelling {old}, not both")
+    return old_value
 
 
 class Engine:
-    """Generates with a linked target + DFlash draft pair (or the target alone). One request at a time.
+    """Generates with a target and its draft methods: a linked DFlash draft, the target's own MTP head, or the target
+    alone. One request at a time.
 
-    Keyword arguments: those of `LinkedPair` (n_ctx, n_gpu_layers, draft_capacity, n_batch, n_threads, n_rs_seq,
-    verbose), plus `draft_policy` (a request's default draft_max: "auto" or a fixed length), `checkpoints` (a
-    `CheckpointPolicy` for hybrid targets; `CheckpointPolicy(max_count=0)` turns them off) and `busy_timeout_s`
-    (how long another thread's request waits for the engine; None waits as long as it takes).
+    Keyword arguments: those of `LinkedPair` (n_ctx, n_gpu_layers, draft_capacity, mtp, n_batch, n_threads,
+    n_rs_seq, verbose), plus `draft_length` (a request's default: "auto" or a fixed length), `checkpoints` (a
+    `CheckpointPolicy` for hybrid targets; `CheckpointPolicy(max_count=0)` turns them off), `sessions` (a
+    `SessionPolicy`: how many other owners' caches are kept aside), `verifiers` (how drafts are checked: see
+    verify.py) and `busy_timeout_s` (how long another thread's request waits for the engine; None waits as long as
+    it takes). `draft_policy=` is the deprecated spelling of `draft_length=`.
     """
 
     def __init__(self, target_path: str | os.PathLike[str], draft_path: str | os.PathLike[str] | None = None, *,
-                 draft_policy: str | int = "auto", checkpoints: CheckpointPolicy | None = None,
-                 busy_timeout_s: float | None = DEFAULT_BUSY_TIMEOUT_S, **pair_options: Any) -> None:
+                 draft_length: str | int | None = None, checkpoints: CheckpointPolicy | None = None,
+                 sessions: SessionPolicy | None = None, verifiers: Verifiers | None = None,
+                 busy_timeout_s: float | None = DEFAULT_BUSY_TIMEOUT_S, draft_policy: str | int | None = None,
+                 **pair_options: Any) -> None:
+        length = deprecated_alias("draft_policy", "draft_length", draft_policy, draft_length, "auto")
         self.pair = LinkedPair(target_path, draft_path, **pair_options)
         try:
-            self._open(draft_policy, checkpoints or CheckpointPolicy(), busy_timeout_s)
+            self._open(length, checkpoints or CheckpointPolicy(), sessions or SessionPolicy(),
+                       verifiers or Verifiers(), busy_timeout_s)
         except BaseException:
             self.pair.close()
             raise
 
-    def _open(self, draft_policy: str | int, checkpoints: CheckpointPolicy, busy_timeout_s: float | None) -> None:
+    def _open(self, draft_length: str | int, checkpoints: CheckpointPolicy, sessions: SessionPolicy,
+              verifiers: Verifiers, busy_timeout_s: float | None) -> None:
         pair = self.pair
         self._occupancy = Occupancy(self._free, busy_timeout_s)
         batch = TokenBatch(pair.n_batch)
-        bridge = drafter = None
-        if pair.spec is not None:
-            assert pair.api is not None
-            bridge = FeatureBridge(pair.api, pair.target_ctx, pair.draft_ctx, pair.spec.target_layer_ids,
-                                   pair.n_embd, pair.n_ubatch)
-            drafter = BlockDrafter(pair.api, pair.draft_ctx, pair.spec, pair.n_embd_draft, pair.n_vocab)
+        drafters: dict[str, Drafter] = {}
+        try:
+            if pair.spec is not None:
+                assert pair.api is not None
+                drafters[DFLASH] = DFlashDrafter(
+                    pair.api, pair.target_ctx, pair.draft_ctx, pair.spec, n_embd=pair.n_embd,
+                    n_embd_draft=pair.n_embd_draft, n_vocab=pair.n_vocab, n_ubatch=pair.n_ubatch,
+                    capacity=pair.draft_capacity)
+            if pair.mtp_ctx is not None:
+                drafters[MTP] = MTPDrafter(pair.target_ctx, pair.mtp_ctx, n_embd=pair.n_embd_out,
+                                           n_vocab=pair.n_vocab, n_batch=pair.n_ubatch, capacity=pair.mtp_capacity)
+        except BaseException:
+            for drafter in drafters.values():
+                drafter.free()
+            batch.free()
+            raise
         store = CheckpointStore(pair.target_ctx, checkpoints) if pair.is_recurrent else None
-        cache = PairCache(pair.target_ctx, pair.draft_ctx, bridge, recurrent=pair.is_recurrent,
+        cache = PairCache(pair.target_ctx, list(drafters.values()), recurrent=pair.is_recurrent,
                           n_rs_seq=pair.n_rs_seq, checkpoints=store)
-        self._parts = Parts(pair, cache, batch, bridge, drafter)
-        self.default_draft_policy = draft_policy
-        self._policies: dict[str, DraftPolicy] = {}
+        # Control tokens are read once, here: chat prompts and checkpoint positions need them on every request.
+        self._controls: list[ControlToken] = control_tokens(pair.vocab, pair.n_vocab, self._special_piece)
+        self._parts = Parts(pair, cache, batch, drafters, verifiers, CacheOwners(cache, sessions),
+                            frozenset(t.id for t in self._controls))
+        self.default_draft_length = self._check_length(draft_length, max(map(pair.capacity, pair.methods),
+                                                                            default=0))
+        self._policies: OrderedDict[tuple[Any, ...], DraftPolicy] = OrderedDict()
         self.template = self._load_template()
-        self._controls: list[ControlToken] | None = None
 
     # -- the pair's facts ---------------------------------------------------------------------------------------
 
@@ -108,8 +145,24 @@ class Engine:
 
     @property
     def draft_max(self) -> int:
-        """The older spelling of `draft_capacity`."""
+        """The deprecated spelling of `draft_capacity`."""
+        warnings.warn("Engine.draft_max is now Engine.draft_capacity", DeprecationWarning, stacklevel=2)
         return self.pair.draft_capacity
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The draft methods this engine can run ("dflash" with a DFlash draft, "mtp" with the target's MTP head)."""
+        return self.pair.methods
+
+    @property
+    def default_method(self) -> str | None:
+        """The method a speculative request uses when it names none: DFlash when loaded, else MTP, else None."""
+        return self.pair.methods[0] if self.pair.methods else None
+
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The target's recommended sampling (`general.sampling.*`), as llama.cpp applies it: only keys present."""
+        with self._open_native():
+            return self.pair.sampling_defaults()
 
     @property
     def spec(self) -> Any:
@@ -150,23 +203,39 @@ class Engine:
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         speculative: bool = True,
-        draft_max: int | str | None = None,
+        method: str | None = None,
+        draft_length: int | str | None = None,
         n_min: int = 0,
         p_min: float = 0.0,
         verify: str = "sample",
+        cache_owner: Hashable | None = None,
+        public_prefix: int = 0,
         on_prefill: Callable[[int, int], None] | None = None,
+        draft_max: int | str | None = None,
     ) -> RequestStream:
         """A request's events, one per engine step; the request starts at the first `next()`.
 
-        `draft_max`: "auto" (the adaptive controller), or a fixed length ≤ `draft_capacity`; default the engine's
-        `draft_policy`. `verify` ("sample" or "match") chooses how drafts are checked above temperature 0.
-        `on_prefill(done, total)` is called after each prompt chunk the engine decodes (progress of a long prompt);
-        it runs on the decoding thread, between chunks, and may cancel the request."""
+        `method`: "dflash" or "mtp" (see `methods`; default `default_method`); `speculative=False` decodes plainly.
+        `draft_length`: "auto" (the adaptive controller), 0 (no draft) or a fixed length ≤ the method's capacity;
+        default the engine's `draft_length`. `verify` ("sample" or "match") chooses how drafts are checked above
+        temperature 0. `cache_owner` (any hashable key, e.g. a visitor's session) limits prefix reuse to what the
+        same owner put in the cache, plus the first `public_prefix` tokens of the prompt when they are cached (see
+        sessions.py). `on_prefill(done, total)` is called after each prompt chunk the engine decodes (progress of a
+        long prompt); it runs on the decoding thread, between chunks, and may cancel the request.
+        `draft_max=` is the deprecated spelling of `draft_length=`."""
         self.check_open()
+        length = deprecated_alias("draft_max", "draft_length", draft_max, draft_length, None)
         tokens = self._prompt_tokens(prompt)
         req = self._request(max_tokens, SamplingParams(temperature, top_k, top_p, min_p, seed), stop, speculative,
-                            draft_max, n_min, p_min, verify)
-        return self._start(tokens, replace(req, on_prefill=on_prefill))
+                            method, length, n_min, p_min, verify)
+        if isinstance(public_prefix, bool) or not isinstance(public_prefix, int) or public_prefix < 0:
+            raise RequestError(f"public_prefix must be an integer ≥ 0 (got {public_prefix!r})")
+        try:
+            hash(cache_owner)
+        except TypeError:
+            raise RequestError(f"cache_owner must be hashable (got {type(cache_owner).__name__})") from None
+        req = replace(req, owner=cache_owner, public_prefix=min(public_prefix, len(tokens)), on_prefill=on_prefill)
+        return self._start(tokens, req)
 
     def stream_chat(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool | None = None,
                     **kwargs: Any) -> RequestStream:
@@ -183,11 +252,7 @@ class Engine:
     def chat_tokens(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool | None = None) -> list[int]:
         """The chat prompt's tokens: the template's own text may become control tokens, message content never."""
         template = self._template()
-        with self._occupancy.cond:
-            if self._controls is None:
-                self._controls = control_tokens(self.pair.vocab, self.pair.n_vocab, self._special_piece)
-            controls = self._controls
-        return template.tokens(messages, self._tokenize, controls, enable_thinking=enable_thinking)
+        return template.tokens(messages, self._tokenize, self._controls, enable_thinking=enable_thinking)
 
     def cancel(self) -> None:
         """Cancel every request of this engine that exists now (running, suspended or not started yet), between
@@ -215,6 +280,7 @@ class Engine:
         """Forget the cached prefix (both caches and the checkpoints)."""
         with self._occupancy.exclusive():
             self._parts.cache.clear()
+            self._parts.owners.forget()
 
     def info(self) -> dict[str, Any]:
         with self._open_native():
@@ -224,6 +290,11 @@ class Engine:
                 "draft": str(pair.draft_info.path) if pair.draft_info else None,
                 "target_arch": pair.target_info.arch,
                 "hybrid": pair.is_recurrent,
+                "methods": list(pair.methods),
+                "default_method": self.default_method,
+                "mtp_capacity": pair.mtp_capacity,
+                "mtp_error": pair.mtp_error,
+                "sampling_defaults": pair.sampling_defaults(),
                 "draft_kind": None if spec is None else ("dflash2" if spec.is_dflash2 else "dflash1"),
                 "block_size": spec.block_size if spec else None,
                 "draft_capacity": pair.draft_capacity,
@@ -235,6 +306,7 @@ class Engine:
                 "n_embd": pair.n_embd,
                 "n_cached": len(self._parts.cache),
                 "checkpoints": store.describe() if store is not None else None,
+                "sessions": self._parts.owners.describe(),
                 "chat_template": self.template is not None,
                 "supports_thinking": bool(self.template and self.template.supports_thinking),
                 "llama_cpp_version": llama_cpp.__version__,
@@ -260,9 +332,9 @@ class Engine:
 
     def _free(self) -> None:
         parts = self._parts
-        for part in (parts.drafter, parts.bridge, parts.batch):
-            if part is not None:
-                part.free()
+        for drafter in parts.drafters.values():
+            drafter.free()
+        parts.batch.free()
         self.pair.close()
 
     @contextlib.contextmanager
@@ -305,7 +377,8 @@ class Engine:
             run = holder.get("run")
             if run is not None:
                 return run.final_event([], [], "", "cancelled", detail)
-            stats = Stats(speculative=req.speculative, draft_capacity=self.pair.draft_capacity, n_prompt=len(tokens))
+            stats = Stats(speculative=req.speculative, method=req.method, n_prompt=len(tokens),
+                          draft_capacity=self.pair.capacity(req.method) if req.method else 0)
             return StreamEvent("", [], stats, "cancelled", detail)
 
         return RequestStream(self._occupancy, decoding, final, self._parts.cache.clear)
@@ -335,35 +408,51 @@ class Engine:
         return tokens
 
     def _request(self, max_tokens: int, sampling: SamplingParams, stop: str | Sequence[str] | None,
-                 speculative: bool, draft_max: int | str | None, n_min: int, p_min: float, verify: str) -> Request:
+                 speculative: bool, method: str | None, draft_length: int | str | None, n_min: int, p_min: float,
+                 verify: str) -> Request:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise RequestError(f"max_tokens must be a positive integer (got {max_tokens!r})")
         sampling.check()
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        capacity = self.pair.draft_capacity
-        policy = self.default_draft_policy if draft_max is None else draft_max
-        fixed_ok = isinstance(policy, int) and not isinstance(policy, bool) and 0 <= policy <= capacity
-        if policy != "auto" and not fixed_ok:
-            raise RequestError(f"draft_max must be 'auto' or an integer in 0..{capacity} (got {policy!r})")
+        if method is not None and method not in self.methods:
+            known = ", ".join(self.methods) or "none: the target has no draft and no MTP head"
+            unknown = "" if method in METHODS else " unknown"
+            raise RequestError(f"draft method {method!r} is{unknown} not available on this pair (available: {known})")
+        chosen = (method or self.default_method) if speculative else None
+        capacity = self.pair.capacity(chosen) if chosen else max(map(self.pair.capacity, self.methods), default=0)
+        length = self.default_draft_length if draft_length is None else draft_length
+        length = self._check_length(length, capacity)
         if not 0 <= n_min <= capacity or not 0.0 <= p_min < 1.0:
             raise RequestError(f"n_min must be in 0..{capacity} and p_min in [0, 1)")
         if verify not in VERIFY_MODES:
             raise RequestError(f"verify must be one of {', '.join(VERIFY_MODES)} (got {verify!r})")
-        on = bool(speculative) and self.pair.spec is not None
-        return Request(max_tokens, sampling, stops, on, policy, n_min, p_min, verify)
+        if isinstance(length, int) and not isinstance(length, bool) and length > capacity:
+            length = capacity  # the engine's default may exceed a smaller method's capacity
+        return Request(max_tokens, sampling, stops, chosen, length, n_min, p_min, verify)
+
+    @staticmethod
+    def _check_length(length: Any, capacity: int) -> int | str:
+        fixed = isinstance(length, int) and not isinstance(length, bool) and 0 <= length <= capacity
+        if length != "auto" and not fixed:
+            raise RequestError(f"draft_length must be 'auto' or an integer in 0..{capacity} (got {length!r})")
+        return length
 
     def _policy(self, req: Request) -> DraftPolicy | None:
-        if not req.speculative:
+        if req.method is None:
             return None
-        key = str(req.draft_max)
-        if key not in self._policies:
-            self._policies[key] = make_policy(req.draft_max, self.pair.draft_capacity, verify_cap=self._verify_cap())
-        return self._policies[key]
+        key = (req.owner, req.method, str(req.draft_length))
+        policy = self._policies.pop(key, None)
+        if policy is None:
+            policy = make_policy(req.draft_length, self.pair.capacity(req.method), verify_cap=self._verify_cap())
+        self._policies[key] = policy  # most recently used last
+        while len(self._policies) > POLICIES_KEPT:
+            self._policies.popitem(last=False)
+        return policy
 
     def _verify_cap(self) -> int:
-        # CUDA's small-batch matrix-vector kernels take up to 8 rows: keep verify batches there on a GPU target.
+        # CUDA's small-batch matrix-vector kernels take a few rows only: keep verify batches there on a GPU target.
         on_gpu = self.pair.n_gpu_layers != 0 and bool(ll.llama_supports_gpu_offload())
-        return 7 if on_gpu else self.pair.n_ubatch - 1
+        return CUDA_VERIFY_ROWS - 1 if on_gpu else self.pair.n_ubatch - 1
 
     def _load_template(self) -> ChatTemplate | None:
         raw = ll.llama_model_chat_template(self.pair.target_model, None)

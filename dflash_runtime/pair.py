@@ -7,6 +7,7 @@ import ctypes
 import os
 import sys
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,8 @@ from .gguf_meta import GGUFInfo, read_gguf
 from .native import DFlashApi, dflash_api
 from .validation import DraftSpec, validate_pair
 
-DEFAULT_DRAFT_CAPACITY = 7  # verify batches of ≤ 8 rows stay on CUDA's small-batch kernels
+CUDA_VERIFY_ROWS = 8  # CUDA's small-batch matrix-vector kernels take up to this many rows: verify batches stay there
+DEFAULT_DRAFT_CAPACITY = CUDA_VERIFY_ROWS - 1  # a verify batch is id_last + the draft
 _backend_ready = False
 _live_handles = 0
 _live_lock = threading.Lock()
@@ -72,6 +74,13 @@ def _init_backend() -> None:
         _backend_ready = True
 
 
+def init_native(verbose: bool = False) -> None:
+    """ggml's backends loaded and libllama's log routed (errors only unless verbose), for callers such as
+    `llama_model_quantize` that use libllama without opening a pair."""
+    _logger.set_verbose(verbose)
+    _init_backend()
+
+
 class _Owned:
     """Native handles freed in reverse order of creation, whether construction finished or not."""
 
@@ -90,9 +99,10 @@ class _Owned:
             _count(-1)
 
 
-def _load_model(path: Path, n_gpu_layers: int) -> Any:
+def _load_model(path: Path, n_gpu_layers: int, *, load_mtp: bool = False) -> Any:
     params = ll.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers
+    params.load_mtp = load_mtp  # the nextn layers' tensors are skipped unless asked for
     _log.lines.clear()
     model = ll.llama_model_load_from_file(str(path).encode(), params)
     if not model:
@@ -121,12 +131,15 @@ def _meta_str(model: Any, key: str) -> str | None:
 
 
 class LinkedPair:
-    """Owns the target model/context and, optionally, the DFlash draft model/context linked to it.
+    """Owns the target model/context, optionally the DFlash draft model/context linked to it, and optionally the
+    target's own MTP context (a second context of the target model running its nextn head).
 
     `draft_capacity` is the longest draft the pair is opened for: it sizes the verify ubatch and, for a hybrid
     (recurrent) target, the `n_rs_seq` recurrent-state snapshots that let rejected drafts be rolled back (pass
     `n_rs_seq` to override; 0 disables rollback, and speculative requests then fail loudly). A request may draft
-    less (its `draft_max`), never more. `draft_max=` is accepted as the older spelling of `draft_capacity`.
+    less (its `draft_length`), never more. `draft_max=` is the deprecated spelling of `draft_capacity`.
+    `mtp`: None opens the MTP context when the target has an MTP head (a failure is kept in `mtp_error`), True
+    requires it, False skips it.
     Raw pointers are exposed as `.target_model`, `.target_ctx`, `.draft_model`, `.draft_ctx` for callers that
     drive libllama themselves. Free with `close()` or a `with` block; the draft goes before the target.
     """
@@ -143,11 +156,16 @@ class LinkedPair:
         n_threads: int | None = None,
         n_rs_seq: int | None = None,
         verbose: bool = False,
+        mtp: bool | None = None,
         draft_max: int | None = None,
     ) -> None:
-        if draft_capacity is not None and draft_max is not None and draft_capacity != draft_max:
-            raise ValueError("give draft_capacity or its older spelling draft_max, not both")
+        if draft_max is not None:
+            warnings.warn("draft_max= is now draft_capacity=", DeprecationWarning, stacklevel=3)
+            if draft_capacity is not None and draft_capacity != draft_max:
+                raise ValueError("give draft_capacity or its older spelling draft_max, not both")
         capacity = next((n for n in (draft_capacity, draft_max) if n is not None), DEFAULT_DRAFT_CAPACITY)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"draft_capacity must be an integer ≥ 0 (got {capacity!r})")
         _logger.set_verbose(verbose)
         self.target_info: GGUFInfo = read_gguf(target_path)
         self.draft_info: GGUFInfo | None = read_gguf(draft_path) if draft_path is not None else None
@@ -161,13 +179,21 @@ class LinkedPair:
             )
         if n_ctx < 16 or n_batch < 1:
             raise ValueError(f"n_ctx must be ≥ 16 and n_batch ≥ 1 (got n_ctx={n_ctx}, n_batch={n_batch})")
+        # The MTP head: one nextn layer after the trunk (a failure to open it is kept when it is optional).
+        n_nextn = int(self.target_info.keys.get(f"{self.target_info.arch}.nextn_predict_layers", 0) or 0)
+        if mtp and n_nextn == 0:
+            raise PairMismatchError(f"{self.target_info.path.name} has no MTP head (nextn_predict_layers is 0)")
+        self.wants_mtp = n_nextn > 0 and mtp is not False
+        self.mtp_error: str | None = None
+        self._mtp_required = bool(mtp)
+        self.mtp_capacity = capacity if self.wants_mtp else 0
         self.draft_capacity = capacity if self.spec else 0
         self.n_gpu_layers = n_gpu_layers
         self._n_rs_seq_request = n_rs_seq
         self.api: DFlashApi | None = dflash_api() if self.spec else None
         self._owned = _Owned()
         self._closed = False
-        self.target_model = self.target_ctx = self.draft_model = self.draft_ctx = None
+        self.target_model = self.target_ctx = self.draft_model = self.draft_ctx = self.mtp_ctx = None
         # Half the cores, as llama-cpp-python does: busy-waiting threads on a shared machine stall each other.
         threads = n_threads or max(1, (os.cpu_count() or 2) // 2)
         try:
@@ -175,6 +201,8 @@ class LinkedPair:
             self._open_target(n_ctx, n_gpu_layers, n_batch, threads)
             if self.spec is not None:
                 self._open_draft(n_gpu_layers, threads)
+            if self.wants_mtp:
+                self._open_mtp(threads)
         except BaseException:
             self._owned.free_all()
             self._closed = True
@@ -184,7 +212,7 @@ class LinkedPair:
 
     def _open_target(self, n_ctx: int, n_gpu_layers: int, n_batch: int, threads: int) -> None:
         self.target_model = self._owned.push(
-            _load_model(self.target_info.path, n_gpu_layers), ll.llama_model_free
+            _load_model(self.target_info.path, n_gpu_layers, load_mtp=self.wants_mtp), ll.llama_model_free
         )
         model = self.target_model
         self.is_recurrent = bool(ll.llama_model_is_recurrent(model) or ll.llama_model_is_hybrid(model))
@@ -192,13 +220,14 @@ class LinkedPair:
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         # The whole verify batch must fit in one ubatch so that a hybrid target can roll it back.
-        params.n_ubatch = max(n_batch, self.draft_capacity + 2)
+        capacity = max(self.draft_capacity, self.mtp_capacity)
+        params.n_ubatch = max(n_batch, capacity + 2)
         params.n_batch = params.n_ubatch
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = threads
         # Recurrent state can be cut back only through snapshots, one per token that may be rejected.
-        wanted = self.draft_capacity if self._n_rs_seq_request is None else self._n_rs_seq_request
-        params.n_rs_seq = wanted if (self.spec and self.is_recurrent) else 0
+        wanted = capacity if self._n_rs_seq_request is None else self._n_rs_seq_request
+        params.n_rs_seq = wanted if (capacity and self.is_recurrent) else 0
         self.target_ctx = self._owned.push(_new_context(self.target_model, params, "target"), ll.llama_free)
         self.n_ctx = int(ll.llama_n_ctx(self.target_ctx))
         self.n_batch = int(ll.llama_n_batch(self.target_ctx))
@@ -212,6 +241,7 @@ class LinkedPair:
             # Taps must be on before the first decode: enabling them re-reserves the compute graph.
             for lid in self.spec.target_layer_ids:
                 self.api.set_embeddings_layer_inp(self.target_ctx, lid, True)
+        self.n_embd_out = int(ll.llama_model_n_embd_out(self.target_model))
 
     def _open_draft(self, n_gpu_layers: int, threads: int) -> None:
         assert self.spec is not None and self.draft_info is not None and self.api is not None
@@ -238,6 +268,52 @@ class LinkedPair:
         self.draft_is_mrope = ll.llama_model_rope_type(self.draft_model) == ll.LLAMA_ROPE_TYPE_MROPE
         self.n_embd_draft = int(ll.llama_model_n_embd(self.draft_model))
 
+    def _open_mtp(self, threads: int) -> None:
+        """The MTP context: the target model again, its nextn head's graph, a KV cache of the nextn layer only."""
+        from llama_cpp import llama_cpp_ext as lx
+
+        params = ll.llama_context_default_params()
+        params.ctx_type = ll.LLAMA_CONTEXT_TYPE_MTP
+        params.n_ctx = self.n_ctx
+        params.n_batch = params.n_ubatch = self.n_ubatch
+        params.n_seq_max = 1
+        params.n_rs_seq = 0
+        params.n_threads = params.n_threads_batch = threads
+        try:
+            if int(ll.llama_model_n_layer_nextn(self.target_model)) < 1:
+                raise ContextCreationError("libllama reads no nextn layer in the target")
+            self.mtp_ctx = self._owned.push(_new_context(self.target_model, params, "MTP"), ll.llama_free)
+        except ContextCreationError as error:
+            if self._mtp_required:
+                raise
+            self.mtp_error, self.mtp_capacity = str(error), 0
+            return
+        # The target outputs its nextn hidden row for every decoded row (before its first decode: this re-reserves
+        # the graph); the MTP context for its output rows only.
+        lx.llama_set_embeddings_nextn(self.target_ctx, True, False)
+        lx.llama_set_embeddings_nextn(self.mtp_ctx, True, True)
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The draft methods this pair can run, the default first."""
+        return tuple(m for m, ok in (("dflash", self.spec is not None), ("mtp", self.mtp_ctx is not None)) if ok)
+
+    def capacity(self, method: str) -> int:
+        return {"dflash": self.draft_capacity, "mtp": self.mtp_capacity}.get(method, 0)
+
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The model's recommended sampling (`general.sampling.*`, as llama.cpp reads them): only keys present."""
+        out: dict[str, float | int] = {}
+        for key, kind in (("temp", float), ("top_k", int), ("top_p", float), ("min_p", float)):
+            raw = self.meta(f"general.sampling.{key}")
+            if raw is None:
+                continue
+            try:
+                out["temperature" if key == "temp" else key] = kind(float(raw))
+            except ValueError:
+                continue
+        return out
+
     # -- lifetime -----------------------------------------------------------------------------------------------
 
     @property
@@ -252,7 +328,7 @@ class LinkedPair:
         if not self._closed:
             self._closed = True
             self._owned.free_all()
-            self.target_model = self.target_ctx = self.draft_model = self.draft_ctx = None
+            self.target_model = self.target_ctx = self.draft_model = self.draft_ctx = self.mtp_ctx = None
 
     def __enter__(self) -> LinkedPair:
         return self

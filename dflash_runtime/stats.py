@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,8 +30,9 @@ class Stats:
     native_ms: float = 0.0          # time inside libllama calls after the prefill
     decode_ms: float = 0.0          # wall time after the prefill
     speculative: bool = True
-    draft_capacity: int = 0         # the pair's longest draft
-    draft_policy: int | str = 0     # the request's draft_max: "auto" or a fixed length
+    method: str | None = None       # the draft method ("dflash", "mtp"); None for plain decoding
+    draft_capacity: int = 0         # the method's longest draft
+    draft_length: int | str = 0     # the request's draft length: "auto" or a fixed length
     verify_mode: str = "plain"      # "greedy" (temperature 0), "sample" or "match" (above it), "plain" (no draft)
     checkpoint_restored_at: int | None = None  # a hybrid target went back through the checkpoint at this position
     checkpoint_restore_ms: float = 0.0
@@ -38,6 +40,12 @@ class Stats:
     checkpoint_bytes: int = 0       # their size
     checkpoint_save_ms: float = 0.0
     controller: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def draft_policy(self) -> int | str:
+        """The older name of `draft_length`."""
+        warnings.warn("Stats.draft_policy is now Stats.draft_length", DeprecationWarning, stacklevel=2)
+        return self.draft_length
 
     @property
     def acceptance_rate(self) -> float:

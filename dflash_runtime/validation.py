@@ -96,9 +96,11 @@ def _check_layers(target: GGUFInfo, draft: GGUFInfo) -> tuple[int, ...]:
     if not isinstance(raw, list) or not raw:
         raise PairMismatchError(f"draft {draft.path.name} has no dflash.target_layers")
     ids = tuple(int(x) for x in raw)
-    bad = [i for i in ids if not 0 <= i < target.n_layer]
+    # An MTP (nextn) layer is appended after the trunk: the draft reads trunk layers only.
+    trunk = target.n_layer - int(target.keys.get(f"{target.arch}.nextn_predict_layers", 0) or 0)
+    bad = [i for i in ids if not 0 <= i < trunk]
     if bad:
         raise PairMismatchError(
-            f"draft taps target layers {list(ids)}, but {bad} are outside the target's layers 0..{target.n_layer - 1}"
+            f"draft taps target layers {list(ids)}, but {bad} are outside the target's layers 0..{trunk - 1}"
         )
     return ids

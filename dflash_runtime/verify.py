@@ -17,17 +17,24 @@ stops where the caller stops reading (end of generation, a stop string): "draft"
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from .drafter import Proposal
 from .errors import DecodeError
+from .proposal import DRAFT, TARGET, Proposal
 from .sampling import ChainProbabilities, Sampler, draw
 
-DRAFT, TARGET = "draft", "target"
+
+class Verifier(Protocol):
+    mode: str
+
+    def walk(self, proposal: Proposal, first_row: int = 0) -> Iterator[tuple[int, str]]:
+        """(token, source) pairs from the rows of the last target decode, from `first_row` on."""
+        ...
 
 
 class MatchVerifier:
@@ -101,3 +108,15 @@ def _on_support(p_ids: np.ndarray, q_ids: np.ndarray, q_probs: np.ndarray) -> np
     found = p_ids[slots] == q_ids
     out[slots[found]] = q_probs[found]
     return out
+
+
+@dataclass(frozen=True)
+class Verifiers:
+    """How an engine builds its verifiers: `match(sampler, target_ctx)` and
+    `sample(chain, rng, target_ctx, n_vocab)`. Pass another set to `Engine(verifiers=...)` to check a variant."""
+
+    match: Callable[[Sampler, Any], Verifier] = MatchVerifier
+    sample: Callable[[ChainProbabilities, np.random.Generator, Any, int], Verifier] = RejectionVerifier
+
+
+__all__ = ["DRAFT", "TARGET", "MatchVerifier", "RejectionVerifier", "Verifier", "Verifiers"]

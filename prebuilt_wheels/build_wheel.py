@@ -56,7 +56,18 @@ DFLASH_FUNCTIONS = (
 MANIFEST_NAME = "manifest.json"
 SLIM_DROP_TREES = ("lib/", "include/", "bin/")
 FULL_VERSION_SO = re.compile(r"\.so\.\d+\.\d+\.\d+$")
-MANIFEST_SCHEMA = 2  # 2: loadable_backends, backend_modules
+MANIFEST_SCHEMA = 3  # 2: loadable_backends, backend_modules; 3: source_patch
+# The one change to llama-cpp-python's Python sources: llama_cpp loads its own backend modules (see
+# llama_cpp_patch/_backend_modules.py) through a hook right after llama_cpp.py makes its binding decorator.
+PATCH_MODULE = "llama_cpp/_backend_modules.py"
+PATCH_TARGET = "llama_cpp/llama_cpp.py"
+PATCH_ANCHOR = "ctypes_function = ctypes_function_for_shared_library(_lib)\n"
+PATCH_HOOK = (
+    "# dflash-space wheel: the bindings that need ggml's backends load the modules in _base_path first\n"
+    "from llama_cpp._backend_modules import loading_backends_first as _loading_backends_first  # noqa: E402\n"
+    "\n"
+    "ctypes_function = _loading_backends_first(ctypes_function, _lib, _base_path)\n"
+)
 
 # x86-64-v3, spelled out: ggml enables these by default only when GGML_NATIVE's own default is on, which
 # SOURCE_DATE_EPOCH or cross-compiling turns off (then the CPU code silently falls back to SSE2).
@@ -69,6 +80,7 @@ X86_ISA_ARGS = (
     "-DGGML_BMI2=ON",
 )
 HERE = Path(__file__).resolve().parent
+PATCH_MODULE_SOURCE = HERE / "llama_cpp_patch" / "_backend_modules.py"
 ARCH_PATTERN = re.compile(r"^\d{2,3}[af]?(-real|-virtual)?$")
 
 
@@ -164,6 +176,7 @@ class BuildConfig:
             "machine": platform.machine(),
             "slim": self.slim,
             "manifest_schema": MANIFEST_SCHEMA,  # a manifest with new fields needs a new build in the cache
+            "source_patch": source_patch_digest(),
         }
 
     def key(self) -> str:
@@ -391,6 +404,38 @@ def unpack_sdist(sdist: Path, source_dir: Path) -> None:
     shutil.rmtree(source_dir / "llama_cpp" / "lib", ignore_errors=True)
 
 
+def source_patch_digest() -> str:
+    """sha256 of what the source patch adds (the module, the anchor, the hook): part of the configuration key, so
+    a cached wheel built without this patch, or with another version of it, is rebuilt."""
+    material = PATCH_MODULE_SOURCE.read_bytes() + PATCH_ANCHOR.encode() + PATCH_HOOK.encode()
+    return hashlib.sha256(material).hexdigest()
+
+
+def patch_sources(source_dir: Path) -> None:
+    """Add the backend-module loader to the unpacked llama_cpp package (every variant; applying it twice, as a
+    resumed build does, changes nothing)."""
+    target = source_dir / PATCH_TARGET
+    text = target.read_text()
+    if PATCH_ANCHOR + PATCH_HOOK not in text:
+        if text.count(PATCH_ANCHOR) != 1:
+            raise RecipeError(f"{target} has not exactly one line `{PATCH_ANCHOR.strip()}`: the patch cannot apply")
+        target.write_text(text.replace(PATCH_ANCHOR, PATCH_ANCHOR + PATCH_HOOK))
+    shutil.copyfile(PATCH_MODULE_SOURCE, source_dir / PATCH_MODULE)
+
+
+def wheel_source_patch(wheel: Path) -> dict[str, object]:
+    """The patch as the wheel carries it: its digest and the sha256 of the two files. Raises when it is missing."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        missing = [name for name in (PATCH_MODULE, PATCH_TARGET) if name not in names]
+        if missing:
+            raise RecipeError(f"{wheel.name} lacks {', '.join(missing)}: the source patch is not in it")
+        files = {name: archive.read(name) for name in (PATCH_MODULE, PATCH_TARGET)}
+    if PATCH_HOOK.encode() not in files[PATCH_TARGET] or files[PATCH_MODULE] != PATCH_MODULE_SOURCE.read_bytes():
+        raise RecipeError(f"{wheel.name}: {PATCH_TARGET} or {PATCH_MODULE} is not what the source patch writes")
+    return {"digest": source_patch_digest(), "files": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}
+
+
 def source_date_epoch(sdist: Path) -> str:
     """The sdist's own PKG-INFO date: libraries and metadata in the wheel get it instead of the build time."""
     with tarfile.open(sdist) as archive:
@@ -616,6 +661,8 @@ def render_invocation(plan: BuildPlan) -> str:
     if not plan.sdist_cached:
         lines.append(shlex.join(plan.download_command()))
     lines.append(f"tar xzf {shlex.quote(str(plan.sdist))} -C {shlex.quote(str(plan.source_dir.parent))}")
+    lines.append(f"# source patch {source_patch_digest()[:12]}: copy {PATCH_MODULE_SOURCE.relative_to(HERE.parent)} "
+                 f"to {PATCH_MODULE}, add its hook to {PATCH_TARGET}")  # fmt: skip
     epoch = source_date_epoch(plan.sdist) if plan.sdist_cached else "<mtime of the sdist's PKG-INFO>"
     lines.append(f"env {env} SOURCE_DATE_EPOCH={epoch} \\\n  {shlex.join(plan.pip_command())}")
     return "\n".join(lines)
@@ -647,6 +694,7 @@ def run_build(plan: BuildPlan) -> Path:
     if plan.config.shim:
         materialize_shim(plan.config.shim, plan.config.cuda)
     unpack_sdist(plan.sdist, plan.source_dir)
+    patch_sources(plan.source_dir)
     plan.env["SOURCE_DATE_EPOCH"] = source_date_epoch(plan.sdist)
     shutil.rmtree(plan.wheel_dir, ignore_errors=True)
     command = plan.pip_command()
@@ -660,6 +708,7 @@ def run_build(plan: BuildPlan) -> Path:
     dropped = slim_wheel(wheel) if plan.config.slim else []
     manifest = build_manifest(plan, wheel, commit)
     manifest["slim_dropped"] = dropped
+    manifest["source_patch"] = wheel_source_patch(wheel)  # raises when the wheel lacks it: no manifest written
     missing = [name for name, symbol in (manifest["dflash_symbols"] or {}).items() if symbol is None]
     if missing:
         raise RecipeError(

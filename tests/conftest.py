@@ -26,7 +26,7 @@ def engines() -> Iterator[dict]:
     class Engines(dict):
         def __missing__(self, key: tuple[str, str, str]):  # type: ignore[override]
             p = pair_files(*key)
-            eng = load_pair(p.target, p.draft, n_ctx=1024, draft_max=7)
+            eng = load_pair(p.target, p.draft, n_ctx=1024, draft_capacity=7)
             self[key] = eng
             return eng
 

@@ -17,7 +17,7 @@ def test_auto_is_lossless(target: str, draft: str, head: str, engines: dict) -> 
     eng = engines[(target, draft, head)]
     for prompt in PROMPTS[:6]:
         base = eng.generate(prompt, max_tokens=40, speculative=False)
-        res = eng.generate(prompt, max_tokens=40, draft_max="auto")
+        res = eng.generate(prompt, max_tokens=40, draft_length="auto")
         assert res.tokens == base.tokens, prompt
         assert res.stats.controller["policy"] == "auto"
         assert len(res.stats.draft_lengths) == res.stats.target_steps
@@ -27,14 +27,14 @@ def test_auto_is_lossless(target: str, draft: str, head: str, engines: dict) -> 
 def regime_engine():
     # Wide enough that drafting pays on a CPU when drafts are accepted (at width 128 plain decoding always wins).
     p = tiny_pair("dense", "dflash2", head="regime", n_embd=512, dims="scaled")
-    with load_pair(p.target, p.draft, n_ctx=2048, draft_max=7) as eng:
+    with load_pair(p.target, p.draft, n_ctx=2048, draft_capacity=7) as eng:
         yield eng
 
 
 def test_controller_moves_down_and_back_up(regime_engine) -> None:
     eng = regime_engine
-    low = eng.generate("hello world", max_tokens=160, draft_max="auto")
-    high = eng.generate("hello world" + REGIME_TOKEN, max_tokens=160, draft_max="auto")
+    low = eng.generate("hello world", max_tokens=160, draft_length="auto")
+    high = eng.generate("hello world" + REGIME_TOKEN, max_tokens=160, draft_length="auto")
     assert low.tokens == eng.generate("hello world", max_tokens=160, speculative=False).tokens
     assert high.tokens == eng.generate("hello world" + REGIME_TOKEN, max_tokens=160, speculative=False).tokens
     down = low.stats.draft_lengths[len(low.stats.draft_lengths) // 2:]
@@ -53,12 +53,12 @@ def test_first_draft_after_a_plain_stretch_matches_a_fresh_engine(regime_engine)
     fresh engine's that prefilled the same tokens: same drafts, so the same tokens, sources and acceptance."""
     p = tiny_pair("hybrid", "dflash2", head="shaped")
     prompt = "the quick brown fox jumps over the lazy dog."
-    options = dict(max_tokens=24, draft_max=7)
-    with load_pair(p.target, p.draft, n_ctx=1024, draft_max=7) as eng:
+    options = dict(max_tokens=24, draft_length=7)
+    with load_pair(p.target, p.draft, n_ctx=1024, draft_capacity=7) as eng:
         plain = eng.generate(prompt, max_tokens=50, speculative=False)  # 49 plain rounds
         continued = eng.tokenize(prompt) + plain.tokens
         warm = eng.generate(continued, **options)
-    with load_pair(p.target, p.draft, n_ctx=1024, draft_max=7) as fresh:
+    with load_pair(p.target, p.draft, n_ctx=1024, draft_capacity=7) as fresh:
         cold = fresh.generate(continued, **options)
     assert warm.stats.n_reused > 0 and cold.stats.n_reused == 0
     assert warm.tokens == cold.tokens

@@ -18,13 +18,12 @@ import numpy as np
 import pytest
 from llama_cpp import Llama
 
-import dflash_runtime.decoding
 from dflash_runtime import load_pair
 from dflash_runtime.backends import load_backends
 from dflash_runtime.engine import Engine
 from dflash_runtime.testing.heads import SOFT_TOKENS
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
-from dflash_runtime.verify import DRAFT, TARGET, RejectionVerifier
+from dflash_runtime.verify import DRAFT, TARGET, RejectionVerifier, Verifiers
 
 PROMPT = "hello world"
 Z_LIMIT = 4.5  # one-sided normal quantile: a false alarm about once in 300,000 tests
@@ -111,7 +110,7 @@ class Reference:
 
 def samples(engine: Engine, chain: Chain, verify: str, n: int, length: int) -> Iterator[tuple[int, ...]]:
     for seed in range(n):
-        result = engine.generate(PROMPT, max_tokens=length, draft_max=3, verify=verify, seed=seed, **chain.kwargs())
+        result = engine.generate(PROMPT, max_tokens=length, draft_length=3, verify=verify, seed=seed, **chain.kwargs())
         yield tuple(result.tokens)
 
 
@@ -133,6 +132,7 @@ def check_distribution(engine: Engine, reference: Reference, chain: Chain, verif
 # temperatures are covered, with thousands of samples in all.
 VARIANTS = [Chain(0.6), Chain(1.0, top_k=3), Chain(0.6, top_p=0.8), Chain(1.0, min_p=0.25)]
 COMBOS = [(t, d, v) for t in ("dense", "hybrid") for d in ("dflash2", "dflash1") for v in ("sample", "match")]
+COMBOS += [("hybrid", "mtp", v) for v in ("sample", "match")]  # the target's own MTP head drafts
 CASES = [(*combo, VARIANTS[(i + j) % len(VARIANTS)]) for i, combo in enumerate(COMBOS) for j in (0, 2)]
 
 
@@ -140,12 +140,14 @@ CASES = [(*combo, VARIANTS[(i + j) % len(VARIANTS)]) for i, combo in enumerate(C
 def markov() -> Iterator[dict]:
     opened: dict = {}
 
-    def get(target: str, draft: str) -> tuple[Engine, Reference]:
-        if (target, draft) not in opened:
-            pair = tiny_pair(target, draft, head="markov")
-            engine = load_pair(pair.target, pair.draft, n_ctx=256, draft_capacity=3)
-            opened[(target, draft)] = (engine, Reference(pair, engine))
-        return opened[(target, draft)]
+    def get(target: str, draft: str, verifiers: Verifiers | None = None) -> tuple[Engine, Reference]:
+        key = (target, draft, verifiers)
+        if key not in opened:
+            pair = (tiny_pair(target, None, head="markov", mtp_layers=1) if draft == "mtp"
+                    else tiny_pair(target, draft, head="markov"))
+            engine = load_pair(pair.target, pair.draft, n_ctx=256, draft_capacity=3, verifiers=verifiers)
+            opened[key] = (engine, Reference(pair, engine))
+        return opened[key]
 
     yield get  # type: ignore[misc]
     for engine, reference in opened.values():
@@ -159,7 +161,7 @@ def test_speculative_samples_follow_the_target_distribution(target, draft, verif
     engine, reference = markov(target, draft)
     zs = check_distribution(engine, reference, chain, verify, n=1200)
     assert max(zs) < Z_LIMIT, zs
-    stats = engine.generate(PROMPT, max_tokens=24, draft_max=3, verify=verify, seed=7, **chain.kwargs()).stats
+    stats = engine.generate(PROMPT, max_tokens=24, draft_length=3, verify=verify, seed=7, **chain.kwargs()).stats
     assert stats.verify_mode == verify and stats.drafted > 0
 
 
@@ -189,10 +191,9 @@ class AcceptEverything:
             yield token, TARGET
 
 
-@pytest.mark.parametrize("draft", ["dflash2", "dflash1"])
-def test_a_broken_verifier_fails_the_distribution_test(draft, markov, monkeypatch) -> None:
-    engine, reference = markov("dense", draft)
-    monkeypatch.setattr(dflash_runtime.decoding, "RejectionVerifier", AcceptEverything)
+@pytest.mark.parametrize(("target", "draft"), [("dense", "dflash2"), ("dense", "dflash1"), ("hybrid", "mtp")])
+def test_a_broken_verifier_fails_the_distribution_test(target, draft, markov) -> None:
+    engine, reference = markov(target, draft, verifiers=Verifiers(sample=AcceptEverything))
     zs = check_distribution(engine, reference, Chain(1.0), "sample", n=1200)
     assert max(zs) > Z_LIMIT, zs
 
@@ -207,7 +208,7 @@ def test_rejection_sampling_keeps_more_drafts_than_sample_and_match(target: str,
     with load_pair(pair.target, pair.draft, n_ctx=1024, draft_capacity=7) as engine:
         soft = {engine.tokenize(text, add_special=False)[0] for text in SOFT_TOKENS}
         for verify, seed in itertools.product(("sample", "match"), range(6)):
-            result = engine.generate(PROMPT, max_tokens=120, draft_max=7, verify=verify, seed=seed,
+            result = engine.generate(PROMPT, max_tokens=120, draft_length=7, verify=verify, seed=seed,
                                      temperature=temperature, top_k=0)
             assert set(result.tokens) <= soft
             rates.setdefault(verify, []).append(result.stats.acceptance_rate)

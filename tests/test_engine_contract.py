@@ -14,7 +14,7 @@ from pairs import pair_files
 
 from dflash_runtime import DFlashDraftModel, DFlashLlama, EngineBusyError, EngineClosedError, load_pair
 from dflash_runtime.batches import TokenBatch
-from dflash_runtime.drafter import BlockDrafter
+from dflash_runtime.dflash import BlockDrafter
 from dflash_runtime.errors import DecodeError
 from dflash_runtime.native import dflash_api
 
@@ -49,7 +49,7 @@ def engine():
 
 
 def test_close_with_a_suspended_stream_returns_and_the_stream_ends_cleanly(engine) -> None:
-    stream = engine.stream("the quick brown fox", max_tokens=100, draft_max=7)
+    stream = engine.stream("the quick brown fox", max_tokens=100, draft_length=7)
     first = next(stream)
     assert first.finish_reason is None
     within(LIMIT_S, engine.close)
@@ -63,7 +63,7 @@ def test_close_with_a_suspended_stream_returns_and_the_stream_ends_cleanly(engin
 
 
 def test_a_second_request_on_the_thread_holding_a_suspended_stream_is_refused_at_once(engine) -> None:
-    stream = engine.stream("the quick brown fox", max_tokens=100, draft_max=7)
+    stream = engine.stream("the quick brown fox", max_tokens=100, draft_length=7)
     next(stream)
     # Same thread, so no watchdog thread: the engine's 5 s busy timeout bounds a regression instead of a hang.
     started = time.monotonic()
@@ -79,7 +79,7 @@ def test_a_second_request_on_the_thread_holding_a_suspended_stream_is_refused_at
 
 
 def test_other_threads_wait_for_the_engine_with_a_timeout(engine) -> None:
-    stream = engine.stream("the quick brown fox", max_tokens=100, draft_max=7)
+    stream = engine.stream("the quick brown fox", max_tokens=100, draft_length=7)
     next(stream)
     waiter: dict[str, Any] = {}
     entered = threading.Event()
@@ -96,7 +96,7 @@ def test_other_threads_wait_for_the_engine_with_a_timeout(engine) -> None:
     thread.join(LIMIT_S)
     assert not thread.is_alive() and waiter["result"].finish_reason == "length"
     # A waiter that outlasts the busy timeout gets EngineBusyError, not a hang.
-    held = engine.stream("one two three", max_tokens=100, draft_max=7)
+    held = engine.stream("one two three", max_tokens=100, draft_length=7)
     next(held)
     files = pair_files("hybrid", "dflash2")
     with load_pair(files.target, files.draft, n_ctx=256, busy_timeout_s=0.2) as quick:
@@ -202,7 +202,7 @@ def test_the_draft_length_is_clamped_to_the_room_left_before_drafting(engine) ->
     """A round never drafts (nor plans to draft) past max_tokens: the controller learns the cost of what ran."""
     for max_tokens in (2, 3, 5, 9):
         for policy in (7, "auto"):
-            events = list(engine.stream("the quick brown fox", max_tokens=max_tokens, draft_max=policy))
+            events = list(engine.stream("the quick brown fox", max_tokens=max_tokens, draft_length=policy))
             stats = events[-1].stats
             steps = len(stats.draft_lengths)
             planned = stats.controller.get("recent_lengths", stats.draft_lengths)[-steps:] if steps else []

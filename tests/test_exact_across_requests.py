@@ -25,6 +25,8 @@ SHAPES = {
 
 
 def _pair(target: str, draft: str, shape: str) -> TinyPair:
+    if draft == "mtp":  # the target alone, drafting with its own MTP head
+        return tiny_pair(target, None, mtp_layers=1, **SHAPES[shape])
     return tiny_pair(target, draft, **SHAPES[shape])
 
 
@@ -63,7 +65,7 @@ def _requests(rng: random.Random, engine: Engine) -> Iterator[tuple[list[int], d
         options = {
             "max_tokens": rng.randint(1, 24),
             "speculative": rng.random() < 0.8,
-            "draft_max": rng.choice(["auto", 1, 2, 3, 5, 7]),
+            "draft_length": rng.choice(["auto", 1, 2, 3, 5, 7]),
         }
         cancel_after = rng.choice([None, None, None, None, None, 0, 1, 2, 4])
         yield prompt[:700], options, cancel_after
@@ -88,7 +90,7 @@ def _run(engine: Engine, prompt: list[int], options: dict, cancel_after: int | N
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize(("target", "draft"), ALL_PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize(("target", "draft"), [*ALL_PAIRS, ("hybrid", "mtp")], ids=[*PAIR_IDS, "hybrid-mtp"])
 def test_random_request_sequences_match_a_fresh_engine(target: str, draft: str, shape: str, seed: int) -> None:
     rng = random.Random(f"{target}-{draft}-{shape}-{seed}")
     pair = _pair(target, draft, shape)
@@ -166,12 +168,12 @@ def test_a_rollback_deeper_than_the_snapshots_keeps_the_draft_cache() -> None:
     pair = tiny_pair("hybrid", "dflash2", head="shaped")
     with load_pair(pair.target, pair.draft, n_ctx=1024, draft_capacity=7) as engine:
         prompt = engine.tokenize("the quick brown fox jumps over the lazy dog")
-        first = engine.generate(prompt, max_tokens=30, draft_max=7)
+        first = engine.generate(prompt, max_tokens=30, draft_length=7)
         edited = prompt + first.tokens[:10] + engine.tokenize(" fox", add_special=False)
-        warm = engine.generate(edited, max_tokens=20, draft_max=7)
+        warm = engine.generate(edited, max_tokens=20, draft_length=7)
         assert warm.stats.checkpoint_restored_at == len(prompt) - 1
     with load_pair(pair.target, pair.draft, n_ctx=1024, draft_capacity=7) as fresh:
-        cold = fresh.generate(edited, max_tokens=20, draft_max=7)
+        cold = fresh.generate(edited, max_tokens=20, draft_length=7)
     assert warm.tokens == cold.tokens
     # The same drafts were proposed from the same draft cache contents: same sources, same acceptance.
     assert warm.token_sources == cold.token_sources

@@ -95,7 +95,7 @@ def test_dflash_draft_is_linked_to_the_target(pairs: dict[str, TinyPair]) -> Non
     with DFlashLlama(model_path=str(p.target), draft_model=draft, n_ctx=N_CTX, verbose=False) as llm:
         info = llm.engine.info()
         assert info["draft"] == str(p.draft) and info["draft_kind"] == "dflash2"
-        stats = llm.create_completion(PROMPT, max_tokens=MAX_TOKENS, temperature=0, draft_max=3)["dflash_stats"]
+        stats = llm.create_completion(PROMPT, max_tokens=MAX_TOKENS, temperature=0, draft_length=3)["dflash_stats"]
         assert stats["drafted"] > 0 and stats["accepted"] > 0
     with pytest.raises(EngineClosedError):
         llm.create_completion(PROMPT, max_tokens=4)
@@ -219,7 +219,7 @@ def test_native_pipeline_drafts_accepts_and_rolls_back(
     target: str, stock: dict[str, Llama], dflash: dict[str, DFlashLlama]
 ) -> None:
     expected = stock[target].create_completion(PROMPT, max_tokens=MAX_TOKENS, temperature=0)
-    response = dflash[target].create_completion(PROMPT, max_tokens=MAX_TOKENS, temperature=0, draft_max=3)
+    response = dflash[target].create_completion(PROMPT, max_tokens=MAX_TOKENS, temperature=0, draft_length=3)
     assert response["choices"][0]["text"] == expected["choices"][0]["text"]
     stats = response["dflash_stats"]
     assert 0 < stats["accepted"] < stats["drafted"]  # drafts accepted, and rejected ones rolled back
@@ -254,7 +254,7 @@ def test_chat_response_is_token_identical_to_plain_decoding(
     target: str, stock: dict[str, Llama], dflash: dict[str, DFlashLlama]
 ) -> None:
     reference = stock[target].create_chat_completion(MESSAGES, temperature=0, max_tokens=MAX_TOKENS)
-    response = dflash[target].create_chat_completion(MESSAGES, temperature=0, max_tokens=MAX_TOKENS, draft_max=5)
+    response = dflash[target].create_chat_completion(MESSAGES, temperature=0, max_tokens=MAX_TOKENS, draft_length=5)
     plain = dflash[target].create_chat_completion(MESSAGES, temperature=0, max_tokens=MAX_TOKENS, speculative=False)
     assert set(response) - {"dflash_stats"} == set(reference)
     assert response["object"] == "chat.completion" and response["id"].startswith("chatcmpl-")
@@ -366,9 +366,9 @@ def test_options_left_off_are_accepted(dflash: dict[str, DFlashLlama]) -> None:
         ({"embedding": True}, RequestError),
         ({"n_ctx": 0}, RequestError),
         ({"no_such_option": 1}, TypeError),
-        ({"draft_max": 3, "draft_model": LlamaPromptLookupDecoding()}, RequestError),
+        ({"draft_capacity": 3, "draft_model": LlamaPromptLookupDecoding()}, RequestError),
     ],
-    ids=["chat_format", "logits_all", "embedding", "n_ctx_0", "unknown", "draft_max_with_python_draft"],
+    ids=["chat_format", "logits_all", "embedding", "n_ctx_0", "unknown", "draft_capacity_with_python_draft"],
 )
 def test_unsupported_constructor_arguments_are_refused(
     kwargs: dict[str, Any], error: type[Exception], pairs: dict[str, TinyPair]

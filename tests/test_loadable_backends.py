@@ -39,7 +39,7 @@ import llama_cpp
 imported_only = [name for name in ("libggml-cpu", "libggml-cuda") if name in maps()]
 from dflash_runtime import backends, load_pair
 report = backends.backend_report()
-with load_pair(sys.argv[1], sys.argv[2], n_ctx=512, draft_max=7) as engine:
+with load_pair(sys.argv[1], sys.argv[2], n_ctx=512, draft_capacity=7) as engine:
     result = engine.generate(sys.argv[3], max_tokens=24)
     plain = engine.generate(sys.argv[3], max_tokens=24, speculative=False)
 print(json.dumps({
@@ -89,7 +89,7 @@ def run_child(site: Path, *args: str, extra_env: dict[str, str] | None = None) -
 def test_a_module_that_cannot_load_is_skipped_and_the_cpu_generates(package_with_stand_in: tuple[Path, Path]) -> None:
     site, _ = package_with_stand_in
     files = pair_files("hybrid", "dflash2", head="shaped")
-    with load_pair(files.target, files.draft, n_ctx=512, draft_max=7) as engine:
+    with load_pair(files.target, files.draft, n_ctx=512, draft_capacity=7) as engine:
         expected = engine.generate(PROMPT, max_tokens=24).tokens
     out = run_child(site, "-c", CHILD, str(files.target), str(files.draft), PROMPT)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -100,6 +100,33 @@ def test_a_module_that_cannot_load_is_skipped_and_the_cpu_generates(package_with
     assert child["registered"] == ["CPU"] and child["gpu_offload"] is False and child["cuda_mapped"] is False
     assert list(child["skipped"]) == ["libggml-cuda.so"] and ABSENT in child["skipped"]["libggml-cuda.so"]
     assert child["tokens"] == expected == child["plain"] and len(expected) == 24 and child["verify_steps"] > 0
+
+
+
+# Plain llama-cpp-python, nothing of this project imported: the wheel's own loader skips the module too.
+PLAIN_CHILD = """
+import json, sys
+from llama_cpp import Llama
+import llama_cpp
+llm = Llama(model_path=sys.argv[1], n_ctx=512, verbose=False)
+out = llm.create_completion(sys.argv[2], max_tokens=24, temperature=0)
+maps = open("/proc/self/maps").read()
+print(json.dumps({"package": llama_cpp.__file__, "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
+                  "tokens": out["usage"]["completion_tokens"], "cuda_mapped": "libggml-cuda" in maps,
+                  "dflash_imported": [m for m in sys.modules if m.startswith("dflash_runtime")]}))
+"""
+
+
+def test_plain_llama_skips_the_module_and_runs_on_the_cpu(package_with_stand_in: tuple[Path, Path]) -> None:
+    site, _ = package_with_stand_in
+    files = pair_files("hybrid", "dflash2", head="shaped")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONPATH")}
+    out = subprocess.run([sys.executable, "-c", PLAIN_CHILD, str(files.target), PROMPT], capture_output=True,
+                         text=True, env={**env, "PYTHONPATH": str(site)}, cwd=site, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    child = json.loads(out.stdout.splitlines()[-1])
+    assert child["package"].startswith(str(site)) and child["dflash_imported"] == []
+    assert child["gpu_offload"] is False and child["cuda_mapped"] is False and child["tokens"] == 24
 
 
 def test_the_same_module_loads_once_its_library_is_found(package_with_stand_in: tuple[Path, Path]) -> None:

@@ -20,7 +20,8 @@ from dflash_runtime import (
     load_pair,
 )
 from dflash_runtime.batches import TokenBatch
-from dflash_runtime.drafter import BlockDrafter
+from dflash_runtime.dflash import BlockDrafter
+from dflash_runtime.gguf_meta import GGML_TYPE_SIZES, read_gguf
 from dflash_runtime.native import DFlashApi, dflash_api, missing_symbols
 from dflash_runtime.pair import LinkedPair, live_handles
 from dflash_runtime.testing.tiny_models import write_broken_draft
@@ -29,7 +30,7 @@ from dflash_runtime.testing.tiny_models import write_broken_draft
 @pytest.mark.parametrize(("target", "draft"), ALL_PAIRS, ids=PAIR_IDS)
 def test_pair_links_draft_to_target(target: str, draft: str, no_leaks: None) -> None:
     files = pair_files(target, draft)
-    with LinkedPair(files.target, files.draft, n_ctx=256, draft_max=7) as pair:
+    with LinkedPair(files.target, files.draft, n_ctx=256, draft_capacity=7) as pair:
         api = dflash_api()
         assert api.get_ctx_other(pair.draft_ctx) == pair.target_ctx
         assert pair.spec is not None and pair.spec.is_dflash2 == (draft == "dflash2")
@@ -74,16 +75,16 @@ def test_each_bad_draft_has_its_own_message(kind: str, error: type, message: str
     files = pair_files("dense", "dflash2")
     bad = write_broken_draft(kind, tmp_path / f"{kind}.gguf", target=files)
     with pytest.raises(error, match=message):
-        load_pair(files.target, bad, n_ctx=256, draft_max=3)
+        load_pair(files.target, bad, n_ctx=256, draft_capacity=3)
 
 
-def test_missing_file_and_draft_max_range(tmp_path: Path, no_leaks: None) -> None:
+def test_missing_file_and_draft_capacity_range(tmp_path: Path, no_leaks: None) -> None:
     files = pair_files("dense", "dflash2")
     with pytest.raises(ModelFileError, match="not found"):
         load_pair(tmp_path / "nope.gguf", files.draft)
     for bad in (0, 8):  # the tiny drafts have block_size 8: 1..7 are valid
         with pytest.raises(PairMismatchError, match=r"outside 1\.\.7"):
-            load_pair(files.target, files.draft, draft_max=bad)
+            load_pair(files.target, files.draft, draft_capacity=bad)
 
 
 def _copy_without_tensor(src: Path, dst: Path, drop: str) -> Path:
@@ -115,7 +116,7 @@ def test_failure_midway_frees_everything(tmp_path: Path) -> None:
     bad = _copy_without_tensor(files.draft, tmp_path / "no-ffn.gguf", "blk.0.ffn_up.weight")
     before = live_handles()
     with pytest.raises(ContextCreationError, match="could not load"):
-        load_pair(files.target, bad, n_ctx=256, draft_max=3)  # the target model and context exist by then
+        load_pair(files.target, bad, n_ctx=256, draft_capacity=3)  # the target model and context exist by then
     assert live_handles() == before
 
 
@@ -135,7 +136,7 @@ def test_missing_symbols_are_named(tmp_path: Path) -> None:
 @pytest.mark.parametrize("target", ["dense", "hybrid"])
 def test_tapped_features_have_the_expected_shape(target: str) -> None:
     files = pair_files(target, "dflash2")
-    with LinkedPair(files.target, files.draft, n_ctx=256, draft_max=7) as pair:
+    with LinkedPair(files.target, files.draft, n_ctx=256, draft_capacity=7) as pair:
         assert pair.spec is not None
         tokens = list(range(10, 23))
         batch = TokenBatch(len(tokens))
@@ -156,7 +157,7 @@ def test_tapped_features_have_the_expected_shape(target: str) -> None:
 @pytest.mark.parametrize("target", ["dense", "hybrid"])
 def test_one_dflash2_block_gives_candidates_in_the_vocabulary(target: str) -> None:
     files = pair_files(target, "dflash2")
-    with load_pair(files.target, files.draft, n_ctx=256, draft_max=7) as eng:
+    with load_pair(files.target, files.draft, n_ctx=256, draft_capacity=7) as eng:
         assert eng.spec is not None
         prompt = eng.tokenize("hello world, the draft proposes tokens")
         eng.generate(prompt, max_tokens=1)  # prefill + first sample, features injected
@@ -168,3 +169,44 @@ def test_one_dflash2_block_gives_candidates_in_the_vocabulary(target: str) -> No
         # The block's cells are gone again: the draft cache ends where the target's does.
         assert ll.llama_memory_seq_pos_max(ll.llama_get_memory(eng.draft_ctx), 0) == before == pos0 - 1
         drafter.free()
+
+
+def _gguf_reader_facts(path: Path) -> tuple[dict, dict, dict]:
+    """What validation reads, decoded by gguf-py's full reader: the reference for the header reader."""
+    reader = gguf.GGUFReader(path)
+    keys = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            if field.types[1] == gguf.GGUFValueType.STRING or len(field.data) > 64:
+                keys[name] = len(field.data)
+            else:
+                keys[name] = [int(v) if float(v).is_integer() else float(v) for v in field.contents()]
+        else:
+            keys[name] = field.contents()
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+    return keys, shapes, {t.name: int(t.tensor_type) for t in reader.tensors}
+
+
+@pytest.mark.parametrize(("target", "draft"), ALL_PAIRS, ids=PAIR_IDS)
+def test_header_reader_agrees_with_gguf_py(target: str, draft: str) -> None:
+    files = pair_files(target, draft)
+    for path in (files.target, files.draft):
+        info = read_gguf(path)
+        assert (info.keys, info.tensor_shapes, info.tensor_types) == _gguf_reader_facts(path)
+
+
+def test_the_type_size_table_is_gguf_py_s() -> None:
+    known = {int(t): sizes for t, sizes in gguf.GGML_QUANT_SIZES.items()}
+    shared = known.keys() & GGML_TYPE_SIZES.keys()
+    assert {t: GGML_TYPE_SIZES[t] for t in shared} == {t: known[t] for t in shared} and len(shared) >= 30
+
+
+def test_a_truncated_header_is_a_model_file_error(tmp_path: Path) -> None:
+    source = pair_files("dense", "dflash2").draft.read_bytes()
+    for cut in (6, 24, 1000, len(source) // 40):
+        bad = tmp_path / f"cut-{cut}.gguf"
+        bad.write_bytes(source[:cut])
+        with pytest.raises(ModelFileError, match="not a readable GGUF file"):
+            read_gguf(bad)

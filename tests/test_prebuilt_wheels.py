@@ -354,3 +354,70 @@ def test_cpu_code_is_portable_x86_64_v3(recipe: ModuleType) -> None:
     assert "-DGGML_AVX2=ON" in recipe.cpu_isa_args("x86_64") and "-DGGML_FMA=ON" in recipe.cpu_isa_args("AMD64")
     assert not any("AVX512" in a for a in recipe.cpu_isa_args("x86_64"))
     assert recipe.cpu_isa_args("aarch64") == []
+
+
+# ---------------------------------------------------------------- source patch: llama_cpp loads its backend modules
+
+
+def fake_package(root: Path, llama_cpp_py: str) -> Path:
+    (root / "llama_cpp").mkdir(parents=True)
+    (root / "llama_cpp" / "llama_cpp.py").write_text(llama_cpp_py)
+    return root
+
+
+def test_source_patch_adds_the_loader_once(recipe: ModuleType, tmp_path: Path) -> None:
+    source = "_lib = load_shared_library(_lib_base_name, _base_path)\n\n" + recipe.PATCH_ANCHOR + "\n\ndef f(): ...\n"
+    src = fake_package(tmp_path / "src", source)
+    recipe.patch_sources(src)
+    patched = (src / "llama_cpp" / "llama_cpp.py").read_text()
+    assert patched == source.replace(recipe.PATCH_ANCHOR, recipe.PATCH_ANCHOR + recipe.PATCH_HOOK)
+    assert (src / recipe.PATCH_MODULE).read_bytes() == recipe.PATCH_MODULE_SOURCE.read_bytes()
+    recipe.patch_sources(src)  # a resumed build patches the same tree again
+    assert (src / "llama_cpp" / "llama_cpp.py").read_text() == patched
+
+
+def test_source_patch_refuses_sources_it_does_not_know(recipe: ModuleType, tmp_path: Path) -> None:
+    src = fake_package(tmp_path / "src", "ctypes_function = something_else(_lib)\n")
+    with pytest.raises(recipe.RecipeError, match="the patch cannot apply"):
+        recipe.patch_sources(src)
+
+
+def test_source_patch_is_part_of_every_variants_configuration(
+    recipe: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA wheel gets the same patch as the CPU wheel CI tests, and another version of the patch rebuilds
+    both (a cached wheel without it is not reused)."""
+    nvcc = fake_toolkit(tmp_path)
+    cuda = recipe.make_plan(recipe.parse_args(["--nvcc", str(nvcc), "--build-root", str(tmp_path / "build")]))
+    cpu = cpu_plan(recipe, tmp_path / "d", tmp_path)
+    digest = recipe.source_patch_digest()
+    assert cuda.config.key_material()["source_patch"] == cpu.config.key_material()["source_patch"] == digest
+    for variant in (["--nvcc", str(nvcc)], ["--cpu"]):
+        result = run_recipe("--dry-run", *variant, "--build-root", str(tmp_path / "build"))
+        assert f"# source patch {digest[:12]}: copy prebuilt_wheels/llama_cpp_patch/_backend_modules.py" in (
+            result.stdout
+        )
+    keys = {plan.config.variant: (plan.config.key(), plan.config.compile_key()) for plan in (cuda, cpu)}
+    changed = tmp_path / "_backend_modules.py"
+    changed.write_bytes(recipe.PATCH_MODULE_SOURCE.read_bytes() + b"# another version\n")
+    monkeypatch.setattr(recipe, "PATCH_MODULE_SOURCE", changed)
+    for plan in (cuda, cpu):
+        key, compile_key = keys[plan.config.variant]
+        assert plan.config.key() != key and plan.config.compile_key() != compile_key
+
+
+def test_wheel_without_the_source_patch_gets_no_manifest(recipe: ModuleType, tmp_path: Path) -> None:
+    wheel = make_fake_wheel(tmp_path / "dist")
+    with pytest.raises(recipe.RecipeError, match="the source patch is not in it"):
+        recipe.wheel_source_patch(wheel)
+    hooked = "x = 1\n" + recipe.PATCH_ANCHOR + recipe.PATCH_HOOK
+    module = recipe.PATCH_MODULE_SOURCE.read_bytes()
+    patched = make_fake_wheel(tmp_path / "ok", {**FAKE_LIBS, recipe.PATCH_TARGET: hooked.encode(),
+                                                recipe.PATCH_MODULE: module})  # fmt: skip
+    facts = recipe.wheel_source_patch(patched)
+    assert facts["digest"] == recipe.source_patch_digest()
+    assert facts["files"][recipe.PATCH_MODULE] == hashlib.sha256(module).hexdigest()
+    unhooked = make_fake_wheel(tmp_path / "bad", {**FAKE_LIBS, recipe.PATCH_TARGET: b"x = 1\n",
+                                                  recipe.PATCH_MODULE: module})  # fmt: skip
+    with pytest.raises(recipe.RecipeError, match="is not what the source patch writes"):
+        recipe.wheel_source_patch(unhooked)

@@ -23,8 +23,9 @@ def test_sources_count_the_accepted_drafts(target: str, draft: str, head: str, e
     eng = engines[(target, draft, head)]
     seen_draft = False
     for prompt in PROMPTS[:5]:
-        for options in ({"draft_max": 7}, {"draft_max": "auto"}, {"draft_max": 3, "temperature": 0.8, "seed": 1},
-                        {"draft_max": 3, "temperature": 0.8, "seed": 1, "verify": "match"}):
+        for options in ({"draft_length": 7}, {"draft_length": "auto"},
+                        {"draft_length": 3, "temperature": 0.8, "seed": 1},
+                        {"draft_length": 3, "temperature": 0.8, "seed": 1, "verify": "match"}):
             result = eng.generate(prompt, max_tokens=30, **options)
             check_sources(result.tokens, result.token_sources, result.stats)
             seen_draft |= "draft" in result.token_sources
@@ -38,7 +39,7 @@ def test_stream_events_carry_their_own_sources(engines: dict) -> None:
     eng = engines[("hybrid", "dflash2", "const")]
     tokens: list[int] = []
     sources: list[str] = []
-    for event in eng.stream("hello world", max_tokens=40, draft_max=7):
+    for event in eng.stream("hello world", max_tokens=40, draft_length=7):
         assert len(event.token_sources) == len(event.tokens)
         tokens += event.tokens
         sources += event.token_sources
@@ -51,7 +52,7 @@ def test_a_stop_string_keeps_sources_aligned(engines: dict) -> None:
     eng = engines[("dense", "dflash2", "shaped")]
     base = eng.generate("hello world", max_tokens=30, speculative=False)
     stop = base.text[10:14]
-    result = eng.generate("hello world", max_tokens=30, stop=[stop], draft_max=7)
+    result = eng.generate("hello world", max_tokens=30, stop=[stop], draft_length=7)
     assert result.finish_reason == "stop"
     check_sources(result.tokens, result.token_sources, result.stats)
 
@@ -62,7 +63,7 @@ def test_delta_sources_mark_the_text_each_source_wrote(head: str, engines: dict)
     text, draft_text = "", ""
     tokens: list[int] = []
     sources: list[str] = []
-    for event in eng.stream("hello world", max_tokens=40, draft_max=7):
+    for event in eng.stream("hello world", max_tokens=40, draft_length=7):
         assert sum(n for n, _ in event.delta_sources) == len(event.delta)
         offset = 0
         for n, source in event.delta_sources:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import subprocess
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 
 import dflash_runtime
+from dflash_runtime import load_pair
+from dflash_runtime.backends import load_backends
 from dflash_runtime.testing import (
     BROKEN_KINDS,
     CONST_TOKEN,
@@ -27,8 +30,16 @@ from dflash_runtime.testing import (
     tiny_pair,
     write_broken_draft,
 )
-from dflash_runtime.testing.heads import BIAS_CHANNEL, HEADS, REGIME_CHANNEL, TensorSource, build_head
+from dflash_runtime.testing.heads import (
+    BIAS_CHANNEL,
+    HEADS,
+    MTP_CONTROL_GAIN,
+    REGIME_CHANNEL,
+    TensorSource,
+    build_head,
+)
 from dflash_runtime.testing.tokenizer import ENDOFTEXT, IM_END, IM_START, MASK, THINK_OPEN, TokenType, build_vocab
+from dflash_runtime.testing.writers import SPEC_KEY
 
 COMBOS = [(target, draft) for target in ("dense", "hybrid") for draft in ("dflash2", "dflash1")]
 TARGET_ARCH = {"dense": "qwen3", "hybrid": "qwen35"}
@@ -406,6 +417,7 @@ def test_random_head_has_no_fixed_choice() -> None:
 
 
 def load_model(path: Path) -> bool:
+    load_backends()  # the CPU backend is a loadable module: nothing else in this file may have loaded it yet
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
     if not model:
         return False
@@ -482,3 +494,258 @@ def test_broken_draft_from_paths_alone_matches(cache: Path, tmp_path: Path) -> N
     assert with_spec.read_bytes() == from_file.read_bytes()
     with pytest.raises(ValueError, match="kind must be one of"):
         write_broken_draft("nonsense", tmp_path / "c.gguf", target=pair)
+
+
+# --- hybrid targets with an MTP (nextn) block -----------------------------------------------------------------
+
+# Digests of specs written before targets could carry an MTP block: they name cached files, so they must not move.
+PINNED_DIGESTS = {
+    ("dense", "dflash2", "shaped"): ("7aba3c34a7936404", "71d7d5cb6584ff67"),
+    ("dense", "dflash1", "phrase"): ("7c81a66679b91780", "cc6e1bd0ef5bdde0"),
+    ("hybrid", "dflash2", "shaped"): ("9654815e2628a577", "90c74927c6cde9eb"),
+    ("hybrid", "dflash2", "random"): ("6f207fea13959cf2", "ea02bec5d12a75de"),
+    ("hybrid", "dflash1", "phrase"): ("2191259e608622e8", "486771596ec2e2a0"),
+}
+MTP_TENSORS = (
+    "nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight",
+    "attn_norm.weight", "post_attention_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+    "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight", "ffn_gate.weight", "ffn_up.weight",
+    "ffn_down.weight",
+)
+
+
+@pytest.mark.parametrize(("target", "draft", "head"), sorted(PINNED_DIGESTS))
+def test_specs_without_mtp_keep_their_digests(tmp_path: Path, target: str, draft: str, head: str) -> None:
+    pair = tiny_pair(target, draft, head=head, cache_dir=tmp_path)
+    target_digest, draft_digest = PINNED_DIGESTS[(target, draft, head)]
+    assert pair.spec is not None and (pair.spec.target_digest(), pair.spec.draft_digest()) == PINNED_DIGESTS[
+        (target, draft, head)
+    ]
+    assert pair.target.name == f"target-{target}-{head}-e128-{target_digest}.gguf"
+    assert pair.draft is not None and pair.draft.name == f"draft-{draft}-{target}-{head}-e128-{draft_digest}.gguf"
+    assert "mtp_layers" not in value(gguf.GGUFReader(pair.target), SPEC_KEY)
+    assert value(gguf.GGUFReader(pair.target), "qwen35.nextn_predict_layers") is None
+
+
+def tensor_bytes(reader: gguf.GGUFReader) -> dict[str, bytes]:
+    return {t.name: bytes(np.asarray(t.data).tobytes()) for t in reader.tensors}
+
+
+def test_hybrid_target_with_mtp_layout(cache: Path) -> None:
+    """block_count counts the nextn block after the 4 trunk layers; the trunk and everything else are the bytes of
+    the same target without it, so plain decoding is unchanged."""
+    pair = tiny_pair("hybrid", None, head="shaped", mtp_layers=1, cache_dir=cache)
+    assert pair.draft is None and pair.draft_kind is None and pair.mtp_layers == 1
+    assert pair.target.name.startswith("target-hybrid-shaped-e128-mtp1-")
+    reader = gguf.GGUFReader(pair.target)
+    assert (value(reader, "qwen35.block_count"), value(reader, "qwen35.nextn_predict_layers")) == (5, 1)
+    assert '"mtp_layers": 1' in value(reader, SPEC_KEY)
+    sizes = shapes(reader)
+    assert sorted(name for name in sizes if name.startswith("blk.4.")) == sorted(f"blk.4.{n}" for n in MTP_TENSORS)
+    assert sizes["blk.4.nextn.eh_proj.weight"] == (2 * 128, 128)  # reads concat(enorm(embedding), hnorm(hidden))
+    assert sizes["blk.4.attn_q.weight"] == (128, 2 * 4 * 32)  # gated attention: query + gate
+    assert sizes["blk.4.ffn_down.weight"] == (256, 128)
+    assert not any(name.startswith("blk.5.") for name in sizes)
+
+    plain = tiny_pair("hybrid", None, head="shaped", cache_dir=cache)
+    plain_reader = gguf.GGUFReader(plain.target)
+    with_mtp, without = tensor_bytes(reader), tensor_bytes(plain_reader)
+    assert {name: data for name, data in with_mtp.items() if not name.startswith("blk.4.")} == without
+    keys = {k for k in reader.fields if not k.startswith("GGUF.")}
+    assert keys - {k for k in plain_reader.fields if not k.startswith("GGUF.")} == {"qwen35.nextn_predict_layers"}
+
+
+def test_mtp_block_copies_the_token_embedding_on_structured_heads(cache: Path) -> None:
+    """Structured heads decide the next token from the current token's control channels: eh_proj passes the
+    embedding half through, reads the hidden half a little (never into reserved channels) and the block writes
+    little. On the random head it is a random projection."""
+    shaped = gguf.GGUFReader(tiny_pair("hybrid", None, head="shaped", mtp_layers=1, cache_dir=cache).target)
+    eh = tensor(shaped, "blk.4.nextn.eh_proj.weight")
+    expected = np.eye(128, dtype=np.float32)
+    expected[[REGIME_CHANNEL, BIAS_CHANNEL], [REGIME_CHANNEL, BIAS_CHANNEL]] = MTP_CONTROL_GAIN
+    assert np.array_equal(eh[:, :128], expected)
+    assert not eh[[REGIME_CHANNEL, BIAS_CHANNEL], 128:].any() and eh[2:, 128:].any()
+    trunk_write = np.abs(tensor(shaped, "blk.3.ffn_down.weight")).mean()
+    assert np.abs(tensor(shaped, "blk.4.ffn_down.weight")).mean() < 0.2 * trunk_write
+    random = gguf.GGUFReader(tiny_pair("hybrid", None, head="random", mtp_layers=1, cache_dir=cache).target)
+    eh_random = tensor(random, "blk.4.nextn.eh_proj.weight")
+    assert abs(float(np.trace(eh_random[:, :128]))) < 20 and eh_random[BIAS_CHANNEL, BIAS_CHANNEL] == 1.0
+
+
+def test_mtp_target_with_a_dflash_draft(cache: Path) -> None:
+    """One MTP target serves the target-only and the DFlash pair; the draft taps trunk layers only and has the
+    weights of the draft of the same target without MTP."""
+    alone = tiny_pair("hybrid", None, head="phrase", mtp_layers=1, cache_dir=cache)
+    pair = tiny_pair("hybrid", "dflash2", head="phrase", mtp_layers=1, cache_dir=cache)
+    plain = tiny_pair("hybrid", "dflash2", head="phrase", cache_dir=cache)
+    assert pair.target == alone.target and pair.mtp_layers == 1 and plain.mtp_layers == 0
+    assert pair.draft is not None and plain.draft is not None
+    assert pair.draft.name.startswith("draft-dflash2-hybrid-phrase-e128-mtp1-") and pair.draft != plain.draft
+    target_reader, draft_reader = gguf.GGUFReader(pair.target), gguf.GGUFReader(pair.draft)
+    trunk = value(target_reader, "qwen35.block_count") - value(target_reader, "qwen35.nextn_predict_layers")
+    assert trunk == 4 and max(value(draft_reader, "dflash.target_layers")) < trunk
+    assert tensor_bytes(draft_reader) == tensor_bytes(gguf.GGUFReader(plain.draft))
+
+
+def test_mtp_options_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="only hybrid"):
+        tiny_pair("dense", "dflash2", mtp_layers=1, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="mtp_layers must lie in"):
+        tiny_pair("hybrid", None, mtp_layers=2, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="target_layers must lie in"):
+        tiny_pair("hybrid", "dflash2", mtp_layers=1, target_layers=(1, 4), cache_dir=tmp_path)  # 4 is the MTP block
+    assert list(tmp_path.iterdir()) == []
+    alone = tiny_pair("hybrid", None, mtp_layers=1, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="needs a pair with a draft"):
+        write_broken_draft("width", tmp_path / "broken.gguf", target=alone)
+
+
+def test_cli_writes_a_target_alone(tmp_path: Path) -> None:
+    checkout = Path(dflash_runtime.__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "dflash_runtime.testing.tiny_models", "--out", str(tmp_path), "--target",
+               "hybrid", "--draft", "none", "--head", "const", "--mtp-layers", "1"]
+    out = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=checkout, timeout=120, check=True).stdout
+    assert out.split() == [str(tiny_pair("hybrid", None, head="const", mtp_layers=1, cache_dir=tmp_path).target)]
+
+
+@contextlib.contextmanager
+def loaded(path: Path, *, load_mtp: bool) -> Iterator[Any]:
+    load_backends()
+    params = llama_cpp.llama_model_default_params()
+    params.load_mtp = load_mtp
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    assert model, f"libllama refused {path.name} (load_mtp={load_mtp})"
+    try:
+        yield model
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
+@contextlib.contextmanager
+def context(model: Any, *, mtp: bool, other: Any = None, n_ctx: int = 256) -> Iterator[Any]:
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
+    params.n_threads = params.n_threads_batch = 1
+    params.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP if mtp else llama_cpp.LLAMA_CONTEXT_TYPE_DEFAULT
+    if mtp:
+        params.n_rs_seq = 0
+    if other is not None:
+        params.ctx_other = other
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    try:
+        yield ctx
+    finally:
+        if ctx:
+            llama_cpp.llama_free(ctx)
+
+
+def test_libllama_loads_the_mtp_target_and_makes_an_mtp_context(cache: Path) -> None:
+    pair = tiny_pair("hybrid", "dflash2", head="const", mtp_layers=1, cache_dir=cache)
+    assert pair.draft is not None and load_model(pair.draft)
+    with loaded(pair.target, load_mtp=False) as model:  # a plain load skips the nextn block
+        assert llama_cpp.llama_model_n_layer_nextn(model) == 1
+    with loaded(pair.target, load_mtp=True) as model:
+        assert llama_cpp.llama_model_n_layer_nextn(model) == 1
+        with context(model, mtp=False) as target_ctx:
+            assert target_ctx
+            with context(model, mtp=True, other=target_ctx) as mtp_ctx:
+                assert mtp_ctx
+    plain = tiny_pair("hybrid", None, head="const", cache_dir=cache)
+    with loaded(plain.target, load_mtp=True) as model:
+        assert llama_cpp.llama_model_n_layer_nextn(model) == 0
+        with context(model, mtp=True) as mtp_ctx:
+            assert not mtp_ctx  # libllama refuses an MTP context on a target without the block
+
+
+def greedy_with_hidden(model: Any, ctx: Any, prompt: list[int], n_new: int) -> tuple[list[int], np.ndarray]:
+    """Plain greedy decoding one token at a time; returns prompt + new tokens and the target's nextn hidden row at
+    every position (what llama.cpp's draft-mtp pairs with the next token)."""
+    from llama_cpp import llama_cpp_ext
+
+    llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, False)
+    n_embd = llama_cpp.llama_model_n_embd(model)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    tokens, hidden = list(prompt), []
+    batch = llama_cpp.llama_batch_init(len(prompt), 0, 1)
+    try:
+        pending, pos = list(prompt), 0
+        while True:
+            batch.n_tokens = len(pending)
+            for i, token in enumerate(pending):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos + i, 1, True
+                batch.seq_id[i][0] = 0
+            assert llama_cpp.llama_decode(ctx, batch) == 0
+            rows = llama_cpp_ext.llama_get_embeddings_nextn(ctx)
+            hidden.append(np.ctypeslib.as_array(rows, shape=(len(pending), n_embd)).copy())
+            pos += len(pending)
+            if len(tokens) == len(prompt) + n_new:
+                return tokens, np.concatenate(hidden)
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+            pending = [int(np.argmax(logits))]
+            tokens.append(pending[0])
+    finally:
+        llama_cpp.llama_batch_free(batch)
+
+
+def mtp_predictions(model: Any, mtp_ctx: Any, tokens: list[int], hidden: np.ndarray) -> list[int]:
+    """The MTP block's greedy guess of token k + 1 from (token k, target hidden k - 1), for every k, fed the way
+    llama.cpp's draft-mtp does (token ids with the hidden row as their embedding, zeros before the first)."""
+    from llama_cpp import llama_cpp_ext
+
+    llama_cpp_ext.llama_set_embeddings_nextn(mtp_ctx, True, True)
+    n_embd = hidden.shape[1]
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    rows = np.ascontiguousarray(np.concatenate([np.zeros((1, n_embd), np.float32), hidden[:-1]]))
+    batch = llama_cpp.llama_batch_ext_init(mtp_ctx)
+    assert batch
+    f32p = ctypes.POINTER(ctypes.c_float)
+    try:
+        for k, token in enumerate(tokens):
+            idx = llama_cpp.llama_batch_ext_add_token(batch, 0, token)
+            assert idx == k
+            pos = llama_cpp.llama_pos(k)
+            embd = llama_cpp.llama_embd(ctypes.cast(rows.ctypes.data + k * rows.strides[0], f32p), 1, n_embd)
+            assert llama_cpp.llama_batch_ext_set_pos(batch, idx, ctypes.byref(pos))
+            assert llama_cpp.llama_batch_ext_set_embd_token(batch, idx, embd)
+            assert llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
+        assert llama_cpp.llama_process(mtp_ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, batch) == 0
+        return [
+            int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(mtp_ctx, k), shape=(n_vocab,))))
+            for k in range(len(tokens))
+        ]
+    finally:
+        llama_cpp.llama_batch_ext_free(batch)
+
+
+@pytest.mark.parametrize(("head", "lowest", "highest"), [("shaped", 1.0, 1.0), ("const", 1.0, 1.0),
+                                                         ("phrase", 0.2, 1.0), ("random", 0.0, 0.1)])
+def test_mtp_block_predicts_the_target(cache: Path, head: str, lowest: float, highest: float) -> None:
+    """Driven as llama.cpp's draft-mtp drives it, the MTP block guesses the target's next greedy token always on
+    the shaped and const heads, on phrase while the target stays in the phrase (a third of the tokens here), and
+    about never on random."""
+    pair = tiny_pair("hybrid", None, head=head, mtp_layers=1, cache_dir=cache)
+    vocab = build_vocab()
+    prompt = vocab.encode("The quick brown fox" if head != "phrase" else " hello world the draft")
+    n_new = 40
+    with loaded(pair.target, load_mtp=True) as model, context(model, mtp=False) as target_ctx:
+        tokens, hidden = greedy_with_hidden(model, target_ctx, prompt, n_new)
+        with context(model, mtp=True, other=target_ctx) as mtp_ctx:
+            guesses = mtp_predictions(model, mtp_ctx, tokens, hidden)
+    new = range(len(prompt) - 1, len(tokens) - 1)  # guesses of generated tokens
+    rate = sum(guesses[k] == tokens[k + 1] for k in new) / len(new)
+    assert lowest <= rate <= highest, (head, rate)
+
+
+def test_the_mtp_block_leaves_the_trunk_alone(cache: Path) -> None:
+    """The engine, plain or with the DFlash draft (which taps trunk layers), runs the MTP target exactly as the same
+    target without the block: same tokens, same drafted, accepted and verify-step counts."""
+    runs = []
+    for mtp_layers in (1, 0):
+        pair = tiny_pair("hybrid", "dflash2", head="phrase", mtp_layers=mtp_layers, cache_dir=cache)
+        with load_pair(pair.target, pair.draft, n_ctx=256, draft_capacity=7) as engine:
+            fast = engine.generate("Hello world", max_tokens=32, method="dflash", draft_length=7)
+            engine.reset()
+            plain = engine.generate("Hello world", max_tokens=32, speculative=False)
+        assert fast.tokens == plain.tokens
+        runs.append((fast.tokens, fast.stats.drafted, fast.stats.accepted, fast.stats.verify_steps))
+    assert runs[0] == runs[1] and runs[0][2] > 0

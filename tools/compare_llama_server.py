@@ -3,6 +3,9 @@
 For each generated tiny pair (target × draft × head) and each fixed draft length, this starts llama.cpp's
 `llama-server --spec-type draft-dflash` (built from the same vendored llama.cpp as the wheel), sends every prompt as
 token ids to /completion at temperature 0, and runs the same request through `load_pair(...).generate(...)`.
+Draft `mtp` is the hybrid target's own MTP (nextn) block, no draft file: the server runs `--spec-type draft-mtp` on
+the generated hybrid target with `mtp_layers=1`, the engine `load_pair(target, None)` with `method="mtp"`.
+`--server-only` runs the server side alone and prints its acceptance (for an engine without that method).
 Both must emit the same tokens and text, and count the same drafted tokens, accepted tokens and verify steps
 (the server's `timings.draft_n`, `timings.draft_n_accepted` and its `spec_decode_num_drafts_total` metric).
 Each row also checks that the engine's output equals its own target-only decoding.
@@ -11,15 +14,24 @@ Requests must end before the context does: there llama-server stops one cell ear
 shift) and drops the accepted tokens of a step that reaches that cell, while the engine fills the context.
 
     python tools/compare_llama_server.py --server-bin /path/to/llama-server [--targets dense,hybrid]
-        [--drafts dflash2,dflash1] [--heads shaped,regime] [--n-max 3,7] [--max-tokens 48] [--n-ctx 512]
+        [--drafts dflash2,dflash1,mtp] [--heads shaped,regime] [--n-max 3,7] [--max-tokens 48] [--n-ctx 512]
+        [--server-only]
 
 Exits 1 on any mismatch, 2 on a usage error or when llama-server fails.
+
+Building llama-server from the vendored tree (V = the llama.cpp the wheel was built from; -j as the machine allows):
+
+    cmake -S $V -B build-server -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+        -DCMAKE_BUILD_TYPE=Release
+    cmake --build build-server --target llama-server -j2      # -> build-server/bin/llama-server
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import socket
@@ -48,6 +60,8 @@ PROMPTS = (
     "In the beginning there was a small",
 )
 VERIFY_METRIC = "llamacpp:spec_decode_num_drafts_total"
+DFLASH_DRAFTS = ("dflash2", "dflash1")
+MTP = "mtp"  # the target's own nextn block
 
 
 @dataclass(frozen=True)
@@ -65,13 +79,14 @@ class Row:
     n_max: int
     prompt: str
     server: Outcome
-    engine: Outcome
-    plain_ok: bool  # the engine's output equals its target-only decoding
+    engine: Outcome | None  # None: server side only
+    plain_ok: bool  # the engine's output (or the server's, server side only) equals target-only decoding
     tokenize_ok: bool  # the server tokenizes the prompt text into the same ids
 
     @property
     def ok(self) -> bool:
-        return self.server == self.engine and self.plain_ok and self.tokenize_ok
+        same = self.engine is None or self.server == self.engine
+        return same and self.plain_ok and self.tokenize_ok
 
 
 class ServerError(RuntimeError):
@@ -168,9 +183,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(args: argparse.Namespace, target: Path, draft: Path, n_max: int, log: Path) -> Iterator[LlamaServer]:
+def running_server(
+    args: argparse.Namespace, target: Path, draft: Path | None, n_max: int, log: Path
+) -> Iterator[LlamaServer]:
+    """draft None: the target drafts with its own MTP block (draft-mtp)."""
+    spec = ["--spec-type", "draft-mtp"] if draft is None else ["-md", str(draft), "--spec-type", "draft-dflash"]
     argv = [
-        "-m", str(target), "-md", str(draft), "--spec-type", "draft-dflash",
+        "-m", str(target), *spec,
         "--spec-draft-n-max", str(n_max), "--spec-draft-n-min", str(args.n_min), "--spec-draft-p-min", str(args.p_min),
         "-c", str(args.n_ctx), "-np", "1", "-t", str(args.threads), "-ngl", "0", "--spec-draft-ngl", "0",
         "--metrics", "--no-warmup", "--no-webui",
@@ -183,10 +202,16 @@ def running_server(args: argparse.Namespace, target: Path, draft: Path, n_max: i
         server.stop()
 
 
-def engine_outcome(engine: Engine, args: argparse.Namespace, tokens: list[int], n_max: int) -> Outcome:
+def engine_has_mtp() -> bool:
+    """Whether this checkout's engine takes `method=` (MTP drafting) on a request."""
+    return "method" in inspect.signature(Engine.stream).parameters
+
+
+def engine_outcome(engine: Engine, args: argparse.Namespace, tokens: list[int], n_max: int, draft: str) -> Outcome:
     if not args.reuse:
         engine.reset()
-    r = engine.generate(tokens, max_tokens=args.max_tokens, draft_max=n_max, n_min=args.n_min, p_min=args.p_min)
+    common = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=args.p_min)
+    r = engine.generate(tokens, method="mtp" if draft == MTP else "dflash", draft_length=n_max, **common)
     s = r.stats
     return Outcome(tuple(r.tokens), r.text, s.drafted, s.accepted, s.verify_steps)
 
@@ -197,11 +222,17 @@ def plain_tokens(engine: Engine, tokens: list[int], n_predict: int) -> tuple[int
 
 
 def compare_pair(args: argparse.Namespace, target: str, draft: str, head: str, logs: Path) -> list[Row]:
-    pair = tiny_pair(target, draft, head=head)
+    if draft == MTP:
+        if target != "hybrid":
+            raise UsageError(f"draft {MTP} needs the hybrid target (only qwen35 targets carry an MTP block)")
+        pair = tiny_pair(target, None, head=head, mtp_layers=1)
+    else:
+        pair = tiny_pair(target, draft, head=head)
+    opened = load_pair(pair.target, pair.draft, n_ctx=args.n_ctx, draft_capacity=max(args.n_max),
+                       n_threads=args.threads)
     name = f"{target}/{draft}/{head}"
     rows: list[Row] = []
-    with load_pair(pair.target, pair.draft, n_ctx=args.n_ctx, draft_capacity=max(args.n_max),
-                   n_threads=args.threads) as eng:
+    with opened as eng:
         prompts = {p: eng.tokenize(p) for p in args.prompts}
         longest = max(len(ids) for ids in prompts.values())
         if longest + args.max_tokens >= eng.n_ctx - 1:
@@ -215,13 +246,14 @@ def compare_pair(args: argparse.Namespace, target: str, draft: str, head: str, l
                 for prompt, ids in prompts.items():
                     same_ids = server.tokenize(prompt) == ids
                     srv = server.complete(ids, args.max_tokens, args.reuse)
-                    ours = engine_outcome(eng, args, ids, n_max)
-                    rows.append(Row(name, n_max, prompt, srv, ours, ours.tokens == plain[prompt], same_ids))
+                    ours = None if args.server_only else engine_outcome(eng, args, ids, n_max, draft)
+                    lossless = (srv if ours is None else ours).tokens == plain[prompt]
+                    rows.append(Row(name, n_max, prompt, srv, ours, lossless, same_ids))
     return rows
 
 
-def _counts(o: Outcome) -> str:
-    return f"{o.drafted}/{o.accepted}/{o.verify_steps}"
+def _counts(o: Outcome | None) -> str:
+    return "-" if o is None else f"{o.drafted}/{o.accepted}/{o.verify_steps}"
 
 
 def print_table(rows: Sequence[Row]) -> None:
@@ -230,16 +262,38 @@ def print_table(rows: Sequence[Row]) -> None:
     print("-" * len(head))
     for r in rows:
         diff = [k for k in ("tokens", "text", "drafted", "accepted", "verify_steps")
-                if getattr(r.server, k) != getattr(r.engine, k)]
+                if r.engine is not None and getattr(r.server, k) != getattr(r.engine, k)]
         if not r.plain_ok:
-            diff.append("engine≠plain")
+            diff.append("server≠plain" if r.engine is None else "engine≠plain")
         if not r.tokenize_ok:
             diff.append("tokenize")
-        n_srv, n_eng = len(r.server.tokens), len(r.engine.tokens)
+        n_srv = len(r.server.tokens)
+        n_eng = n_srv if r.engine is None else len(r.engine.tokens)
         n_tok = str(n_eng) if n_srv == n_eng else f"{n_srv}≠{n_eng}"
         verdict = "ok" if r.ok else "MISMATCH " + ",".join(diff)
         print(f"{r.pair:<24} {r.n_max:>2} {r.prompt[:24]!s:<24} {n_tok:>4} "
               f"{_counts(r.server):>13} {_counts(r.engine):>13}  {verdict}")
+
+
+def print_acceptance(rows: Sequence[Row]) -> None:
+    """Per pair and draft length, summed over the prompts: the server's acceptance and tokens per verify step,
+    and whether the engine matched every count."""
+    groups: dict[tuple[str, int], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.pair, r.n_max), []).append(r)
+    head = f"{'pair':<24} {'n':>2} {'drafted':>8} {'accepted':>8} {'accept':>7} {'steps':>6} {'tok/step':>8}  engine"
+    print(head)
+    print("-" * len(head))
+    for (pair, n_max), group in groups.items():
+        drafted = sum(r.server.drafted for r in group)
+        accepted = sum(r.server.accepted for r in group)
+        steps = sum(r.server.verify_steps for r in group)
+        generated = sum(len(r.server.tokens) for r in group)
+        rate = f"{accepted / drafted:.1%}" if drafted else "-"
+        per_step = f"{generated / steps:.2f}" if steps else "-"
+        engine = "n/a" if any(r.engine is None for r in group) else (
+            "same" if all(r.server == r.engine for r in group) else "DIFFERENT")
+        print(f"{pair:<24} {n_max:>2} {drafted:>8} {accepted:>8} {rate:>7} {steps:>6} {per_step:>8}  {engine}")
 
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
@@ -250,7 +304,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--server-bin", type=Path, required=True, help="llama-server built from the vendored llama.cpp")
     p.add_argument("--targets", type=_csv(str), default=["dense", "hybrid"])
-    p.add_argument("--drafts", type=_csv(str), default=["dflash2", "dflash1"])
+    p.add_argument("--drafts", type=_csv(str), default=list(DFLASH_DRAFTS),
+                   help=f"{', '.join(DFLASH_DRAFTS)} (draft files) or {MTP} (the hybrid target's nextn block)")
     p.add_argument("--heads", type=_csv(str), default=["shaped", "regime"])
     p.add_argument("--n-max", type=_csv(int), default=[3, 7], help="fixed draft lengths")
     p.add_argument("--max-tokens", type=int, default=48)
@@ -263,6 +318,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="keep the cache between prompts (server cache_prompt, engine prefix reuse)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per server start or request")
     p.add_argument("--logs", type=Path, default=None, help="keep the server logs here")
+    p.add_argument("--server-only", action="store_true",
+                   help="run llama-server alone (checked against plain decoding) and print its acceptance")
     return p.parse_args(argv)
 
 
@@ -270,6 +327,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.server_bin.is_file():
         print(f"no llama-server at {args.server_bin}", file=sys.stderr)
+        return 2
+    unknown = sorted(set(args.drafts) - {*DFLASH_DRAFTS, MTP})
+    if unknown:
+        print(f"unknown draft(s) {unknown}: choose from {', '.join((*DFLASH_DRAFTS, MTP))}", file=sys.stderr)
+        return 2
+    if MTP in args.drafts and not args.server_only and not engine_has_mtp():
+        print(f"this engine has no MTP drafting (no method= on requests): use --server-only for draft {MTP}",
+              file=sys.stderr)
         return 2
     with contextlib.ExitStack() as stack:
         logs = args.logs or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llama-server-")))
@@ -288,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\nllama-server failed: {e}", file=sys.stderr)
             return 2
     print_table(rows)
+    print()
+    print_acceptance(rows)
     bad = sum(not r.ok for r in rows)
     print(f"\n{len(rows) - bad}/{len(rows)} rows identical")
     return 1 if bad else 0

@@ -40,6 +40,7 @@ from llama_cpp.llama_speculative import LlamaDraftModel
 
 from .. import load_pair
 from ..backends import load_backends
+from ..engine import deprecated_alias
 from ..errors import DownloadError, ModelFileError, PairMismatchError, RequestError
 from ..pair import DEFAULT_DRAFT_CAPACITY
 from .openai import (
@@ -155,8 +156,15 @@ def _bind(signature_of: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
     return bound.arguments
 
 
+REQUEST_EXTRAS = {"speculative": True, "method": None, "draft_length": None, "verify": "sample"}
+
+
 def _pop_extras(kwargs: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    return {name: kwargs.pop(name, default) for name, default in defaults.items()}
+    extras = {name: kwargs.pop(name, default) for name, default in defaults.items()}
+    if "draft_max" in kwargs:  # the deprecated spelling of draft_length
+        extras["draft_length"] = deprecated_alias("draft_max", "draft_length", kwargs.pop("draft_max"),
+                                                  extras["draft_length"], None, stacklevel=4)
+    return extras
 
 
 class DFlashLlama(Llama):
@@ -169,13 +177,14 @@ class DFlashLlama(Llama):
     defaults and return its shapes, plus `"dflash_stats"` on the response (and on the last streamed chunk).
     Sampling honours max_tokens, temperature, top_k, top_p, min_p, seed and stop; options that need host logits
     (logprobs, grammar, penalties, logits processors, logit_bias, ...) raise `RequestError` when turned on.
-    Extra keywords: `speculative=False` (target only), `draft_max` (int ≤ the pair's, or "auto"), `verify`
+    Extra keywords: `speculative=False` (target only), `method` ("dflash" or "mtp", see `methods`), `draft_length`
+    (an int ≤ the pair's capacity, 0 for no draft, or "auto"; `draft_max` is its deprecated spelling), `verify`
     ("sample": rejection sampling, or "match", above temperature 0) and, for chats, `enable_thinking`. Chats use the
     target GGUF's own template; message content never becomes control tokens.
 
-    Constructor: `draft_model_path` or `draft_model=DFlashDraftModel(...)` (neither: the target runs alone);
-    `draft_capacity`: the longest draft the pair is opened for (default: the draft model's `num_pred_tokens`, 7;
-    `draft_max=` is its older spelling; a request's `draft_max` is its own policy, up to it). Of `Llama`'s arguments
+    Constructor: `draft_model_path` or `draft_model=DFlashDraftModel(...)` (neither: the target runs alone, or with
+    its own MTP head when it has one); `draft_capacity`: the longest draft the pair is opened for (default: the
+    draft model's `num_pred_tokens`, 7; `draft_max=` is its deprecated spelling). Of `Llama`'s arguments
     n_ctx, n_batch, n_gpu_layers, n_threads, seed and verbose apply; any other must keep its default.
     A Python draft (any other `LlamaDraftModel`) runs in llama-cpp-python's own loop, see the module docstring.
     """
@@ -191,9 +200,7 @@ class DFlashLlama(Llama):
         **llama_kwargs: Any,
     ) -> None:
         self._engine: Any = None  # first: every dispatched method reads it, even from Llama.__init__
-        if draft_capacity is not None and draft_max is not None and draft_capacity != draft_max:
-            raise RequestError("give draft_capacity or its older spelling draft_max, not both")
-        capacity = draft_capacity if draft_capacity is not None else draft_max
+        capacity = deprecated_alias("draft_max", "draft_capacity", draft_max, draft_capacity, None)
         if draft_model is not None and not isinstance(draft_model, DFlashDraftModel):
             if draft_model_path is not None or capacity is not None:
                 raise RequestError("draft_model_path and draft_capacity apply to DFlash drafts, not to a Python draft")
@@ -290,7 +297,7 @@ class DFlashLlama(Llama):
     @_engine_or_llama
     def create_completion(self, prompt: str | list[int], *args: Any, **kwargs: Any) -> Any:
         """`Llama.create_completion`'s parameters and response shapes, on the engine (see the class docstring)."""
-        extras = _pop_extras(kwargs, {"speculative": True, "draft_max": None, "verify": "sample"})
+        extras = _pop_extras(kwargs, REQUEST_EXTRAS)
         options = _bind(Llama.create_completion, self, prompt, *args, **kwargs)
         reject_unsupported({name: options[name] for name in COMPLETION_OPTIONS_OFF}, COMPLETION_OPTIONS_OFF)
         ids = ResponseIds.new(options["model"] or self.model_path)
@@ -306,9 +313,7 @@ class DFlashLlama(Llama):
     def create_chat_completion(self, messages: Sequence[dict[str, Any]], *args: Any, **kwargs: Any) -> Any:
         """`Llama.create_chat_completion`'s parameters and response shapes, on the engine, with the target GGUF's
         chat template (see the class docstring)."""
-        extras = _pop_extras(
-            kwargs, {"speculative": True, "draft_max": None, "verify": "sample", "enable_thinking": None}
-        )
+        extras = _pop_extras(kwargs, {**REQUEST_EXTRAS, "enable_thinking": None})
         options = _bind(Llama.create_chat_completion, self, messages, *args, **kwargs)
         reject_unsupported({name: options[name] for name in CHAT_OPTIONS_OFF}, CHAT_OPTIONS_OFF)
         ids = ResponseIds.new(options["model"] or self.model_path, prefix="chatcmpl-")
@@ -334,6 +339,11 @@ class DFlashLlama(Llama):
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else self._engine.detokenize(prompt)
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The draft methods this model can run: "dflash" with a DFlash draft, "mtp" with the target's MTP head."""
+        return self._engine.methods if self._engine is not None else ()
 
     # -- Llama methods re-implemented on the engine ---------------------------------------------------------------
 

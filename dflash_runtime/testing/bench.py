@@ -2,9 +2,15 @@
 
     python -m dflash_runtime.testing.bench --pairs matrix --runs 3 --max-tokens 128 --draft-max 3,7,auto
     python -m dflash_runtime.testing.bench --pairs hybrid:soft:512 --temperature 0.6 --verify sample,match
+    python -m dflash_runtime.testing.bench --pairs real --runs 1 --max-tokens 32
+    python -m dflash_runtime.testing.bench --pairs methods --draft-length 3,auto --methods dflash,mtp
 
-`--pairs`: 'matrix' (widths 512 and 1024 × random/const heads × dense/hybrid targets) or a comma list of
-target:head:width (DFlash 2 drafts). Every other option is the bench's (see `python -m dflash_runtime bench -h`).
+`--pairs`: a comma list of 'matrix' (widths 512 and 1024 × random/const heads × dense/hybrid targets),
+'methods' (hybrid targets with an MTP head and a DFlash 2 draft, width 512, random/phrase/const heads: both methods
+on one target), target:head:width[:mtp] (DFlash 2 drafts; ':mtp' gives the hybrid target an MTP head) and 'real'
+(the pair in the real files' layout: NVFP4 + Q8_0 hybrid target with an MTP layer, Q4_K_M draft, the full Qwen3.5
+vocabulary; see real_layout.py, built on first use). Every other option is the bench's (see
+`python -m dflash_runtime bench -h`); the table reports each pair's open time.
 """
 
 from __future__ import annotations
@@ -15,28 +21,40 @@ from collections.abc import Sequence
 
 from ..cli import add_bench_args, run_bench_cli
 from ..errors import DFlashError
+from .real_layout import real_layout_pair
 from .tiny_models import tiny_pair
+
+REAL = "real"
 
 
 def tiny_targets(spec: str) -> list[tuple[str, str, str]]:
-    if spec == "matrix":
-        items = [(k, h, w) for w in (512, 1024) for h in ("random", "const") for k in ("dense", "hybrid")]
-    else:
-        items = []
-        for part in spec.split(","):
-            kind, head, width = part.split(":")
-            items.append((kind, head, int(width)))
+    items: list[tuple[str, str, int, int]] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if part == "matrix":
+            items += [(k, h, w, 0) for w in (512, 1024) for h in ("random", "const") for k in ("dense", "hybrid")]
+        elif part == "methods":
+            items += [("hybrid", h, 512, 1) for h in ("random", "phrase", "const")]
+        elif part == REAL:
+            items.append((REAL, "", 0, 0))
+        else:
+            kind, head, width, *mtp = part.split(":")
+            items.append((kind, head, int(width), int(mtp == ["mtp"])))
     out = []
-    for kind, head, width in items:
-        p = tiny_pair(kind, "dflash2", head=head, n_embd=width, dims="scaled" if width >= 256 else "tiny")
-        out.append((f"{kind}-{head}-{width}", str(p.target), str(p.draft)))
+    for kind, head, width, mtp_layers in items:
+        if kind == REAL:
+            real = real_layout_pair()
+            out.append(("real-layout", str(real.target), str(real.draft)))
+            continue
+        p = tiny_pair(kind, "dflash2", head=head, n_embd=width, dims="scaled" if width >= 256 else "tiny",
+                      mtp_layers=mtp_layers)
+        out.append((f"{kind}-{head}-{width}" + ("-mtp" if mtp_layers else ""), str(p.target), str(p.draft)))
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_runtime.testing.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", default="matrix", help="'matrix' or target:head:width,...")
+    parser.add_argument("--pairs", default="matrix", help="matrix, methods, target:head:width[:mtp], real (comma list)")
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--gpu-layers", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)

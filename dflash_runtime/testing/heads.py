@@ -11,6 +11,11 @@ output projection that land there are zero), so at the output they still hold th
 
 A DFlash draft borrows the target's embeddings and head, and its block rows past the anchor read the mask
 token, so the mask token's regime value fixes what the draft proposes at every block position.
+
+An MTP (nextn) block shares them too. Given token x_p and the target's hidden state h_{p-1} it predicts x_{p+1},
+which every head but `random` decides from x_p's own control channels: so on those heads its input projection
+passes the token embedding through unchanged (see mtp_input_projection) and its layer writes little, and it
+predicts what the target will say next as the target's own head does.
 """
 
 from __future__ import annotations
@@ -54,6 +59,15 @@ SELECTOR_SCALE = {"random": 0.3, "shaped": 0.01, "const": 0.01, "regime": 0.01, 
                   "phrase": 0.01}
 
 
+# MTP block on the structured heads: weight of the target's hidden state in the input projection, and of the block's
+# attention and FFN writes (small: the token embedding's control channels must decide the prediction), and the gain
+# on those control channels (the block sees none of the target's context, so it follows the head's structure more
+# firmly than the target does: on "phrase" it continues the phrase where the target may leave it).
+MTP_HIDDEN_GAIN = 0.25
+MTP_QUIET_GAIN = 0.1
+MTP_CONTROL_GAIN = 2.0
+
+
 def reserved_channels(head: str) -> tuple[int, ...]:
     """Residual channels no layer writes: the two control channels, plus one per phrase token for head="phrase"."""
     extra = tuple(range(2, 2 + len(PHRASE))) if head == "phrase" else ()
@@ -67,6 +81,11 @@ class TensorSource:
         # one independent stream per file role, so adding a tensor to one file never shifts another
         self._rng = np.random.default_rng([seed, zlib.crc32(stream.encode())])
         self._reserved = list(reserved)
+
+    @property
+    def reserved(self) -> tuple[int, ...]:
+        """The channels no projection into the residual stream writes."""
+        return tuple(self._reserved)
 
     def normal(self, *shape: int, std: float = 1.0, mean: float = 0.0) -> np.ndarray:
         return (mean + std * self._rng.standard_normal(shape)).astype(np.float32)
@@ -107,6 +126,27 @@ def build_head(head: str, vocab: TinyVocab, n_embd: int, source: TensorSource) -
     output[blocked, BIAS_CHANNEL] = BLOCKED_BIAS
     _STEERING[head](embd, output, vocab, source)
     return HeadPlan(token_embd=embd, output=output)
+
+
+def mtp_input_projection(head: str, n_embd: int, source: TensorSource) -> np.ndarray:
+    """The nextn eh_proj, numpy (n_embd, 2 * n_embd): it reads concat(enorm(embedding of x_p), hnorm(h_{p-1})).
+
+    Structured heads: identity on the embedding half (MTP_CONTROL_GAIN on the reserved channels) plus a small random
+    read of the hidden half that leaves the reserved channels alone, so x_p's control channels reach the shared head
+    as they do in the target.
+    `random`: a random projection of both halves (no better than chance), except that the bias channel is copied,
+    so the block never proposes the tokens the head blocks (EOS, ChatML, broken bytes)."""
+    reserved = list(source.reserved)
+    if head == "random":
+        weight = source.matrix(n_embd, 2 * n_embd)
+        weight[BIAS_CHANNEL, :] = 0.0
+        weight[BIAS_CHANNEL, BIAS_CHANNEL] = 1.0
+        return weight
+    embedding = np.eye(n_embd, dtype=np.float32)
+    embedding[reserved, reserved] = MTP_CONTROL_GAIN
+    hidden = source.matrix(n_embd, n_embd, gain=MTP_HIDDEN_GAIN)
+    hidden[reserved, :] = 0.0
+    return np.concatenate([embedding, hidden], axis=1)
 
 
 def plain_ids(vocab: TinyVocab) -> np.ndarray:

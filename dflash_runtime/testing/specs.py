@@ -50,10 +50,18 @@ class TargetSpec:
     weight_type: str
     hybrid: HybridDims | None = None
     bos_template: bool = False  # the vocabulary adds BOS and the chat template writes it (the draft follows)
+    # multi-token-prediction (nextn) blocks after the n_layer trunk blocks (hybrid targets only); left out of the
+    # digest when 0, so files written before it existed keep their names and bytes
+    mtp_layers: int = 0
 
     @property
     def arch(self) -> str:
         return TARGET_ARCHS[self.kind]
+
+    @property
+    def block_count(self) -> int:
+        """The header's block_count: libllama counts the nextn blocks in it and runs n_layer of them as the trunk."""
+        return self.n_layer + self.mtp_layers
 
 
 @dataclass(frozen=True)
@@ -84,14 +92,20 @@ class DraftSpec:
         return self.n_embd // self.n_head
 
     @property
+    def block_count(self) -> int:
+        return self.n_layer
+
+    @property
     def is_dflash2(self) -> bool:
         return self.kind == "dflash2"
 
 
 @dataclass(frozen=True)
 class PairSpec:
+    """A target and its DFlash draft; `draft` is None for a target alone (e.g. one that drafts with its MTP block)."""
+
     target: TargetSpec
-    draft: DraftSpec
+    draft: DraftSpec | None
     version: int = field(default=GENERATOR_VERSION)
 
     def target_digest(self) -> str:
@@ -102,13 +116,16 @@ class PairSpec:
         return json.dumps(self._target_dict(), sort_keys=True)
 
     def _target_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "target": dataclasses.asdict(self.target)}
+        return {"version": self.version, "target": _target_fields(self.target)}
 
     def draft_digest(self) -> str:
+        if self.draft is None:
+            raise ValueError("a target-only spec has no draft")
         return _digest(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        draft = None if self.draft is None else dataclasses.asdict(self.draft)
+        return {"target": _target_fields(self.target), "draft": draft, "version": self.version}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -118,13 +135,23 @@ class PairSpec:
         data = json.loads(text)
         target = dict(data["target"])
         hybrid = target.pop("hybrid")
-        draft = dict(data["draft"])
-        draft["target_layers"] = tuple(draft["target_layers"])
+        draft = None
+        if data.get("draft") is not None:
+            fields = dict(data["draft"])
+            fields["target_layers"] = tuple(fields["target_layers"])
+            draft = DraftSpec(**fields)
         return cls(
             target=TargetSpec(**target, hybrid=HybridDims(**hybrid) if hybrid else None),
-            draft=DraftSpec(**draft),
+            draft=draft,
             version=data["version"],
         )
+
+
+def _target_fields(target: TargetSpec) -> dict[str, Any]:
+    fields = dataclasses.asdict(target)
+    if not fields["mtp_layers"]:
+        del fields["mtp_layers"]  # digests and records of targets without an MTP block stay as they were
+    return fields
 
 
 def _digest(data: dict[str, Any]) -> str:
@@ -179,8 +206,9 @@ DRAFT_DEFAULTS: dict[str, Any] = dict(
 )
 
 OVERRIDABLE = frozenset(
-    [*_size_defaults("tiny", 128), *DRAFT_DEFAULTS, "head_dim", "target_layers", "bos_template"]
+    [*_size_defaults("tiny", 128), *DRAFT_DEFAULTS, "head_dim", "target_layers", "bos_template", "mtp_layers"]
 ) - {"n_taps"}
+MAX_MTP_LAYERS = 1  # libllama's qwen35 MTP graph runs a single nextn block
 
 
 def _default_head_dim(target: str, dims: str, n_embd: int, n_head: int) -> int:
@@ -199,11 +227,13 @@ def spread_layers(n_layer: int, count: int) -> tuple[int, ...]:
 
 
 def resolve_pair_spec(
-    target: str, draft: str, *, head: str, n_embd: int, dims: str, seed: int, overrides: dict[str, Any]
+    target: str, draft: str | None, *, head: str, n_embd: int, dims: str, seed: int, overrides: dict[str, Any]
 ) -> PairSpec:
-    """Defaults of the size family, then overrides; raises ValueError/TypeError on anything unknown or inconsistent."""
+    """Defaults of the size family, then overrides; raises ValueError/TypeError on anything unknown or inconsistent.
+    `draft=None`: the target alone."""
     _check_choice("target", target, tuple(TARGET_ARCHS))
-    _check_choice("draft", draft, DRAFT_KINDS)
+    if draft is not None:
+        _check_choice("draft", draft, DRAFT_KINDS)
     _check_choice("head", head, HEADS)
     _check_choice("dims", dims, DIMS)
     unknown = sorted(set(overrides) - OVERRIDABLE)
@@ -215,7 +245,7 @@ def resolve_pair_spec(
         sizes["head_dim"] = _default_head_dim(target, dims, n_embd, sizes["n_head"])
     spec = PairSpec(
         target=_target_spec(target, head, seed, n_embd, sizes),
-        draft=_draft_spec(draft, seed, n_embd, sizes, mrope=target == "hybrid"),
+        draft=None if draft is None else _draft_spec(draft, seed, n_embd, sizes, mrope=target == "hybrid"),
     )
     validate(spec)
     return spec
@@ -257,20 +287,28 @@ def validate(spec: PairSpec) -> None:
     _require(t.weight_type in WEIGHT_TYPES, f"weight_type must be one of {WEIGHT_TYPES}")
     _require(t.n_head % t.n_head_kv == 0, "n_head must be a multiple of n_head_kv")
     _require(t.head_dim > 0 and t.head_dim % 2 == 0, "head_dim must be even and positive (RoPE)")
+    _require(0 <= t.mtp_layers <= MAX_MTP_LAYERS, f"mtp_layers must lie in [0, {MAX_MTP_LAYERS}]")
+    _require(t.mtp_layers == 0 or t.hybrid is not None, "only hybrid (qwen35) targets carry an MTP block")
+    if t.hybrid is not None:
+        h = t.hybrid
+        _require(h.n_rot % 2 == 0 and h.n_rot <= t.head_dim, "n_rot must be even and <= head_dim")
+        _require(h.ssm_time_step_rank % h.ssm_group_count == 0, "ssm_time_step_rank must be a multiple of groups")
+        _require(h.full_attention_interval >= 1, "full_attention_interval must be >= 1")
+    if d is not None:
+        _validate_draft(t, d)
+
+
+def _validate_draft(t: TargetSpec, d: DraftSpec) -> None:
     _require(d.n_embd % d.n_head == 0, "the draft's n_embd must be a multiple of n_head")
     _require(d.head_dim % 2 == 0, "the draft's head dim (n_embd / n_head) must be even for RoPE")
     _require(len(d.target_layers) > 0, "target_layers must not be empty")
+    # taps read trunk layers: the nextn blocks after them never run in the target's pass
     _require(all(0 <= i < t.n_layer for i in d.target_layers), f"target_layers must lie in [0, {t.n_layer})")
     _require(d.block_size >= 2, "block_size must be at least 2 (one drafted token)")
     if d.is_dflash2:
         _require(d.n_embd % d.conv_group_size == 0, "n_embd must be a multiple of conv_group_size")
         top_k = d.selector_top_k
         _require(top_k > 0 and d.n_embd >= top_k * (top_k + 1), "n_embd must be >= selector_top_k * (top_k + 1)")
-    if t.hybrid is not None:
-        h = t.hybrid
-        _require(h.n_rot % 2 == 0 and h.n_rot <= t.head_dim, "n_rot must be even and <= head_dim")
-        _require(h.ssm_time_step_rank % h.ssm_group_count == 0, "ssm_time_step_rank must be a multiple of groups")
-        _require(h.full_attention_interval >= 1, "full_attention_interval must be >= 1")
 
 
 def _require(condition: bool, message: str) -> None:

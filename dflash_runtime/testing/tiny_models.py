@@ -1,15 +1,18 @@
 """Deterministic tiny GGUF model pairs (target + DFlash draft) for tests, benchmarks and the offline demo.
 
-Targets: `dense` (arch qwen3) and `hybrid` (arch qwen35: Gated DeltaNet + gated attention, IMROPE).
-Drafts: `dflash2` (dynamic conv + candidate selector) and `dflash1`, both arch `dflash`.
+Targets: `dense` (arch qwen3) and `hybrid` (arch qwen35: Gated DeltaNet + gated attention, IMROPE). A hybrid
+target may carry a Qwen3.5 MTP (nextn) block after its trunk (`mtp_layers=1`), which llama.cpp drafts with
+(`--spec-type draft-mtp`); it predicts as well as the head allows (see heads.py).
+Drafts: `dflash2` (dynamic conv + candidate selector) and `dflash1`, both arch `dflash`; or none (`draft=None`:
+the target alone, e.g. a hybrid target with MTP).
 Heads (see heads.py): `random` (≈0 % acceptance), `shaped` (one accepted token per step), `const`
 (≈100 %) and `regime` (≈100 % once the context ends in REGIME_TOKEN, ≈0 % otherwise).
 
 Files are generated once into a cache, named by a digest of every parameter and the generator version,
 written to a temporary file and renamed, so concurrent generators never expose a partial file.
 
-    python -m dflash_runtime.testing.tiny_models --out DIR [--target dense|hybrid] [--draft dflash2|dflash1]
-        [--head random|shaped|const|regime] [--n-embd N] [--dims tiny|scaled] [--seed S]
+    python -m dflash_runtime.testing.tiny_models --out DIR [--target dense|hybrid] [--draft dflash2|dflash1|none]
+        [--head random|shaped|const|regime|...] [--n-embd N] [--dims tiny|scaled] [--seed S] [--mtp-layers 0|1]
 """
 
 from __future__ import annotations
@@ -48,10 +51,18 @@ CACHE_ENV = "DFLASH_TINY_CACHE"
 @dataclass(frozen=True)
 class TinyPair:
     target: Path
-    draft: Path
+    draft: Path | None  # None: the target alone
     target_arch: str  # "qwen3" | "qwen35"
-    draft_kind: str  # "dflash2" | "dflash1"
+    draft_kind: str | None  # "dflash2" | "dflash1" | None
     spec: PairSpec | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def mtp_layers(self) -> int:
+        """MTP (nextn) blocks the target carries, from the spec or else the target file's header."""
+        if self.spec is not None:
+            return self.spec.target.mtp_layers
+        field = gguf.GGUFReader(self.target).get_field(f"{self.target_arch}.nextn_predict_layers")
+        return 0 if field is None else int(field.contents())
 
 
 def default_cache_dir() -> Path:
@@ -67,7 +78,7 @@ def default_cache_dir() -> Path:
 
 def tiny_pair(
     target: str = "dense",
-    draft: str = "dflash2",
+    draft: str | None = "dflash2",
     *,
     head: str = "shaped",
     n_embd: int = 128,
@@ -77,16 +88,23 @@ def tiny_pair(
     **overrides: Any,
 ) -> TinyPair:
     """The pair's files, generated on first use. Overrides: any size of specs.OVERRIDABLE (e.g. n_layer=6,
-    draft_layers=1, block_size=16, target_layers=(1, 2), weight_type="f16")."""
+    draft_layers=1, block_size=16, target_layers=(1, 2), weight_type="f16", mtp_layers=1).
+
+    `draft=None` writes the target alone (`pair.draft is None`). `mtp_layers=1` (hybrid only) appends an MTP block
+    to the target: `tiny_pair("hybrid", None, mtp_layers=1)` is a target that drafts with it, and
+    `tiny_pair("hybrid", "dflash2", mtp_layers=1)` pairs that target with a DFlash draft (whose taps stay in the
+    trunk). File names carry `-mtp1` after the width."""
     spec = resolve_pair_spec(target, draft, head=head, n_embd=n_embd, dims=dims, seed=seed, overrides=overrides)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    stem = f"{target}-{head}-e{n_embd}"
+    stem = f"{target}-{head}-e{n_embd}" + (f"-mtp{spec.target.mtp_layers}" if spec.target.mtp_layers else "")
     target_path = _ensure(
         cache / f"target-{stem}-{spec.target_digest()}.gguf", lambda path: TARGET_WRITERS[target](path, spec)
     )
-    draft_path = _ensure(
-        cache / f"draft-{draft}-{stem}-{spec.draft_digest()}.gguf", lambda path: write_draft(path, spec)
-    )
+    draft_path = None
+    if draft is not None:
+        draft_path = _ensure(
+            cache / f"draft-{draft}-{stem}-{spec.draft_digest()}.gguf", lambda path: write_draft(path, spec)
+        )
     return TinyPair(target=target_path, draft=draft_path, target_arch=spec.target.arch, draft_kind=draft, spec=spec)
 
 
@@ -114,11 +132,17 @@ _DRAFT_BREAKS: dict[str, Callable[[PairSpec], dict[str, Any]]] = {
     "vocab_size": lambda spec: {"extra_tokens": 1},
     "special_tokens": lambda spec: {"eos_token": ENDOFTEXT},
     "no_mask": lambda spec: {"with_mask": False},
-    "layer_out_of_range": lambda spec: {"target_layers": (*spec.draft.target_layers[:-1], spec.target.n_layer)},
-    "width": lambda spec: {"n_embd": 2 * spec.draft.n_embd},
+    "layer_out_of_range": lambda spec: {"target_layers": (*_draft(spec).target_layers[:-1], spec.target.n_layer)},
+    "width": lambda spec: {"n_embd": 2 * _draft(spec).n_embd},
     "bad_block_size": lambda spec: {"block_size": 1},
 }
 BROKEN_KINDS = ("not_gguf", "arch_not_dflash", *_DRAFT_BREAKS)
+
+
+def _draft(spec: PairSpec) -> DraftSpec:
+    if spec.draft is None:
+        raise ValueError("a target-only spec has no draft to break")
+    return spec.draft
 
 
 def write_broken_draft(kind: str, path: Path, *, target: TinyPair) -> Path:
@@ -128,6 +152,8 @@ def write_broken_draft(kind: str, path: Path, *, target: TinyPair) -> Path:
     the target's n_layer), width (embedding_length twice the target's, fc sized to match), bad_block_size (1)."""
     if kind not in BROKEN_KINDS:
         raise ValueError(f"kind must be one of {BROKEN_KINDS}, not {kind!r}")
+    if target.draft is None:
+        raise ValueError("write_broken_draft needs a pair with a draft to break")
     path = Path(path)
     if kind == "not_gguf":
         _write_atomically(path, lambda tmp: tmp.write_text("this is a text file, not a GGUF model\n"))
@@ -135,7 +161,7 @@ def write_broken_draft(kind: str, path: Path, *, target: TinyPair) -> Path:
         _write_atomically(path, lambda tmp: shutil.copyfile(target.target, tmp))
     else:
         spec = target.spec or read_pair_spec(target.draft)
-        broken_draft: DraftSpec = dataclasses.replace(spec.draft, **_DRAFT_BREAKS[kind](spec))
+        broken_draft = dataclasses.replace(_draft(spec), **_DRAFT_BREAKS[kind](spec))
         broken = dataclasses.replace(spec, draft=broken_draft)
         _write_atomically(path, lambda tmp: write_draft(tmp, broken))
     return path
@@ -156,17 +182,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, required=True, help="cache directory the files go to")
     parser.add_argument("--target", choices=tuple(TARGET_ARCHS), default="dense")
-    parser.add_argument("--draft", choices=DRAFT_KINDS, default="dflash2")
+    parser.add_argument("--draft", choices=(*DRAFT_KINDS, "none"), default="dflash2", help="none: the target alone")
     parser.add_argument("--head", choices=HEADS, default="shaped")
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--dims", choices=DIMS, default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mtp-layers", type=int, default=0, help="MTP (nextn) blocks after a hybrid target's trunk")
     args = parser.parse_args(argv)
+    extra = {"mtp_layers": args.mtp_layers} if args.mtp_layers else {}
     pair = tiny_pair(
-        args.target, args.draft, head=args.head, n_embd=args.n_embd, dims=args.dims, seed=args.seed, cache_dir=args.out
+        args.target,
+        None if args.draft == "none" else args.draft,
+        head=args.head,
+        n_embd=args.n_embd,
+        dims=args.dims,
+        seed=args.seed,
+        cache_dir=args.out,
+        **extra,
     )
     print(pair.target)
-    print(pair.draft)
+    if pair.draft is not None:
+        print(pair.draft)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""One GGUF writer per model kind: dense `qwen3` target, hybrid `qwen35` target, DFlash 2 / v1 draft.
+"""One GGUF writer per model kind: dense `qwen3` target, hybrid `qwen35` target (optionally with an MTP block),
+DFlash 2 / v1 draft.
 
-Keys and tensor shapes follow libllama's loaders (src/models/qwen3.cpp, qwen35.cpp, dflash.cpp).
+Keys and tensor shapes follow libllama's loaders (src/models/qwen3.cpp, qwen35.cpp, dflash.cpp) and, for the MTP
+block, the layout convert_hf_to_gguf.py writes for Qwen3.5 (conversion/qwen.py, _QwenMtpMixin).
 numpy shapes are (n_out, n_in), i.e. ggml {n_in, n_out}.
 """
 
@@ -11,7 +13,15 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from .heads import SELECTOR_SCALE, TensorSource, build_head, phrase_selector, reserved_channels
+from .heads import (
+    MTP_QUIET_GAIN,
+    SELECTOR_SCALE,
+    TensorSource,
+    build_head,
+    mtp_input_projection,
+    phrase_selector,
+    reserved_channels,
+)
 from .specs import DraftSpec, HybridDims, PairSpec, TargetSpec
 from .tokenizer import CHAT_TEMPLATE, ENDOFTEXT, IM_END, MASK, TinyVocab, build_vocab
 
@@ -74,7 +84,7 @@ def add_llm_keys(sink: TensorSink, dims: LayerDims, rope_base: float) -> None:
     sink.writer.add_string("general.name", f"tiny-{sink.arch}")
     sink.arch_u32("context_length", dims.n_ctx)
     sink.arch_u32("embedding_length", dims.n_embd)
-    sink.arch_u32("block_count", dims.n_layer)
+    sink.arch_u32("block_count", dims.block_count)
     sink.arch_u32("feed_forward_length", dims.n_ff)
     sink.arch_u32("attention.head_count", dims.n_head)
     sink.arch_u32("attention.head_count_kv", dims.n_head_kv)
@@ -84,22 +94,25 @@ def add_llm_keys(sink: TensorSink, dims: LayerDims, rope_base: float) -> None:
     sink.writer.add_float32(f"{sink.arch}.rope.freq_base", rope_base)
 
 
-def _add_attention(sink: TensorSink, src: TensorSource, prefix: str, dims: LayerDims, *, gated: bool) -> None:
-    """Attention with QK-norm; a gated query projection (qwen35) also carries the output gate."""
+def _add_attention(
+    sink: TensorSink, src: TensorSource, prefix: str, dims: LayerDims, *, gated: bool, write_gain: float = 1.0
+) -> None:
+    """Attention with QK-norm; a gated query projection (qwen35) also carries the output gate. `write_gain` scales
+    what the layer writes into the residual stream."""
     q_rows = dims.n_head * dims.head_dim
     kv_rows = dims.n_head_kv * dims.head_dim
     sink.matrix(prefix + "attn_q.weight", src.matrix(2 * q_rows if gated else q_rows, dims.n_embd))
     sink.matrix(prefix + "attn_k.weight", src.matrix(kv_rows, dims.n_embd))
     sink.matrix(prefix + "attn_v.weight", src.matrix(kv_rows, dims.n_embd))
-    sink.matrix(prefix + "attn_output.weight", src.residual_write(dims.n_embd, q_rows, dims.n_layer))
+    sink.matrix(prefix + "attn_output.weight", write_gain * src.residual_write(dims.n_embd, q_rows, dims.n_layer))
     sink.exact(prefix + "attn_q_norm.weight", unit_gains(dims.head_dim))
     sink.exact(prefix + "attn_k_norm.weight", unit_gains(dims.head_dim))
 
 
-def _add_ffn(sink: TensorSink, src: TensorSource, prefix: str, dims: LayerDims) -> None:
+def _add_ffn(sink: TensorSink, src: TensorSource, prefix: str, dims: LayerDims, *, write_gain: float = 1.0) -> None:
     sink.matrix(prefix + "ffn_gate.weight", src.matrix(dims.n_ff, dims.n_embd))
     sink.matrix(prefix + "ffn_up.weight", src.matrix(dims.n_ff, dims.n_embd))
-    sink.matrix(prefix + "ffn_down.weight", src.residual_write(dims.n_embd, dims.n_ff, dims.n_layer))
+    sink.matrix(prefix + "ffn_down.weight", write_gain * src.residual_write(dims.n_embd, dims.n_ff, dims.n_layer))
 
 
 def _target_sink(path: Path, spec: PairSpec, rope_base: float) -> TensorSink:
@@ -142,6 +155,25 @@ def _add_hybrid_keys(sink: TensorSink, h: HybridDims) -> None:
     sink.arch_u32("full_attention_interval", h.full_attention_interval)
 
 
+def _add_mtp_block(sink: TensorSink, spec: PairSpec, il: int) -> None:
+    """A Qwen3.5 MTP (nextn) block at index `il`, after the trunk: a gated-attention decoder block fed by
+    eh_proj(concat(enorm(token embedding), hnorm(target hidden))), ending in shared_head_norm; it shares the
+    target's token embedding and output head (no nextn.embed_tokens / shared_head_head, as the converter writes
+    Qwen3.5). Its own tensor stream, so the trunk's weights are those of the same target without the block."""
+    t = spec.target
+    src = TensorSource(t.seed, f"target-hybrid-mtp{il - t.n_layer}", reserved_channels(t.head))
+    write_gain = 1.0 if t.head == "random" else MTP_QUIET_GAIN
+    prefix = f"blk.{il}."
+    sink.matrix(prefix + "nextn.eh_proj.weight", mtp_input_projection(t.head, t.n_embd, src))
+    sink.exact(prefix + "nextn.enorm.weight", unit_gains(t.n_embd))
+    sink.exact(prefix + "nextn.hnorm.weight", unit_gains(t.n_embd))
+    sink.exact(prefix + "attn_norm.weight", unit_gains(t.n_embd))
+    sink.exact(prefix + "post_attention_norm.weight", unit_gains(t.n_embd))
+    _add_attention(sink, src, prefix, t, gated=True, write_gain=write_gain)
+    _add_ffn(sink, src, prefix, t, write_gain=write_gain)
+    sink.exact(prefix + "nextn.shared_head_norm.weight", unit_gains(t.n_embd))
+
+
 def _add_delta_net(sink: TensorSink, src: TensorSource, prefix: str, t: TargetSpec, h: HybridDims) -> None:
     """A Gated DeltaNet layer: fused QKV, output gate, short conv, decay/step parameters, gated norm."""
     value_dim = h.ssm_state_size * h.ssm_time_step_rank
@@ -159,12 +191,15 @@ def _add_delta_net(sink: TensorSink, src: TensorSource, prefix: str, t: TargetSp
 
 
 def write_hybrid_target(path: Path, spec: PairSpec) -> None:
-    """Layers with (il + 1) % full_attention_interval != 0 are Gated DeltaNet, the others gated attention."""
+    """Trunk layers with (il + 1) % full_attention_interval != 0 are Gated DeltaNet, the others gated attention;
+    mtp_layers MTP blocks follow the trunk (block_count = n_layer + mtp_layers, nextn_predict_layers = mtp_layers)."""
     t = spec.target
     if t.hybrid is None:
         raise ValueError("a hybrid target needs HybridDims")
     sink = _target_sink(path, spec, rope_base=1e7)
     _add_hybrid_keys(sink, t.hybrid)
+    if t.mtp_layers:
+        sink.arch_u32("nextn_predict_layers", t.mtp_layers)
     src = TensorSource(t.seed, "target-hybrid", reserved_channels(t.head))
     for il in range(t.n_layer):
         prefix = f"blk.{il}."
@@ -175,6 +210,8 @@ def write_hybrid_target(path: Path, spec: PairSpec) -> None:
         else:
             _add_attention(sink, src, prefix, t, gated=True)
         _add_ffn(sink, src, prefix, t)
+    for il in range(t.n_layer, t.block_count):
+        _add_mtp_block(sink, spec, il)
     sink.finish()
 
 
@@ -217,6 +254,8 @@ def _add_selector(sink: TensorSink, src: TensorSource, d: DraftSpec, vocab: Tiny
 def write_draft(path: Path, spec: PairSpec) -> None:
     """A DFlash draft without token_embd/output: libllama borrows the target's through ctx_other."""
     d = spec.draft
+    if d is None:
+        raise ValueError("a target-only spec has no draft to write")
     vocab = build_vocab(d.extra_tokens)
     sink = TensorSink(path, "dflash", d.weight_type)
     add_llm_keys(sink, d, rope_base=1e6)

@@ -1,4 +1,8 @@
-"""One block draft on the draft context: `[id_last, mask × n]` decoded in a single pass.
+"""The DFlash method: target features injected into a linked draft context, one block drafted per round.
+
+`DFlashDrafter` is the method behind the drafter interface (drafting.py): it owns the feature bridge (target layer
+taps → draft KV) and decides when rows are injected. `BlockDrafter` drafts one block: `[id_last, mask × n]` decoded
+in a single pass.
 
 Greedy (temperature 0, and sample-and-match verification): DFlash 2 walks its candidate lattice greedily over the
 selector's transition scores, DFlash v1 takes the argmax of the draft logits at each mask position.
@@ -12,38 +16,23 @@ request's chain over the draft logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from .batches import TokenBatch
+from .drafting import DFLASH
 from .errors import DecodeError, RollbackError
+from .features import FeatureBridge
 from .native import DFlashApi
-from .sampling import ChainProbabilities, draw
+from .proposal import DraftSampling, Proposal
+from .sampling import draw
+from .states import WHOLE, load_seq, save_seq
 from .validation import DraftSpec
 
 V1_TOP_K = 10  # v1 confidence is the softmax over the top candidates, as in llama.cpp's draft sampler
-
-
-@dataclass
-class Proposal:
-    """Drafted tokens and, when they were sampled, the distribution each was sampled from (token ids, probs)."""
-
-    tokens: list[int] = field(default_factory=list)
-    q: list[tuple[np.ndarray, np.ndarray]] | None = None
-
-    def cut(self, n: int) -> Proposal:
-        return Proposal(self.tokens[:n], None if self.q is None else self.q[:n])
-
-
-@dataclass
-class DraftSampling:
-    """What a stochastic draft needs: the request's chain as probabilities, and the request's random generator."""
-
-    chain: ChainProbabilities
-    rng: np.random.Generator
 
 
 class BlockDrafter:
@@ -134,3 +123,61 @@ class BlockDrafter:
     def free(self) -> None:
         self._batch.free()
 
+
+
+class DFlashDrafter:
+    """DFlash / DFlash 2 behind the drafter interface. Features of every target decode are copied at once (they are
+    valid until the next decode); they reach the draft cache at once when `eager`, else when drafting resumes or the
+    bridge is full."""
+
+    method = DFLASH
+
+    def __init__(self, api: DFlashApi, target_ctx: Any, draft_ctx: Any, spec: DraftSpec, *, n_embd: int,
+                 n_embd_draft: int, n_vocab: int, n_ubatch: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.spec = spec
+        self._ctx = draft_ctx
+        self._mem = ll.llama_get_memory(draft_ctx)
+        self.bridge = FeatureBridge(api, target_ctx, draft_ctx, spec.target_layer_ids, n_embd, n_ubatch)
+        self._block = BlockDrafter(api, draft_ctx, spec, n_embd_draft, n_vocab)
+
+    def process(self, tokens: Sequence[int], pos0: int, *, eager: bool) -> None:
+        bridge = self.bridge
+        bridge.capture(len(tokens), pos0)
+        if eager or bridge.n_pending >= bridge.capacity:
+            bridge.flush()
+
+    def catch_up(self) -> None:
+        self.bridge.flush()
+
+    def draft(self, id_last: int, pos0: int, n: int, *, n_min: int = 0, p_min: float = 0.0,
+              sampling: DraftSampling | None = None) -> Proposal:
+        return self._block.draft(id_last, pos0, n, n_min=n_min, p_min=p_min, sampling=sampling)
+
+    def accept(self, n_accepted: int) -> None:
+        pass  # the rejected rows go with keep()
+
+    def keep(self, n: int) -> None:
+        self.bridge.drop_from(n)
+        # Attention only: removing a suffix, even an empty one, always succeeds there; the result is still checked.
+        if not ll.llama_memory_seq_rm(self._mem, 0, n, -1):
+            raise RollbackError(f"the draft cache refused to roll back to {n} tokens")
+
+    def clear(self) -> None:
+        self.bridge.n_pending = 0
+        ll.llama_memory_clear(self._mem, True)
+
+    def save(self) -> np.ndarray:
+        self.bridge.flush()  # pending rows become draft cache cells, which the copy then holds
+        return save_seq(self._ctx, WHOLE)
+
+    def restore(self, state: np.ndarray) -> None:
+        self.bridge.n_pending = 0
+        load_seq(self._ctx, state, WHOLE)
+
+    def state_bytes(self, state: np.ndarray) -> int:
+        return int(state.nbytes)
+
+    def free(self) -> None:
+        self._block.free()
+        self.bridge.free()

@@ -1,0 +1,128 @@
+"""Draft methods behind one interface: DFlash and the target's own MTP head, chosen per request, each lossless, on one
+long-lived engine; and one name per draft-length idea (old spellings still work, with a warning)."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+
+from dflash_runtime import DFlashDraftModel, DFlashLlama, PairMismatchError, RequestError, load_pair
+from dflash_runtime.testing.tiny_models import tiny_pair
+
+PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog.", "one two three four five", "a"]
+
+
+@pytest.fixture(scope="module")
+def mtp_target():
+    return tiny_pair("hybrid", None, head="shaped", mtp_layers=1)
+
+
+@pytest.fixture(scope="module")
+def both():
+    return tiny_pair("hybrid", "dflash2", head="shaped", mtp_layers=1)
+
+
+def test_an_engine_lists_the_methods_its_pair_can_run(mtp_target, both) -> None:
+    with load_pair(mtp_target.target, None, n_ctx=256) as engine:
+        assert engine.methods == ("mtp",) and engine.default_method == "mtp"
+        assert engine.info()["methods"] == ["mtp"] and engine.info()["mtp_error"] is None
+    with load_pair(both.target, both.draft, n_ctx=256) as engine:
+        assert engine.methods == ("dflash", "mtp") and engine.default_method == "dflash"
+    with load_pair(both.target, both.draft, n_ctx=256, mtp=False) as engine:
+        assert engine.methods == ("dflash",)
+    plain = tiny_pair("hybrid", "dflash2", head="shaped")
+    with load_pair(plain.target, None, n_ctx=256) as engine:
+        assert engine.methods == () and engine.default_method is None
+        result = engine.generate("hello", max_tokens=4)  # nothing to draft with: plain decoding
+        assert result.stats.method is None and result.stats.drafted == 0
+        with pytest.raises(RequestError, match="not available"):
+            engine.generate("hello", max_tokens=4, method="mtp")
+    with pytest.raises(PairMismatchError, match="no MTP head"):
+        load_pair(plain.target, None, n_ctx=256, mtp=True)
+
+
+@pytest.mark.parametrize("head", ["shaped", "phrase", "random"])
+def test_mtp_answers_equal_plain_decoding(head: str) -> None:
+    pair = tiny_pair("hybrid", None, head=head, mtp_layers=1)
+    with load_pair(pair.target, None, n_ctx=1024, draft_capacity=7) as engine:
+        for prompt in PROMPTS:
+            base = engine.generate(prompt, max_tokens=40, speculative=False)
+            for length in (1, 3, 7, "auto"):
+                result = engine.generate(prompt, max_tokens=40, method="mtp", draft_length=length)
+                assert result.tokens == base.tokens, (head, prompt, length)
+                assert result.stats.method == "mtp" and result.stats.draft_length == length
+                assert result.token_sources.count("draft") == result.stats.accepted
+                if head == "shaped" and length != "auto":
+                    assert result.stats.acceptance_rate > 0.5  # the head predicts the shaped target well
+
+
+def test_both_methods_on_one_engine_answer_as_a_fresh_engine(both) -> None:
+    """Requests switch methods, lengths and plain decoding at random on one engine: every answer is the target's."""
+    rng = random.Random(7)
+    words = ("fox", "dog", "one", "two", "three", "hello", "world", "the")
+    with load_pair(both.target, both.draft, n_ctx=1024) as engine, \
+            load_pair(both.target, both.draft, n_ctx=1024) as reference:
+        prompt = engine.tokenize("hello world")
+        used = set()
+        for _ in range(20):
+            method = rng.choice(["dflash", "mtp", None])
+            options = {"max_tokens": rng.randint(1, 16), "draft_length": rng.choice(["auto", 0, 1, 3, 7])}
+            if method is None:
+                result = engine.generate(prompt, speculative=False, **options)
+            else:
+                result = engine.generate(prompt, method=method, **options)
+                used.add(method)
+                assert result.stats.method == method
+                if options["draft_length"] == 0:
+                    assert result.stats.drafted == 0
+            reference.reset()
+            expected = reference.generate(prompt, max_tokens=options["max_tokens"], speculative=False)
+            assert result.tokens == expected.tokens, (method, options)
+            # Next: continue this text, or go back into it (rollbacks, checkpoint restores on the hybrid target).
+            prompt = prompt + result.tokens
+            if rng.random() < 0.4:
+                prompt = prompt[: rng.randint(1, len(prompt))]
+            prompt = (prompt + engine.tokenize(" " + rng.choice(words), add_special=False))[:600]
+        assert used == {"dflash", "mtp"}
+
+
+def test_old_spellings_still_work_with_a_deprecation_warning(both) -> None:
+    with pytest.warns(DeprecationWarning, match="draft_capacity"):
+        engine = load_pair(both.target, both.draft, n_ctx=256, draft_max=5)
+    with engine:
+        assert engine.draft_capacity == 5
+        with pytest.warns(DeprecationWarning, match="draft_length"):
+            result = engine.generate("hello", max_tokens=6, draft_max=3)
+        assert result.stats.draft_length == 3
+        with pytest.warns(DeprecationWarning, match="draft_length"):
+            assert result.stats.draft_policy == 3
+        with pytest.warns(DeprecationWarning, match="draft_capacity"):
+            assert engine.draft_max == 5
+        with pytest.raises(RequestError, match="not both"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            engine.generate("hello", max_tokens=2, draft_max=3, draft_length=2)
+    with pytest.warns(DeprecationWarning, match="draft_length"):
+        load_pair(both.target, both.draft, n_ctx=256, draft_policy=2).close()
+
+
+def test_the_drop_in_runs_mtp_on_a_target_alone(mtp_target, both) -> None:
+    llm = DFlashLlama(model_path=str(mtp_target.target), n_ctx=512, verbose=False)
+    try:
+        assert llm.methods == ("mtp",)
+        response = llm.create_completion("hello world", max_tokens=16, temperature=0, draft_length=3)
+        stats = response["dflash_stats"]
+        assert stats["method"] == "mtp" and stats["drafted"] > 0
+        plain = llm.create_completion("hello world", max_tokens=16, temperature=0, speculative=False)
+        assert response["choices"][0]["text"] == plain["choices"][0]["text"]
+    finally:
+        llm.close()
+    llm = DFlashLlama(model_path=str(both.target), draft_model=DFlashDraftModel(str(both.draft)), n_ctx=512,
+                      verbose=False)
+    try:
+        assert llm.methods == ("dflash", "mtp")
+        mtp = llm.create_completion("hello world", max_tokens=16, temperature=0, method="mtp")["dflash_stats"]
+        assert mtp["method"] == "mtp"
+    finally:
+        llm.close()

@@ -315,7 +315,7 @@ def test_generate_marks_the_text_the_draft_wrote_as_the_engine_does(client: Clie
     text, stats = client.predict(**chat_args(prompt, max_tokens=96, draft_max=7), api_name="/generate")
     check_runs(text, stats["source_runs"])
     result = reference.chat([{"role": "user", "content": prompt}], enable_thinking=False, max_tokens=96,
-                            temperature=0.0, draft_max=7)
+                            temperature=0.0, draft_length=7)
     assert text == result.text
     assert stats["source_runs"] == engine_runs(reference, result)
     drafted = draft_text(text, [tuple(run) for run in stats["source_runs"]])

@@ -99,7 +99,7 @@ class ChatRequest:
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
-            "draft_max": self.draft_max,
+            "draft_length": self.draft_max,  # the API's draft_max is the engine's draft_length
             "speculative": speculative,
             "seed": self.seed,
         }

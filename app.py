@@ -171,20 +171,21 @@ def build_ui(service: SpaceService) -> gr.Blocks:
             queue=False,
             api_visibility="private",
         )
-        chat_event = shown_event.then(
+        shown_event.then(
             handlers.respond,
             [session],
             [chatbot, message_box, stats_box, plot, speed_chart, acceptance_chart, notice, thinking, info_box],
             **engine,
         )
         ab_event = ab_button.click(handlers.compare, [session, message_box, *settings], [ab_box], **engine)
-        # Stop ends the answer on the server (its handler then shows where it stopped); an A/B run just ends.
+        # Stop and Clear end the answer on the server: its handler then shows where it stopped (or that it was
+        # cleared) as the last frame of its own stream, after any it sent before. An A/B run just ends.
         stop_button.click(handlers.stop, [session], None, cancels=[ab_event], queue=False, api_visibility="private")
         clear_button.click(
             handlers.clear,
             [session],
             [chatbot, message_box, stats_box, plot, speed_chart, acceptance_chart, notice, ab_box],
-            cancels=[chat_event, ab_event],
+            cancels=[ab_event],
             queue=False,
             api_visibility="private",
         )

@@ -14,7 +14,7 @@ from space_client import demo_pair, expected_answer, reference_engine
 from dflash_runtime import load_pair
 from dflash_runtime.space.host import EngineHost, GpuJob, ReplyChunk, info_digest
 from dflash_runtime.space.presets import ResolvedPair, configured_preset
-from dflash_runtime.space.requests import Limits, build_request
+from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT, Limits, build_request
 
 N_CTX = 1024
 
@@ -111,8 +111,9 @@ def test_a_visitor_reuses_only_its_own_cached_prompt(host: tuple[EngineHost, Rec
     for guess in ("ZEBRA-4417", "ZEBRA-1234", "LION-0000"):
         reply(engine_host, "what is the code?", "victim", system_prompt=SECRET_SYSTEM)  # V's cache is warm again
         system = SECRET_SYSTEM.replace("ZEBRA-4417", guess)
-        guesses[guess] = reply(engine_host, "what is the code?", f"attacker-{guess}", system_prompt=system,
-                               max_tokens=1).stats  # one visitor per guess: nobody reuses own earlier guesses
+        # Each guess from a session of its own: what a session sent itself it may reuse.
+        guesses[guess] = reply(engine_host, "what is the code?", f"attacker {guess}", system_prompt=system,
+                               max_tokens=1).stats  # fmt: skip
     reused = {guess: stats["n_reused"] for guess, stats in guesses.items()}
     assert len(set(reused.values())) == 1, f"the reuse figure depends on the guess: {reused}"
     public = template_start()
@@ -157,3 +158,25 @@ def test_chunks_carry_what_each_step_added(host: tuple[EngineHost, RecordingLoad
     assert "".join(c.delta for c in chunks) == result.text
     known = replace(job("hello there"), engine_info_seen=info_digest(chunks[0].engine_info))
     assert all(c.engine_info is None for c in engine_host.run(known)), "nothing is sent twice"
+
+
+def test_the_default_system_prompt_is_public_and_reused_across_visitors(
+    host: tuple[EngineHost, RecordingLoader],
+) -> None:
+    """The page's system prompt up to where a visitor's own text begins is public: another visitor reuses exactly
+    that much (with an engine that parks owners' caches), never more, whatever the visitor before sent."""
+    engine_host, loader = host
+    with reference_engine(N_CTX) as reference:
+        a, b = (reference.chat_tokens([{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
+                                       {"role": "user", "content": text}], enable_thinking=False)
+                for text in ("a", "b"))  # fmt: skip
+    public = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    reply(engine_host, "my private question", "first", system_prompt=DEFAULT_SYSTEM_PROMPT)
+    second = reply(engine_host, "my private question too", "second", system_prompt=DEFAULT_SYSTEM_PROMPT)
+    # Whether the visitor before used the page's system prompt or one of its own makes no difference either.
+    reply(engine_host, "my private question", "third", system_prompt=DEFAULT_SYSTEM_PROMPT[:-1] + "!")
+    fourth = reply(engine_host, "another question", "fourth", system_prompt=DEFAULT_SYSTEM_PROMPT)
+    if owners_native(loader):
+        assert second.stats["n_reused"] == fourth.stats["n_reused"] == public > template_start()
+    else:
+        assert second.stats["n_reused"] == fourth.stats["n_reused"] == 0

@@ -53,10 +53,11 @@ def test_a_second_session_learns_nothing_of_the_first_sessions_prompt(server: Ru
     """The probe of the report: visitor V's system prompt holds a secret; visitor A sends it back with guesses and
     max_tokens=1 and reads the reuse figures. They are the same for every guess and cover no more than the template's
     public start; V's own next turn still reuses its prompt. Raw HTTP callers (no session) reuse nothing either."""
-    victim, attacker = new_client(server), new_client(server)
+    victim = new_client(server)
     figures: dict[str, dict[str, Any]] = {}
     for guess in ("ZEBRA-4417", "ZEBRA-1234", "LION-0000"):
         text, _ = generate(victim, QUESTION, system_prompt=SECRET_SYSTEM, max_tokens=16)  # V's prompt is cached now
+        attacker = new_client(server)  # a session per guess: what a session sent itself it may reuse
         _, figures[guess] = generate(attacker, QUESTION, system_prompt=SECRET_SYSTEM.replace("ZEBRA-4417", guess),
                                      max_tokens=1)  # fmt: skip
     right = figures["ZEBRA-4417"]
@@ -65,10 +66,9 @@ def test_a_second_session_learns_nothing_of_the_first_sessions_prompt(server: Ru
     raw = raw_call(server.url, "generate", raw_body(chat_args(QUESTION, system_prompt=SECRET_SYSTEM, max_tokens=1)))
     assert raw.event == "complete" and raw.data[1]["n_reused"] <= template_start, "a raw call has no session"
 
+    # V's next turn, after the other visitors' requests, still reuses its own conversation.
     history = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": text}]
-    generate(victim, "And tomorrow?", history=history, system_prompt=SECRET_SYSTEM, max_tokens=8)
-    history += [{"role": "user", "content": "And tomorrow?"}, {"role": "assistant", "content": "no"}]
-    _, own = generate(victim, "Next week?", history=history, system_prompt=SECRET_SYSTEM, max_tokens=8)
+    _, own = generate(victim, "And tomorrow?", history=history, system_prompt=SECRET_SYSTEM, max_tokens=8)
     assert own["n_reused"] > template_start + 10, "a visitor's own next turn reuses its cached conversation"
 
 
@@ -119,7 +119,7 @@ def test_info_says_nothing_of_other_requests(server: RunningApp) -> None:
     generate(client, "hello there", max_tokens=12)
     info = client.predict(api_name="/info")
     text = json.dumps(info)
-    for private in ("previous_request", "finish_reason", "n_generated", "pid", "n_cached", "checkpoints",
+    for private in ("previous_request", "finish_reason", "n_generated", "pid", "n_cached", "checkpoints", "sessions",
                     "web_process", "worker"):  # fmt: skip
         assert f'"{private}"' not in text, f"/info shows {private}"
     assert info["engine"]["target_arch"] == "qwen3" and info["busy"] is False

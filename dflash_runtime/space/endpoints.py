@@ -309,7 +309,8 @@ class PageHandlers:
         end. Stop ends the answer on the server; the statistics then say so."""
         skip = gr.skip()
         pending = session.take_pending()
-        if pending is None:  # stopped or cleared while it waited in the queue
+        if pending is None:  # stopped or cleared while it waited in the queue: nothing changes
+            yield (skip,) * 9
             return
         epoch, request = pending
         trace = SpeedTrace(point_every(request.max_tokens))
@@ -323,7 +324,7 @@ class PageHandlers:
             async for reply in self.service.reply(request, owner=session.owner, latest_only=True, session=session):
                 shown = session.show_reply(epoch, reply.text, reply.sources.chunks)
                 if shown is None:  # cleared meanwhile: this answer belongs to no conversation
-                    return
+                    break
                 session.last_stats = reply.stats
                 plot = speed = acceptance = skip
                 if trace.add(reply.stats, final=reply.finish_reason is not None):
@@ -344,7 +345,11 @@ class PageHandlers:
             box = request.message if restored is not None else skip
             yield restored or skip, box, EMPTY_STATS, skip, skip, skip, self._told(error, "No answer"), skip, skip
             return
-        if reply is not None and reply.finish_reason is None and session.last_stats:  # stopped: say so, chart it
+        if not session.is_current(epoch):
+            # Cleared: this event's last word empties what it showed (Clear's own outputs may arrive before frames
+            # this event sent earlier).
+            yield [], skip, EMPTY_STATS, plot_frame({}), None, None, skip, skip, skip
+        elif reply is not None and reply.finish_reason is None and session.last_stats:  # stopped: say so, chart it
             stopped = {**session.last_stats, "finish_reason": "stopped", "finish_detail": "by you"}
             trace.add(stopped, final=True)
             speed, acceptance = chart_frames(trace)

@@ -113,7 +113,9 @@ def join_chunks(skipped: ReplyChunk, newer: ReplyChunk) -> ReplyChunk:
     return skipped.then(newer)
 
 
-PRIVATE_ENGINE_KEYS = ("n_cached", "checkpoints")  # what the cache holds now: the state of somebody's request
+# What the cache holds now (tokens, checkpoints, the owners' parked states): the state of somebody's requests.
+PRIVATE_ENGINE_KEYS = ("n_cached", "checkpoints", "sessions")
+PUBLIC_OWNER = "public prefix"  # the owner of the requests that put the public prefix back in the cache
 
 
 def _public_info(info: dict[str, Any]) -> dict[str, Any]:
@@ -191,6 +193,7 @@ class EngineHost:
         self._key: tuple[Any, ...] | None = None
         self._facts: EngineFacts | None = None
         self._last_owner: str | None = None
+        self._public_cached: list[int] | None = None  # the public prefix the cache holds (see _owner_arguments)
         self.loads = 0
         self.requests = 0
         self.last_load_s: float | None = None
@@ -205,6 +208,7 @@ class EngineHost:
         if self._engine is not None:
             self._engine.close()
             self._engine, self._key, self._facts, self._last_owner = None, None, None, None
+            self._public_cached = None
 
     def _ensure(self, preset: PairPreset, files: ResolvedPair) -> tuple[Any, bool]:
         """The engine for this preset and files, and whether it was loaded now. Call with the lock held."""
@@ -279,16 +283,29 @@ class EngineHost:
 
     def _owner_arguments(self, engine: Any, owner: str, tokens: list[int], thinking: bool) -> dict[str, Any]:
         """The engine's keyword arguments that keep this request's cache to its owner (see the class doc). Call
-        with the lock held."""
+        with the lock held.
+
+        The public prefix is all or nothing: the page's whole system prompt up to where the visitor's text begins,
+        or none of it (a part of it would tell how far another visitor's prompt followed it). And it is in the cache
+        before every request that declares it: an engine reuses a public prefix only if it is cached, so whether it
+        is would tell whether the previous visitor used the page's system prompt; when the previous request did not
+        leave it there, a one-token request of nobody's puts it back first."""
         assert self._facts is not None
         owner = owner or secrets.token_hex(16)  # nobody's session: a fresh owner, nothing to reuse
-        if self._facts.owners_native:
-            public = common_prefix(tokens, self._facts.public(engine, thinking))
-            return {"cache_owner": owner, "public_prefix": public}
-        if owner != self._last_owner:
-            engine.reset()
-        self._last_owner = owner
-        return {}
+        if not self._facts.owners_native:
+            if owner != self._last_owner:
+                engine.reset()
+            self._last_owner = owner
+            return {}
+        public = self._facts.public(engine, thinking)
+        declared = len(public) if len(tokens) > len(public) and tokens[: len(public)] == public else 0
+        if declared and self._public_cached != public:
+            with engine.stream(public, max_tokens=1, speculative=False, cache_owner=PUBLIC_OWNER,
+                               public_prefix=declared) as events:  # fmt: skip
+                for _ in events:
+                    pass
+        self._public_cached = public if declared else None
+        return {"cache_owner": owner, "public_prefix": declared}
 
     def _report(self, report: dict[str, Any], started: float) -> dict[str, Any]:
         used_s = round(time.monotonic() - started, 3)

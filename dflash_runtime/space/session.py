@@ -66,6 +66,11 @@ class ChatSession:
                 self._pending = (self._epoch, request)
             return self._epoch, self._shown()
 
+    def is_current(self, epoch: int) -> bool:
+        """Whether the conversation is still the one of `epoch` (no Clear since)."""
+        with self._lock:
+            return epoch == self._epoch
+
     def take_pending(self) -> tuple[int, ChatRequest] | None:
         """The turn waiting to be answered (and its epoch), once; None when there is none (stopped or cleared while
         it waited in the queue)."""

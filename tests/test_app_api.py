@@ -213,6 +213,8 @@ BAD_REQUESTS = [
     ({"top_p": 0}, "top_p must be a number in"),
     ({"draft_max": 99}, f"{OLD_DRAFT}, got 99"),
     ({"draft_max": -1}, "draft_max must be an integer in 0..7"),
+    ({"draft_length": 8}, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got 8"),
+    ({"method": "mtp"}, "method 'mtp' is not available on this pair; it runs 'dflash'"),
     ({"preset": "../../etc/passwd.gguf"}, "unknown preset"),
     ({"history": [{"role": "robot", "content": "hi"}]}, "history[0] must be a dict"),
     ({"history": "not a list"}, "history must be a list"),

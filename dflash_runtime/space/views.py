@@ -99,7 +99,7 @@ def comparison_markdown(
     None or empty while it has not started), per method its acceptance, mean accepted length and speed-up, and what
     the texts being equal or not (`identical`: label → whether its text equals plain's, None until both finished)
     means at this temperature, once every method has finished."""
-    lines = ["| Decoding | Tokens | Speed | Acceptance | Mean accepted length | Verify |",
+    lines = ["| Decoding | Tokens | Speed | Acceptance | Mean length | Verify |",
              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, stats in ((PLAIN_LABEL, plain), *methods.items()):
         if stats:

@@ -264,6 +264,8 @@ class EngineHost:
                                "n_generated": chunk.stats["n_generated"], "phase": phase}  # fmt: skip
                     if not info_known:
                         chunk.engine_info, info_known = info, True
+                    if owner.get("public_prefix"):  # its prompt is prefilled: the public prefix is cached
+                        self._public_cached = self._facts.public(engine, thinking) if self._facts else None
                     chunk.used_s = round(time.monotonic() - started, 3)
                     if first or (chunk.finish_reason and phase == job.phases[-1]):
                         chunk.worker = self._report(report, started)
@@ -304,7 +306,7 @@ class EngineHost:
                                public_prefix=declared) as events:  # fmt: skip
                 for _ in events:
                     pass
-        self._public_cached = public if declared else None
+        self._public_cached = None  # until this request's prompt is in the cache (see run)
         return {"cache_owner": owner, "public_prefix": declared}
 
     def _report(self, report: dict[str, Any], started: float) -> dict[str, Any]:

@@ -11,10 +11,21 @@ import logging
 import os
 
 import gradio as gr
+from starlette.middleware import Middleware
 
-from dflash_runtime.space.endpoints import PageHandlers, make_api, plot_frame, trace_frame
+from dflash_runtime.space.callers import HangUpWatch
+from dflash_runtime.space.endpoints import (
+    API_PARAMETERS,
+    PageHandlers,
+    draft_length_choices,
+    make_api,
+    method_choices,
+    plot_frame,
+    sampling_note,
+)
 from dflash_runtime.space.highlight import CSS, LEGEND
-from dflash_runtime.space.provenance import SERIES_COLOURS
+from dflash_runtime.space.provenance import ACCEPTANCE, SERIES_COLOURS, SPEED
+from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT
 from dflash_runtime.space.service import SpaceService
 from dflash_runtime.space.session import ChatSession
 from dflash_runtime.space.startup import run_startup_check
@@ -24,6 +35,7 @@ log = logging.getLogger("dflash_space")
 ENGINE_QUEUE = "engine"  # every generating event shares one queue slot: one request at a time per engine
 # Waiting visitors and API calls (ZeroGPU Spaces would otherwise keep one waiting event and refuse the rest).
 QUEUE_SIZE = int(os.environ.get("DFLASH_QUEUE_SIZE", "64"))
+MAX_FILE_SIZE = "1kb"  # the page takes no files: Gradio's upload route refuses anything larger (HTTP 413)
 EXAMPLES = [
     "Explain speculative decoding in three sentences.",
     "Write a Python function that checks whether a string is a palindrome.",
@@ -50,7 +62,8 @@ def build_ui(service: SpaceService) -> gr.Blocks:
         gr.Markdown(
             "# DFlash 2 speculative decoding\n"
             "A block-diffusion draft proposes several tokens at once; the target checks them in one pass and keeps "
-            "what it would have written anyway. Same answers as the target alone, fewer target steps."
+            "what it would have written anyway. Same answers as the target alone, fewer target steps. Where the "
+            "target has its own multi-token-prediction (MTP) head, compare the two draft methods with the A/B button."
         )
         gr.Markdown(mode_banner(service.mode), visible=service.mode.tiny, elem_id="mode-banner")
         download_box = gr.Markdown("", visible=False, elem_id="download-status")
@@ -81,22 +94,35 @@ def build_ui(service: SpaceService) -> gr.Blocks:
                     send_button = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
                     stop_button = gr.Button("Stop", variant="stop", scale=1, min_width=80, elem_id="stop")
                 with gr.Row():
-                    ab_button = gr.Button("A/B: same prompt, plain decoding", elem_id="ab")
+                    ab_button = gr.Button("A/B: same prompt, plain vs each draft method", elem_id="ab")
                     clear_button = gr.Button("Clear", elem_id="clear")
                 gr.Examples(EXAMPLES, inputs=[message_box], label="Examples")
             with gr.Column(scale=2):
                 stats_box = gr.Markdown(EMPTY_STATS, label="Live statistics", elem_id="stats", container=True)
                 speed_chart = gr.LinePlot(
-                    trace_frame(None),
+                    None,
                     x="tokens",
                     y="value",
                     color="series",
-                    color_map=SERIES_COLOURS,
-                    height=220,
-                    title="Decode speed and acceptance so far",
+                    color_map={SPEED: SERIES_COLOURS[SPEED]},
+                    height=180,
+                    title="Decode speed so far",
                     x_title="tokens generated",
-                    y_title="tok/s · acceptance %",
+                    y_title="tok/s",
                     elem_id="speed-chart",
+                )
+                acceptance_chart = gr.LinePlot(
+                    None,
+                    x="tokens",
+                    y="value",
+                    color="series",
+                    color_map={ACCEPTANCE: SERIES_COLOURS[ACCEPTANCE]},
+                    y_lim=[0, 100],
+                    height=180,
+                    title="Acceptance so far",
+                    x_title="tokens generated",
+                    y_title="accepted %",
+                    elem_id="acceptance-chart",
                 )
                 plot = gr.BarPlot(
                     plot_frame({}),
@@ -111,14 +137,21 @@ def build_ui(service: SpaceService) -> gr.Blocks:
                 )
                 ab_box = gr.Markdown("", elem_id="ab-result")
                 with gr.Accordion("Settings", open=True):
-                    system_prompt = gr.Textbox(label="System prompt", value="You are a helpful assistant.", lines=2)
+                    system_prompt = gr.Textbox(label="System prompt", value=DEFAULT_SYSTEM_PROMPT, lines=2)
                     max_tokens = gr.Slider(1, limits.max_new_tokens, value=defaults["max_tokens"], step=1,
                                            precision=0, label="Max new tokens")  # fmt: skip
                     temperature = gr.Slider(0.0, 2.0, value=defaults["temperature"], step=0.05, label="Temperature",
                                             elem_id="temperature")  # fmt: skip
-                    top_p = gr.Slider(0.01, 1.0, value=defaults["top_p"], step=0.01, label="Top-p")
-                    draft_max = gr.Slider(0, preset.draft_capacity, value=defaults["draft_max"], step=1, precision=0,
-                                          label="Draft length (0 = adaptive)")  # fmt: skip
+                    top_p = gr.Slider(0.01, 1.0, value=defaults["top_p"], step=0.01, label="Top-p", elem_id="top-p")
+                    top_k = gr.Slider(0, 200, value=defaults["top_k"], step=1, precision=0, label="Top-k (0 = off)",
+                                      elem_id="top-k")  # fmt: skip
+                    min_p = gr.Slider(0.0, 0.99, value=defaults["min_p"], step=0.01, label="Min-p", elem_id="min-p")
+                    sampling_source = gr.Markdown(sampling_note(service), elem_id="sampling-source")
+                    method = gr.Dropdown(method_choices(service), value=defaults["method"], label="Draft method",
+                                         elem_id="method")  # fmt: skip
+                    draft_length = gr.Dropdown(draft_length_choices(preset.draft_capacity),
+                                               value=defaults["draft_length"], label="Draft length",
+                                               elem_id="draft-length")  # fmt: skip
                     with gr.Row():
                         speculative = gr.Checkbox(True, label="Speculative decoding")
                         thinking = gr.Checkbox(False, label="Thinking", elem_id="thinking")
@@ -126,29 +159,40 @@ def build_ui(service: SpaceService) -> gr.Blocks:
                     info_box = gr.Markdown(handlers.about())
 
         timer = gr.Timer(1.0, active=service.download.status().state != "done")
-        settings = [system_prompt, max_tokens, temperature, top_p, draft_max, speculative, thinking]
+        settings = [system_prompt, max_tokens, temperature, top_p, top_k, min_p, method, draft_length, speculative,
+                    thinking]  # fmt: skip
         engine = {"concurrency_limit": 1, "concurrency_id": ENGINE_QUEUE, "api_visibility": "private"}
-        chat_event = gr.on(
+        # A message is shown at once (outside the queue), then answered in the engine's queue (see PageHandlers).
+        shown_event = gr.on(
             [message_box.submit, send_button.click],
-            handlers.respond,
+            handlers.submit,
             [message_box, session, *settings],
-            [chatbot, message_box, stats_box, plot, speed_chart, notice, thinking, info_box],
+            [chatbot, message_box, notice, ab_box],
+            queue=False,
+            api_visibility="private",
+        )
+        shown_event.then(
+            handlers.respond,
+            [session],
+            [chatbot, message_box, stats_box, plot, speed_chart, acceptance_chart, notice, thinking, info_box],
             **engine,
         )
         ab_event = ab_button.click(handlers.compare, [session, message_box, *settings], [ab_box], **engine)
-        # The handlers stop the session's reply on the server; `cancels` also ends the events on the page.
-        stop_button.click(handlers.stop, [session], None, cancels=[chat_event, ab_event], queue=False,
-                          api_visibility="private")  # fmt: skip
+        # Stop and Clear end the answer on the server: its handler then shows where it stopped (or that it was
+        # cleared) as the last frame of its own stream, after any it sent before. An A/B run just ends.
+        stop_button.click(handlers.stop, [session], None, cancels=[ab_event], queue=False, api_visibility="private")
         clear_button.click(
             handlers.clear,
             [session],
-            [chatbot, message_box, stats_box, plot, speed_chart, notice, ab_box],
-            cancels=[chat_event, ab_event],
+            [chatbot, message_box, stats_box, plot, speed_chart, acceptance_chart, notice, ab_box],
+            cancels=[ab_event],
             queue=False,
             api_visibility="private",
         )
         highlight.change(handlers.highlight, [session, highlight], [chatbot], queue=False, api_visibility="private")
-        demo.load(handlers.page_load, None, [thinking, info_box], api_visibility="private")
+        demo.load(handlers.page_load, None,
+                  [thinking, info_box, temperature, top_p, top_k, min_p, sampling_source, method],
+                  api_visibility="private")  # fmt: skip
         timer.tick(handlers.download_tick, None, [download_box, timer], api_visibility="private")
 
         chat_api, generate_api, info_api, wait_api = make_api(service)
@@ -167,4 +211,9 @@ demo = build_ui(SERVICE)
 if __name__ == "__main__":
     SERVICE.download.start()  # the web process fetches the files while the page is already up
     # api_open=False: the REST route /run/<name> refuses queued endpoints, so every answer goes through the queue.
-    demo.queue(api_open=False, max_size=QUEUE_SIZE, default_concurrency_limit=1).launch(css=CSS)
+    # HangUpWatch: a raw HTTP caller who closes its result stream stops its answer (see dflash_runtime.space.callers).
+    checked = {"chat": API_PARAMETERS, "generate": API_PARAMETERS}
+    watch = Middleware(HangUpWatch, callers=SERVICE.callers, parameters=checked)
+    demo.queue(api_open=False, max_size=QUEUE_SIZE, default_concurrency_limit=1).launch(
+        css=CSS, max_file_size=MAX_FILE_SIZE, app_kwargs={"middleware": [watch]}
+    )

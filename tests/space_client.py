@@ -17,16 +17,16 @@ import httpx
 from gradio_client import Client
 
 from dflash_runtime import load_pair
+from dflash_runtime.space.endpoints import API_PARAMETERS
+from dflash_runtime.space.presets import DEMO_PAIR
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
 
 Message = dict[str, str]
-API_PARAMETERS = ("message", "history", "system_prompt", "preset", "max_tokens", "temperature", "top_p", "draft_max",
-                  "speculative", "thinking")  # fmt: skip
 
 
 def demo_pair() -> TinyPair:
     """The generated pair the offline demo serves (the same cache, so the same files): 512 wide, a "phrase" head."""
-    return tiny_pair(target="dense", draft="dflash2", head="phrase", n_embd=512, dims="scaled")
+    return tiny_pair(**DEMO_PAIR)
 
 
 @contextmanager
@@ -57,9 +57,13 @@ def chat_args(message: str, **changes: Any) -> dict[str, Any]:
         "max_tokens": 48,
         "temperature": 0.0,
         "top_p": 1.0,
-        "draft_max": 7,
+        "draft_max": None,
         "speculative": True,
         "thinking": False,
+        "method": "auto",
+        "draft_length": 7,
+        "top_k": 40,
+        "min_p": 0.0,
     }
     args.update(changes)
     return args

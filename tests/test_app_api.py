@@ -36,6 +36,8 @@ N_CTX = 1024
 MAX_INPUT_CHARS = 6000
 MAX_NEW_TOKENS = 600
 Message = dict[str, str]
+# The deprecated draft_max (0 meant "auto") is still checked, and says it is deprecated.
+OLD_DRAFT = "draft_max must be an integer in 0..7 (0 = adaptive; deprecated: use draft_length)"
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +47,7 @@ def server() -> Iterator[RunningApp]:
         "DFLASH_N_CTX": str(N_CTX),
         "DFLASH_MAX_INPUT_CHARS": str(MAX_INPUT_CHARS),
         "DFLASH_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
+        "DFLASH_DIAGNOSTICS": "1",  # /info shows the worker's last request: what a cancelled chat did
     }
     with running_app(env, REPO_ROOT / "test-artifacts" / "app_api_server.log") as app:
         yield app
@@ -102,22 +105,36 @@ def test_info_describes_the_offline_pair_without_server_paths(info: dict[str, An
     assert info["build"]["status"].startswith("llama-cpp-python")
     assert info["build"]["dflash_missing_symbols"] == []
     assert info["problems"] == [] and info["fix"] is None
-    assert info["defaults"] == {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0, "draft_max": 0}, "adaptive"
+    assert info["defaults"] == {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0, "top_k": 40, "min_p": 0.0,
+                                "method": "auto", "draft_length": "auto"}, "adaptive, the pair's default method"
+    assert info["sampling_defaults_from"] == "server defaults", "the demo keeps temperature 0"
+    assert info["methods"] == ["dflash"] and info["default_method"] == "dflash" and info["draft_problem"] is None
     assert "random-weight test models" in preset["label"]
+
+
+def json_types(schema: dict[str, Any]) -> set[str]:
+    """The JSON types a parameter's schema allows (a union lists them under oneOf or anyOf)."""
+    options = schema.get("oneOf") or schema.get("anyOf")
+    if options:
+        return set().union(*(json_types(option) for option in options))
+    return {schema["type"]}
 
 
 def test_the_api_has_typed_documented_parameters_in_the_documented_order(client: Client) -> None:
     endpoints = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
-    expected_types = {"message": "string", "system_prompt": "string", "preset": "string", "max_tokens": "integer",
-                      "temperature": "number", "top_p": "number", "draft_max": "integer", "speculative": "boolean",
-                      "thinking": "boolean"}  # fmt: skip
+    # null: the server's default (for sampling: the model's own, when it has them); draft_max: only if sent
+    expected_types = {"message": {"string"}, "system_prompt": {"string"}, "preset": {"string"},
+                      "max_tokens": {"integer"}, "temperature": {"number", "null"}, "top_p": {"number", "null"},
+                      "draft_max": {"integer", "null"}, "speculative": {"boolean"}, "thinking": {"boolean"},
+                      "method": {"string"}, "draft_length": {"integer", "string"}, "top_k": {"integer", "null"},
+                      "min_p": {"number", "null"}}  # fmt: skip
     for name in ("/chat", "/generate"):
         parameters = endpoints[name]["parameters"]
         assert tuple(p["parameter_name"] for p in parameters) == API_PARAMETERS
         for parameter in parameters:
             if parameter["parameter_name"] in expected_types:
-                assert parameter["type"]["type"] == expected_types[parameter["parameter_name"]], parameter
-        assert [p["parameter_has_default"] for p in parameters] == [False] + [True] * 9
+                assert json_types(parameter["type"]) == expected_types[parameter["parameter_name"]], parameter
+        assert [p["parameter_has_default"] for p in parameters] == [False] + [True] * (len(API_PARAMETERS) - 1)
         assert [r["type"]["type"] for r in endpoints[name]["returns"]] == ["string", "object"]
         assert "Parameters" not in endpoints[name]["description"] and endpoints[name]["description"]
     assert endpoints["/info"]["parameters"] == []
@@ -194,8 +211,10 @@ BAD_REQUESTS = [
     ({"temperature": -0.5}, "temperature must be a number in"),
     ({"temperature": 9}, "temperature must be a number in"),
     ({"top_p": 0}, "top_p must be a number in"),
-    ({"draft_max": 99}, "draft_max must be an integer in 0..7 (0 = adaptive), got 99"),
+    ({"draft_max": 99}, f"{OLD_DRAFT}, got 99"),
     ({"draft_max": -1}, "draft_max must be an integer in 0..7"),
+    ({"draft_length": 8}, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got 8"),
+    ({"method": "mtp"}, "method 'mtp' is not available on this pair; it runs 'dflash'"),
     ({"preset": "../../etc/passwd.gguf"}, "unknown preset"),
     ({"history": [{"role": "robot", "content": "hi"}]}, "history[0] must be a dict"),
     ({"history": "not a list"}, "history must be a list"),
@@ -311,10 +330,10 @@ def test_generate_marks_the_text_the_draft_wrote_as_the_engine_does(client: Clie
                                                                   ) -> None:
     """A fixed draft length at temperature 0: the server's runs mark exactly the characters of the tokens that the
     engine's own token_sources call "draft", on an engine of our own opened on the same files."""
-    text, stats = client.predict(**chat_args(prompt, max_tokens=96, draft_max=7), api_name="/generate")
+    text, stats = client.predict(**chat_args(prompt, max_tokens=96, draft_length=7), api_name="/generate")
     check_runs(text, stats["source_runs"])
     result = reference.chat([{"role": "user", "content": prompt}], enable_thinking=False, max_tokens=96,
-                            temperature=0.0, draft_max=7)
+                            temperature=0.0, draft_length=7)
     assert text == result.text
     assert stats["source_runs"] == engine_runs(reference, result)
     drafted = draft_text(text, [tuple(run) for run in stats["source_runs"]])
@@ -351,7 +370,7 @@ DEMO_SYSTEM = "You are a helpful assistant."  # the page's default
 def test_the_offline_demo_drafts_adaptively_at_or_above_plain_speed(client: Client) -> None:
     """Adaptive drafting (the default) against plain decoding on the demo's pair, alternating so that the load of a
     shared CPU falls on both alike; medians of the engine's decode speed, with a tolerance for what noise remains."""
-    args = chat_args(DEMO_PROMPT, system_prompt=DEMO_SYSTEM, max_tokens=256, draft_max=0)
+    args = chat_args(DEMO_PROMPT, system_prompt=DEMO_SYSTEM, max_tokens=256, draft_length="auto")
     runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
     texts = set()
     for _ in range(4):

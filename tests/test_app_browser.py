@@ -120,7 +120,8 @@ class DevTools:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningApp]:
-    with running_app({"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX)}, ARTIFACTS / "app_browser_server.log") as app:
+    env = {"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX), "DFLASH_DIAGNOSTICS": "1"}  # the worker's last request
+    with running_app(env, ARTIFACTS / "app_browser_server.log") as app:
         yield app
 
 
@@ -254,17 +255,27 @@ def draft_spans(page: DevTools) -> list[str]:
     return page.evaluate(f"Array.from(document.querySelectorAll({json.dumps(DRAFT_SPANS)})).map(e => e.innerText)")
 
 
-def chart_lines(page: DevTools) -> dict[str, int]:
-    """The speed chart's lines as drawn (SVG): series name -> number of points."""
+CHARTS = ("#speed-chart", "#acceptance-chart")
+
+
+def chart_lines(page: DevTools, chart: str) -> list[int]:
+    """The lines a chart draws (SVG): the number of points of each."""
     return page.evaluate(
-        "Object.fromEntries(Array.from(document.querySelectorAll('#speed-chart svg .mark-line path')).map(p => ["
-        "(p.getAttribute('aria-label') || '').split('series: ').pop(), (p.getAttribute('d') || '').split('L').length"
-        "]))"
+        f"Array.from(document.querySelectorAll({json.dumps(chart + ' svg .mark-line path')}))"
+        ".map(p => (p.getAttribute('d') || '').split('L').length)"
+    )
+
+
+def chart_text(page: DevTools, chart: str) -> str:
+    return page.evaluate(text_of(chart)) + " " + page.evaluate(
+        f"Array.from(document.querySelectorAll({json.dumps(chart + ' svg text')})).map(t => t.textContent).join(' ')"
     )
 
 
 def test_chat_in_the_browser_shows_answer_stats_and_plot(page: DevTools, server: RunningApp) -> None:
     wait_for_page(page)
+    for chart in CHARTS:  # empty: no axis with a meaningless tick
+        assert "0.000000" not in chart_text(page, chart), chart
     banner = page.evaluate(text_of("#mode-banner"))
     assert "random-weight test models" in banner and "DFLASH_DEMO=off" in banner
     legend = page.evaluate(text_of("#draft-legend"))
@@ -285,11 +296,14 @@ def test_chat_in_the_browser_shows_answer_stats_and_plot(page: DevTools, server:
     spans = draft_spans(page)
     assert spans and all(span in answers[0] for span in spans)
     assert page.evaluate("!!document.querySelector('#acceptance-plot canvas, #acceptance-plot svg')")
-    # The chart: both series drawn, a point per stretch of 10 tokens (512 // 48) at most, never one per step.
-    page.wait_for("document.querySelectorAll('#speed-chart svg .mark-line path').length === 2", 20, "the chart")
-    lines = chart_lines(page)
-    assert set(lines) == {"decode speed (tok/s)", "acceptance (%)"}, lines
-    assert 10 <= lines["decode speed (tok/s)"] <= 512 // 10 + 1, lines
+    # The charts: speed and acceptance, each on its own axis, a point per stretch of 10 tokens (512 // 48) at most,
+    # never one per step.
+    for chart in CHARTS:
+        page.wait_for(f"document.querySelectorAll({json.dumps(chart + ' svg .mark-line path')}).length === 1", 20,
+                      f"the chart {chart}")  # fmt: skip
+        lines = chart_lines(page, chart)
+        assert len(lines) == 1 and 10 <= lines[0] <= 512 // 10 + 1, (chart, lines)
+    assert "accepted %" in chart_text(page, "#acceptance-chart") and "tok/s" in chart_text(page, "#speed-chart")
     assert page.evaluate("document.querySelector('#thinking')?.offsetParent !== null"), "thinking switch hidden"
     page.screenshot(ARTIFACTS / "app_browser_chat.png")
 
@@ -311,8 +325,13 @@ def test_stop_interrupts_and_the_next_turn_completes(page: DevTools, server: Run
     page.wait_for(f"{STATS}.includes('Decode speed') && !{STATS}.includes('Finished')", 30, "a running answer")
     page.click("#stop")
     wait_idle(server)
-    stopped_at = generated_tokens(page.evaluate(STATS))
+    stats = page.wait_for(f"{STATS}.includes('stopped (by you)') && {STATS}", 20, "the stopped row")
+    stopped_at = generated_tokens(stats)
     assert len(bot_texts(page)) == before + 1, "the interrupted answer stays in the chat"
+    for chart in CHARTS[:1]:
+        page.wait_for(f"document.querySelectorAll({json.dumps(chart + ' svg .mark-line path')}).length === 1", 20,
+                      f"the chart {chart} after Stop")  # fmt: skip
+    page.screenshot(ARTIFACTS / "app_browser_stopped.png")
 
     send(page, "one two three")
     stats = wait_for_answer(page, answers=before + 2)
@@ -390,11 +409,82 @@ def test_clear_mid_answer_stops_it_and_the_next_turn_starts_clean(page: DevTools
     page.screenshot(ARTIFACTS / "app_browser_after_clear.png")
 
 
+ERROR_OVERLAYS = "Array.from(document.querySelectorAll('.wrap span.error')).filter(e => e.offsetParent !== null).length"
+
+
+def test_a_refused_message_is_told_and_leaves_the_page_usable(page: DevTools) -> None:
+    """40,000 characters from the page: refused with a clear message in the notice line, no error overlay on any
+    output, the text stays in the box, and the next message is answered."""
+    before = len(bot_texts(page))
+    page.type_into("#message-box textarea", "x" * 40000)
+    page.click("#send")
+    notice = page.wait_for(f"{text_of('#context-notice')}.includes('Not sent') && {text_of('#context-notice')}", 20,
+                           "the refusal")  # fmt: skip
+    assert "accepts up to 32000" in notice
+    page.screenshot(ARTIFACTS / "app_browser_refused.png")
+    assert page.evaluate(ERROR_OVERLAYS) == 0, "an error overlay covers the page"
+    assert page.evaluate("document.querySelector('#message-box textarea').value.length") == 40000, "the text stays"
+    assert len(bot_texts(page)) == before, "nothing was sent"
+    page.evaluate("(() => { const box = document.querySelector('#message-box textarea'); box.value = '';"
+                  " box.dispatchEvent(new Event('input', {bubbles: true})); })()")  # fmt: skip
+    send(page, "one two three")
+    wait_for_answer(page, answers=before + 1)
+    page.wait_for(f"!{text_of('#context-notice')}.includes('Not sent')", 10, "the notice to go")
+    assert page.evaluate(ERROR_OVERLAYS) == 0
+
+
+def test_a_new_message_clears_the_previous_ab_result(page: DevTools) -> None:
+    run_ab(page, "At temperature 0")
+    before = len(bot_texts(page))
+    send(page, "four five six")
+    page.wait_for(f"{text_of('#ab-result')}.trim() === ''", 10, "the A/B box to clear")
+    wait_for_answer(page, answers=before + 1)
+
+
+def test_ab_table_headers_do_not_break_inside_words(page: DevTools) -> None:
+    run_ab(page, "At temperature 0")
+    lines = page.evaluate(
+        "Array.from(document.querySelectorAll('#ab-result th')).map(th => { const r = document.createRange();"
+        " r.selectNodeContents(th); return [th.innerText, new Set(Array.from(r.getClientRects()).map(x => "
+        "Math.round(x.top))).size]; })"
+    )
+    assert lines and all(n == 1 for _, n in lines), f"headers wrapped: {lines}"
+
+
+def test_a_think_tag_typed_by_a_visitor_stays_text(page: DevTools) -> None:
+    before = len(bot_texts(page))
+    send(page, "why <think>is this</think> folded?")
+    wait_for_answer(page, answers=before + 1)
+    assert user_texts(page)[-1].strip() == "why <think>is this</think> folded?"
+    folded = page.evaluate(
+        f"Array.from(document.querySelectorAll({json.dumps(USER_MESSAGES)})).pop().querySelectorAll("
+        "'details, button, .thought-group, [class*=thought]').length"
+    )
+    assert folded == 0, "the visitor's own message is folded as reasoning"
+
+
+def test_a_queued_message_shows_while_another_visitor_is_answered(page: DevTools, server: RunningApp) -> None:
+    other = Client(server.url, verbose=False)
+    job = other.submit(message="hello there", preset="tiny-random", max_tokens=512, api_name="/chat")
+    try:
+        info_when(other, "busy")
+        send(page, "my message waits its turn")
+        page.wait_for(f"Array.from(document.querySelectorAll({json.dumps(USER_MESSAGES)})).some("
+                      "e => e.innerText.includes('my message waits its turn'))", 10, "the queued message")  # fmt: skip
+        assert Client(server.url, verbose=False).predict(api_name="/info")["busy"], "still the other visitor's turn"
+        page.screenshot(ARTIFACTS / "app_browser_queued.png")
+    finally:
+        job.cancel()
+    stats = page.wait_for(f"{STATS}.includes('Finished') && {STATS}", 120, "the queued message's answer")
+    assert "max_tokens=512 reached" in stats
+
+
 def test_on_zero_gpu_the_page_shows_the_gpu_time_and_keeps_its_worker(tmp_path: Path) -> None:
     """The page on ZeroGPU (the real `spaces` package against the fake device API): the statistics show the GPU time
     requested (what the device API was asked for) and used, and a second answer reuses the worker's engine."""
     device_api = FakeDeviceApi().start()
-    env = {"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX), **device_api.env(tmp_path / "cgroup")}
+    env = {"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX), "DFLASH_DIAGNOSTICS": "1",
+           **device_api.env(tmp_path / "cgroup")}  # fmt: skip
     app = launch_app(env, ARTIFACTS / "app_browser_zerogpu_server.log")
     try:
         with open_page(app.url) as zero_page:

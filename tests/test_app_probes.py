@@ -37,12 +37,14 @@ N_CTX = 1024
 MAX_NEW_TOKENS = 600
 SECRET = "hf_probe_secret_0123456789"
 GOOD = chat_args("the quick brown fox", max_tokens=24)
+# The deprecated draft_max (0 meant "auto") is still checked, and says it is deprecated.
+OLD_DRAFT = "draft_max must be an integer in 0..7 (0 = adaptive; deprecated: use draft_length)"
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningApp]:
     env = {"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX), "DFLASH_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
-           "HF_TOKEN": SECRET}  # fmt: skip
+           "HF_TOKEN": SECRET, "DFLASH_DIAGNOSTICS": "1"}  # fmt: skip
     with running_app(env, REPO_ROOT / "test-artifacts" / "app_probes_server.log") as app:
         yield app
 
@@ -76,10 +78,10 @@ PROBES = [
     ("max_tokens", None, "NaN", "max_tokens must be an integer in 1..600, got nan"),
     ("max_tokens", None, "Infinity", "max_tokens must be an integer in 1..600, got inf"),
     ("max_tokens", True, "true", "max_tokens must be an integer in 1..600, got True"),
-    ("draft_max", "auto", '"auto"', "draft_max must be an integer in 0..7 (0 = adaptive), got 'auto'"),
-    ("draft_max", "abc", '"abc"', "draft_max must be an integer in 0..7 (0 = adaptive), got 'abc'"),
-    ("draft_max", None, "NaN", "draft_max must be an integer in 0..7 (0 = adaptive), got nan"),
-    ("draft_max", None, "-Infinity", "draft_max must be an integer in 0..7 (0 = adaptive), got -inf"),
+    ("draft_max", "auto", '"auto"', f"{OLD_DRAFT}, got 'auto'"),
+    ("draft_max", "abc", '"abc"', f"{OLD_DRAFT}, got 'abc'"),
+    ("draft_max", None, "NaN", f"{OLD_DRAFT}, got nan"),
+    ("draft_max", None, "-Infinity", f"{OLD_DRAFT}, got -inf"),
     ("temperature", None, "NaN", "temperature must be a number in [0.0, 2.0], got nan"),
     ("temperature", "hot", '"hot"', "temperature must be a number in [0.0, 2.0], got 'hot'"),
     ("speculative", "false", '"false"', "speculative must be true or false (a boolean), got 'false'"),

@@ -83,7 +83,7 @@ def test_every_part_of_the_preset_follows_the_environment(tmp_path: Path) -> Non
         "DFLASH_DRAFT_PATH": str(local_draft),
         "DFLASH_N_CTX": "2048",
         "DFLASH_GPU_LAYERS": "12",
-        "DFLASH_DRAFT_MAX": "15",
+        "DFLASH_DRAFT_CAPACITY": "15",
     }
     preset = preset_from_env(env)
     assert preset.name == "mine"
@@ -99,11 +99,22 @@ def test_every_part_of_the_preset_follows_the_environment(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("DFLASH_N_CTX", "lots"), ("DFLASH_N_CTX", "16"), ("DFLASH_GPU_LAYERS", "-2"), ("DFLASH_DRAFT_MAX", "0")],
+    [("DFLASH_N_CTX", "lots"), ("DFLASH_N_CTX", "16"), ("DFLASH_GPU_LAYERS", "-2"), ("DFLASH_DRAFT_CAPACITY", "0"),
+     ("DFLASH_DRAFT_MAX", "0")],
 )
 def test_bad_numbers_in_the_environment_name_the_variable(name: str, value: str) -> None:
     with pytest.raises(ValueError, match=name):
         preset_from_env({name: value})
+
+
+def test_the_old_draft_capacity_variable_is_read_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="dflash_runtime.space.presets"):
+        assert preset_from_env({"DFLASH_DRAFT_MAX": "5"}).draft_capacity == 5
+    assert "DFLASH_DRAFT_MAX is deprecated: set DFLASH_DRAFT_CAPACITY" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dflash_runtime.space.presets"):
+        assert preset_from_env({"DFLASH_DRAFT_CAPACITY": "3", "DFLASH_DRAFT_MAX": "5"}).draft_capacity == 3
+    assert "deprecated" not in caplog.text, "the new name wins, and the old one is then ignored"
 
 
 def test_local_path_is_used_as_is_and_checked(tmp_path: Path) -> None:
@@ -227,7 +238,7 @@ def test_the_app_downloads_the_pair_in_the_web_process(tmp_path: Path) -> None:
     file_requests = [r for r in fake.requests if "/resolve/" in r.path]
     assert {r.authorization for r in file_requests} == {"Bearer hf_space_secret"}
     assert fake.get_count("tiny-target-F32.gguf") == 1 and fake.get_count("tiny-draft-F32.gguf") == 1
-    with load_pair(tiny.target, tiny.draft, n_ctx=1024, draft_max=7) as engine:
+    with load_pair(tiny.target, tiny.draft, n_ctx=1024, draft_length=7) as engine:
         messages = [{"role": "user", "content": "hello world"}]
         assert text == engine.chat(messages, enable_thinking=False, max_tokens=24, temperature=0.0).text
     assert stats["n_generated"] == 24 and stats["preset"] == "fake-hub-pair"

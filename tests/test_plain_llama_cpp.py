@@ -83,7 +83,7 @@ llm.close()
 from dflash_runtime import backends, load_pair
 loaded_before = backends.backends_loaded()
 report = backends.backend_report()
-with load_pair(sys.argv[1], sys.argv[2], n_ctx=256, draft_max=7) as engine:
+with load_pair(sys.argv[1], sys.argv[2], n_ctx=256, draft_length=7) as engine:
     result = engine.generate(sys.argv[3], max_tokens=int(sys.argv[4]))
 print(json.dumps({"plain": plain, "dflash": result.text, "verify_steps": result.stats.verify_steps,
                   "loaded_before": loaded_before, "modules": report.modules, "registered": report.registered,
@@ -92,7 +92,7 @@ print(json.dumps({"plain": plain, "dflash": result.text, "verify_steps": result.
 DFLASH_THEN_PLAIN = MAPS + """
 import json, sys
 from dflash_runtime import backends, load_pair
-with load_pair(sys.argv[1], sys.argv[2], n_ctx=256, draft_max=7) as engine:
+with load_pair(sys.argv[1], sys.argv[2], n_ctx=256, draft_length=7) as engine:
     result = engine.generate(sys.argv[3], max_tokens=int(sys.argv[4]))
 report = backends.backend_report()
 from llama_cpp import Llama

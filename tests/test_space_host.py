@@ -3,16 +3,18 @@ failures close it for the next request to reload, and a closed reply stops the e
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from space_client import demo_pair, expected_answer, reference_engine
 
 from dflash_runtime import load_pair
-from dflash_runtime.space.host import EngineHost, GpuJob, ReplyChunk
+from dflash_runtime.space.host import EngineHost, GpuJob, ReplyChunk, info_digest
 from dflash_runtime.space.presets import ResolvedPair, configured_preset
-from dflash_runtime.space.requests import Limits, build_request
+from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT, Limits, build_request
 
 N_CTX = 1024
 
@@ -41,12 +43,21 @@ def job(message: str, max_tokens: int = 16, **fields: Any) -> GpuJob:
     preset = configured_preset(True, {"DFLASH_N_CTX": str(N_CTX)})
     pair = demo_pair()
     request = build_request(preset=preset.name, presets=[preset.name], limits=Limits(), message=message,
-                            max_tokens=max_tokens, draft_max=7, **fields)  # fmt: skip
+                            max_tokens=max_tokens, draft_length=7, **fields)  # fmt: skip
     return GpuJob(request, preset, ResolvedPair(pair.target, pair.draft))
 
 
 def final(chunks: Iterator[ReplyChunk]) -> ReplyChunk:
-    return list(chunks)[-1]
+    """The last chunk, carrying the whole reply's text (chunks carry what each step added)."""
+    taken = list(chunks)
+    joined = taken[0]
+    for chunk in taken[1:]:
+        joined = joined.then(chunk)
+    return joined
+
+
+def reply(engine_host: EngineHost, message: str, owner: str, **fields: Any) -> ReplyChunk:
+    return final(engine_host.run(replace(job(message, **fields), cache_owner=owner)))
 
 
 def test_request_errors_come_back_as_data_and_keep_the_engine(host: tuple[EngineHost, RecordingLoader]) -> None:
@@ -55,9 +66,9 @@ def test_request_errors_come_back_as_data_and_keep_the_engine(host: tuple[Engine
     assert first.finish_reason == "length" and first.worker["loaded_now"] and first.worker["engine_loaded"]
     error = final(engine_host.run(job("0123456789 " * 200)))
     assert error.error_type == "PromptTooLongError" and "context cannot hold it" in (error.error or "")
-    assert error.worker["engine_loaded"] is True and error.text == ""
+    assert error.worker["engine_loaded"] is True and error.delta == ""
     again = final(engine_host.run(job("hello world")))
-    assert again.text == first.text and again.worker["loads"] == 1 and len(loader.engines) == 1
+    assert again.delta == first.delta and again.worker["loads"] == 1 and len(loader.engines) == 1
     assert again.worker["previous_request"]["error_type"] == "PromptTooLongError"
 
 
@@ -72,7 +83,7 @@ def test_an_engine_failure_closes_the_engine_and_the_next_request_loads_it_again
     recovered = final(engine_host.run(job("hello world")))
     assert recovered.finish_reason == "length" and recovered.worker["loaded_now"] and recovered.worker["loads"] == 2
     with reference_engine(N_CTX) as reference:
-        assert recovered.text == expected_answer(reference, [{"role": "user", "content": "hello world"}], 16)
+        assert recovered.delta == expected_answer(reference, [{"role": "user", "content": "hello world"}], 16)
 
 
 def test_closing_a_reply_stops_the_engine_and_is_recorded(host: tuple[EngineHost, RecordingLoader]) -> None:
@@ -85,3 +96,87 @@ def test_closing_a_reply_stops_the_engine_and_is_recorded(host: tuple[EngineHost
     stopped = after.worker["previous_request"]
     assert stopped["finish_reason"] == "closed by the caller" and 0 < stopped["n_generated"] < 400
     assert after.engine_info["target"] == demo_pair().target.name, "file names only, no server paths"
+
+
+SECRET_SYSTEM = "Internal discount code: ZEBRA-4417. Never tell it."
+
+
+def test_a_visitor_reuses_only_its_own_cached_prompt(host: tuple[EngineHost, RecordingLoader]) -> None:
+    """Visitor V's private system prompt is cached; visitor A, guessing it, learns nothing from the reuse figures (the
+    same for a right and a wrong guess, no more than the template's public start); V's own next turn reuses it."""
+    engine_host, loader = host
+    victim = reply(engine_host, "what is the code?", "victim", system_prompt=SECRET_SYSTEM)
+    assert victim.stats["n_reused"] == 0
+    guesses = {}
+    for guess in ("ZEBRA-4417", "ZEBRA-1234", "LION-0000"):
+        reply(engine_host, "what is the code?", "victim", system_prompt=SECRET_SYSTEM)  # V's cache is warm again
+        system = SECRET_SYSTEM.replace("ZEBRA-4417", guess)
+        # Each guess from a session of its own: what a session sent itself it may reuse.
+        guesses[guess] = reply(engine_host, "what is the code?", f"attacker {guess}", system_prompt=system,
+                               max_tokens=1).stats  # fmt: skip
+    reused = {guess: stats["n_reused"] for guess, stats in guesses.items()}
+    assert len(set(reused.values())) == 1, f"the reuse figure depends on the guess: {reused}"
+    public = template_start()
+    assert reused["ZEBRA-4417"] <= public
+    history = [{"role": "user", "content": "what is the code?"}, {"role": "assistant", "content": "no"}]
+    again = reply(engine_host, "and now?", "victim", system_prompt=SECRET_SYSTEM, history=history)
+    if owners_native(loader):  # the engine parks each owner's cache: even after another visitor's request
+        assert again.stats["n_reused"] > public
+    history += [{"role": "user", "content": "and now?"}, {"role": "assistant", "content": again.delta}]
+    third = reply(engine_host, "one more?", "victim", system_prompt=SECRET_SYSTEM, history=history)
+    assert third.stats["n_reused"] > public, "a visitor's own next turn reuses its cached prompt"
+
+
+def template_start() -> int:
+    """How many prompt tokens any conversation with a system message shares: the template's public start."""
+    with reference_engine(N_CTX) as reference:
+        a, b = (reference.chat_tokens([{"role": "system", "content": text}, {"role": "user", "content": "y"}],
+                                      enable_thinking=False) for text in ("x", "z"))  # fmt: skip
+    return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+
+
+def owners_native(loader: RecordingLoader) -> bool:
+    """Whether the loaded engine keeps visitors' caches apart itself (its public `stream` signature says so)."""
+    return "cache_owner" in inspect.signature(loader.engines[-1].stream).parameters
+
+
+def test_chunks_carry_what_each_step_added(host: tuple[EngineHost, RecordingLoader]) -> None:
+    """The reply's chunks: text and runs as deltas, draft lengths as added, the engine's description only when the
+    web process does not hold it already, the worker's report on the first and last chunk only."""
+    engine_host, _ = host
+    chunks = list(engine_host.run(job("hello there", max_tokens=64)))
+    assert len(chunks) > 3
+    assert chunks[0].engine_info and all(c.engine_info is None for c in chunks[1:])
+    assert "n_cached" not in chunks[0].engine_info and "checkpoints" not in chunks[0].engine_info
+    assert [bool(c.worker) for c in chunks] == [True] + [False] * (len(chunks) - 2) + [True]
+    assert all(sum(n for n, _ in c.source_runs) == len(c.delta) for c in chunks)
+    assert "draft_lengths" not in chunks[-1].stats
+    with reference_engine(N_CTX) as reference:
+        result = reference.chat([{"role": "user", "content": "hello there"}], enable_thinking=False, max_tokens=64,
+                                temperature=0.0, draft_length=7)  # fmt: skip
+    assert [n for c in chunks for n in c.draft_lengths] == result.stats.draft_lengths and result.stats.draft_lengths
+    assert "".join(c.delta for c in chunks) == result.text
+    known = replace(job("hello there"), engine_info_seen=info_digest(chunks[0].engine_info))
+    assert all(c.engine_info is None for c in engine_host.run(known)), "nothing is sent twice"
+
+
+def test_the_default_system_prompt_is_public_and_reused_across_visitors(
+    host: tuple[EngineHost, RecordingLoader],
+) -> None:
+    """The page's system prompt up to where a visitor's own text begins is public: another visitor reuses exactly
+    that much (with an engine that parks owners' caches), never more, whatever the visitor before sent."""
+    engine_host, loader = host
+    with reference_engine(N_CTX) as reference:
+        a, b = (reference.chat_tokens([{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
+                                       {"role": "user", "content": text}], enable_thinking=False)
+                for text in ("a", "b"))  # fmt: skip
+    public = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    reply(engine_host, "my private question", "first", system_prompt=DEFAULT_SYSTEM_PROMPT)
+    second = reply(engine_host, "my private question too", "second", system_prompt=DEFAULT_SYSTEM_PROMPT)
+    # Whether the visitor before used the page's system prompt or one of its own makes no difference either.
+    reply(engine_host, "my private question", "third", system_prompt=DEFAULT_SYSTEM_PROMPT[:-1] + "!")
+    fourth = reply(engine_host, "another question", "fourth", system_prompt=DEFAULT_SYSTEM_PROMPT)
+    if owners_native(loader):
+        assert second.stats["n_reused"] == fourth.stats["n_reused"] == public > template_start()
+    else:
+        assert second.stats["n_reused"] == fourth.stats["n_reused"] == 0

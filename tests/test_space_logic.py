@@ -17,7 +17,7 @@ from app_fixtures import REPO_ROOT
 from space_client import reference_engine
 
 from dflash_runtime.errors import PromptTooLongError, RequestError
-from dflash_runtime.space.fitting import count_prompt_tokens, fit_conversation
+from dflash_runtime.space.fitting import fit_conversation, prompt_tokens
 from dflash_runtime.space.gpu_time import GpuTimeEstimator, GpuTimeSettings
 from dflash_runtime.space.host import GpuJob, ReplyChunk
 from dflash_runtime.space.presets import ResolvedPair, preset_from_env
@@ -40,12 +40,21 @@ from dflash_runtime.space.runmode import (
     settle_run_mode,
 )
 from dflash_runtime.space.session import ChatSession
-from dflash_runtime.space.views import ab_markdown, acceptance_rows, info_markdown, mode_banner, scrub_paths
+from dflash_runtime.space.views import (
+    ab_markdown,
+    acceptance_rows,
+    comparison_markdown,
+    info_markdown,
+    mode_banner,
+    scrub_paths,
+)
 from dflash_runtime.space.views import stats_markdown as panel
 from dflash_runtime.stats import Stats
 
 LIMITS = Limits(max_new_tokens=4096, max_input_chars=32000, max_history_messages=256, draft_capacity=7)
 Message = dict[str, str]
+# The deprecated draft_max (0 meant "auto") is still checked, and says it is deprecated.
+OLD_DRAFT = "draft_max must be an integer in 0..7 (0 = adaptive; deprecated: use draft_length)"
 
 
 def make_request(limits: Limits = LIMITS, **fields: Any) -> ChatRequest:
@@ -136,8 +145,14 @@ def test_an_unusable_gpu_build_serves_the_offline_demo_with_the_fix() -> None:
         ("max_tokens", 64.0, "max_tokens must be an integer in 1..4096, got 64.0"),
         ("max_tokens", float("nan"), "max_tokens must be an integer in 1..4096, got nan"),
         ("max_tokens", True, "max_tokens must be an integer in 1..4096, got True"),
-        ("draft_max", "auto", "draft_max must be an integer in 0..7 (0 = adaptive), got 'auto'"),
-        ("draft_max", float("inf"), "draft_max must be an integer in 0..7 (0 = adaptive), got inf"),
+        ("draft_max", "auto", f"{OLD_DRAFT}, got 'auto'"),
+        ("draft_max", float("inf"), f"{OLD_DRAFT}, got inf"),
+        ("draft_length", 8, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got 8"),
+        ("draft_length", "3", "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got '3'"),
+        ("draft_length", True, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got True"),
+        ("method", "eagle", "method must be one of 'auto', 'dflash', 'mtp', got 'eagle'"),
+        ("top_k", -1, "top_k must be an integer in 0..1000 (0 = off), got -1"),
+        ("min_p", 1.0, "min_p must be a number in [0.0, 0.99], got 1.0"),
         ("temperature", float("nan"), "temperature must be a number in [0.0, 2.0], got nan"),
         ("temperature", "0.5", "temperature must be a number in [0.0, 2.0], got '0.5'"),
         ("top_p", float("inf"), "top_p must be a number in [0.01, 1.0], got inf"),
@@ -159,11 +174,40 @@ def test_every_field_is_checked_for_its_type_with_a_specific_message(field: str,
 
 
 def test_right_types_pass_and_keep_their_type() -> None:
-    request = make_request(max_tokens=7, temperature=1, top_p=0.5, draft_max=0, speculative=False,
+    request = make_request(max_tokens=7, temperature=1, top_p=0.5, draft_length="auto", speculative=False,
                            enable_thinking=True, system_prompt=None)  # fmt: skip
     assert request.max_tokens == 7 and isinstance(request.temperature, float) and request.temperature == 1.0
-    assert request.draft_max == "auto" and request.speculative is False and request.enable_thinking is True
-    assert request.system_prompt == "" and make_request(draft_max=3).draft_max == 3
+    assert request.draft_length == "auto" and request.speculative is False and request.enable_thinking is True
+    assert request.system_prompt == "" and make_request(draft_length=3).draft_length == 3 and not request.notes
+    old = make_request(draft_max=0)  # the deprecated spelling: 0 meant "auto"
+    assert old.draft_length == "auto" and "deprecated" in old.notes[0] and make_request(draft_max=3).draft_length == 3
+
+
+def test_a_method_the_pair_does_not_run_is_refused_before_the_gpu() -> None:
+    limits = Limits()
+    ok = build_request(preset="p", presets=["p"], limits=limits, message="hi", method="mtp", methods=["dflash", "mtp"])
+    assert ok.method == "mtp" and ok.generation_kwargs(True)["method"] == "mtp"
+    auto = build_request(preset="p", presets=["p"], limits=limits, message="hi")
+    assert auto.generation_kwargs(True)["method"] is None, "auto: the pair's default"
+    with pytest.raises(RequestError, match="method 'mtp' is not available on this pair; it runs 'dflash'"):
+        build_request(preset="p", presets=["p"], limits=limits, message="hi", method="mtp", methods=["dflash"])
+
+
+def test_the_comparison_has_a_row_per_method_and_names_a_method_that_differs() -> None:
+    plain = {**Stats(n_generated=9, decode_ms=300.0, speculative=False).to_dict(), "finish_reason": "length"}
+    dflash = Stats(n_generated=9, decode_ms=100.0, draft_capacity=3, method="dflash")
+    dflash.record_verify(3, 2, 3)
+    mtp = Stats(n_generated=9, decode_ms=150.0, draft_capacity=3, method="mtp")
+    mtp.record_verify(3, 1, 2)
+    methods = {"DFlash 2": dflash.to_dict(), "MTP (target's own head)": mtp.to_dict()}
+    summary = comparison_markdown(methods, plain, {"DFlash 2": True, "MTP (target's own head)": False})
+    rows = [line.split(" | ")[0] for line in summary.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows == ["| Decoding", "| Plain (target only)", "| DFlash 2", "| MTP (target's own head)"]
+    assert "| 67% | 3.00 |" in summary and "| 33% | 2.00 |" in summary, "acceptance and mean accepted length"
+    assert "DFlash 2: Speed-up: 3.00×" in summary and "MTP (target's own head): Speed-up: 2.00×" in summary
+    assert "NO: this is a fault" in summary and "Differs from plain: MTP (target's own head)" in summary
+    waiting = comparison_markdown({"DFlash 2": dflash.to_dict(), "MTP (target's own head)": None}, None, {})
+    assert "| MTP (target's own head) | … | running or waiting |" in waiting and "Speed-up" not in waiting
 
 
 def test_history_keeps_what_the_model_should_see() -> None:
@@ -235,10 +279,10 @@ def test_fitting_finds_the_exact_cut_with_a_few_renders_on_a_real_tokenizer() ->
     with reference_engine(n_ctx=1024) as engine:
         calls = 0
 
-        def count(messages: list[Message]) -> int:
+        def encode(messages: list[Message]) -> list[int]:
             nonlocal calls
             calls += 1
-            return count_prompt_tokens(engine, messages, enable_thinking=False)
+            return prompt_tokens(engine, messages, enable_thinking=False)
 
         for trial in range(40):
             history = [
@@ -249,14 +293,14 @@ def test_fitting_finds_the_exact_cut_with_a_few_renders_on_a_real_tokenizer() ->
             request = make_request(history=history, message="what now?", max_tokens=rng.choice([16, 128, 400]),
                                    system_prompt=rng.choice(["", "be brief."]))  # fmt: skip
             calls = 0
-            expected = brute_force_cut(request, lambda m: count_prompt_tokens(engine, m, False), 1024)
+            expected = brute_force_cut(request, lambda m: len(prompt_tokens(engine, m, False)), 1024)
             if expected is None:
                 with pytest.raises(PromptTooLongError):
-                    fit_conversation(request, count, 1024)
+                    fit_conversation(request, encode, 1024)
                 continue
-            fitted = fit_conversation(request, count, 1024)
+            fitted = fit_conversation(request, encode, 1024)
             assert fitted.dropped_turns == request.dropped_turns + expected, f"trial {trial}"
-            assert fitted.prompt_tokens == count_prompt_tokens(engine, fitted.messages, False)
+            assert fitted.tokens == prompt_tokens(engine, fitted.messages, False), "the tokens the engine reads"
             assert calls == fitted.renders <= 2 + 2 * len(history).bit_length(), f"trial {trial}: {calls} renders"
 
 
@@ -266,8 +310,8 @@ def test_oldest_whole_turns_go_first_and_the_system_prompt_stays() -> None:
         history += [{"role": "user", "content": f"u{turn}" + "x" * 98}, {"role": "assistant", "content": "y" * 100}]
     request = make_request(message="m" * 50, history=history, system_prompt="s" * 20, max_tokens=100)
 
-    def count_chars(messages: list[Message]) -> int:  # one token per character
-        return sum(len(m["content"]) for m in messages)
+    def count_chars(messages: list[Message]) -> list[int]:  # one token per character
+        return [0] * sum(len(m["content"]) for m in messages)
 
     fitted = fit_conversation(request, count_chars, n_ctx=500)
     assert fitted.dropped_turns == 2 and "2 oldest turns" in (fitted.notice or "")
@@ -281,11 +325,15 @@ def test_oldest_whole_turns_go_first_and_the_system_prompt_stays() -> None:
 
 def test_turns_dropped_by_the_request_limits_count_in_the_notice() -> None:
     request = make_request(Limits(max_history_messages=4), history=conversation(5))
-    fitted = fit_conversation(request, lambda messages: len(messages), n_ctx=1000)
+    fitted = fit_conversation(request, lambda messages: [0] * len(messages), n_ctx=1000)
     assert request.dropped_turns == 3 and fitted.dropped_turns == 3 and "3 oldest turns" in (fitted.notice or "")
 
 
 # -- GPU time ----------------------------------------------------------------------------------------------------
+
+
+def speeds(decode_tok_s: float, n_generated: int = 100) -> dict[str, Any]:
+    return {"n_generated": n_generated, "decode_tok_s": decode_tok_s, "speculative": True}
 
 
 def test_gpu_time_starts_conservative_and_learns_the_worker_speeds() -> None:
@@ -299,15 +347,15 @@ def test_gpu_time_starts_conservative_and_learns_the_worker_speeds() -> None:
     estimator.observe_load(18.0)
     estimator.engine_seen(loaded=True)
     estimator.observe({"n_generated": 512, "decode_tok_s": 60.0, "speculative": True, "n_prefilled": 300,
-                       "prefill_ms": 150.0, "n_prompt": 300}, request, dropped_here=0)  # fmt: skip
+                       "prefill_ms": 150.0, "n_prompt": 300}, request, dropped_here=0, source="a")  # fmt: skip
     warm = estimator.estimate(request, (True,))
     assert not warm.includes_load and warm.seconds == 5 + 11 and warm.seconds * 1.5 <= 60  # 512 at 80 % of 60
     assert estimator.estimate(make_request(max_tokens=512, speculative=False), (False,)).seconds == first.seconds - 30
-    # Slower measurements weigh more than faster ones; a lost worker brings the (measured) load time back.
-    estimator.observe({"n_generated": 100, "decode_tok_s": 30.0, "speculative": True}, request, dropped_here=0)
-    assert estimator.describe()["decode_tok_s"]["speculative"] == pytest.approx(60 - 0.7 * 30)
-    estimator.observe({"n_generated": 100, "decode_tok_s": 100.0, "speculative": True}, request, dropped_here=0)
-    assert estimator.describe()["decode_tok_s"]["speculative"] == pytest.approx(39 + 0.2 * 61)
+    # The figure is the median of the recent answers.
+    estimator.observe(speeds(30.0), request, dropped_here=0, source="b")
+    estimator.observe(speeds(100.0), request, dropped_here=0, source="c")
+    assert estimator.describe()["decode_tok_s"]["speculative"] == 60.0
+    # A lost worker brings the (measured) load time back.
     estimator.worker_lost()
     assert estimator.estimate(request, (True,)).includes_load
     assert estimator.describe()["load_s"] == 18.0
@@ -316,6 +364,29 @@ def test_gpu_time_starts_conservative_and_learns_the_worker_speeds() -> None:
     estimator.engine_seen(loaded=False)  # the worker closed its engine after a failure: the next request loads it
     assert estimator.estimate(request, (True,)).includes_load
     assert estimator.estimate(make_request(max_tokens=4096), (True, False)).seconds <= 240
+
+
+def test_one_visitor_cannot_move_the_gpu_time_of_everybody_else() -> None:
+    """Honest answers from a few sessions, then a hostile burst (slow decoding, dense tokens) from one session and
+    a few more from others, fewer than the honest ones: the duration of an honest request stays within 25 % of what
+    the honest answers alone gave."""
+    estimator = GpuTimeEstimator(GpuTimeSettings())
+    estimator.engine_seen(loaded=True)
+    honest = make_request(message="x" * 1000, max_tokens=512)
+    for number, speed in enumerate([70.0, 75.0, 72.0, 68.0, 74.0]):
+        stats = {**speeds(speed, 512), "n_prompt": 330, "n_prefilled": 330, "prefill_ms": 300.0}
+        estimator.observe(stats, honest, dropped_here=0, source=f"honest-{number}")
+    baseline = estimator.estimate(honest, (True,)).seconds
+    hostile = make_request(message="字" * 1000, max_tokens=512, temperature=2.0)
+    for _ in range(20):  # one session, as many times as it likes
+        stats = {**speeds(14.9, 512), "n_prompt": 1960, "n_prefilled": 1960, "prefill_ms": 9000.0}
+        estimator.observe(stats, hostile, dropped_here=0, source="hostile")
+    for number in range(1):  # and another session
+        stats = {**speeds(14.9, 512), "n_prompt": 1960, "n_prefilled": 1960, "prefill_ms": 9000.0}
+        estimator.observe(stats, hostile, dropped_here=0, source=f"hostile-{number}")
+    after = estimator.estimate(honest, (True,)).seconds
+    assert abs(after - baseline) <= 0.25 * baseline, (baseline, after, estimator.describe())
+    assert estimator.describe()["answers_counted"]["decode_speculative"] == 5 + 3 + 1, "3 per session at most"
 
 
 def test_short_answers_teach_nothing_about_speed() -> None:
@@ -354,7 +425,8 @@ def test_clear_cancels_the_reply_and_no_late_update_brings_the_conversation_back
 
 
 def test_statistics_panel_plot_rows_and_ab_summary() -> None:
-    stats = Stats(n_prompt=10, n_reused=4, n_prefilled=6, n_generated=9, decode_ms=100.0, draft_capacity=3)
+    stats = Stats(n_prompt=10, n_reused=4, n_prefilled=6, n_generated=9, decode_ms=100.0, draft_capacity=3,
+                  method="dflash")  # fmt: skip
     stats.record_verify(3, 2, 3)
     stats.record_verify(3, 0, 1)
     api = {**stats.to_dict(), "finish_reason": "length", "finish_detail": "max_tokens=9 reached",
@@ -369,10 +441,19 @@ def test_statistics_panel_plot_rows_and_ab_summary() -> None:
         {"position": "2", "acceptance": 0.5},
         {"position": "3", "acceptance": 0.0},
     ]
-    plain = Stats(n_generated=9, decode_ms=300.0, speculative=False).to_dict()
+    plain = {**Stats(n_generated=9, decode_ms=300.0, speculative=False).to_dict(), "finish_reason": "length"}
     summary = ab_markdown(stats.to_dict(), plain, identical=True)
     assert "Speed-up: 3.00×" in summary and "Texts identical: yes" in summary
     assert "running" in ab_markdown(stats.to_dict(), None, None)
+    # No gain is claimed where the draft did nothing, or where the difference is noise.
+    rejected = {**stats.to_dict(), "accepted": 0, "decode_tok_s": 34.5}
+    plain_30 = {**plain, "decode_tok_s": 30.0}
+    assert "Speed-up: none.** The target accepted none" in ab_markdown(rejected, plain_30, identical=True)
+    assert "1.15×" in ab_markdown(rejected, plain_30, True) and "noise" in ab_markdown(rejected, plain_30, True)
+    close = {**stats.to_dict(), "decode_tok_s": 31.5}
+    assert "Speed-up: none measurable** (1.05×" in ab_markdown(close, plain_30, identical=True)
+    # Speed before the first decode step is not a number: the first token is the prefill's own sample.
+    assert "… (DFlash 2 speculative: after the first step)" in panel({**api, "decode_tok_s": None})
 
 
 def test_server_paths_are_cut_to_file_names() -> None:
@@ -395,7 +476,7 @@ def test_everything_crossing_the_zero_gpu_process_line_pickles() -> None:
     request = make_request(history=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
     files = ResolvedPair(Path("/models/t.gguf"), Path("/models/d.gguf"))
     job = GpuJob(request, preset_from_env({}), files, ("speculative", "plain"), 42)
-    chunk = ReplyChunk(text="hi", stats=Stats().to_dict(), finish_reason="stop", notice="n", engine_info={"a": 1},
+    chunk = ReplyChunk(delta="hi", stats=Stats().to_dict(), finish_reason="stop", notice="n", engine_info={"a": 1},
                        worker={"pid": 1}, error_type="RequestError", error="bad")  # fmt: skip
     for value in (request, job, chunk):
         assert pickle.loads(pickle.dumps(value)) == value

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Iterator
 from html.parser import HTMLParser
 
 import gradio as gr
 import pytest
 
-from dflash_runtime.space.highlight import DRAFT_CLASS, reply_html
-from dflash_runtime.space.host import ReplyChunk
+from dflash_runtime.space.highlight import DRAFT_CLASS, ReplyView, reply_html
+from dflash_runtime.space.host import ReplyChunk, join_chunks
 from dflash_runtime.space.jobs import EngineSlot, ReplyJob
-from dflash_runtime.space.provenance import ACCEPTANCE, SPEED, SourceRuns, SpeedTrace, draft_text, fold_runs, merged
+from dflash_runtime.space.provenance import ACCEPTANCE, SPEED, SourceRuns, SpeedTrace, draft_text, merged
 from dflash_runtime.space.session import ChatSession
 from dflash_runtime.space.views import ab_markdown, ab_verdict
 from dflash_runtime.stats import Stats
@@ -82,15 +83,17 @@ def test_runs_accumulate_joined_for_the_api_and_as_they_came_for_the_view() -> N
 
 
 def test_a_reader_that_skips_chunks_keeps_every_run() -> None:
-    """The page reads the latest chunk only; the chunks it skips fold their runs into the next one."""
-    chunks = [ReplyChunk(text="x" * (i + 1), stats={}, source_runs=[(1, "draft" if i % 3 else "target")])
-              for i in range(40)]  # fmt: skip
+    """The page reads the latest chunk only; the chunks it skips join their text, runs and draft lengths to the next
+    one, and what comes once (the notice, the engine's description) is kept."""
+    chunks = [ReplyChunk(delta=chr(97 + i % 26), stats={"n_generated": i + 1}, draft_lengths=[i],
+                         source_runs=[(1, "draft" if i % 3 else "target")]) for i in range(40)]  # fmt: skip
+    chunks[0].notice, chunks[0].engine_info = "dropped", {"target_arch": "qwen3"}
     chunks[-1].finish_reason = "length"
 
     def stream() -> Iterator[ReplyChunk]:
         yield from chunks
 
-    job = ReplyJob(stream, EngineSlot(), is_final=lambda c: c.finish_reason is not None, fold=fold_runs)
+    job = ReplyJob(stream, EngineSlot(), is_final=lambda c: c.finish_reason is not None, fold=join_chunks)
 
     async def slow_reader() -> list[ReplyChunk]:
         taken = []
@@ -105,8 +108,12 @@ def test_a_reader_that_skips_chunks_keeps_every_run() -> None:
     sources = SourceRuns()
     for chunk in taken:
         sources.add(chunk.source_runs)
-    assert sources.n_chars == len(taken[-1].text)
+    text = "".join(chunk.delta for chunk in taken)
+    assert text == "".join(chunk.delta for chunk in chunks) and sources.n_chars == len(text)
     assert sources.runs == merged(run for chunk in chunks for run in chunk.source_runs)
+    assert [n for chunk in taken for n in chunk.draft_lengths] == list(range(40))
+    assert any(chunk.notice == "dropped" and chunk.engine_info for chunk in taken), "what comes once is kept"
+    assert taken[-1].stats == {"n_generated": 40}
 
 
 def test_reply_html_escapes_everything_and_marks_exactly_the_draft_text() -> None:
@@ -134,6 +141,44 @@ def test_a_growing_reply_renders_as_a_growing_prefix() -> None:
         html = reply_html(text[:covered], sent)
         assert html.startswith(previous)
         previous = html
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_incremental_view_renders_what_a_whole_render_does(seed: int) -> None:
+    """Step by step, with thinking tags that open, close (also split across steps) or only look like one: the view
+    that appends each step's runs gives the HTML of the whole reply at every step."""
+    rng = random.Random(seed)
+    pieces = ["<think>", "\n", "let me see", "</think>", "</th", "ink>", "<thi", " answer & <b>", "$x$", "é", "\n\n"]
+    text = ("  " if seed % 2 else "") + "".join(rng.choice(pieces) for _ in range(40))
+    runs = random_runs(text, rng)
+    view, covered, sent, appended = ReplyView(), 0, [], 0
+    while sent != runs:
+        step = runs[len(sent) : len(sent) + rng.randint(1, 4)]
+        sent += step
+        covered += sum(n for n, _ in step)
+        before = view.html
+        html = view.update(text[:covered], sent, step)
+        assert html == reply_html(text[:covered], sent), f"after {covered} characters"
+        appended += bool(before) and html.startswith(before)
+    assert appended > len(runs) // 8, "most steps append"
+
+
+def test_a_long_answer_renders_each_step_in_time_that_does_not_grow_with_it() -> None:
+    """4,000 tokens of about 4 characters, a step of 4 tokens at a time: the last steps cost what the first did."""
+    rng = random.Random(5)
+    session = ChatSession()
+    epoch, _ = session.start_turn("write a lot")
+    text, runs = "", []
+    timings = []
+    for _ in range(1000):
+        piece = "".join(rng.choice("abcdefgh <>&\n") for _ in range(16))
+        text += piece
+        runs += random_runs(piece, rng)
+        started = time.perf_counter()
+        session.show_reply(epoch, text, runs)
+        timings.append(time.perf_counter() - started)
+    early, late = sorted(timings[50:150])[50], sorted(timings[-100:])[50]  # medians
+    assert late < 4 * early + 1e-4, (early, late)
 
 
 def test_thinking_stays_folded_by_the_chat_and_is_highlighted_inside() -> None:
@@ -170,6 +215,9 @@ def test_the_session_keeps_plain_text_and_shows_it_highlighted_or_not() -> None:
     assert session.shown()[-1] == {"role": "assistant", "content": ""}, "no stale highlight on a new answer"
     session.clear()
     assert session.shown() == [] and session.sources == {}
+    epoch, shown_now = session.start_turn("is <think>this</think> folded?")
+    assert shown_now[0]["content"] == "is &lt;think&gt;this&lt;/think&gt; folded?", "a visitor's tag is text"
+    assert session.messages[0]["content"] == "is <think>this</think> folded?", "and is sent as typed"
 
 
 def stats_after(n: int, decode_ms: float, drafted: int, accepted: int) -> dict:
@@ -193,11 +241,13 @@ def test_the_speed_chart_takes_a_point_per_stretch_of_tokens() -> None:
     assert trace.add(final, final=True), "the end always charts the final statistics"
     last = trace.points[-1]
     assert last[0] == n and last[1] == pytest.approx(final["decode_tok_s"], abs=0.05) and last[2] == 50.0
-    rows = trace.rows()
-    assert {row["series"] for row in rows} == {SPEED, ACCEPTANCE} and len(rows) == 2 * len(trace.points)
+    assert len(trace.rows(SPEED)) == len(trace.rows(ACCEPTANCE)) == len(trace.points)
+    assert trace.rows(ACCEPTANCE)[-1] == {"tokens": n, "value": 50.0}, "acceptance as the engine counts it"
     plain = SpeedTrace(every=4)
     plain.add(stats_after(8, 40.0, 0, 0))
-    assert [row["series"] for row in plain.rows()] == [SPEED], "no acceptance line before anything is drafted"
+    assert len(plain.rows(SPEED)) == 1 and plain.rows(ACCEPTANCE) == [], "no acceptance before anything is drafted"
+    assert not SpeedTrace(every=1).add({**stats_after(1, 0.01, 0, 0), "decode_tok_s": None}, final=True), \
+        "no point without a speed"  # fmt: skip
 
 
 def test_ab_verdict_says_what_identical_means_at_each_temperature() -> None:
@@ -207,8 +257,8 @@ def test_ab_verdict_says_what_identical_means_at_each_temperature() -> None:
     sampled = ab_verdict(False, 0.7, 1234)
     assert "no, as expected" in sampled and "same seed (1234)" in sampled and "not a fault" in sampled
     assert "rejection sampling" in sampled and "distribution" in sampled and "fault" not in ab_verdict(True, 0.7, 1)
-    spec = Stats(n_generated=9, decode_ms=100.0, verify_mode="sample").to_dict()
-    plain = Stats(n_generated=9, decode_ms=300.0, speculative=False).to_dict()
+    spec = Stats(n_generated=9, decode_ms=100.0, verify_mode="sample", drafted=6, accepted=3).to_dict()
+    plain = {**Stats(n_generated=9, decode_ms=300.0, speculative=False).to_dict(), "finish_reason": "length"}
     summary = ab_markdown(spec, plain, identical=False, temperature=0.7, seed=1234)
     assert "Speed-up: 3.00×" in summary and "| sample |" in summary and "| plain |" in summary
     assert "as expected" in summary and "Texts identical" not in ab_markdown(spec, None, None)

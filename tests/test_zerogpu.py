@@ -54,6 +54,7 @@ def server(device_api: FakeDeviceApi, tmp_path_factory: pytest.TempPathFactory) 
         "DFLASH_N_CTX": str(N_CTX),
         "DFLASH_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
         **GPU_TIME_ENV,
+        "DFLASH_DIAGNOSTICS": "1",  # /info shows the worker and the web process
         **device_api.env(tmp_path_factory.mktemp("zerogpu") / "cgroup"),
     }
     with running_app(env, ARTIFACTS / "app_zerogpu_server.log") as app:

@@ -3,6 +3,7 @@ failure. `HF_TOKEN` / `HF_ENDPOINT` / `DFLASH_CACHE_DIR` configure the client.""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -13,7 +14,9 @@ from typing import Any
 from tqdm.std import tqdm
 
 from ..errors import DownloadError, ModelFileError
-from .presets import ModelSource, PairPreset, ResolvedPair, env_text
+from .presets import ModelSource, PairPreset, ResolvedPair, draft_unavailable, env_text, has_mtp_head
+
+log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int | None], None]
 """Called with (bytes done, total bytes or None) while a file downloads."""
@@ -110,6 +113,15 @@ def fetch_model_file(
     except Exception as error:  # the Hub client raises HTTP, OS and validation errors alike
         raise DownloadError(_explain_hub_failure(source, role, error)) from error
     return Path(path)
+
+
+def _drafts_alone(target: Path) -> bool:
+    """Whether the target can accelerate without its draft (an MTP head); an unreadable header says no (the load
+    reports it)."""
+    try:
+        return has_mtp_head(target)
+    except ModelFileError:
+        return False
 
 
 @dataclass
@@ -227,15 +239,26 @@ class PairDownload:
     def _run(self) -> None:
         try:
             target = self._fetch(0, self.preset.target)
-            draft = self._fetch(1, self.preset.draft)
+            result = self._with_draft(target)
         except (DownloadError, ModelFileError) as error:
             with self._lock:
                 self._state, self._error = "failed", str(error)
         else:
             with self._lock:
-                self._state, self._result = "done", ResolvedPair(target, draft)
+                self._state, self._result = "done", result
         finally:
             self._finished.set()
+
+    def _with_draft(self, target: Path) -> ResolvedPair:
+        """The pair with its draft; without it (and why) when the draft cannot be had but the target drafts with its
+        own MTP head."""
+        try:
+            return ResolvedPair(target, self._fetch(1, self.preset.draft))
+        except (DownloadError, ModelFileError) as error:
+            if not _drafts_alone(target):
+                raise
+            log.warning("%s", draft_unavailable(str(error)))
+            return ResolvedPair(target, None, draft_problem=str(error))
 
     def _fetch(self, index: int, source: ModelSource) -> Path:
         item = self._files[index]

@@ -19,13 +19,37 @@ import gradio as gr
 import pandas as pd
 
 from ..errors import DFlashError, RequestError
-from .provenance import SERIES_COLOURS, SpeedTrace, point_every
-from .service import Comparison, SpaceService
+from .callers import caller_of
+from .provenance import ACCEPTANCE, SPEED, SpeedTrace, point_every
+from .requests import AUTO
+from .service import Comparison, Reply, SpaceService
 from .session import ChatSession
-from .views import EMPTY_STATS, WAITING_STATS, acceptance_rows, info_markdown, scrub_paths, stats_markdown
+from .views import (
+    EMPTY_STATS,
+    WAITING_STATS,
+    acceptance_rows,
+    info_markdown,
+    method_label,
+    scrub_paths,
+    stats_markdown,
+)
 
 log = logging.getLogger(__name__)
 ApiReply = tuple[str, dict[str, Any]]
+# /chat's and /generate's parameters, in order (a raw HTTP call sends one value for each; see callers.py)
+# (new ones go at the end: an old client's values keep their places; draft_max is the deprecated draft_length)
+API_PARAMETERS = ("message", "history", "system_prompt", "preset", "max_tokens", "temperature", "top_p", "draft_max",
+                  "speculative", "thinking", "method", "draft_length", "top_k", "min_p")  # fmt: skip
+
+
+def visitor_message(error: Exception) -> tuple[str, str]:
+    """(title, message) of an error as a visitor reads it: the request checks quote the caller's own values; other
+    runtime errors may name the server's files (scrubbed); anything else is the server's fault, said without detail."""
+    if isinstance(error, DFlashError):
+        title = getattr(error, "kind", type(error).__name__)
+        return title, str(error) if isinstance(error, RequestError) else scrub_paths(str(error))
+    log.error("a request failed", exc_info=error)
+    return "ServerError", f"the server failed ({type(error).__name__}); retry"
 
 
 @contextmanager
@@ -35,14 +59,13 @@ def visitor_errors() -> Iterator[None]:
         yield
     except gr.Error:
         raise
-    except DFlashError as error:
-        title = getattr(error, "kind", type(error).__name__)
-        # The request checks quote the caller's own values; other errors may name the server's files.
-        message = str(error) if isinstance(error, RequestError) else scrub_paths(str(error))
-        raise gr.Error(message, title=title, print_exception=False) from error
     except Exception as error:
-        log.exception("a request failed")
-        raise gr.Error(f"the server failed ({type(error).__name__}); retry", print_exception=False) from error
+        title, message = visitor_message(error)
+        raise gr.Error(message, title=title, print_exception=False) from error
+
+
+def session_hash(request: gr.Request | None) -> str | None:
+    return getattr(request, "session_hash", None) if request is not None else None
 
 
 def yields(item: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -62,13 +85,18 @@ def plot_frame(stats: dict[str, Any]) -> pd.DataFrame:
     return frame.astype({"position": "string", "acceptance": "float64"})
 
 
-def trace_frame(trace: SpeedTrace | None) -> pd.DataFrame:
-    """The speed chart's data: decode speed and acceptance so far against the tokens generated. It opens with an
-    empty row per series (the chart filters them out): the chart takes its colours from the series in the first
-    frame it draws, and a frame without them would leave the later lines colourless."""
-    placeholders = [{"tokens": 0, "value": None, "series": series} for series in SERIES_COLOURS]
-    frame = pd.DataFrame(placeholders + (trace.rows() if trace else []), columns=["tokens", "value", "series"])
+def trace_frame(trace: SpeedTrace | None, series: str = SPEED) -> pd.DataFrame | None:
+    """One chart's data: decode speed (or acceptance) so far against the tokens generated; None (an empty chart,
+    without axes) before the first point."""
+    rows = [{**row, "series": series} for row in trace.rows(series)] if trace else []
+    if not rows:
+        return None
+    frame = pd.DataFrame(rows, columns=["tokens", "value", "series"])
     return frame.astype({"tokens": "int64", "value": "float64", "series": "string"})
+
+
+def chart_frames(trace: SpeedTrace | None) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
+    return trace_frame(trace, SPEED), trace_frame(trace, ACCEPTANCE)
 
 
 # -- the API --------------------------------------------------------------------------------------------------------
@@ -79,7 +107,6 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
     strings are checked as such (service.check), never coerced."""
     preset_name = service.preset.name
     max_tokens_default = service.defaults["max_tokens"]
-    draft_max_default = service.defaults["draft_max"]
 
     @yields(ApiReply)
     async def chat(
@@ -88,11 +115,16 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
         system_prompt: str = "",
         preset: str = preset_name,
         max_tokens: int = max_tokens_default,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        draft_max: int = draft_max_default,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        draft_max: int | None = None,
         speculative: bool = True,
         thinking: bool = False,
+        method: str = AUTO,
+        draft_length: int | str = AUTO,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        request: gr.Request = None,  # type: ignore[assignment] - Gradio passes the caller's, never an API parameter
     ) -> AsyncIterator[ApiReply]:
         """Stream an answer to `message`: yields (text so far, statistics) after every engine step.
 
@@ -102,22 +134,27 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
             system_prompt: the system message ("" for none)
             preset: the model pair, one of /info's presets
             max_tokens: the longest answer, in tokens (an integer in 1..limits.max_new_tokens)
-            temperature: sampling temperature in [0, 2] (0 = greedy)
-            top_p: nucleus sampling in [0.01, 1]
-            draft_max: longest draft block, an integer (0 = adaptive)
-            speculative: true for DFlash speculative decoding, false for plain decoding (same text at temperature 0)
+            temperature: sampling temperature in [0, 2] (0 = greedy); null: the server's default (/info defaults)
+            top_p: nucleus sampling in [0.01, 1]; null: the server's default
+            draft_max: deprecated: use draft_length (here 0 meant "auto"); null when not used
+            speculative: true for speculative decoding, false for plain decoding (same text at temperature 0)
             thinking: let the model think first (templates that support it)
+            method: the draft method: "auto" (the pair's default), "dflash" or "mtp" (/info lists the pair's)
+            draft_length: "auto" (adaptive) or an integer in 0..limits' capacity (0 = no draft)
+            top_k: keep the k most likely tokens, 0..1000 (0 = off); null: the server's default
+            min_p: drop tokens below min_p × the top probability, [0, 0.99]; null: the server's default
         Returns:
             (text, statistics): the engine's statistics, finish_reason, finish_detail, notice, preset and GPU time
         """
         with visitor_errors():
-            request = service.check(
+            checked = service.check(
                 message=message, history=history, system_prompt=system_prompt, preset=preset, max_tokens=max_tokens,
-                temperature=temperature, top_p=top_p, draft_max=draft_max, speculative=speculative,
-                enable_thinking=thinking,
+                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, method=method,
+                draft_length=draft_length, draft_max=draft_max, speculative=speculative, enable_thinking=thinking,
             )  # fmt: skip
-            async for reply in service.reply(request):
-                yield reply.chunk.text, reply.stats
+            owner = service.owner_key(session_hash(request))
+            async for reply in service.reply(checked, owner=owner, caller=caller_of(request)):
+                yield reply.text, reply.stats
 
     async def generate(
         message: str,
@@ -125,11 +162,16 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
         system_prompt: str = "",
         preset: str = preset_name,
         max_tokens: int = max_tokens_default,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        draft_max: int = draft_max_default,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        draft_max: int | None = None,
         speculative: bool = True,
         thinking: bool = False,
+        method: str = AUTO,
+        draft_length: int | str = AUTO,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        request: gr.Request = None,  # type: ignore[assignment]
     ) -> tuple[str, dict[str, Any]]:
         """The same as /chat, answered in one piece: (text, statistics).
 
@@ -139,15 +181,20 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
             system_prompt: the system message ("" for none)
             preset: the model pair, one of /info's presets
             max_tokens: the longest answer, in tokens
-            temperature: sampling temperature in [0, 2] (0 = greedy)
-            top_p: nucleus sampling in [0.01, 1]
-            draft_max: longest draft block, an integer (0 = adaptive)
-            speculative: true for DFlash speculative decoding, false for plain decoding
+            temperature: sampling temperature in [0, 2] (0 = greedy); null: the server's default
+            top_p: nucleus sampling in [0.01, 1]; null: the server's default
+            draft_max: deprecated: use draft_length (here 0 meant "auto"); null when not used
+            speculative: true for speculative decoding, false for plain decoding
             thinking: let the model think first (templates that support it)
+            method: "auto", "dflash" or "mtp"
+            draft_length: "auto" or an integer (0 = no draft)
+            top_k: 0..1000 (0 = off); null: the server's default
+            min_p: [0, 0.99]; null: the server's default
         """
         text, stats = "", {}
         async for text, stats in chat(  # noqa: B007 - the last chunk is the answer
-            message, history, system_prompt, preset, max_tokens, temperature, top_p, draft_max, speculative, thinking
+            message, history, system_prompt, preset, max_tokens, temperature, top_p, draft_max, speculative, thinking,
+            method, draft_length, top_k, min_p, request,
         ):
             pass
         return text, stats
@@ -173,11 +220,43 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
 # -- the page -------------------------------------------------------------------------------------------------------
 
 
+def page_draft_length(value: Any) -> Any:
+    """The page's draft-length choice ("auto" or a digit string) as the API takes it; anything else as it came (the
+    request check says what is wrong)."""
+    return int(value) if isinstance(value, str) and value.isdigit() else value
+
+
+def draft_length_choices(capacity: int) -> list[tuple[str, str]]:
+    return [("auto (adaptive)", AUTO), ("0 (no draft)", "0"), *((str(n), str(n)) for n in range(1, capacity + 1))]
+
+
+def method_choices(service: SpaceService) -> list[tuple[str, str]]:
+    """The method menu: "auto" (the pair's default), then each method the pair runs (all while not known yet)."""
+    methods = service.methods()
+    kind = service.engine_info.get("draft_kind")
+    shown = methods if methods is not None else ["dflash", "mtp"]
+    default = f"auto ({method_label(methods[0], kind)})" if methods else "auto"
+    return [(default, AUTO), *((method_label(m, kind), m) for m in shown)]
+
+
+def sampling_note(service: SpaceService) -> str:
+    """Where the sampling controls' starting values come from."""
+    return f"*Sampling defaults: from {service.sampling_source}.*"
+
+
+
 class PageHandlers:
-    """The page's event handlers. Each returns (or yields) its outputs in the order its docstring lists."""
+    """The page's event handlers. Each returns (or yields) its outputs in the order its docstring lists.
+
+    A message goes out in two events: `submit` (outside the queue, at once) checks it and shows it in the chat, or
+    says why it is refused; `respond` (in the engine's queue) answers it. So a visitor's message shows while it
+    waits for another visitor's answer, and nothing the page sends raises: a refused message or a failed answer is
+    told in the notice line and a toast, the chat and the message box stay usable (Gradio would cover every output
+    of an event that raised with an error overlay)."""
 
     def __init__(self, service: SpaceService) -> None:
         self.service = service
+        self.built_defaults = dict(service.defaults)  # the values the page's controls were built with
 
     def about(self) -> str:
         service = self.service
@@ -186,73 +265,126 @@ class PageHandlers:
         else:
             gpus = [d.get("name") or "GPU" for d in service.build.get("cuda_devices") or []]
             device = ", ".join(gpus) if gpus else "CPU"
-        lines = {"llama.cpp build": service.build_status, "Device": device, "Mode": service.mode.reason}
+        lines = {"llama.cpp build": service.build_status, "Device": device, "Mode": service.mode.reason,
+                 "Sampling defaults": f"from {service.sampling_source}"}  # fmt: skip
+        if service.draft_problem() and not service.engine_info:
+            lines["⚠️ Draft"] = service.draft_problem()
         return info_markdown(service.preset, service.limits, lines, service.engine_info)
 
     def _settings(self, values: tuple[Any, ...]) -> dict[str, Any]:
-        system_prompt, max_tokens, temperature, top_p, draft_max, speculative, thinking = values
+        (system_prompt, max_tokens, temperature, top_p, top_k, min_p, method, draft_length, speculative,
+         thinking) = values  # fmt: skip
         return {
             "preset": self.service.preset.name, "system_prompt": system_prompt, "max_tokens": max_tokens,
-            "temperature": temperature, "top_p": top_p, "draft_max": draft_max, "speculative": speculative,
-            "enable_thinking": thinking,
+            "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p, "method": method,
+            "draft_length": page_draft_length(draft_length), "speculative": speculative, "enable_thinking": thinking,
         }  # fmt: skip
 
-    async def respond(self, message: str, session: ChatSession, *settings: Any) -> AsyncIterator[tuple[Any, ...]]:
-        """Inputs: message, session, then the settings (system prompt, max tokens, temperature, top-p, draft length,
-        speculative, thinking). Outputs: chatbot, message box, statistics, acceptance plot, speed chart, notice,
-        thinking switch, info box. The chat shows every step; the plots follow the work done: they change when the
-        answer has grown by another stretch of tokens, and at its end."""
+    @staticmethod
+    def _told(error: Exception, what: str) -> Any:
+        """The notice line's update for a refused message or a failed answer, with a toast saying the same."""
+        title, message = visitor_message(error)
+        gr.Warning(f"{what}: {message}", title=title)
+        return gr.update(value=f"⚠️ **{what}:** {message}", visible=True)
+
+    def submit(self, message: str, session: ChatSession, *settings: Any) -> tuple[Any, ...]:
+        """Inputs: message, session, then the settings (system prompt, max tokens, temperature, top-p, top-k, min-p,
+        method, draft length, speculative, thinking). Outputs: chatbot, message box, notice, A/B box. Shows the
+        message at once and leaves it to `respond`; a refused message stays in the box, the notice says why."""
         skip = gr.skip()
-        with visitor_errors():  # refused before anything changes: the typed message stays in the box
-            request = self.service.check(message=message, history=session.messages, **self._settings(settings))
-        epoch, shown = session.start_turn(message)
-        trace = SpeedTrace(point_every(request.max_tokens))
-        yield shown, "", WAITING_STATS, skip, trace_frame(None), gr.update(visible=False), skip, skip
+        if session.busy():
+            gr.Warning("The previous answer is still running: wait for it, or press Stop.")
+            return skip, skip, skip, skip
         try:
-            with visitor_errors():
-                while await self.service.poll_files() is None:
-                    status = f"*Downloading the model pair: {self.service.download.status().summary()}*"
-                    yield skip, skip, status, skip, skip, skip, skip, skip
-                notice, first = None, True
-                async for reply in self.service.reply(request, latest_only=True, session=session):
-                    shown = session.show_reply(epoch, reply.chunk.text, reply.sources.chunks)
-                    if shown is None:  # cleared meanwhile: this answer belongs to no conversation
-                        return
-                    plot = chart = skip
-                    if trace.add(reply.stats, final=reply.chunk.finish_reason is not None):
-                        plot, chart = plot_frame(reply.stats), trace_frame(trace)
-                    notice_update = skip
-                    if reply.chunk.notice and reply.chunk.notice != notice:
-                        notice = reply.chunk.notice
-                        notice_update = gr.update(value=f"⚠️ {notice}", visible=True)
-                        gr.Warning(notice)
-                    thinking = info = skip
-                    if first:  # the engine is known now: the thinking switch and the info box can say so
-                        first = False
-                        thinking = gr.update(visible=bool(reply.chunk.engine_info.get("supports_thinking")))
-                        info = self.about()
-                    yield shown, skip, stats_markdown(reply.stats), plot, chart, notice_update, thinking, info
-        except gr.Error:
-            restored = session.undo_turn(epoch)
-            if restored is not None:  # the failed turn leaves the chat; its message goes back to the box
-                yield restored, message, EMPTY_STATS, skip, skip, skip, skip, skip
-            raise
+            request = self.service.check(message=message, history=session.messages, **self._settings(settings))
+        except RequestError as error:
+            return skip, skip, self._told(error, "Not sent"), skip
+        _, shown = session.start_turn(message, request)
+        return shown, "", gr.update(value="", visible=False), ""
+
+    async def respond(self, session: ChatSession) -> AsyncIterator[tuple[Any, ...]]:
+        """Inputs: session. Outputs: chatbot, message box, statistics, acceptance plot, speed chart, acceptance
+        chart, notice, thinking switch, info box. Answers the turn `submit` showed. The chat shows every step; the
+        plots follow the work done: they change when the answer has grown by another stretch of tokens, and at its
+        end. Stop ends the answer on the server; the statistics then say so."""
+        skip = gr.skip()
+        pending = session.take_pending()
+        if pending is None:  # stopped or cleared while it waited in the queue: nothing changes
+            yield (skip,) * 9
+            return
+        epoch, request = pending
+        trace = SpeedTrace(point_every(request.max_tokens))
+        yield skip, skip, WAITING_STATS, skip, None, None, skip, skip, skip
+        reply: Reply | None = None
+        try:
+            while await self.service.poll_files() is None:
+                status = f"*Downloading the model pair: {self.service.download.status().summary()}*"
+                yield skip, skip, status, skip, skip, skip, skip, skip, skip
+            notice, first = None, True
+            async for reply in self.service.reply(request, owner=session.owner, latest_only=True, session=session):
+                shown = session.show_reply(epoch, reply.text, reply.sources.chunks)
+                if shown is None:  # cleared meanwhile: this answer belongs to no conversation
+                    break
+                session.last_stats = reply.stats
+                plot = speed = acceptance = skip
+                if trace.add(reply.stats, final=reply.finish_reason is not None):
+                    plot, (speed, acceptance) = plot_frame(reply.stats), chart_frames(trace)
+                notice_update = skip
+                if reply.notice and reply.notice != notice:
+                    notice = reply.notice
+                    notice_update = gr.update(value=f"⚠️ {notice}", visible=True)
+                    gr.Warning(notice)
+                thinking = info = skip
+                if first:  # the engine is known now: the thinking switch and the info box can say so
+                    first = False
+                    thinking = gr.update(visible=bool(self.service.engine_info.get("supports_thinking")))
+                    info = self.about()
+                yield shown, skip, stats_markdown(reply.stats), plot, speed, acceptance, notice_update, thinking, info
+        except Exception as error:  # told, not raised: see the class doc
+            restored = session.undo_turn(epoch)  # the failed turn leaves the chat; its message goes back to the box
+            box = request.message if restored is not None else skip
+            yield restored or skip, box, EMPTY_STATS, skip, skip, skip, self._told(error, "No answer"), skip, skip
+            return
+        if not session.is_current(epoch):
+            # Cleared: this event's last word empties what it showed (Clear's own outputs may arrive before frames
+            # this event sent earlier).
+            yield [], skip, EMPTY_STATS, plot_frame({}), None, None, skip, skip, skip
+        elif reply is not None and reply.finish_reason is None and session.last_stats:  # stopped: say so, chart it
+            stopped = {**session.last_stats, "finish_reason": "stopped", "finish_detail": "by you"}
+            trace.add(stopped, final=True)
+            speed, acceptance = chart_frames(trace)
+            yield skip, skip, stats_markdown(stopped), plot_frame(stopped), speed, acceptance, skip, skip, skip
+
+    def comparison_phases(self) -> tuple[tuple[str, ...], dict[str, str]]:
+        """The A/B run's phases (plain decoding, then each draft method the pair runs) and each method's row name."""
+        methods = self.service.methods()
+        if methods is None:  # not known yet (the files are still coming): the pair's default method
+            return ("plain", "speculative"), {"speculative": "Speculative (default method)"}
+        kind = self.service.engine_info.get("draft_kind")
+        return ("plain", *methods), {m: method_label(m, kind) for m in methods}
 
     async def compare(self, session: ChatSession, typed: str, *settings: Any) -> AsyncIterator[str]:
         """Inputs: session, message box, then the settings. Output: the A/B box. Repeats the last prompt (or the
-        typed message) with DFlash, then with plain decoding, in one GPU call, both with the same seed."""
+        typed message) with plain decoding, then with each draft method the pair runs, in one GPU call, all with the
+        same seed."""
         last = session.last_prompt()
         if last is None and not typed.strip():
-            raise gr.Error("Send a message first (or type one): the A/B run repeats a prompt.")
+            yield "*Send a message first (or type one): the A/B run repeats a prompt.*"
+            return
         message, earlier = last if last is not None else (typed, session.messages)
-        with visitor_errors():
+        try:
             request = self.service.check(message=message, history=earlier, **self._settings(settings))
             request = replace(request, seed=random.randrange(2**31))
-            yield "Running the prompt with DFlash, then with plain decoding…"
-            comparison = Comparison(request.temperature, request.seed)
-            phases = ("speculative", "plain")
-            async for reply in self.service.reply(request, phases, latest_only=True, session=session):
-                yield comparison.add(reply.chunk)
+            phases, labels = self.comparison_phases()
+            yield f"Running the prompt with plain decoding, then with {', '.join(labels.values())}…"
+            comparison = Comparison(request.temperature, request.seed, labels)
+            async for reply in self.service.reply(request, phases, owner=session.owner, latest_only=True,
+                                                  session=session):  # fmt: skip
+                yield comparison.add(reply)
+        except Exception as error:  # told, not raised: see the class doc
+            _, text = visitor_message(error)
+            gr.Warning(f"A/B: {text}")
+            yield f"⚠️ **A/B not run:** {text}"
 
     def highlight(self, session: ChatSession, on: bool) -> list[dict[str, str]]:
         """Inputs: session, highlight switch. Output: chatbot. Shows the conversation with or without the draft's
@@ -260,19 +392,28 @@ class PageHandlers:
         return session.set_highlight(bool(on))
 
     def stop(self, session: ChatSession) -> None:
-        """Inputs: session. Stops the running answer (it stays in the chat as far as it got)."""
+        """Inputs: session. Stops the running answer (it stays in the chat as far as it got; its statistics say it
+        stopped) or the message still waiting in the queue."""
         session.stop()
 
     def clear(self, session: ChatSession) -> tuple[Any, ...]:
-        """Inputs: session. Outputs: chatbot, message box, statistics, acceptance plot, speed chart, notice, A/B box.
-        Stops the running answer and forgets the conversation."""
+        """Inputs: session. Outputs: chatbot, message box, statistics, acceptance plot, speed chart, acceptance chart,
+        notice, A/B box. Stops the running answer and forgets the conversation."""
         session.clear()
-        return [], "", EMPTY_STATS, plot_frame({}), trace_frame(None), gr.update(value="", visible=False), ""
+        return [], "", EMPTY_STATS, plot_frame({}), None, None, gr.update(value="", visible=False), ""
 
     def page_load(self) -> tuple[Any, ...]:
-        """Outputs: thinking switch, info box."""
-        supports = self.service.engine_info.get("supports_thinking", True)
-        return gr.update(visible=bool(supports)), self.about()
+        """Outputs: thinking switch, info box, temperature, top-p, top-k, min-p, sampling note, method. The sampling
+        controls start from the server's current defaults (the model's own once its header is read)."""
+        service = self.service
+        supports = service.engine_info.get("supports_thinking", True)
+        # Only defaults learnt since the page was built are sent: an unchanged control is left to the visitor, who
+        # may already have moved it.
+        sampling = [gr.skip() if service.defaults[name] == self.built_defaults[name]
+                    else gr.update(value=service.defaults[name])
+                    for name in ("temperature", "top_p", "top_k", "min_p")]  # fmt: skip
+        return (gr.update(visible=bool(supports)), self.about(), *sampling, sampling_note(service),
+                gr.update(choices=method_choices(service)))  # fmt: skip
 
     def download_tick(self) -> tuple[Any, ...]:
         """Outputs: download box, timer."""

@@ -2,8 +2,9 @@
 
 The cost is a few full renders, not one per turn: the first render (everything) gives the tokens per character, which
 guesses the cut; renders then confirm the cut exactly (the guess and its neighbour), searching outwards from the guess
-only when it was off. The prompt
-grows with every turn kept, so "fits" is monotone in the cut and the search finds the smallest exact cut."""
+only when it was off. The prompt grows with every turn kept, so "fits" is monotone in the cut and the search finds the
+smallest exact cut. The tokens of the cut it keeps are what the engine reads: nothing is rendered or tokenized twice.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from ..errors import PromptTooLongError
 from .requests import ChatRequest, Message, turn_starts
 
 
-def count_prompt_tokens(engine: Any, messages: list[Message], enable_thinking: bool) -> int:
-    """The exact prompt length of `messages`, as the engine will read it: the one place the Space counts tokens."""
-    return len(engine.chat_tokens(messages, enable_thinking=enable_thinking))
+def prompt_tokens(engine: Any, messages: list[Message], enable_thinking: bool) -> list[int]:
+    """The prompt of `messages` exactly as the engine reads it: the one place the Space tokenizes a conversation."""
+    return engine.chat_tokens(messages, enable_thinking=enable_thinking)
 
 
 def dropped_notice(dropped_turns: int) -> str | None:
@@ -31,8 +32,12 @@ def dropped_notice(dropped_turns: int) -> str | None:
 class FittedConversation:
     messages: list[Message]
     dropped_turns: int  # here and, before, by the request's own limits
-    prompt_tokens: int
+    tokens: list[int]  # the prompt the engine reads
     renders: int  # full prompt renders it took (the work fitting did)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.tokens)
 
     @property
     def notice(self) -> str | None:
@@ -40,20 +45,21 @@ class FittedConversation:
 
 
 def fit_conversation(
-    request: ChatRequest, count_tokens: Callable[[list[Message]], int], n_ctx: int
+    request: ChatRequest, encode: Callable[[list[Message]], list[int]], n_ctx: int
 ) -> FittedConversation:
-    """Drop the oldest turns until the prompt leaves room to answer (max_tokens, at most half the context)."""
+    """Drop the oldest turns until the prompt leaves room to answer (max_tokens, at most half the context).
+    `encode` gives a conversation's prompt tokens (see `prompt_tokens`)."""
     system = [{"role": "system", "content": request.system_prompt}] if request.system_prompt.strip() else []
     latest = [{"role": "user", "content": request.message}]
     history = list(request.history)
     starts = turn_starts(history)
     reserve = min(request.max_tokens, n_ctx // 2)
-    counts: dict[int, int] = {}
+    encoded: dict[int, list[int]] = {}
 
     def tokens(cut: int) -> int:  # cut = index into starts: how many turns are dropped
-        if cut not in counts:
-            counts[cut] = count_tokens(system + history[starts[cut] :] + latest)
-        return counts[cut]
+        if cut not in encoded:
+            encoded[cut] = encode(system + history[starts[cut] :] + latest)
+        return len(encoded[cut])
 
     def fits(cut: int) -> bool:
         return tokens(cut) + reserve <= n_ctx
@@ -66,7 +72,7 @@ def fit_conversation(
             f"{n_ctx}-token context cannot hold it: shorten the message or the system prompt"
         )
     messages = system + history[starts[cut] :] + latest
-    return FittedConversation(messages, request.dropped_turns + cut, tokens(cut), len(counts))
+    return FittedConversation(messages, request.dropped_turns + cut, encoded[cut], len(encoded))
 
 
 def _guess(history: list[Message], starts: list[int], all_tokens: int, budget: int) -> int:

@@ -3,9 +3,15 @@
 ZeroGPU checks the *requested* duration (× the platform's factor, 1.5 on a Blackwell `large` slice) against the
 visitor's remaining daily quota, so asking for too much refuses visitors who could have been served, and asking for
 too little lets the platform stop a long answer. The worker reports what it measured (decode and prefill speed, the
-model-load time, the time it used) with its chunks; these running estimates start from conservative defaults and
-move towards the measurements: fast towards the slow side, slowly towards the fast side. The load time is added only
-when the worker may be new (the first request, or after a worker was lost).
+model-load time, the time it used) with its chunks.
+
+A public Space serves visitors who send whatever they like: a burst of requests that draft badly (text unlike the
+draft's training, a high temperature) or tokenize densely must not change the time asked of everybody else. So each
+figure a visitor's answer can move (decode speed per mode, prefill speed, characters per token) is the **median of
+the recent answers** (`WINDOW`), in which one visitor's session keeps at most `PER_SOURCE` answers: moving it takes
+more than half of the recent answers, from several sessions. Until a figure is measured it is the configured
+default. The load time is not a visitor's doing; it follows its measurements (slower ones count more) and is added
+only when the worker may be new (the first request, or after a worker was lost).
 
 | variable | meaning | default |
 | --- | --- | --- |
@@ -20,7 +26,9 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import threading
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +40,8 @@ SAFETY = 0.8  # plan with 80 % of the estimated speeds: answers differ in how we
 CHARS_PER_TOKEN = 3.0  # until measured; ~3 characters per token is on the safe side for English and code
 MIN_DECODE_TOKENS = 16  # shorter answers say little about the speed (fixed costs dominate)
 MIN_PREFILL_TOKENS = 64
+WINDOW = 32  # recent answers behind each figure
+PER_SOURCE = 3  # of which one visitor's session keeps at most this many
 
 
 @dataclass(frozen=True)
@@ -66,55 +76,83 @@ def _toward(old: float, new: float, conservative_is_lower: bool) -> float:
     return old + (0.7 if conservative else 0.2) * (new - old)
 
 
+class RecentMedian:
+    """The median of the recent measurements of one figure, each from a source (a visitor's session): the newest
+    `window` at most, of which one source keeps its newest `per_source`; `default` until the first measurement."""
+
+    def __init__(self, default: float, window: int = WINDOW, per_source: int = PER_SOURCE) -> None:
+        self.default = default
+        self._window = window
+        self._per_source = per_source
+        self._values: deque[tuple[str, float]] = deque()
+
+    def add(self, source: str, value: float) -> None:
+        own = [i for i, (who, _) in enumerate(self._values) if who == source]
+        if len(own) >= self._per_source:
+            del self._values[own[0]]
+        self._values.append((source, value))
+        while len(self._values) > self._window:
+            self._values.popleft()
+
+    @property
+    def measured(self) -> int:
+        return len(self._values)
+
+    @property
+    def value(self) -> float:
+        return statistics.median(v for _, v in self._values) if self._values else self.default
+
+
 class GpuTimeEstimator:
     """Running estimates of the worker's speeds and load time (thread-safe), and the duration they give."""
 
     def __init__(self, settings: GpuTimeSettings) -> None:
         self.settings = settings
         self._lock = threading.Lock()
-        self._decode = {True: settings.decode_tok_s, False: settings.decode_tok_s}  # by speculative on / off
-        self._prefill = settings.prefill_tok_s
+        self._figures = {
+            "decode_speculative": RecentMedian(settings.decode_tok_s),
+            "decode_plain": RecentMedian(settings.decode_tok_s),
+            "prefill": RecentMedian(settings.prefill_tok_s),
+            "chars_per_token": RecentMedian(CHARS_PER_TOKEN),
+        }
         self._load = settings.load_s
-        self._chars_per_token = CHARS_PER_TOKEN
+        self._load_measured = False
         self._worker_may_be_new = True
-        self._measured: set[str] = set()
+
+    def _decode(self, speculative: bool) -> float:
+        return self._figures["decode_speculative" if speculative else "decode_plain"].value
 
     def estimate(self, request: ChatRequest, phases: tuple[bool, ...]) -> GpuEstimate:
         """Duration for `request` decoded once per phase (True = speculative): load when the worker may be new,
         then for each phase the whole prompt prefilled and max_tokens decoded at the planned speeds."""
         with self._lock:
-            prompt_tokens = request.input_chars / self._chars_per_token
+            prompt_tokens = request.input_chars / self._figures["chars_per_token"].value
             seconds = self.settings.base_s + (self._load if self._worker_may_be_new else 0.0)
             for speculative in phases:
-                seconds += prompt_tokens / (self._prefill * SAFETY)
-                seconds += request.max_tokens / (self._decode[speculative] * SAFETY)
+                seconds += prompt_tokens / (self._figures["prefill"].value * SAFETY)
+                seconds += request.max_tokens / (self._decode(speculative) * SAFETY)
             bounded = max(MIN_SECONDS, min(self.settings.seconds_max, math.ceil(seconds)))
             return GpuEstimate(bounded, self._worker_may_be_new)
 
-    def observe(self, stats: Mapping[str, Any], request: ChatRequest, dropped_here: int) -> None:
-        """Learn from one finished decode (a phase's final statistics)."""
+    def observe(self, stats: Mapping[str, Any], request: ChatRequest, dropped_here: int, source: str = "") -> None:
+        """Learn from one finished decode (a phase's final statistics) of `source` (the visitor's session)."""
         with self._lock:
-            if stats.get("n_generated", 0) >= MIN_DECODE_TOKENS and stats.get("decode_tok_s", 0) > 0:
+            decode_tok_s = stats.get("decode_tok_s") or 0
+            if stats.get("n_generated", 0) >= MIN_DECODE_TOKENS and decode_tok_s > 0:
                 kind = "decode_speculative" if stats.get("speculative") else "decode_plain"
-                speculative = bool(stats.get("speculative"))
-                self._decode[speculative] = self._learn(kind, self._decode[speculative], stats["decode_tok_s"], True)
+                self._figures[kind].add(source, decode_tok_s)
             if stats.get("n_prefilled", 0) >= MIN_PREFILL_TOKENS and stats.get("prefill_ms", 0) > 0:
                 speed = stats["n_prefilled"] / (stats["prefill_ms"] / 1000.0)
-                self._prefill = self._learn("prefill", self._prefill, speed, True)
+                self._figures["prefill"].add(source, speed)
             if not dropped_here and stats.get("n_prompt", 0) > 0:  # the prompt the engine saw was the whole request
                 ratio = max(request.input_chars / stats["n_prompt"], 0.5)
-                self._chars_per_token = self._learn("chars_per_token", self._chars_per_token, ratio, True)
+                self._figures["chars_per_token"].add(source, ratio)
 
     def observe_load(self, seconds: float) -> None:
+        """The model load time a worker measured: the first replaces the default, later ones move it (see _toward)."""
         with self._lock:
-            self._load = self._learn("load", self._load, seconds, False)
-
-    def _learn(self, name: str, old: float, new: float, conservative_is_lower: bool) -> float:
-        """The first measurement replaces the default; later ones move the estimate (see `_toward`)."""
-        if name not in self._measured:
-            self._measured.add(name)
-            return new
-        return _toward(old, new, conservative_is_lower)
+            self._load = _toward(self._load, seconds, False) if self._load_measured else seconds
+            self._load_measured = True
 
     def engine_seen(self, loaded: bool) -> None:
         """The worker's report: whether its engine is loaded (if not, the next request must plan a load)."""
@@ -127,13 +165,18 @@ class GpuTimeEstimator:
 
     def describe(self) -> dict[str, Any]:
         with self._lock:
+            figures = self._figures
+            measured = sorted(name for name, figure in figures.items() if figure.measured)
             return {  # unrounded: the duration a request gets can be recomputed from these
-                "decode_tok_s": {"speculative": self._decode[True], "plain": self._decode[False]},
-                "prefill_tok_s": self._prefill,
+                "decode_tok_s": {"speculative": self._decode(True), "plain": self._decode(False)},
+                "prefill_tok_s": figures["prefill"].value,
                 "load_s": self._load,
-                "chars_per_token": self._chars_per_token,
+                "chars_per_token": figures["chars_per_token"].value,
                 "worker_may_be_new": self._worker_may_be_new,
-                "measured": sorted(self._measured),
+                "measured": sorted([*measured, *(["load"] if self._load_measured else [])]),
+                "answers_counted": {name: figure.measured for name, figure in figures.items()},
+                "window": WINDOW,
+                "per_session": PER_SOURCE,
                 "safety": SAFETY,
                 "base_s": self.settings.base_s,
                 "seconds_min": MIN_SECONDS,

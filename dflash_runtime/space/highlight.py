@@ -23,6 +23,7 @@ CSS = f"""
 .{TEXT_CLASS} {{ white-space: pre-wrap; }}
 .{DRAFT_CLASS} {{ background: rgba(250, 190, 40, 0.35); border-radius: 2px; }}
 #draft-legend {{ font-size: var(--text-sm); }}
+#ab-result th {{ white-space: nowrap; word-break: normal; overflow-wrap: normal; hyphens: none; }}
 """
 LEGEND = (
     f'<span class="{DRAFT_CLASS}">highlighted</span>: written by the draft and accepted by the target; '
@@ -71,3 +72,45 @@ def reply_html(text: str, runs: Sequence[Run]) -> str:
     if answer_start < len(text):  # no empty answer block while the answer has not begun
         html += _block(text, runs, answer_start, len(text), close=False)
     return html
+
+
+class ReplyView:
+    """A growing reply's highlighted HTML, rendered incrementally: a step appends the escaped text of its own runs,
+    so the work per step follows what the step added, not the length of the answer. Where the blocks change (a
+    thinking tag may still open, or closes now) the reply is rendered whole again; either way the HTML is the same as
+    `reply_html` of the whole reply."""
+
+    def __init__(self) -> None:
+        self.html = ""
+        self._text_len = 0
+        self._mode: str | None = None  # "plain", "thinking" or "answer": the open last block appends; None: render
+
+    def update(self, text: str, runs: Sequence[Run], new_runs: Sequence[Run]) -> str:
+        """The HTML of `text` (all its `runs`, in arrival order), which extends the text rendered last by the
+        characters of `new_runs` (the runs that arrived since)."""
+        added = text[self._text_len :]
+        closes_now = self._mode == "thinking" and THINK_CLOSE in text[max(0, self._text_len - len(THINK_CLOSE)) :]
+        if self._mode is not None and sum(n for n, _ in new_runs) == len(added) and not closes_now:
+            parts, offset = [self.html], self._text_len
+            for n, source in new_runs:
+                piece = escape(text[offset : offset + n])
+                parts.append(f'<span class="{DRAFT_CLASS}">{piece}</span>' if source == DRAFT else piece)
+                offset += n
+            self.html = "".join(parts)
+        else:
+            self.html = reply_html(text, runs)
+            self._mode = _open_block(text) if sum(n for n, _ in runs) == len(text) else None
+        self._text_len = len(text)
+        return self.html
+
+
+def _open_block(text: str) -> str | None:
+    """Which block of `text` stays open at its end and can only grow ("plain", "thinking", "answer"), or None when
+    the next text may change the blocks (a thinking tag not yet decided, an answer not yet begun)."""
+    head = text.lstrip()
+    if not head.startswith(THINK_OPEN):
+        return "plain" if len(head) >= len(THINK_OPEN) else None
+    close = text.find(THINK_CLOSE, len(text) - len(head) + len(THINK_OPEN))
+    if close < 0:
+        return "thinking"
+    return "answer" if close + len(THINK_CLOSE) < len(text) else None

@@ -12,21 +12,29 @@ knows when the next request must plan a load.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..errors import DecodeError, DFlashError, EngineClosedError, RequestError
-from .fitting import FittedConversation, count_prompt_tokens, fit_conversation
-from .presets import PairPreset, ResolvedPair
-from .requests import ChatRequest, thinking_prefix
+from ..errors import DecodeError, DFlashError, EngineClosedError, ModelFileError, PairMismatchError, RequestError
+from .fitting import FittedConversation, fit_conversation, prompt_tokens
+from .presets import PairPreset, ResolvedPair, draft_unavailable, has_mtp_head
+from .requests import DEFAULT_SYSTEM_PROMPT, ChatRequest, thinking_prefix
+from .views import scrub_paths
 
-PHASES = {"chat": None, "speculative": True, "plain": False}  # None: the request's own `speculative`
+# Each phase's decoding: None for the request's own `speculative` and method; True for speculative with the request's
+# method; False for plain decoding; a method name for speculative decoding with that method (an A/B comparison).
+PHASES: dict[str, bool | str | None] = {"chat": None, "speculative": True, "plain": False, "dflash": "dflash",
+                                        "mtp": "mtp"}  # fmt: skip
 # Errors after which the engine's state is not to be trusted: it is closed, and the next request loads it again.
 # Any other runtime error (a bad request, a prompt too long, a busy engine) leaves it as it is.
 ENGINE_FAILURES = (DecodeError, EngineClosedError)
@@ -39,8 +47,12 @@ class GpuJob:
     request: ChatRequest
     preset: PairPreset
     files: ResolvedPair
-    phases: tuple[str, ...] = ("chat",)  # ("speculative", "plain") for an A/B comparison
+    phases: tuple[str, ...] = ("chat",)  # e.g. ("dflash", "mtp", "plain") for an A/B comparison
     gpu_seconds: int = 60  # the duration asked of ZeroGPU, decided in the web process
+    # Whose text this is (an opaque key per visitor's session): the engine reuses cached tokens only for the same
+    # owner, beyond the prompt's public prefix. Empty: a fresh owner, nothing of anybody else's is reused.
+    cache_owner: str = ""
+    engine_info_seen: str = ""  # the digest of the engine description the web process holds (see info_digest)
 
     def __post_init__(self) -> None:
         unknown = [phase for phase in self.phases if phase not in PHASES]
@@ -48,37 +60,130 @@ class GpuJob:
             raise ValueError(f"phases must be some of {list(PHASES)}, got {self.phases}")
 
     def speculative_phases(self) -> tuple[bool, ...]:
-        return tuple(self.request.speculative if PHASES[p] is None else bool(PHASES[p]) for p in self.phases)
+        return tuple(phase_decoding(self.request, p)[0] for p in self.phases)
+
+
+def phase_decoding(request: ChatRequest, phase: str) -> tuple[bool, str | None]:
+    """(speculative, method) of one phase: method None means the request's own."""
+    decoding = PHASES[phase]
+    if decoding is None:
+        return request.speculative, None
+    if isinstance(decoding, str):
+        return True, decoding
+    return decoding, None
 
 
 @dataclass
 class ReplyChunk:
-    """What a streaming reply sends after each engine step (plain data: it crosses the ZeroGPU process line)."""
+    """What a streaming reply sends after each engine step (plain data: it crosses the ZeroGPU process line). Its
+    size does not grow with the answer: the text and everything that accumulates come as what this step added, and
+    what does not change within a reply comes once."""
 
-    text: str
-    stats: dict[str, Any]
+    delta: str  # the text this step added
+    stats: dict[str, Any]  # the statistics after this step, without `draft_lengths` (see below)
     finish_reason: str | None = None
     finish_detail: str = ""
-    notice: str | None = None
+    notice: str | None = None  # on a phase's first chunk only
     phase: str = "chat"  # "chat", or "speculative" / "plain" during an A/B comparison
-    engine_info: dict[str, Any] = field(default_factory=dict)
-    worker: dict[str, Any] = field(default_factory=dict)  # pid, loads, load_s, loaded_now, engine_loaded, used_s, ...
+    engine_info: dict[str, Any] | None = None  # when it differs from what this host sent before
+    worker: dict[str, Any] = field(default_factory=dict)  # on a job's first and last chunk: loads, load_s, ...
+    used_s: float | None = None  # the GPU function's time so far
     dropped_turns: int = 0
     error_type: str | None = None  # set on a final chunk that reports an error instead of raising it
     error: str | None = None
-    # Who wrote the text this chunk adds: runs of (n_chars, "draft" | "target") covering exactly the new text (the
-    # text is cumulative, the runs are not: a view appends them, nothing is repeated per token).
+    # Who wrote `delta`: runs of (n_chars, "draft" | "target") covering it exactly.
     source_runs: list[tuple[int, str]] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)  # the draft lengths chosen in this step's rounds
+
+    def then(self, newer: ReplyChunk) -> ReplyChunk:
+        """This chunk and the `newer` one after it as one (for a reader that skips chunks a newer one replaced):
+        what accumulates is joined, what comes once is kept."""
+        return replace(
+            newer,
+            delta=self.delta + newer.delta,
+            notice=newer.notice or self.notice,
+            engine_info=newer.engine_info or self.engine_info,
+            worker={**self.worker, **newer.worker},
+            source_runs=[*self.source_runs, *newer.source_runs],
+            draft_lengths=[*self.draft_lengths, *newer.draft_lengths],
+        )
+
+
+def join_chunks(skipped: ReplyChunk, newer: ReplyChunk) -> ReplyChunk:
+    return skipped.then(newer)
+
+
+# What the cache holds now (tokens, checkpoints, the owners' parked states): the state of somebody's requests.
+PRIVATE_ENGINE_KEYS = ("n_cached", "checkpoints", "sessions")
+PUBLIC_OWNER = "public prefix"  # the owner of the requests that put the public prefix back in the cache
 
 
 def _public_info(info: dict[str, Any]) -> dict[str, Any]:
-    """The engine's description without the server's file-system paths (file names only)."""
-    return {k: Path(v).name if k in ("target", "draft") and isinstance(v, str) else v for k, v in info.items()}
+    """The engine's description without the server's file-system paths (file names only) and without the cache's
+    state (what the previous request left)."""
+    return {
+        k: Path(v).name if k in ("target", "draft") and isinstance(v, str) else v
+        for k, v in info.items()
+        if k not in PRIVATE_ENGINE_KEYS
+    }
+
+
+def info_digest(info: dict[str, Any]) -> str:
+    """A short digest of an engine description: the web process says which one it holds, the host sends its own only
+    when it differs."""
+    return hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class EngineFacts:
+    """What the host learns once per loaded engine: whether it keeps visitors' cached tokens apart itself (the
+    `cache_owner` argument), and per thinking switch the public prompt prefix and the thinking tag the template opens.
+    """
+
+    owners_native: bool
+    public_tokens: dict[bool, list[int]] = field(default_factory=dict)
+    thinking_prefix: dict[bool, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, engine: Any) -> EngineFacts:
+        return cls("cache_owner" in inspect.signature(engine.stream).parameters)
+
+    def public(self, engine: Any, thinking: bool) -> list[int]:
+        """The prompt tokens every visitor can send: the page's system prompt up to where the visitor's own message
+        begins (the common prefix of two conversations that differ only there)."""
+        if thinking not in self.public_tokens:
+            system = {"role": "system", "content": DEFAULT_SYSTEM_PROMPT}
+            a, b = ([system, {"role": "user", "content": text}] for text in ("a", "b"))
+            tokens_a = prompt_tokens(engine, a, thinking)
+            self.public_tokens[thinking] = tokens_a[: common_prefix(tokens_a, prompt_tokens(engine, b, thinking))]
+        return self.public_tokens[thinking]
+
+    def prefix(self, engine: Any, thinking: bool) -> str:
+        """The thinking tag the template opens at the end of every prompt (when thinking is on), shown with the
+        reply so it folds whole. The template's generation prompt does not depend on the conversation."""
+        if thinking not in self.thinking_prefix:
+            probe = [{"role": "user", "content": "a"}]
+            self.thinking_prefix[thinking] = thinking_prefix(engine.render_chat(probe, enable_thinking=True)) \
+                if thinking else ""  # fmt: skip
+        return self.thinking_prefix[thinking]
 
 
 class EngineHost:
     """Owns this process's engine: built on first use, rebuilt when the preset or files change, one request at a
-    time, with counters that tell a warm worker from a new one (`loads`, `requests`, the process id)."""
+    time, with counters that tell a warm worker from a new one (`loads`, `requests`, the process id).
+
+    Visitors' cached prompts are kept apart: a request reuses cached tokens only if its own `cache_owner` put them
+    there, beyond the public prefix of its prompt (the page's system prompt). An engine that takes `cache_owner`
+    parks and restores each owner's state itself; with one that does not, the host forgets the cache whenever the
+    owner changes, so a visitor's own next turn still reuses it and nobody else's request can."""
 
     def __init__(self, loader: Callable[..., Any], busy_timeout_s: float = 120.0) -> None:
         self._loader = loader
@@ -86,10 +191,14 @@ class EngineHost:
         self._lock = threading.Lock()
         self._engine: Any = None
         self._key: tuple[Any, ...] | None = None
+        self._facts: EngineFacts | None = None
+        self._last_owner: str | None = None
+        self._public_cached: list[int] | None = None  # the public prefix the cache holds (see _owner_arguments)
         self.loads = 0
         self.requests = 0
         self.last_load_s: float | None = None
         self.previous_request: dict[str, Any] = {}
+        self.draft_problem: str | None = None  # why the loaded engine runs without its DFlash draft
 
     def close(self) -> None:
         with self._lock:
@@ -98,7 +207,8 @@ class EngineHost:
     def _close(self) -> None:
         if self._engine is not None:
             self._engine.close()
-            self._engine, self._key = None, None
+            self._engine, self._key, self._facts, self._last_owner = None, None, None, None
+            self._public_cached = None
 
     def _ensure(self, preset: PairPreset, files: ResolvedPair) -> tuple[Any, bool]:
         """The engine for this preset and files, and whether it was loaded now. Call with the lock held."""
@@ -107,14 +217,22 @@ class EngineHost:
             return self._engine, False
         self._close()
         started = time.monotonic()
-        self._engine = self._loader(
-            files.target_path,
-            files.draft_path,
-            n_ctx=preset.n_ctx,
-            n_gpu_layers=preset.n_gpu_layers,
-            draft_capacity=preset.draft_capacity,
-        )
+        options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity}
+        self.draft_problem = files.draft_problem
+        if files.draft_path is None:
+            self._engine = self._loader(files.target_path, None, **options)
+        else:
+            try:
+                self._engine = self._loader(files.target_path, files.draft_path, **options)
+            except (PairMismatchError, ModelFileError) as error:
+                # A draft that fails validation: the target alone still accelerates when it has an MTP head. (If
+                # the target itself is at fault, opening it alone raises that error.)
+                if not has_mtp_head(files.target_path):
+                    raise
+                self._engine = self._loader(files.target_path, None, **options)
+                self.draft_problem = str(error)
         self._key = key
+        self._facts = EngineFacts.of(self._engine)
         self.loads += 1
         self.last_load_s = round(time.monotonic() - started, 3)
         return self._engine, True
@@ -132,16 +250,26 @@ class EngineHost:
             engine, loaded_now = self._ensure(job.preset, job.files)
             report.update(loaded_now=loaded_now, load_s=self.last_load_s if loaded_now else None)
             thinking = job.request.enable_thinking
-            fitted = fit_conversation(job.request, partial(count_prompt_tokens, engine, enable_thinking=thinking),
+            fitted = fit_conversation(job.request, partial(prompt_tokens, engine, enable_thinking=thinking),
                                       engine.n_ctx)  # fmt: skip
+            owner = self._owner_arguments(engine, job.cache_owner, fitted.tokens, thinking)
             info = _public_info(engine.info())
+            if self.draft_problem:
+                info["draft_problem"] = scrub_paths(draft_unavailable(self.draft_problem))
+            info_known = info_digest(info) == job.engine_info_seen
+            first = True
             for phase in job.phases:
-                speculative = job.request.speculative if PHASES[phase] is None else bool(PHASES[phase])
-                for chunk in self._stream(engine, job.request, fitted, speculative, phase):
+                for chunk in self._stream(engine, job.request, fitted, phase, owner):
                     outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
                                "n_generated": chunk.stats["n_generated"], "phase": phase}  # fmt: skip
-                    chunk.engine_info = info
-                    chunk.worker = self._report(report, started)
+                    if not info_known:
+                        chunk.engine_info, info_known = info, True
+                    if owner.get("public_prefix"):  # its prompt is prefilled: the public prefix is cached
+                        self._public_cached = self._facts.public(engine, thinking) if self._facts else None
+                    chunk.used_s = round(time.monotonic() - started, 3)
+                    if first or (chunk.finish_reason and phase == job.phases[-1]):
+                        chunk.worker = self._report(report, started)
+                        first = False
                     yield chunk
         except DFlashError as error:
             if isinstance(error, ENGINE_FAILURES):
@@ -149,10 +277,37 @@ class EngineHost:
             outcome = {"finish_reason": "error", "error_type": type(error).__name__, "n_generated": 0}
             chunk = self._error_chunk(error)
             chunk.worker = self._report(report, started)
+            chunk.used_s = chunk.worker["used_s"]
             yield chunk
         finally:
             self.previous_request = outcome
             self._lock.release()
+
+    def _owner_arguments(self, engine: Any, owner: str, tokens: list[int], thinking: bool) -> dict[str, Any]:
+        """The engine's keyword arguments that keep this request's cache to its owner (see the class doc). Call
+        with the lock held.
+
+        The public prefix is all or nothing: the page's whole system prompt up to where the visitor's text begins,
+        or none of it (a part of it would tell how far another visitor's prompt followed it). And it is in the cache
+        before every request that declares it: an engine reuses a public prefix only if it is cached, so whether it
+        is would tell whether the previous visitor used the page's system prompt; when the previous request did not
+        leave it there, a one-token request of nobody's puts it back first."""
+        assert self._facts is not None
+        owner = owner or secrets.token_hex(16)  # nobody's session: a fresh owner, nothing to reuse
+        if not self._facts.owners_native:
+            if owner != self._last_owner:
+                engine.reset()
+            self._last_owner = owner
+            return {}
+        public = self._facts.public(engine, thinking)
+        declared = len(public) if len(tokens) > len(public) and tokens[: len(public)] == public else 0
+        if declared and self._public_cached != public:
+            with engine.stream(public, max_tokens=1, speculative=False, cache_owner=PUBLIC_OWNER,
+                               public_prefix=declared) as events:  # fmt: skip
+                for _ in events:
+                    pass
+        self._public_cached = None  # until this request's prompt is in the cache (see run)
+        return {"cache_owner": owner, "public_prefix": declared}
 
     def _report(self, report: dict[str, Any], started: float) -> dict[str, Any]:
         used_s = round(time.monotonic() - started, 3)
@@ -161,32 +316,37 @@ class EngineHost:
 
     @staticmethod
     def _error_chunk(error: DFlashError) -> ReplyChunk:
-        return ReplyChunk(text="", stats={}, finish_reason="error", error_type=type(error).__name__, error=str(error))
+        return ReplyChunk(delta="", stats={}, finish_reason="error", error_type=type(error).__name__, error=str(error))
 
-    @staticmethod
     def _stream(
-        engine: Any, request: ChatRequest, fitted: FittedConversation, speculative: bool, phase: str
+        self,
+        engine: Any,
+        request: ChatRequest,
+        fitted: FittedConversation,
+        phase: str,
+        owner: dict[str, Any],
     ) -> Iterator[ReplyChunk]:
-        thinking = request.enable_thinking
-        prefix = thinking_prefix(engine.render_chat(fitted.messages, enable_thinking=thinking)) if thinking else ""
-        text = prefix
-        events = engine.stream_chat(
-            fitted.messages, enable_thinking=thinking, **request.generation_kwargs(speculative=speculative)
-        )
+        assert self._facts is not None
+        prefix = self._facts.prefix(engine, request.enable_thinking)
+        speculative, method = phase_decoding(request, phase)
+        events = engine.stream(fitted.tokens, **request.generation_kwargs(speculative, method), **owner)
         runs: list[tuple[int, str]] = [(len(prefix), "target")] if prefix else []
+        delta, notice, lengths_sent = prefix, fitted.notice, 0
         try:
             for event in events:
-                text += event.delta
+                stats = event.stats.to_dict()
+                lengths = stats.pop("draft_lengths")
                 yield ReplyChunk(
-                    text=text,
-                    stats=event.stats.to_dict(),
+                    delta=delta + event.delta,
+                    stats=stats,
                     finish_reason=event.finish_reason,
                     finish_detail=event.finish_detail,
-                    notice=fitted.notice,
+                    notice=notice,
                     phase=phase,
                     dropped_turns=fitted.dropped_turns,
                     source_runs=[*runs, *event.delta_sources],
+                    draft_lengths=lengths[lengths_sent:],
                 )
-                runs = []
+                runs, delta, notice, lengths_sent = [], "", None, len(lengths)
         finally:
             events.close()  # a closed reply stops the engine between two steps

@@ -9,12 +9,13 @@
 | `DFLASH_DRAFT_REPO` / `_FILE` / `_REVISION` / `_PATH` | the same for the draft | see `DEFAULT_DRAFT` |
 | `DFLASH_N_CTX` | context size in tokens | 16384 |
 | `DFLASH_GPU_LAYERS` | layers offloaded to the GPU (-1 = all) | -1 |
-| `DFLASH_DRAFT_MAX` | longest draft block | 7 |
+| `DFLASH_DRAFT_CAPACITY` | longest draft the pair is opened for (old name `DFLASH_DRAFT_MAX` still read) | 7 |
 | `DFLASH_DEMO` | `tiny` = offline demo, `off` = the configured pair, unset = decide | unset |
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -22,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
 DEFAULT_PRESET_NAME = "qwen3.8-27b-dflash2"
 DEFAULT_N_CTX = 16384
 DEFAULT_GPU_LAYERS = -1
@@ -98,10 +100,47 @@ class PairPreset:
 
 @dataclass(frozen=True)
 class ResolvedPair:
-    """Local paths of a preset's two files, ready for `load_pair`."""
+    """Local paths of a preset's two files, ready for `load_pair`; no draft (and why) when it could not be had and
+    the target drafts with its own MTP head instead."""
 
     target_path: Path
-    draft_path: Path
+    draft_path: Path | None
+    draft_problem: str | None = None
+
+
+def has_mtp_head(target_path: Path) -> bool:
+    """Whether a target GGUF carries an MTP head (nextn layers), from its header: no model is opened."""
+    from ..gguf_meta import read_gguf
+
+    info = read_gguf(target_path)
+    return int(info.keys.get(f"{info.arch}.nextn_predict_layers", 0) or 0) > 0
+
+
+def draft_unavailable(why: str) -> str:
+    """What the Space says when it drafts with the target's MTP head because the DFlash draft is not usable."""
+    return f"DFlash draft unavailable: {why}; drafting with the target's MTP head"
+
+
+SAMPLING_KEYS = (("temp", "temperature", float), ("top_k", "top_k", int), ("top_p", "top_p", float),
+                 ("min_p", "min_p", float))  # fmt: skip
+
+
+def header_sampling_defaults(target_path: Path) -> dict[str, float | int]:
+    """The target's recommended sampling (`general.sampling.*`, as llama.cpp reads them) from its GGUF header, read
+    in the web process without opening the model: only the keys present and valid."""
+    from ..gguf_meta import read_gguf
+
+    keys = read_gguf(target_path).keys
+    out: dict[str, float | int] = {}
+    for key, name, kind in SAMPLING_KEYS:
+        raw = keys.get(f"general.sampling.{key}")
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            continue
+        # float32 in the file: 0.6 reads 0.6000000238; the controls show what the model's card says
+        out[name] = int(value) if kind is int else round(value, 6)
+    return out
 
 
 def env_text(env: Mapping[str, str], name: str) -> str | None:
@@ -153,8 +192,16 @@ def preset_from_env(env: Mapping[str, str] | None = None) -> PairPreset:
         draft=draft,
         n_ctx=env_int(env, "DFLASH_N_CTX", DEFAULT_N_CTX, minimum=256),
         n_gpu_layers=env_int(env, "DFLASH_GPU_LAYERS", DEFAULT_GPU_LAYERS, minimum=-1),
-        draft_capacity=env_int(env, "DFLASH_DRAFT_MAX", DEFAULT_DRAFT_CAPACITY, minimum=1),
+        draft_capacity=draft_capacity_from_env(env),
     )
+
+
+def draft_capacity_from_env(env: Mapping[str, str]) -> int:
+    """DFLASH_DRAFT_CAPACITY, or its old name DFLASH_DRAFT_MAX (with a logged deprecation warning)."""
+    if env_text(env, "DFLASH_DRAFT_CAPACITY") is None and env_text(env, "DFLASH_DRAFT_MAX") is not None:
+        log.warning("DFLASH_DRAFT_MAX is deprecated: set DFLASH_DRAFT_CAPACITY (the same meaning)")
+        return env_int(env, "DFLASH_DRAFT_MAX", DEFAULT_DRAFT_CAPACITY, minimum=1)
+    return env_int(env, "DFLASH_DRAFT_CAPACITY", DEFAULT_DRAFT_CAPACITY, minimum=1)
 
 
 def with_local_files(preset: PairPreset, target_path: Path, draft_path: Path, **changes: Any) -> PairPreset:

@@ -9,7 +9,7 @@ updates follow the work done, not the clock.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 DRAFT, TARGET = "draft", "target"
@@ -66,16 +66,10 @@ class SourceRuns:
         return [[n, source] for n, source in self.runs]
 
 
-def fold_runs(skipped: Any, newer: Any) -> Any:
-    """For a reply job that skips chunks a newer one replaced: the newer chunk also carries the skipped chunk's
-    runs, so no text loses its source."""
-    return replace(newer, source_runs=[*skipped.source_runs, *newer.source_runs])
-
-
 # -- the chart ------------------------------------------------------------------------------------------------------
 
 SPEED, ACCEPTANCE = "decode speed (tok/s)", "acceptance (%)"
-SERIES_COLOURS = {SPEED: "#2563eb", ACCEPTANCE: "#f59e0b"}
+SERIES_COLOURS = {SPEED: "#2563eb", ACCEPTANCE: "#f59e0b"}  # each series has a chart (and a y axis) of its own
 MIN_POINT_EVERY = 4
 POINTS_PER_ANSWER = 48
 
@@ -100,24 +94,21 @@ class SpeedTrace:
         self._next = self.every
 
     def add(self, stats: Mapping[str, Any], final: bool = False) -> bool:
-        """Take a point from the statistics after a step; whether one was taken."""
+        """Take a point from the statistics after a step (the API's: acceptance as the engine counted it, the decode
+        speed of the steps so far, None before the first); whether one was taken."""
         n = int(stats.get("n_generated") or 0)
+        speed = stats.get("decode_tok_s")
         again = bool(self.points) and self.points[-1][0] == n
-        if n <= 0 or (again and not final) or (n < self._next and not final):
+        if n <= 0 or speed is None or (again and not final) or (n < self._next and not final):
             return False
-        drafted, accepted = stats.get("drafted") or 0, stats.get("accepted") or 0
-        acceptance = round(100.0 * accepted / drafted, 1) if drafted else None  # nothing drafted yet: no rate
+        acceptance = round(100.0 * stats["acceptance_rate"], 1) if stats.get("drafted") else None  # none drafted
         if again:  # the final statistics of a step already charted replace its point
             self.points.pop()
-        self.points.append((n, round(float(stats.get("decode_tok_s") or 0.0), 1), acceptance))
+        self.points.append((n, round(float(speed), 1), acceptance))
         self._next = (n // self.every + 1) * self.every
         return True
 
-    def rows(self) -> list[dict[str, Any]]:
-        """The points as the line chart reads them: one row per point and series."""
-        rows = []
-        for tokens, speed, acceptance in self.points:
-            rows.append({"tokens": tokens, "value": speed, "series": SPEED})
-            if acceptance is not None:
-                rows.append({"tokens": tokens, "value": acceptance, "series": ACCEPTANCE})
-        return rows
+    def rows(self, series: str) -> list[dict[str, Any]]:
+        """The points of one series (SPEED or ACCEPTANCE) as its line chart reads them."""
+        column = 1 if series == SPEED else 2
+        return [{"tokens": p[0], "value": p[column]} for p in self.points if p[column] is not None]

@@ -17,9 +17,17 @@ from typing import Any
 from ..errors import RequestError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# The page's system prompt: every visitor can send it, so the prompt tokens it renders to are public (see host.py).
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 Message = dict[str, str]
 TEMPERATURE_RANGE = (0.0, 2.0)
 TOP_P_RANGE = (0.01, 1.0)
+TOP_K_RANGE = (0, 1000)  # 0: no top-k cut
+MIN_P_RANGE = (0.0, 0.99)
+AUTO = "auto"
+METHOD_CHOICES = (AUTO, "dflash", "mtp")  # "auto": the pair's default method
+DRAFT_MAX_NOTE = ("draft_max is deprecated: send draft_length ('auto' or an integer, 0 = no draft); "
+                  "draft_max 0 meant 'auto'")  # fmt: skip
 
 
 def _env_number(env: Mapping[str, str], name: str, default: float) -> float:
@@ -43,7 +51,7 @@ class Limits:
     max_new_tokens: int = 4096
     max_input_chars: int = 32000
     max_history_messages: int = 256
-    draft_capacity: int = 7  # the pair's: the largest draft_max a request may ask
+    draft_capacity: int = 7  # the pair's: the longest draft_length a request may ask
 
     @classmethod
     def from_env(cls, draft_capacity: int, env: Mapping[str, str] | None = None) -> Limits:
@@ -62,8 +70,11 @@ class Limits:
             "max_history_messages": self.max_history_messages,
             "temperature": list(TEMPERATURE_RANGE),
             "top_p": list(TOP_P_RANGE),
-            "draft_max": [0, self.draft_capacity],
-            "draft_max_0_means": "adaptive draft length",
+            "top_k": list(TOP_K_RANGE),
+            "min_p": list(MIN_P_RANGE),
+            "method": list(METHOD_CHOICES),
+            "draft_length": [AUTO, [0, self.draft_capacity]],
+            "draft_length_means": "'auto' = adaptive, 0 = no draft, n = fixed length up to the pair's capacity",
         }
 
 
@@ -81,23 +92,32 @@ class ChatRequest:
     max_tokens: int = 512
     temperature: float = 0.0
     top_p: float = 1.0
-    draft_max: int | str = "auto"
+    top_k: int = 40
+    min_p: float = 0.0
+    method: str = AUTO  # "auto" (the pair's default), "dflash" or "mtp"
+    draft_length: int | str = AUTO
     speculative: bool = True
     enable_thinking: bool = False
     dropped_turns: int = 0
     seed: int | None = None  # the sampler's seed above temperature 0 (None: a random one)
+    notes: tuple[str, ...] = ()  # said back with the answer (e.g. a deprecated parameter was used)
 
     @property
     def input_chars(self) -> int:
         return len(self.message) + len(self.system_prompt) + sum(len(m["content"]) for m in self.history)
 
-    def generation_kwargs(self, speculative: bool) -> dict[str, Any]:
-        """The engine's keyword arguments; `speculative` is passed in (an A/B run overrides the request's)."""
+    def generation_kwargs(self, speculative: bool, method: str | None = None) -> dict[str, Any]:
+        """The engine's keyword arguments; `speculative` and `method` are passed in (an A/B run overrides the
+        request's: `method` None means the request's own)."""
+        method = self.method if method is None else method
         return {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
+            "top_k": self.top_k,
             "top_p": self.top_p,
-            "draft_max": self.draft_max,
+            "min_p": self.min_p,
+            "method": None if method == AUTO else method,
+            "draft_length": self.draft_length,
             "speculative": speculative,
             "seed": self.seed,
         }
@@ -131,6 +151,25 @@ def check_float(name: str, value: Any, low: float, high: float) -> float:
 def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise RequestError(f"{name} must be true or false (a boolean), got {_shown(value)}")
+    return value
+
+
+def check_draft_length(value: Any, capacity: int) -> int | str:
+    if value == AUTO:
+        return AUTO
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= capacity:
+        raise RequestError(f"draft_length must be 'auto' or an integer in 0..{capacity} (0 = no draft), "
+                           f"got {_shown(value)}")  # fmt: skip
+    return value
+
+
+def check_method(value: Any, available: Sequence[str] | None) -> str:
+    """One of METHOD_CHOICES, and (when the pair's methods are known) one the pair runs."""
+    if value not in METHOD_CHOICES:
+        raise RequestError(f"method must be one of {', '.join(map(repr, METHOD_CHOICES))}, got {_shown(value)}")
+    if available is not None and value != AUTO and value not in available:
+        runs = ", ".join(map(repr, available)) or "none (plain decoding only)"
+        raise RequestError(f"method {value!r} is not available on this pair; it runs {runs}")
     return value
 
 
@@ -199,11 +238,18 @@ def build_request(
     max_tokens: Any = 512,
     temperature: Any = 0.0,
     top_p: Any = 1.0,
-    draft_max: Any = 0,
+    top_k: Any = 40,
+    min_p: Any = 0.0,
+    method: Any = AUTO,
+    draft_length: Any = AUTO,
+    draft_max: Any = None,
     speculative: Any = True,
     enable_thinking: Any = False,
+    methods: Sequence[str] | None = None,
 ) -> ChatRequest:
-    """Check every field and return the request, or raise RequestError saying what is wrong.
+    """Check every field and return the request, or raise RequestError saying what is wrong. `methods`: the draft
+    methods the pair runs, when known. `draft_max` is the old spelling of `draft_length` (0 meant "auto"): taken when
+    given, with a note in the request's `notes`.
 
     The new message and the system prompt must fit `limits.max_input_chars` on their own; older turns that do not
     fit in what is left (or beyond `limits.max_history_messages`) are dropped, oldest first, and counted."""
@@ -222,7 +268,11 @@ def build_request(
     kept, dropped = newest_turns(
         check_history(history), limits.max_history_messages, limits.max_input_chars - own_chars
     )
-    number = check_int("draft_max", draft_max, 0, limits.draft_capacity, " (0 = adaptive)")
+    notes: tuple[str, ...] = ()
+    if draft_max is not None:
+        number = check_int("draft_max", draft_max, 0, limits.draft_capacity, " (0 = adaptive; deprecated: use "
+                           "draft_length)")  # fmt: skip
+        draft_length, notes = (AUTO if number == 0 else number), (DRAFT_MAX_NOTE,)
     return ChatRequest(
         preset=preset,
         message=message,
@@ -231,10 +281,14 @@ def build_request(
         max_tokens=check_int("max_tokens", max_tokens, 1, limits.max_new_tokens),
         temperature=check_float("temperature", temperature, *TEMPERATURE_RANGE),
         top_p=check_float("top_p", top_p, *TOP_P_RANGE),
-        draft_max="auto" if number == 0 else number,
+        top_k=check_int("top_k", top_k, *TOP_K_RANGE, " (0 = off)"),
+        min_p=check_float("min_p", min_p, *MIN_P_RANGE),
+        method=check_method(method, methods),
+        draft_length=check_draft_length(draft_length, limits.draft_capacity),
         speculative=check_bool("speculative", speculative),
         enable_thinking=check_bool("thinking", enable_thinking),
         dropped_turns=dropped,
+        notes=notes,
     )
 
 

@@ -9,8 +9,11 @@ leaves. The running estimates of GPU time learn from every finished answer.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import os
+import secrets
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -18,16 +21,25 @@ from functools import partial
 from typing import Any
 
 from ..errors import DFlashError, RequestError
+from .callers import Callers
 from .downloads import PairDownload
 from .gpu_time import GpuTimeEstimator, GpuTimeSettings
-from .host import GpuJob, ReplyChunk
+from .host import GpuJob, ReplyChunk, info_digest, join_chunks
 from .jobs import EngineSlot, ReplyJob
-from .presets import PairPreset, ResolvedPair, configured_preset, overrides_in_env
-from .provenance import SourceRuns, fold_runs
-from .requests import ChatRequest, Limits, build_request
+from .presets import (
+    PairPreset,
+    ResolvedPair,
+    configured_preset,
+    draft_unavailable,
+    has_mtp_head,
+    header_sampling_defaults,
+    overrides_in_env,
+)
+from .provenance import SourceRuns
+from .requests import AUTO, ChatRequest, Limits, build_request
 from .runmode import RunMode, choose_run_mode, cuda_device_present, on_zero_gpu, settle_run_mode
 from .session import ChatSession
-from .views import ab_markdown, scrub_paths
+from .views import comparison_markdown, scrub_paths
 
 log = logging.getLogger(__name__)
 BUILD_KEYS = (
@@ -51,29 +63,57 @@ class WorkerError(DFlashError):
 
 @dataclass
 class Reply:
-    """One chunk of an answer, its statistics as the API returns them, and the runs of its text so far (the reply's
-    one accumulating record: read it before asking for the next chunk)."""
+    """One phase's answer so far, as the web process assembles it from the chunks: the text, who wrote it, the draft
+    lengths, and the statistics as the API returns them (`stats`, refreshed for each chunk)."""
 
-    chunk: ReplyChunk
-    stats: dict[str, Any]
+    phase: str = "chat"
+    text: str = ""
     sources: SourceRuns = field(default_factory=SourceRuns)
+    draft_lengths: list[int] = field(default_factory=list)
+    notice: str | None = None
+    finish_reason: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, chunk: ReplyChunk) -> None:
+        self.text += chunk.delta
+        self.sources.add(chunk.source_runs)
+        self.draft_lengths.extend(chunk.draft_lengths)
+        self.notice = chunk.notice or self.notice
+        self.finish_reason = chunk.finish_reason
 
 
 @dataclass
 class Comparison:
-    """The A/B view's state: the latest chunk of each phase of one request, both run with the same seed."""
+    """The A/B view's state: the latest reply of each phase of one request (plain decoding and each draft method),
+    all run with the same seed. `labels`: each method phase's row name."""
 
     temperature: float
     seed: int
-    phases: dict[str, ReplyChunk] = field(default_factory=dict)
+    labels: dict[str, str]
+    phases: dict[str, Reply] = field(default_factory=dict)
 
-    def add(self, chunk: ReplyChunk) -> str:
-        self.phases[chunk.phase] = chunk
-        spec, plain = self.phases.get("speculative"), self.phases.get("plain")
-        done = plain is not None and plain.finish_reason is not None
-        identical = (spec.text == plain.text) if done and spec and plain else None
-        return ab_markdown(spec.stats if spec else {}, plain.stats if plain else None, identical,
-                           temperature=self.temperature, seed=self.seed)  # fmt: skip
+    def add(self, reply: Reply) -> str:
+        self.phases[reply.phase] = reply
+        plain = self.phases.get("plain")
+        plain_done = plain is not None and plain.finish_reason is not None
+        methods: dict[str, dict[str, Any] | None] = {}
+        identical: dict[str, bool | None] = {}
+        for phase, label in self.labels.items():
+            run = self.phases.get(phase)
+            methods[label] = run.stats if run else None
+            done = plain_done and run is not None and run.finish_reason is not None
+            identical[label] = (run.text == plain.text) if done and run and plain else None
+        return comparison_markdown(methods, plain.stats if plain else None, identical,
+                                   temperature=self.temperature, seed=self.seed)  # fmt: skip
+
+
+def decode_speed(stats: Mapping[str, Any]) -> float | None:
+    """Tokens per second of the decode steps: the tokens they wrote over their time. The first token is the
+    prefill's own sample, timed at almost nothing, so it is not counted; None before a step has written a token."""
+    steps, generated, decode_ms = stats.get("target_steps", 0), stats.get("n_generated", 0), stats.get("decode_ms", 0)
+    if not steps or generated < 2 or decode_ms <= 0:
+        return None
+    return round((generated - 1) / (decode_ms / 1000.0), 2)
 
 
 def _loses_worker(error: BaseException) -> bool:
@@ -102,6 +142,11 @@ def web_process_facts() -> dict[str, Any]:
     }
 
 
+SERVER_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 40, "min_p": 0.0}
+SERVER_DEFAULTS = "server defaults"
+MODEL_DEFAULTS = "the model's general.sampling"
+
+
 class SpaceService:
     def __init__(
         self,
@@ -117,6 +162,7 @@ class SpaceService:
         gpu_time: GpuTimeSettings,
         zero_gpu: bool,
         gpu_size: str | None,
+        show_diagnostics: bool = False,
     ) -> None:
         self.mode = replace(mode, problems=tuple(scrub_paths(problem) for problem in mode.problems))
         self.preset = preset
@@ -132,9 +178,20 @@ class SpaceService:
         self.worker_info: dict[str, Any] = {}
         self._run_gpu = run_gpu
         self._quota_seconds = quota_seconds
-        # Adaptive drafting (draft_max 0) for the real pair and the offline demo alike: the demo's generated pair
-        # (head="phrase") has predictable stretches and unpredictable text, as real text has.
-        self.defaults = {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0, "draft_max": 0}
+        self._owner_secret = secrets.token_bytes(32)  # owner keys cannot be derived from a session id elsewhere
+        self.show_diagnostics = show_diagnostics
+        self.callers = Callers()  # raw HTTP calls and their jobs, for HangUpWatch
+        # Adaptive drafting ("auto") with the pair's default method for the real pair and the offline demo alike: the
+        # demo's generated pair (head="phrase") has predictable stretches and unpredictable text, as real text has.
+        # Sampling starts from the server's defaults; a real pair's own `general.sampling.*` replace them once its
+        # target file is here (see model_files_known).
+        self.defaults: dict[str, Any] = {**SERVER_SAMPLING, "max_tokens": 512, "method": AUTO, "draft_length": AUTO}
+        self.sampling_source = SERVER_DEFAULTS
+        self.file_facts: dict[str, Any] = {}  # methods and draft problem the pair's files tell, before any load
+        if preset.target.local_path is not None and (preset.draft.local_path is not None or preset.random_weights):
+            files = ResolvedPair(preset.target.local_path, preset.draft.local_path)
+            if files.target_path.is_file():
+                self.model_files_known(files)
 
     @classmethod
     def from_env(
@@ -161,35 +218,83 @@ class SpaceService:
             gpu_time=GpuTimeSettings.from_env(env),
             zero_gpu=zero_gpu,
             gpu_size=zerogpu.GPU_SIZE,
+            show_diagnostics=env.get("DFLASH_DIAGNOSTICS", "").strip() in ("1", "true", "yes"),
         )
 
     # -- requests -------------------------------------------------------------------------------------------------
 
     def check(self, **fields: Any) -> ChatRequest:
-        """A validated request (build_request's fields), or RequestError saying what is wrong."""
-        return build_request(presets=[self.preset.name], limits=self.limits, **fields)
+        """A validated request (build_request's fields), or RequestError saying what is wrong. Sampling fields left
+        out (or None) take the server's current defaults (the model's own, once known)."""
+        for name in SERVER_SAMPLING:
+            if fields.get(name) is None:
+                fields[name] = self.defaults[name]
+        return build_request(presets=[self.preset.name], limits=self.limits, methods=self.methods(), **fields)
+
+    def methods(self) -> list[str] | None:
+        """The draft methods the pair runs, the default first: the loaded engine's, else what its files tell
+        (a draft, an MTP head in the target's header); None while unknown."""
+        if "methods" in self.engine_info:
+            return list(self.engine_info["methods"])
+        return self.file_facts.get("methods")
+
+    def draft_problem(self) -> str | None:
+        return self.engine_info.get("draft_problem") or self.file_facts.get("draft_problem")
+
+    def model_files_known(self, files: ResolvedPair) -> None:
+        """Read what the pair's files tell from their headers (no model is opened): the methods, and for a real
+        pair the target's recommended sampling (`general.sampling.*`), which become the defaults. The offline
+        demo keeps temperature 0 (its generated target carries no recommendation)."""
+        if self.file_facts:
+            return
+        try:
+            mtp = has_mtp_head(files.target_path)
+            sampling = {} if self.mode.tiny else header_sampling_defaults(files.target_path)
+        except DFlashError as error:  # the load reports it properly; here it only means "not known"
+            log.warning("could not read the target's header: %s", error)
+            return
+        methods = [m for m, ok in (("dflash", files.draft_path is not None), ("mtp", mtp)) if ok]
+        problem = draft_unavailable(scrub_paths(files.draft_problem)) if files.draft_problem else None
+        self.file_facts = {"methods": methods, "draft_problem": problem}
+        if sampling:
+            self.defaults.update(sampling)
+            self.sampling_source = MODEL_DEFAULTS
 
     async def poll_files(self, timeout_s: float = 1.0) -> ResolvedPair | None:
         """The pair's local files once downloaded (here, never in the GPU function); None while downloading."""
-        return await asyncio.to_thread(self.download.poll, timeout_s)
+        files = await asyncio.to_thread(self.download.poll, timeout_s)
+        if files is not None:
+            self.model_files_known(files)
+        return files
 
     async def files(self) -> ResolvedPair:
         while (files := await self.poll_files()) is None:
             pass
         return files
 
+    def owner_key(self, session_hash: str | None) -> str:
+        """The cache owner (and the GPU-time estimates' source) of a request: an opaque key derived from the caller's
+        session, or a fresh one for a caller without a session (nothing it sends is reused for anybody)."""
+        if not session_hash:
+            return secrets.token_hex(16)
+        return hmac.new(self._owner_secret, session_hash.encode(), hashlib.sha256).hexdigest()[:32]
+
     async def reply(
         self,
         request: ChatRequest,
         phases: tuple[str, ...] = ("chat",),
         *,
+        owner: str,
         latest_only: bool = False,
         session: ChatSession | None = None,
+        caller: str | None = None,
     ) -> AsyncIterator[Reply]:
-        """Run `request` on the GPU and stream its chunks. Errors reported by the worker are raised as WorkerError;
-        leaving the loop (or being cancelled) stops the engine."""
+        """Run `request` on the GPU for `owner` (see owner_key) and stream its reply, phase by phase, after each chunk
+        (the same Reply object, grown: read it before asking for the next). Errors reported by the worker are raised
+        as WorkerError; leaving the loop (or being cancelled) stops the engine."""
         files = await self.files()
-        job_spec = GpuJob(request, self.preset, files, phases)
+        job_spec = GpuJob(request, self.preset, files, phases, cache_owner=owner,
+                          engine_info_seen=info_digest(self.engine_info) if self.engine_info else "")  # fmt: skip
         estimate = self.estimator.estimate(request, job_spec.speculative_phases())
         job_spec = replace(job_spec, gpu_seconds=estimate.seconds)
         requested = self._quota_seconds(estimate.seconds)
@@ -198,12 +303,14 @@ class SpaceService:
                  estimate.includes_load)  # fmt: skip
         job: ReplyJob[ReplyChunk] = ReplyJob(
             partial(self._run_gpu, job_spec), self.slot, is_final=lambda chunk: chunk.finish_reason is not None,
-            fold=fold_runs,
+            fold=join_chunks,
         )
         if session is not None:
             session.attach(job)
+        if caller is not None:  # a raw HTTP call: its hang-up cancels the job (see callers.py)
+            self.callers.attach(caller, job)
         load_seen = False
-        sources: dict[str, SourceRuns] = {}  # per phase: an A/B run streams two answers
+        replies: dict[str, Reply] = {}  # per phase: an A/B run streams two answers
         try:
             async for chunk in job.chunks(latest_only):
                 self._remember(chunk)
@@ -214,11 +321,13 @@ class SpaceService:
                     self.estimator.observe_load(chunk.worker["load_s"])
                 if chunk.error_type:
                     raise WorkerError(chunk.error_type, chunk.error or chunk.error_type)
+                reply = replies.setdefault(chunk.phase, Reply(chunk.phase))
+                reply.add(chunk)
+                reply.stats = self.reply_stats(chunk, reply, requested, request.notes)
                 if chunk.finish_reason:
-                    self.estimator.observe(chunk.stats, request, chunk.dropped_turns - request.dropped_turns)
-                runs = sources.setdefault(chunk.phase, SourceRuns())
-                runs.add(chunk.source_runs)
-                yield Reply(chunk, self.reply_stats(chunk, requested, runs), runs)
+                    finished = {**chunk.stats, "decode_tok_s": reply.stats["decode_tok_s"]}
+                    self.estimator.observe(finished, request, chunk.dropped_turns - request.dropped_turns, owner)
+                yield reply
         except DFlashError:
             raise
         except Exception as error:
@@ -226,26 +335,35 @@ class SpaceService:
                 self.estimator.worker_lost()
             log.warning("the GPU call failed: %s: %s", type(error).__name__, error)
             raise
+        finally:
+            if session is not None:
+                session.detach(job)
+            if caller is not None:
+                self.callers.detach(caller, job)
 
-    def reply_stats(self, chunk: ReplyChunk, requested: int | None, sources: SourceRuns) -> dict[str, Any]:
+    def reply_stats(self, chunk: ReplyChunk, reply: Reply, requested: int | None,
+                    notes: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
         """The statistics the API returns (and the panel shows) for one chunk; `source_runs` says who wrote the text
         so far: [[n_chars, "draft" | "target"], ...] covering it exactly."""
         return {
             **chunk.stats,
+            "decode_tok_s": decode_speed(chunk.stats),
+            "draft_lengths": list(reply.draft_lengths),
             "finish_reason": chunk.finish_reason,
             "finish_detail": chunk.finish_detail,
-            "notice": chunk.notice,
+            "notice": reply.notice,
             "preset": self.preset.name,
             "gpu_seconds_requested": requested,
-            "gpu_seconds_used": chunk.worker.get("used_s"),
-            "source_runs": sources.as_json(),
+            "gpu_seconds_used": chunk.used_s,
+            "source_runs": reply.sources.as_json(),
+            "notes": list(notes),
         }
 
     def _remember(self, chunk: ReplyChunk) -> None:
         if chunk.engine_info:
             self.engine_info = chunk.engine_info
         if chunk.worker:
-            self.worker_info = chunk.worker
+            self.worker_info = {**self.worker_info, **chunk.worker}
 
     # -- the server's description -----------------------------------------------------------------------------------
 
@@ -264,6 +382,10 @@ class SpaceService:
             "presets": {self.preset.name: self.preset.describe()},
             "default_preset": self.preset.name,
             "defaults": dict(self.defaults),
+            "sampling_defaults_from": self.sampling_source,
+            "methods": self.methods(),
+            "default_method": (self.methods() or [None])[0],
+            "draft_problem": self.draft_problem(),
             "offline_demo": self.mode.tiny,
             "mode_reason": self.mode.reason,
             "problems": list(self.mode.problems),
@@ -273,7 +395,12 @@ class SpaceService:
             "download": {"state": download.state, "summary": scrub_paths(download.summary())},
             "busy": self.slot.busy(),  # an answer is running (or being stopped)
             "engine": dict(self.engine_info),
-            "worker": dict(self.worker_info),
             "gpu_time": {"zero_gpu": self.zero_gpu, "gpu_size": self.gpu_size, **self.estimator.describe()},
-            "web_process": web_process_facts(),
+            **(self.diagnostics() if self.show_diagnostics else {}),
         }
+
+    def diagnostics(self) -> dict[str, Any]:
+        """The processes as last seen (the GPU worker's id, loads, requests and the last request's outcome; what the
+        web process has loaded): for the operator (DFLASH_DIAGNOSTICS=1), never on a public Space, where they would
+        tell one visitor about another's requests."""
+        return {"worker": dict(self.worker_info), "web_process": web_process_facts()}

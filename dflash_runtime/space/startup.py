@@ -472,7 +472,10 @@ def _dflash_phrase(missing: list[str] | None) -> str:
 
 def _manifest_phrase(manifest: dict[str, Any]) -> str:
     if manifest["matches"] is None:
-        return "no wheel manifest found (built from source?)"
+        # A build from source has none; a wheel of the recipe has one beside it, which the app finds under
+        # prebuilt_wheels/ or where DFLASH_WHEEL_MANIFEST points.
+        return ("no wheel manifest found: built from source, or a wheel whose manifest.json is elsewhere "
+                "(set DFLASH_WHEEL_MANIFEST to it)")
     if manifest["matches"]:
         return "installed build matches its wheel manifest"
     problems = manifest["problems"]

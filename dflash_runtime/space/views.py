@@ -42,9 +42,12 @@ def stats_markdown(stats: Mapping[str, Any]) -> str:
     as the API returns them)."""
     if not stats or "decode_tok_s" not in stats:
         return EMPTY_STATS
-    mode = "DFlash speculative" if stats.get("speculative") and stats.get("drafted", 0) else "plain"
+    drafting = stats.get("speculative") and stats.get("method") and stats.get("drafted", 0)
+    mode = f"{method_label(stats.get('method'))} speculative" if drafting else "plain"
+    speed = stats["decode_tok_s"]
+    speed_text = f"**{speed:.1f} tok/s** ({mode})" if speed is not None else f"… ({mode}: after the first step)"
     rows = [
-        ("Decode speed", f"**{stats['decode_tok_s']:.1f} tok/s** ({mode})"),
+        ("Decode speed", speed_text),
         ("Generated", f"{stats['n_generated']} tokens in {stats['verify_steps']} verify steps"),
         ("Acceptance rate", f"{stats['acceptance_rate']:.0%}"),
         ("Mean accepted length", f"{stats['mean_accepted_length']:.2f} tokens / step"),
@@ -73,6 +76,52 @@ def acceptance_rows(stats: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+METHOD_LABELS = {"dflash": "DFlash 2", "mtp": "MTP (target's own head)"}
+PLAIN_LABEL = "Plain (target only)"
+
+
+def method_label(method: str | None, draft_kind: str | None = None) -> str:
+    """How the page names a draft method ("DFlash" for a v1 draft)."""
+    if method == "dflash" and draft_kind == "dflash1":
+        return "DFlash"
+    return METHOD_LABELS.get(method or "", "speculative")
+
+
+def comparison_markdown(
+    methods: Mapping[str, Mapping[str, Any] | None],
+    plain: Mapping[str, Any] | None,
+    identical: Mapping[str, bool | None],
+    *,
+    temperature: float = 0.0,
+    seed: int | None = None,
+) -> str:
+    """Side by side: the same request decoded plainly and with each draft method (`methods`: label → statistics,
+    None or empty while it has not started), per method its acceptance, mean accepted length and speed-up, and what
+    the texts being equal or not (`identical`: label → whether its text equals plain's, None until both finished)
+    means at this temperature, once every method has finished."""
+    lines = ["| Decoding | Tokens | Speed | Acceptance | Mean length | Verify |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, stats in ((PLAIN_LABEL, plain), *methods.items()):
+        if stats:
+            drafted = bool(stats.get("drafted"))  # nothing drafted: no acceptance to speak of
+            acceptance = f"{stats['acceptance_rate']:.0%}" if drafted else "–"
+            mean_length = f"{stats['mean_accepted_length']:.2f}" if drafted else "–"
+            speed = stats.get("decode_tok_s")
+            lines.append(
+                f"| {name} | {stats['n_generated']} | {'…' if speed is None else f'{speed:.1f} tok/s'} | "
+                f"{acceptance} | {mean_length} | {stats.get('verify_mode', '')} |"
+            )
+        else:
+            lines.append(f"| {name} | … | running or waiting | | | |")
+    if plain and plain.get("finish_reason"):
+        for name, stats in methods.items():
+            if stats:
+                lines.append("\n" + speed_up_line(stats, plain, name))
+    if identical and all(same is not None for same in identical.values()):  # every method has finished
+        lines.append("\n" + comparison_verdict(identical, temperature, seed))  # type: ignore[arg-type]
+    return "\n".join(lines)
+
+
 def ab_markdown(
     speculative: Mapping[str, Any],
     plain: Mapping[str, Any] | None,
@@ -80,25 +129,40 @@ def ab_markdown(
     *,
     temperature: float = 0.0,
     seed: int | None = None,
+    name: str = "DFlash speculative",
 ) -> str:
-    """Side by side: the same request decoded with the draft and without it, the speed-up, and what the two texts
-    being equal or not means at this temperature."""
-    lines = ["| Decoding | Tokens | Speed | Acceptance | Verify |", "| --- | --- | --- | --- | --- |"]
-    for name, stats in (("DFlash speculative", speculative), ("Plain (target only)", plain)):
-        if stats:
-            acceptance = f"{stats['acceptance_rate']:.0%}" if stats.get("drafted") else "–"  # nothing drafted
-            lines.append(
-                f"| {name} | {stats['n_generated']} | {stats['decode_tok_s']:.1f} tok/s | {acceptance} | "
-                f"{stats.get('verify_mode', '')} |"
-            )
-        else:
-            lines.append(f"| {name} | … | running | | |")
-    if speculative and plain and plain.get("decode_tok_s"):
-        speedup = speculative["decode_tok_s"] / plain["decode_tok_s"]
-        lines.append(f"\n**Speed-up: {speedup:.2f}×** (DFlash tok/s ÷ plain tok/s)")
-    if identical is not None:
-        lines.append("\n" + ab_verdict(identical, temperature, seed))
-    return "\n".join(lines)
+    """`comparison_markdown` for one draft method."""
+    return comparison_markdown({name: speculative}, plain, {name: identical}, temperature=temperature, seed=seed)
+
+
+NOISE = 0.10  # speed ratios within ±10 % of 1 are what two runs of one decoder differ by on a shared machine
+
+
+def speed_up_line(speculative: Mapping[str, Any], plain: Mapping[str, Any], name: str = "DFlash") -> str:
+    """A method's speed-up over plain decoding, claimed only when the draft did something and the difference is
+    beyond noise."""
+    spec_speed, plain_speed = speculative.get("decode_tok_s"), plain.get("decode_tok_s")
+    if not spec_speed or not plain_speed:
+        return f"**{name}: speed-up not measured** (an answer too short to time)"
+    ratio = spec_speed / plain_speed
+    if not speculative.get("accepted"):
+        return (f"**{name}: Speed-up: none.** The target accepted none of the draft's tokens (acceptance 0 %), so "
+                f"drafting cannot have gained anything; the measured ratio ({ratio:.2f}×) is noise.")  # fmt: skip
+    if abs(ratio - 1) <= NOISE:
+        return f"**{name}: Speed-up: none measurable** ({ratio:.2f}×, within the ±{NOISE:.0%} two runs differ by)"
+    slower = f": {name} was slower here" if ratio < 1 else ""
+    return f"**{name}: Speed-up: {ratio:.2f}×** ({name} tok/s ÷ plain tok/s{slower})"
+
+
+def comparison_verdict(identical: Mapping[str, bool], temperature: float, seed: int | None) -> str:
+    """The verdict over every finished method: at temperature 0 one that differs from plain is a fault (named)."""
+    if len(identical) == 1:
+        return ab_verdict(next(iter(identical.values())), temperature, seed)
+    differing = [name for name, same in identical.items() if not same]
+    verdict = ab_verdict(not differing, temperature, seed)
+    if differing and temperature == 0:
+        verdict += f" Differs from plain: {', '.join(differing)}."
+    return verdict
 
 
 def ab_verdict(identical: bool, temperature: float, seed: int | None) -> str:
@@ -167,4 +231,8 @@ def info_markdown(
             f"block size {engine_info.get('block_size')}, thinking switch "
             f"{'supported' if engine_info.get('supports_thinking') else 'not supported'}"
         )
+        methods = [method_label(m, engine_info.get("draft_kind")) for m in engine_info.get("methods") or []]
+        lines.append(f"- Draft methods: {', '.join(methods) or 'none (plain decoding only)'}")
+        if engine_info.get("draft_problem"):
+            lines.append(f"- ⚠️ {scrub_paths(str(engine_info['draft_problem']))}")
     return "\n".join(lines)

@@ -180,3 +180,21 @@ def test_the_default_system_prompt_is_public_and_reused_across_visitors(
         assert second.stats["n_reused"] == fourth.stats["n_reused"] == public > template_start()
     else:
         assert second.stats["n_reused"] == fourth.stats["n_reused"] == 0
+
+
+def test_the_methods_demo_pair_drafts_with_both_methods(host: tuple[EngineHost, RecordingLoader]) -> None:
+    """DFLASH_DEMO_PAIR=methods: the offline demo's hybrid target carries an MTP head beside its DFlash 2 draft."""
+    engine_host, _ = host
+    preset = configured_preset(True, {"DFLASH_N_CTX": str(N_CTX), "DFLASH_DEMO_PAIR": "methods"})
+    assert "MTP head" in preset.label
+    pair = ResolvedPair(preset.target.local_path, preset.draft.local_path)
+    texts = set()
+    for method in ("dflash", "mtp"):
+        request = build_request(preset=preset.name, presets=[preset.name], limits=Limits(), message="hello world",
+                                max_tokens=24, draft_length=3, method=method)
+        answer = final(engine_host.run(GpuJob(request, preset, pair)))
+        assert answer.error is None and answer.stats["method"] == method and answer.stats["drafted"] > 0
+        texts.add(answer.delta)
+    assert len(texts) == 1  # temperature 0: both methods give the target's own answer
+    with pytest.raises(ValueError, match="DFLASH_DEMO_PAIR"):
+        configured_preset(True, {"DFLASH_DEMO_PAIR": "nope"})

@@ -11,6 +11,7 @@
 | `DFLASH_GPU_LAYERS` | layers offloaded to the GPU (-1 = all) | -1 |
 | `DFLASH_DRAFT_CAPACITY` | longest draft the pair is opened for (old name `DFLASH_DRAFT_MAX` still read) | 7 |
 | `DFLASH_DEMO` | `tiny` = offline demo, `off` = the configured pair, unset = decide | unset |
+| `DFLASH_DEMO_PAIR` | the offline demo's pair: `dense` (DFlash 2), `methods` (hybrid target with an MTP head + DFlash 2: both methods, about half the speed on a CPU) | `dense` |
 """
 
 from __future__ import annotations
@@ -218,6 +219,13 @@ TINY_N_CTX = 4096
 # stretches. Acceptance is high on the stretches and low elsewhere, as with real text, and at this width a target
 # step costs enough on a CPU for drafting to pay (at width 128 it does not).
 DEMO_PAIR: dict[str, Any] = {"target": "dense", "draft": "dflash2", "head": "phrase", "n_embd": 512, "dims": "scaled"}
+# DFLASH_DEMO_PAIR=methods: the same head on a hybrid qwen35 target that carries an MTP block, so the demo runs both
+# draft methods (the A/B shows plain / DFlash 2 / MTP).
+DEMO_PAIRS: dict[str, tuple[dict[str, Any], str]] = {
+    "dense": (DEMO_PAIR, "dense qwen3 target + DFlash 2 draft"),
+    "methods": ({**DEMO_PAIR, "target": "hybrid", "mtp_layers": 1},
+                "hybrid qwen35 target with an MTP head + DFlash 2 draft"),
+}
 
 
 def configured_preset(tiny: bool, env: Mapping[str, str] | None = None) -> PairPreset:
@@ -228,14 +236,18 @@ def configured_preset(tiny: bool, env: Mapping[str, str] | None = None) -> PairP
         return preset
     from ..testing.tiny_models import tiny_pair
 
-    pair = tiny_pair(**DEMO_PAIR)
+    choice = env_text(env, "DFLASH_DEMO_PAIR") or "dense"
+    if choice not in DEMO_PAIRS:
+        raise ValueError(f"DFLASH_DEMO_PAIR must be one of {', '.join(DEMO_PAIRS)}, got {choice!r}")
+    spec, description = DEMO_PAIRS[choice]
+    pair = tiny_pair(**spec)
+    assert pair.draft is not None
     return with_local_files(
         preset,
         pair.target,
         pair.draft,
         name=TINY_PRESET_NAME,
-        label="random-weight test models (dense qwen3 target + DFlash 2 draft, generated: predictable stretches and "
-        "random text)",
+        label=f"random-weight test models ({description}, generated: predictable stretches and random text)",
         n_ctx=preset.n_ctx if env.get("DFLASH_N_CTX", "").strip() else TINY_N_CTX,
         n_gpu_layers=0,
         random_weights=True,

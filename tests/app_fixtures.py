@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -163,6 +164,7 @@ def launch_app(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # a group of its own: stop_app ends the GPU worker `spaces` forks with it
     )
     ready = threading.Event()  # set when Gradio says it is serving, or when the process's output ends
     threading.Thread(target=_copy_output, args=(process, log_path, ready), daemon=True).start()
@@ -202,9 +204,13 @@ def _copy_output(process: subprocess.Popen[str], log_path: Path, ready: threadin
 
 
 def stop_app(process: subprocess.Popen[str]) -> None:
-    process.terminate()
+    """Stop the app and what it started: on ZeroGPU `spaces` forks a GPU worker that outlives its parent otherwise."""
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
     try:
         process.wait(timeout=20)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(timeout=10)
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # a worker left in the group

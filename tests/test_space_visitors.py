@@ -163,6 +163,9 @@ def test_a_hostile_burst_does_not_move_the_gpu_time_of_honest_requests(server: R
     raw_call(server.url, "generate", raw_body(chat_args(HOSTILE, max_tokens=64, temperature=2.0, draft_length="auto")))
     gpu_time = new_client(server).predict(api_name="/info")["gpu_time"]
     after = planned_seconds(gpu_time, len(HONEST), 512)
-    assert abs(after - honest) <= 0.25 * honest, (honest, after, gpu_time)
     _, used = generate(new_client(server), HONEST, max_tokens=512, draft_length="auto")
+    record = {"honest_s": honest, "after_burst_s": after, "honest_used_s": used["gpu_seconds_used"],
+              "decode_tok_s": gpu_time["decode_tok_s"], "answers_counted": gpu_time["answers_counted"]}  # fmt: skip
+    (REPO_ROOT / "test-artifacts" / "gpu_time_burst.json").write_text(json.dumps(record, indent=2))
+    assert abs(after - honest) <= 0.25 * honest, record
     assert math.ceil(after) >= used["gpu_seconds_used"], "an honest request gets the time it needs"

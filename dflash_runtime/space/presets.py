@@ -11,7 +11,7 @@
 | `DFLASH_GPU_LAYERS` | layers offloaded to the GPU (-1 = all) | -1 |
 | `DFLASH_DRAFT_CAPACITY` | longest draft the pair is opened for (old name `DFLASH_DRAFT_MAX` still read) | 7 |
 | `DFLASH_DEMO` | `tiny` = offline demo, `off` = the configured pair, unset = decide | unset |
-| `DFLASH_DEMO_PAIR` | the offline demo's pair: `dense` (DFlash 2), `methods` (hybrid target with an MTP head + DFlash 2: both methods, about half the speed on a CPU) | `dense` |
+| `DFLASH_DEMO_PAIR` | the offline demo's pair: `dense`, or `methods` (hybrid, MTP head + DFlash 2) | `dense` |
 """
 
 from __future__ import annotations

@@ -32,8 +32,6 @@ from .sampling import draw
 from .states import WHOLE, load_seq, save_seq
 from .validation import DraftSpec
 
-V1_TOP_K = 10  # v1 confidence is the softmax over the top candidates, as in llama.cpp's draft sampler
-
 
 class BlockDrafter:
     def __init__(self, api: DFlashApi, draft_ctx: Any, spec: DraftSpec, n_embd_draft: int, n_vocab: int) -> None:
@@ -66,7 +64,7 @@ class BlockDrafter:
             removed = ll.llama_memory_seq_rm(self._mem, 0, pos0, -1)
         if not removed:
             raise RollbackError(f"the draft cache refused to drop its block at position {pos0}")
-        return proposal if len(proposal.tokens) >= n_min else Proposal(q=[] if sampling else None)
+        return proposal.at_least(n_min, sampling)
 
     def _walk_lattice(self, n_max: int, p_min: float, sampling: DraftSampling | None) -> Proposal:
         ptr = self._api.get_embeddings_nextn(self._ctx)
@@ -77,7 +75,7 @@ class BlockDrafter:
         # Row i ≥ 1: [candidate ids (K) | transition scores K×K, predecessor-major].
         cands = rows[1:, :k].astype(np.int64)
         scores = rows[1:, k:k + k * k].reshape(n_max, k, k)
-        out = Proposal(q=[] if sampling else None)
+        out = Proposal.start(sampling)
         pred = 0
         for i in range(n_max):
             s = scores[i, pred]
@@ -99,25 +97,13 @@ class BlockDrafter:
         return out
 
     def _per_position(self, n_max: int, p_min: float, sampling: DraftSampling | None) -> Proposal:
-        out = Proposal(q=[] if sampling else None)
+        out = Proposal.start(sampling)
         for i in range(1, n_max + 1):
             ptr = ll.llama_get_logits_ith(self._ctx, i)
             if not ptr:
                 raise DecodeError(f"the draft produced no logits for block row {i}")
-            logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
-            if sampling is not None:
-                ids, probs = sampling.chain(logits)
-                if p_min > 0.0 and float(probs.max()) < p_min:
-                    break
-                out.tokens.append(int(ids[draw(probs, sampling.rng)]))
-                out.q.append((ids, probs))  # type: ignore[union-attr]
-                continue
-            best = int(np.argmax(logits))
-            if p_min > 0.0:
-                top = logits[np.argpartition(logits, -V1_TOP_K)[-V1_TOP_K:]]
-                if 1.0 / float(np.exp(top - logits[best]).sum()) < p_min:
-                    break
-            out.tokens.append(best)
+            if out.add_from_logits(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)), p_min, sampling) is None:
+                break
         return out
 
     def free(self) -> None:

@@ -26,10 +26,7 @@ from .batches import decode_error
 from .drafting import MTP
 from .errors import ContextCreationError, DecodeError, RollbackError
 from .proposal import DraftSampling, Proposal
-from .sampling import draw
 from .states import WHOLE, load_seq, save_seq
-
-GREEDY_TOP_K = 10  # the draft's confidence is the softmax over its top candidates, as llama.cpp's MTP sampler
 
 
 @dataclass
@@ -93,14 +90,17 @@ class MTPDrafter:
     def draft(self, id_last: int, pos0: int, n: int, *, n_min: int = 0, p_min: float = 0.0,
               sampling: DraftSampling | None = None) -> Proposal:
         self.catch_up()
-        out = Proposal(q=[] if sampling else None)
+        out = Proposal.start(sampling)
         token, h = id_last, self._row(pos0 - 1)
         try:
             for i in range(n):
                 ll.llama_batch_ext_clear(self._batch)
                 self._add(token, pos0 + i, h, output=True)
                 self._process("MTP draft step")
-                token = self._choose(out, p_min, sampling)
+                ptr = ll.llama_get_logits_ith(self._ctx, -1)
+                if not ptr:
+                    raise DecodeError("the MTP head produced no logits")
+                token = out.add_from_logits(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)), p_min, sampling)
                 if token is None:
                     break
                 h_ptr = lx.llama_get_embeddings_nextn_ith(self._ctx, -1)
@@ -113,28 +113,7 @@ class MTPDrafter:
         if not removed:
             raise RollbackError(f"the MTP cache refused to drop its drafts at position {pos0}")
         self.n_fed = min(self.n_fed, pos0)
-        return out if len(out.tokens) >= n_min else Proposal(q=[] if sampling else None)
-
-    def _choose(self, out: Proposal, p_min: float, sampling: DraftSampling | None) -> int | None:
-        ptr = ll.llama_get_logits_ith(self._ctx, -1)
-        if not ptr:
-            raise DecodeError("the MTP head produced no logits")
-        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
-        if sampling is not None:
-            ids, probs = sampling.chain(logits)
-            if p_min > 0.0 and float(probs.max()) < p_min:
-                return None
-            token = int(ids[draw(probs, sampling.rng)])
-            out.tokens.append(token)
-            out.q.append((ids, probs))  # type: ignore[union-attr]
-            return token
-        best = int(np.argmax(logits))
-        if p_min > 0.0:
-            top = logits[np.argpartition(logits, -GREEDY_TOP_K)[-GREEDY_TOP_K:]]
-            if 1.0 / float(np.exp(top - logits[best]).sum()) < p_min:
-                return None
-        out.tokens.append(best)
-        return best
+        return out.at_least(n_min, sampling)
 
     def accept(self, n_accepted: int) -> None:
         pass  # the target row of every kept position is held; keep() drops the rest

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .sampling import ChainProbabilities
+from .sampling import ChainProbabilities, draw
 
 DRAFT, TARGET = "draft", "target"  # an accepted draft token; the target's own sample that ends a verify walk
+CONFIDENCE_TOP_K = 10  # a greedy draft's confidence: the softmax over its top candidates, as llama.cpp's draft sampler
 
 
 @dataclass
@@ -19,8 +20,33 @@ class Proposal:
     tokens: list[int] = field(default_factory=list)
     q: list[tuple[np.ndarray, np.ndarray]] | None = None
 
-    def cut(self, n: int) -> Proposal:
-        return Proposal(self.tokens[:n], None if self.q is None else self.q[:n])
+    @classmethod
+    def start(cls, sampling: DraftSampling | None) -> Proposal:
+        """An empty proposal; a sampled one records each token's distribution."""
+        return cls(q=[] if sampling is not None else None)
+
+    def at_least(self, n_min: int, sampling: DraftSampling | None) -> Proposal:
+        """This proposal, or an empty one when it is shorter than `n_min` (llama.cpp's draft n_min)."""
+        return self if len(self.tokens) >= n_min else Proposal.start(sampling)
+
+    def add_from_logits(self, logits: np.ndarray, p_min: float, sampling: DraftSampling | None) -> int | None:
+        """Draft one token from a position's logits and append it: the argmax, or a sample of the request's chain
+        (its distribution recorded). None, and nothing appended, when the draft is less confident than `p_min`."""
+        if sampling is not None:
+            ids, probs = sampling.chain(logits)
+            if p_min > 0.0 and float(probs.max()) < p_min:
+                return None
+            token = int(ids[draw(probs, sampling.rng)])
+            assert self.q is not None
+            self.q.append((ids, probs))
+        else:
+            token = int(np.argmax(logits))
+            if p_min > 0.0:
+                top = logits[np.argpartition(logits, -CONFIDENCE_TOP_K)[-CONFIDENCE_TOP_K:]]
+                if 1.0 / float(np.exp(top - logits[token]).sum()) < p_min:
+                    return None
+        self.tokens.append(token)
+        return token
 
 
 @dataclass

@@ -27,6 +27,16 @@ from .errors import RollbackError
 from .states import WHOLE, load_seq, save_seq
 
 
+def reusable_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many `cached` tokens `prompt` starts with, leaving at least its last token to decode (its logits are
+    needed)."""
+    limit = min(len(cached), len(prompt) - 1)
+    n = 0
+    while n < limit and cached[n] == prompt[n]:
+        n += 1
+    return n
+
+
 @dataclass
 class ParkedCache:
     """A copy of everything the caches held for one owner: tokens, the target's state, each drafter's, checkpoints."""
@@ -93,13 +103,7 @@ class PairCache:
         self._cut_draft(n)
 
     def shared(self, prompt: Sequence[int]) -> int:
-        """How many cached tokens `prompt` starts with, leaving at least its last token to decode (its logits are
-        needed)."""
-        limit = min(len(self.tokens), len(prompt) - 1)
-        n = 0
-        while n < limit and self.tokens[n] == prompt[n]:
-            n += 1
-        return n
+        return reusable_prefix(self.tokens, prompt)
 
     def reuse(self, prompt: Sequence[int], costs: CheckpointCosts, limit: int | None = None) -> int:
         """Keep the longest cached prefix of `prompt` (at most `limit` tokens); returns the number kept."""

@@ -416,8 +416,8 @@ class Engine:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if method is not None and method not in self.methods:
             known = ", ".join(self.methods) or "none: the target has no draft and no MTP head"
-            unknown = "" if method in METHODS else " unknown"
-            raise RequestError(f"draft method {method!r} is{unknown} not available on this pair (available: {known})")
+            why = "not available on this pair" if method in METHODS else "unknown"
+            raise RequestError(f"draft method {method!r} is {why} (available: {known})")
         chosen = (method or self.default_method) if speculative else None
         capacity = self.pair.capacity(chosen) if chosen else max(map(self.pair.capacity, self.methods), default=0)
         length = self.default_draft_length if draft_length is None else draft_length
@@ -426,8 +426,6 @@ class Engine:
             raise RequestError(f"n_min must be in 0..{capacity} and p_min in [0, 1)")
         if verify not in VERIFY_MODES:
             raise RequestError(f"verify must be one of {', '.join(VERIFY_MODES)} (got {verify!r})")
-        if isinstance(length, int) and not isinstance(length, bool) and length > capacity:
-            length = capacity  # the engine's default may exceed a smaller method's capacity
         return Request(max_tokens, sampling, stops, chosen, length, n_min, p_min, verify)
 
     @staticmethod

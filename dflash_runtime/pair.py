@@ -17,6 +17,7 @@ from llama_cpp import _logger
 from llama_cpp import llama_cpp as ll
 
 from .backends import load_backends
+from .drafting import DFLASH, MTP
 from .errors import ContextCreationError, EngineClosedError, PairMismatchError
 from .gguf_meta import GGUFInfo, read_gguf
 from .native import DFlashApi, dflash_api
@@ -296,10 +297,10 @@ class LinkedPair:
     @property
     def methods(self) -> tuple[str, ...]:
         """The draft methods this pair can run, the default first."""
-        return tuple(m for m, ok in (("dflash", self.spec is not None), ("mtp", self.mtp_ctx is not None)) if ok)
+        return tuple(m for m, ok in ((DFLASH, self.spec is not None), (MTP, self.mtp_ctx is not None)) if ok)
 
     def capacity(self, method: str) -> int:
-        return {"dflash": self.draft_capacity, "mtp": self.mtp_capacity}.get(method, 0)
+        return {DFLASH: self.draft_capacity, MTP: self.mtp_capacity}.get(method, 0)
 
     def sampling_defaults(self) -> dict[str, float | int]:
         """The model's recommended sampling (`general.sampling.*`, as llama.cpp reads them): only keys present."""

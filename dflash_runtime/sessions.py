@@ -16,7 +16,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .cache import PairCache, ParkedCache
+from .cache import PairCache, ParkedCache, reusable_prefix
 
 DEFAULT_MAX_PARKED = 8
 DEFAULT_MAX_PARKED_BYTES = 8 << 30
@@ -52,7 +52,7 @@ class CacheOwners:
             self._park(self.owner, cache.park())
         self.owner = owner
         public = min(cache.public_len, public_prefix)
-        if parked is not None and _shared(parked.tokens, prompt) > min(cache.shared(prompt), public):
+        if parked is not None and reusable_prefix(parked.tokens, prompt) > min(cache.shared(prompt), public):
             cache.unpark(parked)
             return None
         return public
@@ -79,11 +79,3 @@ class CacheOwners:
             sum(p.nbytes for p in self._parked.values()) > self.policy.max_bytes
         ):
             self._parked.popitem(last=False)
-
-
-def _shared(cached: Sequence[int], prompt: Sequence[int]) -> int:
-    limit = min(len(cached), len(prompt) - 1)
-    n = 0
-    while n < limit and cached[n] == prompt[n]:
-        n += 1
-    return n

@@ -109,10 +109,6 @@ class ReplyChunk:
         )
 
 
-def join_chunks(skipped: ReplyChunk, newer: ReplyChunk) -> ReplyChunk:
-    return skipped.then(newer)
-
-
 # What the cache holds now (tokens, checkpoints, the owners' parked states): the state of somebody's requests.
 PRIVATE_ENGINE_KEYS = ("n_cached", "checkpoints", "sessions")
 PUBLIC_OWNER = "public prefix"  # the owner of the requests that put the public prefix back in the cache

@@ -55,6 +55,23 @@ def build_service() -> SpaceService:
     return service
 
 
+def trace_chart(series: str, title: str, y_title: str, elem_id: str, y_lim: list[float] | None = None) -> gr.LinePlot:
+    """One live chart of a trace series (see `provenance`) against tokens generated, empty until an answer starts."""
+    return gr.LinePlot(
+        None,
+        x="tokens",
+        y="value",
+        color="series",
+        color_map={series: SERIES_COLOURS[series]},
+        y_lim=y_lim,
+        height=180,
+        title=title,
+        x_title="tokens generated",
+        y_title=y_title,
+        elem_id=elem_id,
+    )
+
+
 def build_ui(service: SpaceService) -> gr.Blocks:
     handlers = PageHandlers(service)
     preset, limits, defaults = service.preset, service.limits, service.defaults
@@ -99,31 +116,9 @@ def build_ui(service: SpaceService) -> gr.Blocks:
                 gr.Examples(EXAMPLES, inputs=[message_box], label="Examples")
             with gr.Column(scale=2):
                 stats_box = gr.Markdown(EMPTY_STATS, label="Live statistics", elem_id="stats", container=True)
-                speed_chart = gr.LinePlot(
-                    None,
-                    x="tokens",
-                    y="value",
-                    color="series",
-                    color_map={SPEED: SERIES_COLOURS[SPEED]},
-                    height=180,
-                    title="Decode speed so far",
-                    x_title="tokens generated",
-                    y_title="tok/s",
-                    elem_id="speed-chart",
-                )
-                acceptance_chart = gr.LinePlot(
-                    None,
-                    x="tokens",
-                    y="value",
-                    color="series",
-                    color_map={ACCEPTANCE: SERIES_COLOURS[ACCEPTANCE]},
-                    y_lim=[0, 100],
-                    height=180,
-                    title="Acceptance so far",
-                    x_title="tokens generated",
-                    y_title="accepted %",
-                    elem_id="acceptance-chart",
-                )
+                speed_chart = trace_chart(SPEED, "Decode speed so far", "tok/s", "speed-chart")
+                acceptance_chart = trace_chart(ACCEPTANCE, "Acceptance so far", "accepted %", "acceptance-chart",
+                                               y_lim=[0, 100])  # fmt: skip
                 plot = gr.BarPlot(
                     plot_frame({}),
                     x="position",

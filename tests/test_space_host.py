@@ -3,7 +3,6 @@ failures close it for the next request to reload, and a closed reply stops the e
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -104,7 +103,7 @@ SECRET_SYSTEM = "Internal discount code: ZEBRA-4417. Never tell it."
 def test_a_visitor_reuses_only_its_own_cached_prompt(host: tuple[EngineHost, RecordingLoader]) -> None:
     """Visitor V's private system prompt is cached; visitor A, guessing it, learns nothing from the reuse figures (the
     same for a right and a wrong guess, no more than the template's public start); V's own next turn reuses it."""
-    engine_host, loader = host
+    engine_host, _ = host
     victim = reply(engine_host, "what is the code?", "victim", system_prompt=SECRET_SYSTEM)
     assert victim.stats["n_reused"] == 0
     guesses = {}
@@ -120,8 +119,7 @@ def test_a_visitor_reuses_only_its_own_cached_prompt(host: tuple[EngineHost, Rec
     assert reused["ZEBRA-4417"] <= public
     history = [{"role": "user", "content": "what is the code?"}, {"role": "assistant", "content": "no"}]
     again = reply(engine_host, "and now?", "victim", system_prompt=SECRET_SYSTEM, history=history)
-    if owners_native(loader):  # the engine parks each owner's cache: even after another visitor's request
-        assert again.stats["n_reused"] > public
+    assert again.stats["n_reused"] > public, "the engine parks each owner's cache: even after another visitor's"
     history += [{"role": "user", "content": "and now?"}, {"role": "assistant", "content": again.delta}]
     third = reply(engine_host, "one more?", "victim", system_prompt=SECRET_SYSTEM, history=history)
     assert third.stats["n_reused"] > public, "a visitor's own next turn reuses its cached prompt"
@@ -133,11 +131,6 @@ def template_start() -> int:
         a, b = (reference.chat_tokens([{"role": "system", "content": text}, {"role": "user", "content": "y"}],
                                       enable_thinking=False) for text in ("x", "z"))  # fmt: skip
     return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
-
-
-def owners_native(loader: RecordingLoader) -> bool:
-    """Whether the loaded engine keeps visitors' caches apart itself (its public `stream` signature says so)."""
-    return "cache_owner" in inspect.signature(loader.engines[-1].stream).parameters
 
 
 def test_chunks_carry_what_each_step_added(host: tuple[EngineHost, RecordingLoader]) -> None:
@@ -165,7 +158,7 @@ def test_the_default_system_prompt_is_public_and_reused_across_visitors(
 ) -> None:
     """The page's system prompt up to where a visitor's own text begins is public: another visitor reuses exactly
     that much (with an engine that parks owners' caches), never more, whatever the visitor before sent."""
-    engine_host, loader = host
+    engine_host, _ = host
     with reference_engine(N_CTX) as reference:
         a, b = (reference.chat_tokens([{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
                                        {"role": "user", "content": text}], enable_thinking=False)
@@ -176,10 +169,7 @@ def test_the_default_system_prompt_is_public_and_reused_across_visitors(
     # Whether the visitor before used the page's system prompt or one of its own makes no difference either.
     reply(engine_host, "my private question", "third", system_prompt=DEFAULT_SYSTEM_PROMPT[:-1] + "!")
     fourth = reply(engine_host, "another question", "fourth", system_prompt=DEFAULT_SYSTEM_PROMPT)
-    if owners_native(loader):
-        assert second.stats["n_reused"] == fourth.stats["n_reused"] == public > template_start()
-    else:
-        assert second.stats["n_reused"] == fourth.stats["n_reused"] == 0
+    assert second.stats["n_reused"] == fourth.stats["n_reused"] == public > template_start()
 
 
 def test_the_methods_demo_pair_drafts_with_both_methods(host: tuple[EngineHost, RecordingLoader]) -> None:

@@ -14,7 +14,7 @@ import gradio as gr
 import pytest
 
 from dflash_runtime.space.highlight import DRAFT_CLASS, ReplyView, reply_html
-from dflash_runtime.space.host import ReplyChunk, join_chunks
+from dflash_runtime.space.host import ReplyChunk
 from dflash_runtime.space.jobs import EngineSlot, ReplyJob
 from dflash_runtime.space.provenance import ACCEPTANCE, SPEED, SourceRuns, SpeedTrace, draft_text, merged
 from dflash_runtime.space.session import ChatSession
@@ -93,7 +93,7 @@ def test_a_reader_that_skips_chunks_keeps_every_run() -> None:
     def stream() -> Iterator[ReplyChunk]:
         yield from chunks
 
-    job = ReplyJob(stream, EngineSlot(), is_final=lambda c: c.finish_reason is not None, fold=join_chunks)
+    job = ReplyJob(stream, EngineSlot(), is_final=lambda c: c.finish_reason is not None, fold=ReplyChunk.then)
 
     async def slow_reader() -> list[ReplyChunk]:
         taken = []

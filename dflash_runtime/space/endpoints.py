@@ -244,7 +244,6 @@ def sampling_note(service: SpaceService) -> str:
     return f"*Sampling defaults: from {service.sampling_source}.*"
 
 
-
 class PageHandlers:
     """The page's event handlers. Each returns (or yields) its outputs in the order its docstring lists.
 

@@ -13,7 +13,6 @@ knows when the next request must plan a load.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import secrets
@@ -109,10 +108,6 @@ class ReplyChunk:
         )
 
 
-def join_chunks(skipped: ReplyChunk, newer: ReplyChunk) -> ReplyChunk:
-    return skipped.then(newer)
-
-
 # What the cache holds now (tokens, checkpoints, the owners' parked states): the state of somebody's requests.
 PRIVATE_ENGINE_KEYS = ("n_cached", "checkpoints", "sessions")
 PUBLIC_OWNER = "public prefix"  # the owner of the requests that put the public prefix back in the cache
@@ -144,17 +139,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 @dataclass
 class EngineFacts:
-    """What the host learns once per loaded engine: whether it keeps visitors' cached tokens apart itself (the
-    `cache_owner` argument), and per thinking switch the public prompt prefix and the thinking tag the template opens.
-    """
+    """What the host learns once per loaded engine: per thinking switch, the public prompt prefix and the thinking
+    tag the template opens."""
 
-    owners_native: bool
     public_tokens: dict[bool, list[int]] = field(default_factory=dict)
     thinking_prefix: dict[bool, str] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, engine: Any) -> EngineFacts:
-        return cls("cache_owner" in inspect.signature(engine.stream).parameters)
 
     def public(self, engine: Any, thinking: bool) -> list[int]:
         """The prompt tokens every visitor can send: the page's system prompt up to where the visitor's own message
@@ -181,9 +170,9 @@ class EngineHost:
     time, with counters that tell a warm worker from a new one (`loads`, `requests`, the process id).
 
     Visitors' cached prompts are kept apart: a request reuses cached tokens only if its own `cache_owner` put them
-    there, beyond the public prefix of its prompt (the page's system prompt). An engine that takes `cache_owner`
-    parks and restores each owner's state itself; with one that does not, the host forgets the cache whenever the
-    owner changes, so a visitor's own next turn still reuses it and nobody else's request can."""
+    there, beyond the public prefix of its prompt (the page's system prompt): the engine parks and restores each
+    owner's state itself (`cache_owner`), so a visitor's own next turn still reuses it and nobody else's request
+    can."""
 
     def __init__(self, loader: Callable[..., Any], busy_timeout_s: float = 120.0) -> None:
         self._loader = loader
@@ -192,7 +181,6 @@ class EngineHost:
         self._engine: Any = None
         self._key: tuple[Any, ...] | None = None
         self._facts: EngineFacts | None = None
-        self._last_owner: str | None = None
         self._public_cached: list[int] | None = None  # the public prefix the cache holds (see _owner_arguments)
         self.loads = 0
         self.requests = 0
@@ -207,7 +195,7 @@ class EngineHost:
     def _close(self) -> None:
         if self._engine is not None:
             self._engine.close()
-            self._engine, self._key, self._facts, self._last_owner = None, None, None, None
+            self._engine, self._key, self._facts = None, None, None
             self._public_cached = None
 
     def _ensure(self, preset: PairPreset, files: ResolvedPair) -> tuple[Any, bool]:
@@ -232,7 +220,7 @@ class EngineHost:
                 self._engine = self._loader(files.target_path, None, **options)
                 self.draft_problem = str(error)
         self._key = key
-        self._facts = EngineFacts.of(self._engine)
+        self._facts = EngineFacts()
         self.loads += 1
         self.last_load_s = round(time.monotonic() - started, 3)
         return self._engine, True
@@ -294,11 +282,6 @@ class EngineHost:
         leave it there, a one-token request of nobody's puts it back first."""
         assert self._facts is not None
         owner = owner or secrets.token_hex(16)  # nobody's session: a fresh owner, nothing to reuse
-        if not self._facts.owners_native:
-            if owner != self._last_owner:
-                engine.reset()
-            self._last_owner = owner
-            return {}
         public = self._facts.public(engine, thinking)
         declared = len(public) if len(tokens) > len(public) and tokens[: len(public)] == public else 0
         if declared and self._public_cached != public:

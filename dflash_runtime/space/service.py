@@ -24,7 +24,7 @@ from ..errors import DFlashError, RequestError
 from .callers import Callers
 from .downloads import PairDownload
 from .gpu_time import GpuTimeEstimator, GpuTimeSettings
-from .host import GpuJob, ReplyChunk, info_digest, join_chunks
+from .host import GpuJob, ReplyChunk, info_digest
 from .jobs import EngineSlot, ReplyJob
 from .presets import (
     PairPreset,
@@ -303,7 +303,7 @@ class SpaceService:
                  estimate.includes_load)  # fmt: skip
         job: ReplyJob[ReplyChunk] = ReplyJob(
             partial(self._run_gpu, job_spec), self.slot, is_final=lambda chunk: chunk.finish_reason is not None,
-            fold=join_chunks,
+            fold=ReplyChunk.then,
         )
         if session is not None:
             session.attach(job)

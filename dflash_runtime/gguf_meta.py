@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,3 +203,21 @@ def read_gguf(path: str | Path) -> GGUFInfo:
         tensor_shapes=shapes,
         tensor_types=types,
     )
+
+
+SAMPLING_KEYS = (("temp", "temperature", float), ("top_k", "top_k", int), ("top_p", "top_p", float),
+                 ("min_p", "min_p", float))  # fmt: skip
+
+
+def sampling_defaults(read: Callable[[str], Any]) -> dict[str, float | int]:
+    """A model's recommended sampling (`general.sampling.*`, the keys llama.cpp applies as defaults), given how to
+    read one key (libllama's metadata string, or a header value): only the keys present and valid."""
+    out: dict[str, float | int] = {}
+    for key, name, kind in SAMPLING_KEYS:
+        try:
+            value = float(read(f"general.sampling.{key}"))
+        except (TypeError, ValueError):
+            continue
+        # Stored as float32: 0.6 reads 0.6000000238; keep what the model's card says.
+        out[name] = int(value) if kind is int else round(value, 6)
+    return out

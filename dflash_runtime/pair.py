@@ -19,7 +19,7 @@ from llama_cpp import llama_cpp as ll
 from .backends import load_backends
 from .drafting import DFLASH, MTP
 from .errors import ContextCreationError, EngineClosedError, PairMismatchError
-from .gguf_meta import GGUFInfo, read_gguf
+from .gguf_meta import GGUFInfo, read_gguf, sampling_defaults
 from .native import DFlashApi, dflash_api
 from .validation import DraftSpec, validate_pair
 
@@ -304,16 +304,7 @@ class LinkedPair:
 
     def sampling_defaults(self) -> dict[str, float | int]:
         """The model's recommended sampling (`general.sampling.*`, as llama.cpp reads them): only keys present."""
-        out: dict[str, float | int] = {}
-        for key, kind in (("temp", float), ("top_k", int), ("top_p", float), ("min_p", float)):
-            raw = self.meta(f"general.sampling.{key}")
-            if raw is None:
-                continue
-            try:
-                out["temperature" if key == "temp" else key] = kind(float(raw))
-            except ValueError:
-                continue
-        return out
+        return sampling_defaults(self.meta)
 
     # -- lifetime -----------------------------------------------------------------------------------------------
 

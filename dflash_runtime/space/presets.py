@@ -122,26 +122,11 @@ def draft_unavailable(why: str) -> str:
     return f"DFlash draft unavailable: {why}; drafting with the target's MTP head"
 
 
-SAMPLING_KEYS = (("temp", "temperature", float), ("top_k", "top_k", int), ("top_p", "top_p", float),
-                 ("min_p", "min_p", float))  # fmt: skip
-
-
 def header_sampling_defaults(target_path: Path) -> dict[str, float | int]:
-    """The target's recommended sampling (`general.sampling.*`, as llama.cpp reads them) from its GGUF header, read
-    in the web process without opening the model: only the keys present and valid."""
-    from ..gguf_meta import read_gguf
+    """The target's recommended sampling from its GGUF header, read in the web process without opening the model."""
+    from ..gguf_meta import read_gguf, sampling_defaults
 
-    keys = read_gguf(target_path).keys
-    out: dict[str, float | int] = {}
-    for key, name, kind in SAMPLING_KEYS:
-        raw = keys.get(f"general.sampling.{key}")
-        try:
-            value = float(raw)
-        except (TypeError, ValueError):
-            continue
-        # float32 in the file: 0.6 reads 0.6000000238; the controls show what the model's card says
-        out[name] = int(value) if kind is int else round(value, 6)
-    return out
+    return sampling_defaults(read_gguf(target_path).keys.get)
 
 
 def env_text(env: Mapping[str, str], name: str) -> str | None:

@@ -13,7 +13,7 @@ import os
 import gradio as gr
 from starlette.middleware import Middleware
 
-from dflash_runtime.space.callers import HangUpWatch
+from dflash_runtime.space.callers import EngineCalls, HttpGate
 from dflash_runtime.space.endpoints import (
     API_PARAMETERS,
     PageHandlers,
@@ -35,7 +35,7 @@ log = logging.getLogger("dflash_space")
 ENGINE_QUEUE = "engine"  # every generating event shares one queue slot: one request at a time per engine
 # Waiting visitors and API calls (ZeroGPU Spaces would otherwise keep one waiting event and refuse the rest).
 QUEUE_SIZE = int(os.environ.get("DFLASH_QUEUE_SIZE", "64"))
-MAX_FILE_SIZE = "1kb"  # the page takes no files: Gradio's upload route refuses anything larger (HTTP 413)
+MAX_FILE_SIZE = "1kb"  # the page takes no files (the HTTP gate refuses every upload; this is Gradio's own bound)
 EXAMPLES = [
     "Explain speculative decoding in three sentences.",
     "Write a Python function that checks whether a string is a palindrome.",
@@ -72,7 +72,8 @@ def trace_chart(series: str, title: str, y_title: str, elem_id: str, y_lim: list
     )
 
 
-def build_ui(service: SpaceService) -> gr.Blocks:
+def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
+    """The page, and its engine endpoints as the HTTP gate counts them (see dflash_runtime.space.callers)."""
     handlers = PageHandlers(service)
     preset, limits, defaults = service.preset, service.limits, service.defaults
     with gr.Blocks(title="DFlash 2 speculative decoding") as demo:
@@ -166,7 +167,7 @@ def build_ui(service: SpaceService) -> gr.Blocks:
             queue=False,
             api_visibility="private",
         )
-        shown_event.then(
+        answer_event = shown_event.then(
             handlers.respond,
             [session],
             [chatbot, message_box, stats_box, plot, speed_chart, acceptance_chart, notice, thinking, info_box],
@@ -191,24 +192,31 @@ def build_ui(service: SpaceService) -> gr.Blocks:
         timer.tick(handlers.download_tick, None, [download_box, timer], api_visibility="private")
 
         chat_api, generate_api, info_api, wait_api = make_api(service)
-        gr.api(chat_api, api_name="chat", concurrency_limit=1, concurrency_id=ENGINE_QUEUE)
-        gr.api(generate_api, api_name="generate", concurrency_limit=1, concurrency_id=ENGINE_QUEUE)
+        chat_event = gr.api(chat_api, api_name="chat", concurrency_limit=1, concurrency_id=ENGINE_QUEUE)
+        generate_event = gr.api(generate_api, api_name="generate", concurrency_limit=1, concurrency_id=ENGINE_QUEUE)
         gr.api(info_api, api_name="info", queue=False)  # never waits behind an answer
         gr.api(wait_api, api_name="wait", queue=False)  # waits on the engine slot, not in the queue
-    return demo
+
+    def one() -> int:
+        return 1
+
+    weights = {answer_event["id"]: one, ab_event["id"]: handlers.comparison_weight, chat_event["id"]: one,
+               generate_event["id"]: one}  # fmt: skip
+    return demo, EngineCalls(weights, {"chat": chat_event["id"], "generate": generate_event["id"]})
 
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # its request lines carry URLs with ZeroGPU's visitor tokens
 SERVICE = build_service()
-demo = build_ui(SERVICE)
+demo, ENGINE_CALLS = build_ui(SERVICE)
 
 if __name__ == "__main__":
     SERVICE.download.start()  # the web process fetches the files while the page is already up
     # api_open=False: the REST route /run/<name> refuses queued endpoints, so every answer goes through the queue.
-    # HangUpWatch: a raw HTTP caller who closes its result stream stops its answer (see dflash_runtime.space.callers).
+    # HttpGate: bounded bodies, no uploads, limits on queued answers, and no answer runs that nobody reads (see
+    # dflash_runtime.space.callers).
     checked = {"chat": API_PARAMETERS, "generate": API_PARAMETERS}
-    watch = Middleware(HangUpWatch, callers=SERVICE.callers, parameters=checked)
+    gate = Middleware(HttpGate, callers=SERVICE.callers, engine=ENGINE_CALLS, parameters=checked)
     demo.queue(api_open=False, max_size=QUEUE_SIZE, default_concurrency_limit=1).launch(
-        css=CSS, max_file_size=MAX_FILE_SIZE, app_kwargs={"middleware": [watch]}
+        css=CSS, max_file_size=MAX_FILE_SIZE, app_kwargs={"middleware": [gate]}
     )

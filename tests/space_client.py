@@ -69,11 +69,28 @@ def chat_args(message: str, **changes: Any) -> dict[str, Any]:
     return args
 
 
+def rebuilt(items: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """/chat's items (the text each step added, with its runs and draft lengths) as a client rebuilds them: the text
+    so far, and the runs (neighbours of one source joined) and draft lengths so far."""
+    text, runs, lengths, out = "", [], [], []
+    for delta, stats in items:
+        text += delta
+        for n, source in stats["source_runs"]:
+            if runs and runs[-1][1] == source:
+                runs[-1] = [runs[-1][0] + n, source]
+            else:
+                runs.append([n, source])
+        lengths += stats["draft_lengths"]
+        out.append((text, {**stats, "source_runs": [list(run) for run in runs], "draft_lengths": list(lengths)}))
+    return out
+
+
 def stream_chat(client: Client, **args: Any) -> list[tuple[str, dict[str, Any]]]:
+    """A /chat answer, its items rebuilt (see `rebuilt`)."""
     job = client.submit(**args, api_name="/chat")
     chunks = [tuple(output) for output in job]
     job.result()  # raises the server's error, if any
-    return chunks  # type: ignore[return-value]
+    return rebuilt(chunks)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

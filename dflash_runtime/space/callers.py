@@ -1,90 +1,262 @@
-"""Raw HTTP calls: an ASGI middleware that refuses a call with missing values in words, and stops the answer of a
-caller who closes its result stream.
+"""The web process's door: every HTTP request passes here before Gradio does anything with it (plain ASGI,
+Gradio-free).
+
+- **Bodies are bounded before anything parses them.** A POST whose declared or actual length passes `max_body_bytes`
+  is answered 413 at once (a 34 MB JSON history is never read whole, let alone parsed); uploads are off (the Space
+  takes no files): 413.
+- **Missing values.** A raw call whose `data` does not hold one value per parameter would fail in Gradio with an
+  error it does not show (`{"error": null}`); it is answered here, HTTP 422, with the parameters in order.
+- **Limits on queued answers.** A call of an engine endpoint (the API's /chat and /generate, the page's answer and
+  A/B run) is admitted against three limits, counted in generations (an A/B run counts as the answers it runs):
+  per session, for all session-less raw calls together, and for everybody. Over one: HTTP 429 saying which.
+- **Nobody reads, nothing runs.** An admitted call runs only while somebody reads its result. Its readers are the
+  result streams of its session: `GET /gradio_api/queue/data?session_hash=…` (the page, gradio_client) and
+  `GET /gradio_api/call/<name>/<event id>` (plain HTTP). A call is abandoned when its session has no reader and
+  either the last one left after the call was made, or none came within `reader_timeout_s` of it; a reader whose
+  stream has not taken a write for `reader_timeout_s` (a client that stopped reading) counts as gone. A sweep cancels
+  abandoned calls through Gradio's own `/gradio_api/cancel`, queued or running alike: a queued one leaves the queue, a
+  running handler is cancelled, and leaving its reply's loop stops the engine between two steps (see jobs.py).
+  Gradio alone stops a streaming answer only when it next writes to a closed stream, and a one-shot answer
+  (/generate) or an unread one never.
 
 Over plain HTTP a call is two requests: `POST /gradio_api/call/<name>` queues it and answers its event id, then
-`GET /gradio_api/call/<name>/<event id>` streams the result. Gradio notices a closed result stream only when it next
-writes to it, and then stops a streaming handler but not a one-shot one (/generate), so an answer would run to its
-end for nobody. This middleware tags each POST with a caller id (in the request's ASGI `state`, which the handler
-reads through `gr.Request`) and links the event id of its response to that id; when the client of the GET closes
-the connection before the result is complete, every job of that caller is cancelled at once (the engine stops
-between two steps). A POST whose `data` does not hold one value per parameter would fail in Gradio with an error
-it does not show (`{"error": null}`); it is answered here, HTTP 422, with the parameters in order.
-Gradio-free: plain ASGI.
+`GET /gradio_api/call/<name>/<event id>` streams the result. A POST without `session_hash` is session-less: Gradio
+gives it a session of its own, named by its event id.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import re
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qs
 
+from .requests import _env_number
+
+log = logging.getLogger(__name__)
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-STATE_KEY = "dflash_caller"
+STATE_KEY = "dflash_call"
+PREFIX = "/gradio_api"
 _CALL = re.compile(r"/gradio_api/call/(v2/)?([^/]+)/?$")
-MAX_CHECKED_BODY = 1 << 20  # bodies up to this size are checked for their values; larger ones go through as they are
 _RESULT = re.compile(r"/gradio_api/call/(?:v2/)?[^/]+/([0-9a-f]+)/?$")
-REMEMBERED = 4096  # event ids (and callers that left) kept: far more than the queue holds
+_JOIN = re.compile(r"/gradio_api/queue/join/?$")
+_QUEUE_DATA = re.compile(r"/gradio_api/queue/data/?$")
+_UPLOAD = re.compile(r"/gradio_api/upload/?$")
+REMEMBERED = 4096  # event ids kept: far more than the queue holds
+SWEEP_EVERY_S = 0.2
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """| variable | meaning | default |
+    | `DFLASH_READER_TIMEOUT_S` | how long an answer may run (or wait) with nobody reading it | 3 |
+    | `DFLASH_SESSION_JOBS` | generations one session may have queued or running | 3 |
+    | `DFLASH_SESSIONLESS_JOBS` | the same, for all session-less raw calls together | 8 |
+    | `DFLASH_TOTAL_JOBS` | the same, for everybody (at most the queue's size) | 64 |
+    | `DFLASH_MAX_BODY_BYTES` | the longest request body | 1 MiB |"""
+
+    reader_timeout_s: float = 3.0
+    session_jobs: int = 3
+    sessionless_jobs: int = 8
+    total_jobs: int = 64
+    max_body_bytes: int = 1 << 20
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, queue_size: int | None = None) -> GateSettings:
+        env = os.environ if env is None else env
+        total = int(_env_number(env, "DFLASH_TOTAL_JOBS", cls.total_jobs))
+        return cls(
+            reader_timeout_s=_env_number(env, "DFLASH_READER_TIMEOUT_S", cls.reader_timeout_s),
+            session_jobs=int(_env_number(env, "DFLASH_SESSION_JOBS", cls.session_jobs)),
+            sessionless_jobs=int(_env_number(env, "DFLASH_SESSIONLESS_JOBS", cls.sessionless_jobs)),
+            total_jobs=min(total, queue_size) if queue_size else total,
+            max_body_bytes=int(_env_number(env, "DFLASH_MAX_BODY_BYTES", cls.max_body_bytes)),
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {"reader_timeout_s": self.reader_timeout_s, "session_jobs": self.session_jobs,
+                "sessionless_jobs": self.sessionless_jobs, "total_jobs": self.total_jobs,
+                "max_body_bytes": self.max_body_bytes}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EngineCalls:
+    """The engine's endpoints as Gradio numbers them (a dependency's "id"): the weight of a call of each (the
+    generations it runs, asked when the call comes), and the API names of those callable over plain HTTP."""
+
+    weights: Mapping[int, Callable[[], int]]
+    api_names: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Call:
+    """One admitted engine call, from its POST until its handler ends (or it is cancelled)."""
+
+    id: str
+    fn_index: int
+    weight: int
+    sessionless: bool
+    session: str | None  # known at once, or (session-less) from the event id Gradio answers
+    posted: float
+    event_id: str | None = None
+    started: bool = False
+    cancelled: bool = False
+
+
+@dataclass
+class Reader:
+    session: str
+    sending_since: float | None = None  # a write to the client that has not returned yet
 
 
 class Callers:
-    """Jobs by caller id, event ids by caller id, and the callers that hung up (thread-safe)."""
+    """Engine calls, result-stream readers by session, and the rules that admit and abandon calls (thread-safe:
+    handlers ask from Gradio's threads and loop alike)."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: GateSettings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings or GateSettings()
+        self._clock = clock
         self._lock = threading.Lock()
-        self._jobs: dict[str, set[Any]] = {}
-        self._caller_of_event: OrderedDict[str, str] = OrderedDict()
-        self._left: OrderedDict[str, None] = OrderedDict()
+        self._calls: dict[str, Call] = {}
+        self._readers: dict[str, list[Reader]] = {}
+        self._left: dict[str, float] = {}  # session -> when its last reader left
+        self._session_of_event: OrderedDict[str, str] = OrderedDict()
+        self.cancelled_total = 0
 
-    def link(self, event_id: str, caller: str) -> None:
+    # -- admission ---------------------------------------------------------------------------------------------------
+
+    def admit(self, fn_index: int, weight: int, session: str | None) -> Call | str:
+        """A new call (session None: session-less), or why it is refused."""
+        s = self.settings
         with self._lock:
-            self._caller_of_event[event_id] = caller
-            while len(self._caller_of_event) > REMEMBERED:
-                self._caller_of_event.popitem(last=False)
+            live = [c for c in self._calls.values() if not c.cancelled]
+            total = sum(c.weight for c in live) + weight
+            if total > s.total_jobs:
+                return (f"the server has {total - weight} answers queued or running, its limit is {s.total_jobs}: "
+                        "retry in a minute")  # fmt: skip
+            if session is None:
+                used = sum(c.weight for c in live if c.sessionless)
+                if used + weight > s.sessionless_jobs:
+                    return (f"calls without a session_hash have {used} answers queued or running together, their "
+                            f"limit is {s.sessionless_jobs}: retry later, or send a session_hash")  # fmt: skip
+            else:
+                used = sum(c.weight for c in live if c.session == session)
+                if used + weight > s.session_jobs:
+                    return (f"this session has {used} answers queued or running and this call would add {weight}; "
+                            f"the limit is {s.session_jobs} (an A/B run counts as the answers it runs): wait for "
+                            "them, or stop them")  # fmt: skip
+            call = Call(secrets.token_hex(8), fn_index, weight, session is None, session, self._clock())
+            self._calls[call.id] = call
+            return call
 
-    def attach(self, caller: str, job: Any) -> None:
-        """`job` (anything with cancel()) now runs for `caller`; cancelled at once if the caller already left."""
+    def queued(self, call: Call, event_id: str | None) -> None:
+        """Gradio answered the POST: with the call's event id, or (None) refused it."""
         with self._lock:
-            left = caller in self._left
-            if not left:
-                self._jobs.setdefault(caller, set()).add(job)
-        if left:
-            job.cancel()
+            if event_id is None:
+                self._calls.pop(call.id, None)
+                return
+            call.event_id = event_id
+            if call.session is None:
+                call.session = event_id
+            self._session_of_event[event_id] = call.session
+            while len(self._session_of_event) > REMEMBERED:
+                self._session_of_event.popitem(last=False)
 
-    def detach(self, caller: str, job: Any) -> None:
+    def start(self, call_id: str | None) -> bool:
+        """The call's handler starts: False when the call was abandoned meanwhile (then it must not run)."""
+        if call_id is None:
+            return True
         with self._lock:
-            jobs = self._jobs.get(caller)
-            if jobs is not None:
-                jobs.discard(job)
-                if not jobs:
-                    del self._jobs[caller]
+            call = self._calls.get(call_id)
+            if call is None or call.cancelled:
+                return False
+            call.started = True
+            return not self._abandoned(call, self._clock())
 
-    def result_stream_closed(self, event_id: str) -> int:
-        """The client of `event_id`'s result stream hung up: cancel its caller's jobs; how many were cancelled."""
+    def end(self, call_id: str | None) -> None:
+        if call_id is not None:
+            with self._lock:
+                self._calls.pop(call_id, None)
+
+    def sessionless(self, call_id: str | None) -> bool:
         with self._lock:
-            caller = self._caller_of_event.pop(event_id, None)
-            if caller is None:
-                return 0
-            self._left[caller] = None
-            while len(self._left) > REMEMBERED:
-                self._left.popitem(last=False)
-            jobs = list(self._jobs.pop(caller, ()))
-        for job in jobs:
-            job.cancel()
-        return len(jobs)
+            call = self._calls.get(call_id) if call_id is not None else None
+            return call is not None and call.sessionless
+
+    # -- readers -----------------------------------------------------------------------------------------------------
+
+    def session_of_event(self, event_id: str) -> str:
+        with self._lock:
+            return self._session_of_event.get(event_id, event_id)
+
+    def opened(self, session: str) -> Reader:
+        reader = Reader(session)
+        with self._lock:
+            self._readers.setdefault(session, []).append(reader)
+        return reader
+
+    def closed(self, reader: Reader) -> None:
+        with self._lock:
+            readers = self._readers.get(reader.session, [])
+            if reader not in readers:
+                return
+            readers.remove(reader)
+            if not readers:
+                self._readers.pop(reader.session, None)
+                self._left[reader.session] = self._clock()
+
+    def sending(self, reader: Reader, busy: bool) -> None:
+        with self._lock:
+            reader.sending_since = self._clock() if busy else None
+
+    def _reading(self, session: str | None, now: float) -> bool:
+        limit = self.settings.reader_timeout_s
+        return any(r.sending_since is None or now - r.sending_since <= limit
+                   for r in self._readers.get(session or "", ()))  # fmt: skip
+
+    def _abandoned(self, call: Call, now: float) -> bool:
+        if call.session is None or self._reading(call.session, now):
+            return False
+        left = self._left.get(call.session)
+        if left is not None and left >= call.posted:
+            return True  # its reader went away after the call was made
+        return now - max(call.posted, left or 0.0) > self.settings.reader_timeout_s
+
+    def abandoned(self) -> list[Call]:
+        """The calls to cancel now (each returned once); forgets readers' departures nobody needs any more."""
+        now = self._clock()
+        with self._lock:
+            found = [c for c in self._calls.values() if not c.cancelled and c.event_id and self._abandoned(c, now)]
+            for call in found:
+                call.cancelled = True
+                if not call.started:  # it leaves the queue: no handler will end it
+                    self._calls.pop(call.id, None)
+            self.cancelled_total += len(found)
+            sessions = {c.session for c in self._calls.values()}
+            for session in [s for s in self._left if s not in sessions]:
+                del self._left[session]
+            return found
+
+    def describe(self) -> dict[str, Any]:
+        return self.settings.describe()
 
 
-def caller_of(request: Any) -> str | None:
-    """The caller id the middleware gave a raw HTTP call, from its `gr.Request` (None for other callers)."""
+def call_of(request: Any) -> str | None:
+    """The engine call the gate admitted for a handler's `gr.Request` (None for a call that did not pass it)."""
     starlette_request = getattr(request, "request", None)
     scope = getattr(starlette_request, "scope", None)
     state = scope.get("state") if isinstance(scope, dict) else None
@@ -103,97 +275,144 @@ def missing_values(body: bytes, parameters: Sequence[str]) -> str | None:
     return f"data must hold {len(parameters)} values, in this order: {', '.join(parameters)} (got {len(data)})"
 
 
-class HangUpWatch:
-    """The ASGI middleware (see the module doc); `callers` is shared with the service, `parameters` names each
-    checked endpoint's parameters in order."""
+async def _answer(send: Send, status: int, detail: str) -> None:
+    payload = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                            (b"connection", b"close")]})  # fmt: skip
+    await send({"type": "http.response.body", "body": payload})
 
-    def __init__(self, app: ASGIApp, callers: Callers, parameters: Mapping[str, Sequence[str]] | None = None) -> None:
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class HttpGate:
+    """The ASGI middleware (see the module doc). `callers` is shared with the service; `engine` names the engine's
+    endpoints; `parameters` names each checked API endpoint's parameters."""
+
+    def __init__(self, app: ASGIApp, callers: Callers, engine: EngineCalls | None = None,
+                 parameters: Mapping[str, Sequence[str]] | None = None) -> None:  # fmt: skip
         self.app = app
         self.callers = callers
+        self.engine = engine
         self.parameters = dict(parameters or {})
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
-        if scope.get("method") == "POST" and (match := _CALL.search(path)):
-            if not match.group(1) and match.group(2) in self.parameters:
-                receive = await self._checked(self.parameters[match.group(2)], receive, send)
-                if receive is None:
-                    return
-            await self._queued(scope, receive, send)
-        elif scope.get("method") == "GET" and (match := _RESULT.search(path)):
-            await self._streamed(match.group(1), scope, receive, send)
-        else:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.create_task(self._sweep(scope))
+        path, method = scope.get("path", ""), scope.get("method")
+        if method == "GET":
+            if match := _RESULT.search(path):
+                await self._read(self.callers.session_of_event(match.group(1)), scope, receive, send)
+            elif _QUEUE_DATA.search(path) and (session := _query(scope, "session_hash")):
+                await self._read(session, scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        if method != "POST":
             await self.app(scope, receive, send)
+            return
+        if _UPLOAD.search(path):
+            await _answer(send, 413, "uploads are off: this Space takes no files (maximum allowed size: 0 bytes)")
+            return
+        body = await self._body(scope, receive, send)
+        if body is None:
+            return
+        replay = _replay(body, receive)
+        if (match := _CALL.search(path)) and not match.group(1) and match.group(2) in self.parameters:
+            problem = missing_values(body, self.parameters[match.group(2)])
+            if problem is not None:
+                await _answer(send, 422, problem)
+                return
+        engine = self.engine
+        fn_index = None
+        request = _json_object(body) if engine is not None and (_JOIN.search(path) or match) else {}
+        if engine is not None and match:
+            fn_index = engine.api_names.get(match.group(2))
+        elif engine is not None and _JOIN.search(path):
+            index = request.get("fn_index")
+            fn_index = index if isinstance(index, int) and index in engine.weights else None
+        if engine is None or fn_index is None:
+            await self.app(scope, replay, send)
+            return
+        session = request.get("session_hash")
+        session = session if isinstance(session, str) and session else None
+        if session is None and not match:  # a join names its session (Gradio refuses one that does not)
+            await self.app(scope, replay, send)
+            return
+        call = self.callers.admit(fn_index, engine.weights[fn_index](), session)
+        if isinstance(call, str):
+            await _answer(send, 429, call)
+            return
+        scope.setdefault("state", {})[STATE_KEY] = call.id
+        await self._queue(call, scope, replay, send)
 
-    @staticmethod
-    async def _checked(parameters: Sequence[str], receive: Receive, send: Send) -> Receive | None:
-        """Read the body; refuse it (None) if values are missing, else a `receive` that hands it on unchanged."""
-        messages: list[Message] = []
+    async def _body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        """The whole body, or None once a too long one was refused (by its declared length, or as it came)."""
+        limit = self.callers.settings.max_body_bytes
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        too_long = f"the request body is longer than this server accepts ({limit} bytes)"
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _answer(send, 413, too_long)
+            return None
+        parts: list[bytes] = []
         size = 0
         while True:
             message = await receive()
-            messages.append(message)
             if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            if not message.get("more_body") or size > MAX_CHECKED_BODY:
-                break
-        complete = messages[-1]["type"] == "http.request" and not messages[-1].get("more_body")
-        problem = missing_values(b"".join(m.get("body", b"") for m in messages), parameters) if complete else None
-        if problem is not None:
-            payload = json.dumps({"detail": problem}).encode()
-            await send({"type": "http.response.start", "status": 422,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(payload)).encode())]})  # fmt: skip
-            await send({"type": "http.response.body", "body": payload})
-            return None
+                return b"".join(parts)
+            part = message.get("body", b"")
+            size += len(part)
+            if size > limit:
+                await _answer(send, 413, too_long)
+                return None
+            parts.append(part)
+            if not message.get("more_body"):
+                return b"".join(parts)
 
-        async def replay() -> Message:
-            return messages.pop(0) if messages else await receive()
+    async def _queue(self, call: Call, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the call on and note the event id Gradio answers (or that it refused the call)."""
+        status, answer = 0, bytearray()
 
-        return replay
-
-    async def _queued(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Tag the call with a caller id and link the event id Gradio answers with to it."""
-        caller = secrets.token_hex(16)
-        state = scope.setdefault("state", {})
-        state[STATE_KEY] = caller
-        body = bytearray()
-
-        async def send_and_link(message: Message) -> None:
-            if message["type"] == "http.response.body" and len(body) < 4096:
-                body.extend(message.get("body", b""))
-                if not message.get("more_body"):
-                    try:
-                        event_id = json.loads(bytes(body)).get("event_id")
-                    except (ValueError, AttributeError):
-                        event_id = None
-                    if isinstance(event_id, str):
-                        self.callers.link(event_id, caller)
+        async def noting(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and len(answer) < 4096:
+                answer.extend(message.get("body", b""))
             await send(message)
 
-        await self.app(scope, receive, send_and_link)
+        event_id = None
+        try:
+            await self.app(scope, receive, noting)
+            event = _json_object(bytes(answer)).get("event_id") if status == 200 else None
+            event_id = event if isinstance(event, str) else None
+        finally:
+            self.callers.queued(call, event_id)
 
-    async def _streamed(self, event_id: str, scope: Scope, receive: Receive, send: Send) -> None:
-        """Stream the result; a disconnect before its last byte cancels the caller's jobs."""
-        complete = asyncio.Event()
-        early: list[Message] = []  # what the watcher read before the app asked (a GET's empty body)
+    async def _read(self, session: str, scope: Scope, receive: Receive, send: Send) -> None:
+        """Stream a result to one of `session`'s readers, watching for its hang-up and for writes it does not take."""
+        reader = self.callers.opened(session)
+        early: list[Message] = []  # what the watcher read before the app asked (a GET's empty body, the hang-up)
         wanted = asyncio.Event()
 
         async def watch() -> None:
             while True:
                 message = await receive()
-                if message["type"] == "http.disconnect":
-                    if not complete.is_set():
-                        self.callers.result_stream_closed(event_id)
-                    early.append(message)
-                    wanted.set()
-                    return
                 early.append(message)
                 wanted.set()
+                if message["type"] == "http.disconnect":
+                    self.callers.closed(reader)
+                    return
 
         async def app_receive() -> Message:
             while not early:
@@ -202,12 +421,64 @@ class HangUpWatch:
             return early.pop(0) if early[0]["type"] != "http.disconnect" else early[0]
 
         async def app_send(message: Message) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                complete.set()
-            await send(message)
+            self.callers.sending(reader, True)
+            try:
+                await send(message)
+            finally:
+                self.callers.sending(reader, False)
 
         watcher = asyncio.create_task(watch())
         try:
             await self.app(scope, app_receive, app_send)
         finally:
             watcher.cancel()
+            self.callers.closed(reader)
+
+    async def _sweep(self, scope: Scope) -> None:
+        """Cancel abandoned calls, as long as the server runs."""
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)  # a period, not a synchronisation: the sweep looks at the clock
+            for call in self.callers.abandoned():
+                log.info("an answer nobody reads was cancelled (%s)", "running" if call.started else "queued")
+                await self._cancel(scope, call)
+
+    async def _cancel(self, scope: Scope, call: Call) -> None:
+        """Gradio's own cancel route, called in this process: the event leaves the queue, or its handler's task is
+        cancelled."""
+        body = json.dumps({"session_hash": call.session, "fn_index": call.fn_index, "event_id": call.event_id}).encode()
+        inner = {key: scope[key] for key in ("type", "http_version", "scheme", "server", "root_path", "app")
+                 if key in scope}  # fmt: skip
+        inner.update(method="POST", path=PREFIX + "/cancel", raw_path=(PREFIX + "/cancel").encode(), query_string=b"",
+                     headers=[(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                     client=("127.0.0.1", 0), state={})  # fmt: skip
+        sent = False
+
+        async def receive() -> Message:
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(_message: Message) -> None:
+            pass
+
+        try:
+            await self.app(inner, receive, send)
+        except Exception:  # the sweep goes on; the call's handler still checks `start`
+            log.exception("cancelling an abandoned answer failed")
+
+
+def _query(scope: Scope, name: str) -> str | None:
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get(name)
+    return values[0] if values and values[0] else None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the body on once, then whatever comes (the hang-up)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replay

@@ -11,17 +11,17 @@ import inspect
 import logging
 import random
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from dataclasses import replace
 from typing import Any
 
 import gradio as gr
 import pandas as pd
 
-from ..errors import DFlashError, RequestError
-from .callers import caller_of
+from ..errors import DFlashError, PromptTooLongError, RequestError
+from .callers import call_of
 from .provenance import ACCEPTANCE, SPEED, SpeedTrace, point_every
-from .requests import AUTO
+from .requests import AUTO, MessageTooLongError
 from .service import Comparison, Reply, SpaceService
 from .session import ChatSession
 from .views import (
@@ -42,9 +42,21 @@ API_PARAMETERS = ("message", "history", "system_prompt", "preset", "max_tokens",
                   "speculative", "thinking", "method", "draft_length", "top_k", "min_p")  # fmt: skip
 
 
+TOO_LONG = "MessageTooLong"  # the title of a message refused for its length, by characters or by tokens
+
+
+def too_long(error: Exception) -> bool:
+    """Whether the message was refused for its length: here (characters) or by the GPU function (tokens)."""
+    return isinstance(error, MessageTooLongError | PromptTooLongError) or \
+        getattr(error, "kind", None) == PromptTooLongError.__name__  # fmt: skip
+
+
 def visitor_message(error: Exception) -> tuple[str, str]:
     """(title, message) of an error as a visitor reads it: the request checks quote the caller's own values; other
-    runtime errors may name the server's files (scrubbed); anything else is the server's fault, said without detail."""
+    runtime errors may name the server's files (scrubbed); anything else is the server's fault, said without detail.
+    A message too long reads the same whichever check refused it."""
+    if too_long(error):
+        return TOO_LONG, str(error)
     if isinstance(error, DFlashError):
         title = getattr(error, "kind", type(error).__name__)
         return title, str(error) if isinstance(error, RequestError) else scrub_paths(str(error))
@@ -102,11 +114,31 @@ def chart_frames(trace: SpeedTrace | None) -> tuple[pd.DataFrame | None, pd.Data
 # -- the API --------------------------------------------------------------------------------------------------------
 
 
+def step_stats(reply: Reply) -> dict[str, Any]:
+    """A /chat item's statistics: the reply's, with what grows with the answer (`source_runs`, `draft_lengths`) for
+    the item's own text only, so a stream's bytes grow linearly with the answer."""
+    last = reply.last
+    runs = [[n, source] for n, source in (last.source_runs if last else []) if n > 0]
+    return {**reply.stats, "source_runs": runs, "draft_lengths": list(last.draft_lengths) if last else []}
+
+
 def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
     """The /chat, /generate, /info and /wait endpoints. Parameters keep JSON's types: integers, floats, booleans and
     strings are checked as such (service.check), never coerced."""
     preset_name = service.preset.name
     max_tokens_default = service.defaults["max_tokens"]
+
+    async def answer(request: gr.Request | None, **fields: Any) -> AsyncIterator[Reply]:
+        """The checked request's reply, grown chunk by chunk; the engine call ends here however the caller leaves."""
+        call = call_of(request)
+        try:
+            with visitor_errors():
+                checked = service.check(**fields)
+                owner = service.owner_key(session_hash(request), call)
+                async for reply in service.reply(checked, owner=owner, call=call):
+                    yield reply
+        finally:
+            service.callers.end(call)
 
     @yields(ApiReply)
     async def chat(
@@ -126,7 +158,8 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
         min_p: float | None = None,
         request: gr.Request = None,  # type: ignore[assignment] - Gradio passes the caller's, never an API parameter
     ) -> AsyncIterator[ApiReply]:
-        """Stream an answer to `message`: yields (text so far, statistics) after every engine step.
+        """Stream an answer to `message`: yields (text added, statistics) after every engine step; the answer is
+        the items' texts joined.
 
         Parameters:
             message: the new user message
@@ -144,17 +177,16 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
             top_k: keep the k most likely tokens, 0..1000 (0 = off); null: the server's default
             min_p: drop tokens below min_p × the top probability, [0, 0.99]; null: the server's default
         Returns:
-            (text, statistics): the engine's statistics, finish_reason, finish_detail, notice, preset and GPU time
+            (text added, statistics): the engine's statistics so far, finish_reason, finish_detail, notice, preset
+            and GPU time; source_runs and draft_lengths for this item's text only
         """
-        with visitor_errors():
-            checked = service.check(
-                message=message, history=history, system_prompt=system_prompt, preset=preset, max_tokens=max_tokens,
-                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, method=method,
-                draft_length=draft_length, draft_max=draft_max, speculative=speculative, enable_thinking=thinking,
-            )  # fmt: skip
-            owner = service.owner_key(session_hash(request))
-            async for reply in service.reply(checked, owner=owner, caller=caller_of(request)):
-                yield reply.text, reply.stats
+        async with aclosing(answer(
+            request, message=message, history=history, system_prompt=system_prompt, preset=preset,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, method=method,
+            draft_length=draft_length, draft_max=draft_max, speculative=speculative, enable_thinking=thinking,
+        )) as replies:  # fmt: skip
+            async for reply in replies:
+                yield reply.last.delta if reply.last else "", step_stats(reply)
 
     async def generate(
         message: str,
@@ -191,13 +223,15 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
             top_k: 0..1000 (0 = off); null: the server's default
             min_p: [0, 0.99]; null: the server's default
         """
-        text, stats = "", {}
-        async for text, stats in chat(  # noqa: B007 - the last chunk is the answer
-            message, history, system_prompt, preset, max_tokens, temperature, top_p, draft_max, speculative, thinking,
-            method, draft_length, top_k, min_p, request,
-        ):
-            pass
-        return text, stats
+        final: Reply | None = None
+        async with aclosing(answer(
+            request, message=message, history=history, system_prompt=system_prompt, preset=preset,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, method=method,
+            draft_length=draft_length, draft_max=draft_max, speculative=speculative, enable_thinking=thinking,
+        )) as replies:  # fmt: skip
+            async for final in replies:  # noqa: B007 - the last one is the answer
+                pass
+        return (final.text, final.stats) if final is not None else ("", {})
 
     def info() -> dict[str, Any]:
         """The server: presets, defaults, limits, build, download state, run mode and any problem, the engine and the
@@ -301,11 +335,20 @@ class PageHandlers:
         _, shown = session.start_turn(message, request)
         return shown, "", gr.update(value="", visible=False), ""
 
-    async def respond(self, session: ChatSession) -> AsyncIterator[tuple[Any, ...]]:
+    async def respond(self, session: ChatSession, request: gr.Request) -> AsyncIterator[tuple[Any, ...]]:
         """Inputs: session. Outputs: chatbot, message box, statistics, acceptance plot, speed chart, acceptance
         chart, notice, thinking switch, info box. Answers the turn `submit` showed. The chat shows every step; the
         plots follow the work done: they change when the answer has grown by another stretch of tokens, and at its
         end. Stop ends the answer on the server; the statistics then say so."""
+        call = call_of(request)
+        try:
+            async with aclosing(self._respond(session, call)) as frames:
+                async for frame in frames:
+                    yield frame
+        finally:
+            self.service.callers.end(call)
+
+    async def _respond(self, session: ChatSession, call: str | None) -> AsyncIterator[tuple[Any, ...]]:
         skip = gr.skip()
         pending = session.take_pending()
         if pending is None:  # stopped or cleared while it waited in the queue: nothing changes
@@ -320,7 +363,8 @@ class PageHandlers:
                 status = f"*Downloading the model pair: {self.service.download.status().summary()}*"
                 yield skip, skip, status, skip, skip, skip, skip, skip, skip
             notice, first = None, True
-            async for reply in self.service.reply(request, owner=session.owner, latest_only=True, session=session):
+            async for reply in self.service.reply(request, owner=session.owner, latest_only=True, session=session,
+                                                  call=call):  # fmt: skip
                 shown = session.show_reply(epoch, reply.text, reply.sources.chunks)
                 if shown is None:  # cleared meanwhile: this answer belongs to no conversation
                     break
@@ -342,7 +386,9 @@ class PageHandlers:
         except Exception as error:  # told, not raised: see the class doc
             restored = session.undo_turn(epoch)  # the failed turn leaves the chat; its message goes back to the box
             box = request.message if restored is not None else skip
-            yield restored or skip, box, EMPTY_STATS, skip, skip, skip, self._told(error, "No answer"), skip, skip
+            # A message too long for the context is not sent, as one too long in characters (see `submit`).
+            told = self._told(error, "Not sent" if too_long(error) else "No answer")
+            yield restored or skip, box, EMPTY_STATS, skip, skip, skip, told, skip, skip
             return
         if not session.is_current(epoch):
             # Cleared: this event's last word empties what it showed (Clear's own outputs may arrive before frames
@@ -362,10 +408,25 @@ class PageHandlers:
         kind = self.service.engine_info.get("draft_kind")
         return ("plain", *methods), {m: method_label(m, kind) for m in methods}
 
-    async def compare(self, session: ChatSession, typed: str, *settings: Any) -> AsyncIterator[str]:
+    def comparison_weight(self) -> int:
+        """How many answers an A/B run is (what the queue's limits count it as)."""
+        return len(self.comparison_phases()[0])
+
+    async def compare(self, request: gr.Request, session: ChatSession, typed: str,
+                      *settings: Any) -> AsyncIterator[str]:  # fmt: skip
         """Inputs: session, message box, then the settings. Output: the A/B box. Repeats the last prompt (or the
         typed message) with plain decoding, then with each draft method the pair runs, in one GPU call, all with the
         same seed."""
+        call = call_of(request)
+        try:
+            async with aclosing(self._compare(session, typed, settings, call)) as frames:
+                async for frame in frames:
+                    yield frame
+        finally:
+            self.service.callers.end(call)
+
+    async def _compare(self, session: ChatSession, typed: str, settings: tuple[Any, ...],
+                       call: str | None) -> AsyncIterator[str]:  # fmt: skip
         last = session.last_prompt()
         if last is None and not typed.strip():
             yield "*Send a message first (or type one): the A/B run repeats a prompt.*"
@@ -378,7 +439,7 @@ class PageHandlers:
             yield f"Running the prompt with plain decoding, then with {', '.join(labels.values())}…"
             comparison = Comparison(request.temperature, request.seed, labels)
             async for reply in self.service.reply(request, phases, owner=session.owner, latest_only=True,
-                                                  session=session):  # fmt: skip
+                                                  session=session, call=call):  # fmt: skip
                 yield comparison.add(reply)
         except Exception as error:  # told, not raised: see the class doc
             _, text = visitor_message(error)

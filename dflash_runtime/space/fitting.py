@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PromptTooLongError
-from .requests import ChatRequest, Message, turn_starts
+from .requests import ChatRequest, Message, too_long, turn_starts
 
 
 def prompt_tokens(engine: Any, messages: list[Message], enable_thinking: bool) -> list[int]:
@@ -67,10 +67,8 @@ def fit_conversation(
     cut = 0 if fits(0) else _smallest_fitting_cut(fits, _guess(history, starts, tokens(0), n_ctx - reserve), starts)
     if cut is None:
         last = len(starts) - 1
-        raise PromptTooLongError(
-            f"the message needs {tokens(last)} prompt tokens; with {reserve} kept for the answer the "
-            f"{n_ctx}-token context cannot hold it: shorten the message or the system prompt"
-        )
+        raise PromptTooLongError(too_long(f"it needs {tokens(last)} prompt tokens; with {reserve} kept for the "
+                                          f"answer the {n_ctx}-token context cannot hold it"))
     messages = system + history[starts[cut] :] + latest
     return FittedConversation(messages, request.dropped_turns + cut, encoded[cut], len(encoded))
 

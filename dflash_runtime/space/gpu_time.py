@@ -9,7 +9,8 @@ A public Space serves visitors who send whatever they like: a burst of requests 
 draft's training, a high temperature) or tokenize densely must not change the time asked of everybody else. So each
 figure a visitor's answer can move (decode speed per mode, prefill speed, characters per token) is the **median of
 the recent answers** (`WINDOW`), in which one visitor's session keeps at most `PER_SOURCE` answers: moving it takes
-more than half of the recent answers, from several sessions. Until a figure is measured it is the configured
+more than half of the recent answers, from several sessions; raw calls without a session, which cost nothing to
+multiply, are not counted at all. Until a figure is measured it is the configured
 default. The load time is not a visitor's doing; it follows its measurements (slower ones count more) and is added
 only when the worker may be new (the first request, or after a worker was lost).
 

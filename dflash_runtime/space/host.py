@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +29,8 @@ from .fitting import FittedConversation, fit_conversation, prompt_tokens
 from .presets import PairPreset, ResolvedPair, draft_unavailable, has_mtp_head
 from .requests import DEFAULT_SYSTEM_PROMPT, ChatRequest, thinking_prefix
 from .views import scrub_paths
+
+log = logging.getLogger(__name__)
 
 # Each phase's decoding: None for the request's own `speculative` and method; True for speculative with the request's
 # method; False for plain decoding; a method name for speculative decoding with that method (an A/B comparison).
@@ -49,7 +51,7 @@ class GpuJob:
     phases: tuple[str, ...] = ("chat",)  # e.g. ("dflash", "mtp", "plain") for an A/B comparison
     gpu_seconds: int = 60  # the duration asked of ZeroGPU, decided in the web process
     # Whose text this is (an opaque key per visitor's session): the engine reuses cached tokens only for the same
-    # owner, beyond the prompt's public prefix. Empty: a fresh owner, nothing of anybody else's is reused.
+    # owner, beyond the prompt's public prefix. Empty: a session-less call (see EngineHost._forget_sessionless).
     cache_owner: str = ""
     engine_info_seen: str = ""  # the digest of the engine description the web process holds (see info_digest)
 
@@ -111,6 +113,7 @@ class ReplyChunk:
 # What the cache holds now (tokens, checkpoints, the owners' parked states): the state of somebody's requests.
 PRIVATE_ENGINE_KEYS = ("n_cached", "checkpoints", "sessions")
 PUBLIC_OWNER = "public prefix"  # the owner of the requests that put the public prefix back in the cache
+SESSIONLESS_OWNER = "session-less calls"  # the one owner of every call without a session (see _forget_sessionless)
 
 
 def _public_info(info: dict[str, Any]) -> dict[str, Any]:
@@ -268,8 +271,14 @@ class EngineHost:
             chunk.used_s = chunk.worker["used_s"]
             yield chunk
         finally:
-            self.previous_request = outcome
-            self._lock.release()
+            try:
+                if not job.cache_owner and self._engine is not None and self._facts is not None:
+                    self._forget_sessionless(self._engine, job.request.enable_thinking)
+            except DFlashError as error:  # the next request reports a broken engine itself
+                log.warning("could not clear a session-less call's cache: %s", error)
+            finally:
+                self.previous_request = outcome
+                self._lock.release()
 
     def _owner_arguments(self, engine: Any, owner: str, tokens: list[int], thinking: bool) -> dict[str, Any]:
         """The engine's keyword arguments that keep this request's cache to its owner (see the class doc). Call
@@ -281,7 +290,7 @@ class EngineHost:
         is would tell whether the previous visitor used the page's system prompt; when the previous request did not
         leave it there, a one-token request of nobody's puts it back first."""
         assert self._facts is not None
-        owner = owner or secrets.token_hex(16)  # nobody's session: a fresh owner, nothing to reuse
+        owner = owner or SESSIONLESS_OWNER
         public = self._facts.public(engine, thinking)
         declared = len(public) if len(tokens) > len(public) and tokens[: len(public)] == public else 0
         if declared and self._public_cached != public:
@@ -291,6 +300,19 @@ class EngineHost:
                     pass
         self._public_cached = None  # until this request's prompt is in the cache (see run)
         return {"cache_owner": owner, "public_prefix": declared}
+
+    def _forget_sessionless(self, engine: Any, thinking: bool) -> None:
+        """After a call without a session: leave the cache holding the public prefix only, still as the session-less
+        owner. The next owner then finds nothing of this call to park, so session-less calls take no parked
+        visitor's place however many come, and the next session-less call reuses nothing of this one (the engine
+        keeps only the common prefix of an owner's cache and its new prompt). Call with the lock held."""
+        assert self._facts is not None
+        public = self._facts.public(engine, thinking)
+        with engine.stream(public, max_tokens=1, speculative=False, cache_owner=SESSIONLESS_OWNER,
+                           public_prefix=len(public)) as events:  # fmt: skip
+            for _ in events:
+                pass
+        self._public_cached = public
 
     def _report(self, report: dict[str, Any], started: float) -> dict[str, Any]:
         used_s = round(time.monotonic() - started, 3)

@@ -30,6 +30,16 @@ DRAFT_MAX_NOTE = ("draft_max is deprecated: send draft_length ('auto' or an inte
                   "draft_max 0 meant 'auto'")  # fmt: skip
 
 
+class MessageTooLongError(RequestError):
+    """A message refused for its length: by its characters here, or (PromptTooLongError, where the prompt is fitted
+    to the context) by its tokens. Both read alike (`too_long`) and are told alike."""
+
+
+def too_long(detail: str) -> str:
+    """The one wording of a message refused for its length."""
+    return f"the message is too long: {detail}: shorten the message or the system prompt"
+
+
 def _env_number(env: Mapping[str, str], name: str, default: float) -> float:
     text = env.get(name, "").strip()
     if not text:
@@ -261,10 +271,8 @@ def build_request(
     system_prompt = check_text("system_prompt", "" if system_prompt is None else system_prompt)
     own_chars = len(message) + len(system_prompt)
     if own_chars > limits.max_input_chars:
-        raise RequestError(
-            f"the message and system prompt are {own_chars} characters long; this server accepts up to "
-            f"{limits.max_input_chars}: shorten them"
-        )
+        raise MessageTooLongError(too_long(f"the message and system prompt are {own_chars} characters long; this "
+                                           f"server accepts up to {limits.max_input_chars}"))
     kept, dropped = newest_turns(
         check_history(history), limits.max_history_messages, limits.max_input_chars - own_chars
     )

@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any
 
 from ..errors import DFlashError, RequestError
-from .callers import Callers
+from .callers import Callers, GateSettings
 from .downloads import PairDownload
 from .gpu_time import GpuTimeEstimator, GpuTimeSettings
 from .host import GpuJob, ReplyChunk, info_digest
@@ -73,8 +73,10 @@ class Reply:
     notice: str | None = None
     finish_reason: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    last: ReplyChunk | None = None  # the chunk added last: what the reply grew by
 
     def add(self, chunk: ReplyChunk) -> None:
+        self.last = chunk
         self.text += chunk.delta
         self.sources.add(chunk.source_runs)
         self.draft_lengths.extend(chunk.draft_lengths)
@@ -163,6 +165,7 @@ class SpaceService:
         zero_gpu: bool,
         gpu_size: str | None,
         show_diagnostics: bool = False,
+        gate: GateSettings | None = None,
     ) -> None:
         self.mode = replace(mode, problems=tuple(scrub_paths(problem) for problem in mode.problems))
         self.preset = preset
@@ -180,7 +183,7 @@ class SpaceService:
         self._quota_seconds = quota_seconds
         self._owner_secret = secrets.token_bytes(32)  # owner keys cannot be derived from a session id elsewhere
         self.show_diagnostics = show_diagnostics
-        self.callers = Callers()  # raw HTTP calls and their jobs, for HangUpWatch
+        self.callers = Callers(gate)  # engine calls and who reads them, shared with the HTTP gate (callers.py)
         # Adaptive drafting ("auto") with the pair's default method for the real pair and the offline demo alike: the
         # demo's generated pair (head="phrase") has predictable stretches and unpredictable text, as real text has.
         # Sampling starts from the server's defaults; a real pair's own `general.sampling.*` replace them once its
@@ -219,6 +222,7 @@ class SpaceService:
             zero_gpu=zero_gpu,
             gpu_size=zerogpu.GPU_SIZE,
             show_diagnostics=env.get("DFLASH_DIAGNOSTICS", "").strip() in ("1", "true", "yes"),
+            gate=GateSettings.from_env(env),
         )
 
     # -- requests -------------------------------------------------------------------------------------------------
@@ -272,11 +276,12 @@ class SpaceService:
             pass
         return files
 
-    def owner_key(self, session_hash: str | None) -> str:
+    def owner_key(self, session_hash: str | None, call: str | None = None) -> str:
         """The cache owner (and the GPU-time estimates' source) of a request: an opaque key derived from the caller's
-        session, or a fresh one for a caller without a session (nothing it sends is reused for anybody)."""
-        if not session_hash:
-            return secrets.token_hex(16)
+        session; "" for a raw call without a session (`call`, see callers.py): they all share one owner whose cache
+        keeps nothing of them (see host.EngineHost), and the GPU-time estimates do not learn from them."""
+        if not session_hash or self.callers.sessionless(call):
+            return ""
         return hmac.new(self._owner_secret, session_hash.encode(), hashlib.sha256).hexdigest()[:32]
 
     async def reply(
@@ -287,11 +292,15 @@ class SpaceService:
         owner: str,
         latest_only: bool = False,
         session: ChatSession | None = None,
-        caller: str | None = None,
+        call: str | None = None,
     ) -> AsyncIterator[Reply]:
         """Run `request` on the GPU for `owner` (see owner_key) and stream its reply, phase by phase, after each chunk
         (the same Reply object, grown: read it before asking for the next). Errors reported by the worker are raised
-        as WorkerError; leaving the loop (or being cancelled) stops the engine."""
+        as WorkerError; leaving the loop (or being cancelled) stops the engine. `call`: the engine call the HTTP gate
+        admitted (callers.py); one abandoned before it starts ends here, without asking for a GPU."""
+        if not self.callers.start(call):
+            log.info("an answer nobody reads was dropped before it started")
+            return
         files = await self.files()
         job_spec = GpuJob(request, self.preset, files, phases, cache_owner=owner,
                           engine_info_seen=info_digest(self.engine_info) if self.engine_info else "")  # fmt: skip
@@ -307,8 +316,6 @@ class SpaceService:
         )
         if session is not None:
             session.attach(job)
-        if caller is not None:  # a raw HTTP call: its hang-up cancels the job (see callers.py)
-            self.callers.attach(caller, job)
         load_seen = False
         replies: dict[str, Reply] = {}  # per phase: an A/B run streams two answers
         try:
@@ -324,7 +331,7 @@ class SpaceService:
                 reply = replies.setdefault(chunk.phase, Reply(chunk.phase))
                 reply.add(chunk)
                 reply.stats = self.reply_stats(chunk, reply, requested, request.notes)
-                if chunk.finish_reason:
+                if chunk.finish_reason and owner:  # session-less calls teach nothing (see gpu_time.py)
                     finished = {**chunk.stats, "decode_tok_s": reply.stats["decode_tok_s"]}
                     self.estimator.observe(finished, request, chunk.dropped_turns - request.dropped_turns, owner)
                 yield reply
@@ -338,8 +345,6 @@ class SpaceService:
         finally:
             if session is not None:
                 session.detach(job)
-            if caller is not None:
-                self.callers.detach(caller, job)
 
     def reply_stats(self, chunk: ReplyChunk, reply: Reply, requested: int | None,
                     notes: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
@@ -396,6 +401,7 @@ class SpaceService:
             "busy": self.slot.busy(),  # an answer is running (or being stopped)
             "engine": dict(self.engine_info),
             "gpu_time": {"zero_gpu": self.zero_gpu, "gpu_size": self.gpu_size, **self.estimator.describe()},
+            "queue": self.callers.describe(),
             **(self.diagnostics() if self.show_diagnostics else {}),
         }
 

@@ -1,4 +1,5 @@
-"""ReplyJob: a blocking chunk stream handed to an async consumer, stopped when the consumer leaves or stops reading."""
+"""ReplyJob: a blocking chunk stream handed to an async consumer, stopped when the consumer leaves or stops reading;
+the HTTP gate's rules for when a call is abandoned and how many may wait (callers.Callers, on a clock of its own)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from dflash_runtime.errors import RequestError
+from dflash_runtime.space.callers import Call, Callers, GateSettings
 from dflash_runtime.space.jobs import EngineSlot, ReplyJob
 
 TIMEOUT_S = 30.0
@@ -161,3 +163,80 @@ def test_one_job_at_a_time_through_the_slot() -> None:
 
     assert run(both()) == ([1], [1])
     assert events == ["first starts", "first closed", "second starts", "second closed"]
+
+
+class Clock:
+    """A clock the test moves by hand: the rules below are about time, not about waiting."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_call_is_abandoned_when_nobody_opens_its_result_in_time() -> None:
+    clock = Clock()
+    callers = Callers(GateSettings(reader_timeout_s=3.0), clock)
+    call = callers.admit(1, 1, None)
+    assert isinstance(call, Call)
+    callers.queued(call, "e1")
+    clock.now += 2.9
+    assert callers.abandoned() == [] and callers.start(call.id), "within the grace it runs"
+    clock.now += 0.2
+    assert callers.abandoned() == [call] and callers.abandoned() == [], "found once"
+
+
+def test_a_reader_that_leaves_after_the_call_abandons_it_at_once() -> None:
+    clock = Clock()
+    callers = Callers(GateSettings(reader_timeout_s=3.0), clock)
+    reader = callers.opened("s")
+    call = callers.admit(1, 1, "s")
+    assert isinstance(call, Call)
+    callers.queued(call, "e1")
+    clock.now += 60.0
+    assert callers.abandoned() == [], "read: it may run as long as it likes"
+    callers.closed(reader)
+    assert callers.abandoned() == [call]
+    # A later call of the session waits for its own reader for the grace, as a first one does.
+    later = callers.admit(1, 1, "s")
+    assert isinstance(later, Call)
+    callers.queued(later, "e2")
+    assert callers.abandoned() == []
+    clock.now += 3.1
+    assert callers.abandoned() == [later]
+
+
+def test_a_reader_that_takes_no_write_counts_as_gone() -> None:
+    clock = Clock()
+    callers = Callers(GateSettings(reader_timeout_s=3.0), clock)
+    reader = callers.opened("s")
+    call = callers.admit(1, 1, "s")
+    assert isinstance(call, Call)
+    callers.queued(call, "e1")
+    callers.sending(reader, True)
+    clock.now += 2.0
+    assert callers.abandoned() == []
+    callers.sending(reader, False)  # the write went through: a reader again
+    callers.sending(reader, True)
+    clock.now += 3.5
+    assert callers.abandoned() == [call]
+
+
+def test_limits_count_answers_per_session_for_session_less_calls_and_in_all() -> None:
+    callers = Callers(GateSettings(session_jobs=3, sessionless_jobs=2, total_jobs=6), Clock())
+    assert isinstance(callers.admit(1, 2, "s"), Call)  # an A/B run of two answers
+    refused = callers.admit(1, 2, "s")
+    assert isinstance(refused, str) and "this session has 2 answers queued or running" in refused
+    ended = callers.admit(1, 1, "s")
+    assert isinstance(ended, Call)
+    callers.end(ended.id)
+    assert isinstance(callers.admit(1, 1, "s"), Call), "an ended call frees its place"
+    first, second = callers.admit(1, 1, None), callers.admit(1, 1, None)
+    assert isinstance(first, Call) and isinstance(second, Call)
+    third = callers.admit(1, 1, None)
+    assert isinstance(third, str) and "calls without a session_hash" in third
+    callers.queued(first, None)  # Gradio refused it: its place is free again
+    assert isinstance(callers.admit(1, 1, "t"), Call) and isinstance(callers.admit(1, 1, "u"), Call)
+    full = callers.admit(1, 1, "v")
+    assert isinstance(full, str) and "its limit is 6" in full

@@ -336,3 +336,21 @@ def test_a_chat_stream_rebuilds_the_answer_of_generate(server: RunningApp) -> No
     for delta, stats in items:
         assert sum(n for n, _ in stats["source_runs"]) == len(delta)
     assert items[-1][1]["n_generated"] == 64 and items[-1][1]["finish_reason"] == "length"
+
+
+def test_a_message_too_long_is_refused_one_way_whichever_check_catches_it(server: RunningApp) -> None:
+    """40,000 characters (over the server's 32,000) and 27,000 (under it, but more tokens than the context holds):
+    the same title and the same wording, which says what to shorten."""
+    refusals = {}
+    for chars in (40_000, 27_000):
+        message = ("word " * chars)[:chars]
+        result = raw_call(server.url, "generate", raw_body(chat_args(message, max_tokens=8)))
+        assert result.event == "error", result
+        refusals[chars] = result.data
+    record("too_long_refusals", refusals)
+    for refusal in refusals.values():
+        assert refusal["title"] == "MessageTooLong", refusal
+        assert refusal["error"].startswith("the message is too long: ")
+        assert refusal["error"].endswith(": shorten the message or the system prompt")
+    assert "accepts up to 32000" in refusals[40_000]["error"]
+    assert "context cannot hold it" in refusals[27_000]["error"]

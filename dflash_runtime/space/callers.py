@@ -448,7 +448,9 @@ class HttpGate:
         body = json.dumps({"session_hash": call.session, "fn_index": call.fn_index, "event_id": call.event_id}).encode()
         inner = {key: scope[key] for key in ("type", "http_version", "scheme", "server", "root_path", "app")
                  if key in scope}  # fmt: skip
-        inner.update(method="POST", path=PREFIX + "/cancel", raw_path=(PREFIX + "/cancel").encode(), query_string=b"",
+        root = scope.get("root_path", "")  # the route's path as the outer request's, behind a proxy's prefix too
+        path = (root if root and scope.get("path", "").startswith(root) else "") + PREFIX + "/cancel"
+        inner.update(method="POST", path=path, raw_path=path.encode(), query_string=b"",
                      headers=[(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
                      client=("127.0.0.1", 0), state={})  # fmt: skip
         sent = False

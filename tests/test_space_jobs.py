@@ -240,3 +240,13 @@ def test_limits_count_answers_per_session_for_session_less_calls_and_in_all() ->
     assert isinstance(callers.admit(1, 1, "t"), Call) and isinstance(callers.admit(1, 1, "u"), Call)
     full = callers.admit(1, 1, "v")
     assert isinstance(full, str) and "its limit is 6" in full
+
+
+def test_a_queued_call_its_client_cancels_frees_its_place() -> None:
+    callers = Callers(GateSettings(session_jobs=2), Clock())
+    ab = callers.admit(1, 2, "s")
+    assert isinstance(ab, Call)
+    callers.queued(ab, "e1")
+    assert isinstance(callers.admit(1, 1, "s"), str), "the session's places are taken"
+    callers.withdrawn("e1")  # Stop while it waited: Gradio drops it from the queue, no handler runs
+    assert isinstance(callers.admit(1, 2, "s"), Call)

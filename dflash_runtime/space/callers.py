@@ -56,6 +56,7 @@ _RESULT = re.compile(r"/gradio_api/call/(?:v2/)?[^/]+/([0-9a-f]+)/?$")
 _JOIN = re.compile(r"/gradio_api/queue/join/?$")
 _QUEUE_DATA = re.compile(r"/gradio_api/queue/data/?$")
 _UPLOAD = re.compile(r"/gradio_api/upload/?$")
+_CANCEL = re.compile(r"/gradio_api/cancel/?$")
 REMEMBERED = 4096  # event ids kept: far more than the queue holds
 SWEEP_EVERY_S = 0.2
 
@@ -175,6 +176,13 @@ class Callers:
             self._session_of_event[event_id] = call.session
             while len(self._session_of_event) > REMEMBERED:
                 self._session_of_event.popitem(last=False)
+
+    def withdrawn(self, event_id: Any) -> None:
+        """The client cancelled its event (Stop, Clear, `job.cancel()`): one still queued leaves Gradio's queue and
+        no handler will end it, so its place is free now (a running one's handler ends it)."""
+        with self._lock:
+            for call in [c for c in self._calls.values() if c.event_id == event_id and not c.started]:
+                del self._calls[call.id]
 
     def start(self, call_id: str | None) -> bool:
         """The call's handler starts: False when the call was abandoned meanwhile (then it must not run)."""
@@ -328,6 +336,8 @@ class HttpGate:
         if body is None:
             return
         replay = _replay(body, receive)
+        if _CANCEL.search(path):
+            self.callers.withdrawn(_json_object(body).get("event_id"))
         if (match := _CALL.search(path)) and not match.group(1) and match.group(2) in self.parameters:
             problem = missing_values(body, self.parameters[match.group(2)])
             if problem is not None:

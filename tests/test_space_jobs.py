@@ -182,9 +182,14 @@ def test_a_call_is_abandoned_when_nobody_opens_its_result_in_time() -> None:
     assert isinstance(call, Call)
     callers.queued(call, "e1")
     clock.now += 2.9
-    assert callers.abandoned() == [] and callers.start(call.id), "within the grace it runs"
+    assert callers.alive(call.id) and callers.start(call.id), "within the grace it runs"
     clock.now += 0.2
-    assert callers.abandoned() == [call] and callers.abandoned() == [], "found once"
+    assert not callers.alive(call.id)
+    late = callers.admit(1, 1, None)
+    assert isinstance(late, Call)
+    callers.queued(late, "e2")
+    clock.now += 3.1
+    assert not callers.start(late.id), "abandoned while it waited: it never asks for a GPU"
 
 
 def test_a_reader_that_leaves_after_the_call_abandons_it_at_once() -> None:
@@ -194,17 +199,19 @@ def test_a_reader_that_leaves_after_the_call_abandons_it_at_once() -> None:
     call = callers.admit(1, 1, "s")
     assert isinstance(call, Call)
     callers.queued(call, "e1")
+    assert callers.start(call.id)
     clock.now += 60.0
-    assert callers.abandoned() == [], "read: it may run as long as it likes"
+    assert callers.alive(call.id), "read: it may run as long as it likes"
     callers.closed(reader)
-    assert callers.abandoned() == [call]
+    assert not callers.alive(call.id)
     # A later call of the session waits for its own reader for the grace, as a first one does.
+    clock.now += 0.1
     later = callers.admit(1, 1, "s")
     assert isinstance(later, Call)
     callers.queued(later, "e2")
-    assert callers.abandoned() == []
+    assert callers.alive(later.id)
     clock.now += 3.1
-    assert callers.abandoned() == [later]
+    assert not callers.alive(later.id)
 
 
 def test_a_reader_that_takes_no_write_counts_as_gone() -> None:
@@ -216,11 +223,11 @@ def test_a_reader_that_takes_no_write_counts_as_gone() -> None:
     callers.queued(call, "e1")
     callers.sending(reader, True)
     clock.now += 2.0
-    assert callers.abandoned() == []
+    assert callers.alive(call.id)
     callers.sending(reader, False)  # the write went through: a reader again
     callers.sending(reader, True)
     clock.now += 3.5
-    assert callers.abandoned() == [call]
+    assert not callers.alive(call.id)
 
 
 def test_limits_count_answers_per_session_for_session_less_calls_and_in_all() -> None:
@@ -250,3 +257,31 @@ def test_a_queued_call_its_client_cancels_frees_its_place() -> None:
     assert isinstance(callers.admit(1, 1, "s"), str), "the session's places are taken"
     callers.withdrawn("e1")  # Stop while it waited: Gradio drops it from the queue, no handler runs
     assert isinstance(callers.admit(1, 2, "s"), Call)
+
+
+def test_a_waiting_call_whose_reader_leaves_frees_its_place() -> None:
+    callers = Callers(GateSettings(session_jobs=1), Clock())
+    reader = callers.opened("s")
+    call = callers.admit(1, 1, "s")
+    assert isinstance(call, Call)
+    callers.queued(call, "e1")
+    callers.closed(reader)  # Gradio drops the session's waiting events
+    assert isinstance(callers.admit(1, 1, "s"), Call) and not callers.start(call.id)
+
+
+def test_a_job_nobody_reads_stops_itself() -> None:
+    stream, reading = Stream(), threading.Event()
+    reading.set()
+    job = ReplyJob(stream, EngineSlot(), alive=reading.is_set)
+
+    async def read_until(count: int) -> list[int]:
+        taken = []
+        async for chunk in job.chunks():
+            taken.append(chunk)
+            if len(taken) == count:
+                reading.clear()  # the reader is gone: the job ends the stream at its next chunk
+        return taken
+
+    taken = run(read_until(3))
+    assert taken[:3] == [1, 2, 3] and job.wait_done(TIMEOUT_S) and stream.closed.is_set()
+    assert stream.produced < stream.count

@@ -13,11 +13,14 @@ Gradio-free).
   result streams of its session: `GET /gradio_api/queue/data?session_hash=…` (the page, gradio_client) and
   `GET /gradio_api/call/<name>/<event id>` (plain HTTP). A call is abandoned when its session has no reader and
   either the last one left after the call was made, or none came within `reader_timeout_s` of it; a reader whose
-  stream has not taken a write for `reader_timeout_s` (a client that stopped reading) counts as gone. A sweep cancels
-  abandoned calls through Gradio's own `/gradio_api/cancel`, queued or running alike: a queued one leaves the queue, a
-  running handler is cancelled, and leaving its reply's loop stops the engine between two steps (see jobs.py).
+  stream has not taken a write for `reader_timeout_s` (a client that stopped reading) counts as gone. The GPU job
+  asks `alive` at every engine step and stops (see jobs.py); a call abandoned while it waited never asks for a GPU.
   Gradio alone stops a streaming answer only when it next writes to a closed stream, and a one-shot answer
-  (/generate) or an unread one never.
+  (/generate) or an unread one never. (Cancelling Gradio's task from outside, through its own cancel route, can
+  catch the queue between two of its steps and leave it stuck: the job stops itself instead.)
+
+A call counts against the limits until its handler ends, or until Gradio drops it from the queue unstarted: its
+client cancelled it, or its session's last reader left (Gradio then drops the session's waiting events).
 
 Over plain HTTP a call is two requests: `POST /gradio_api/call/<name>` queues it and answers its event id, then
 `GET /gradio_api/call/<name>/<event id>` streams the result. A POST without `session_hash` is session-less: Gradio
@@ -50,7 +53,6 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 STATE_KEY = "dflash_call"
-PREFIX = "/gradio_api"
 _CALL = re.compile(r"/gradio_api/call/(v2/)?([^/]+)/?$")
 _RESULT = re.compile(r"/gradio_api/call/(?:v2/)?[^/]+/([0-9a-f]+)/?$")
 _JOIN = re.compile(r"/gradio_api/queue/join/?$")
@@ -58,7 +60,6 @@ _QUEUE_DATA = re.compile(r"/gradio_api/queue/data/?$")
 _UPLOAD = re.compile(r"/gradio_api/upload/?$")
 _CANCEL = re.compile(r"/gradio_api/cancel/?$")
 REMEMBERED = 4096  # event ids kept: far more than the queue holds
-SWEEP_EVERY_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,6 @@ class Call:
     posted: float
     event_id: str | None = None
     started: bool = False
-    cancelled: bool = False
 
 
 @dataclass
@@ -136,7 +136,6 @@ class Callers:
         self._readers: dict[str, list[Reader]] = {}
         self._left: dict[str, float] = {}  # session -> when its last reader left
         self._session_of_event: OrderedDict[str, str] = OrderedDict()
-        self.cancelled_total = 0
 
     # -- admission ---------------------------------------------------------------------------------------------------
 
@@ -144,7 +143,7 @@ class Callers:
         """A new call (session None: session-less), or why it is refused."""
         s = self.settings
         with self._lock:
-            live = [c for c in self._calls.values() if not c.cancelled]
+            live = list(self._calls.values())
             total = sum(c.weight for c in live) + weight
             if total > s.total_jobs:
                 return (f"the server has {total - weight} answers queued or running, its limit is {s.total_jobs}: "
@@ -190,7 +189,7 @@ class Callers:
             return True
         with self._lock:
             call = self._calls.get(call_id)
-            if call is None or call.cancelled:
+            if call is None:
                 return False
             call.started = True
             return not self._abandoned(call, self._clock())
@@ -226,6 +225,8 @@ class Callers:
             if not readers:
                 self._readers.pop(reader.session, None)
                 self._left[reader.session] = self._clock()
+                for call in [c for c in self._calls.values() if c.session == reader.session and not c.started]:
+                    del self._calls[call.id]  # Gradio drops a session's waiting events when its reader leaves
 
     def sending(self, reader: Reader, busy: bool) -> None:
         with self._lock:
@@ -244,20 +245,18 @@ class Callers:
             return True  # its reader went away after the call was made
         return now - max(call.posted, left or 0.0) > self.settings.reader_timeout_s
 
-    def abandoned(self) -> list[Call]:
-        """The calls to cancel now (each returned once); forgets readers' departures nobody needs any more."""
+    def alive(self, call_id: str | None) -> bool:
+        """Whether somebody still reads the call (asked by its GPU job at every step; True for a call the gate did
+        not admit). Also forgets readers' departures nobody needs any more."""
+        if call_id is None:
+            return True
         now = self._clock()
         with self._lock:
-            found = [c for c in self._calls.values() if not c.cancelled and c.event_id and self._abandoned(c, now)]
-            for call in found:
-                call.cancelled = True
-                if not call.started:  # it leaves the queue: no handler will end it
-                    self._calls.pop(call.id, None)
-            self.cancelled_total += len(found)
+            call = self._calls.get(call_id)
             sessions = {c.session for c in self._calls.values()}
             for session in [s for s in self._left if s not in sessions]:
                 del self._left[session]
-            return found
+            return call is not None and not self._abandoned(call, now)
 
     def describe(self) -> dict[str, Any]:
         return self.settings.describe()
@@ -309,14 +308,11 @@ class HttpGate:
         self.callers = callers
         self.engine = engine
         self.parameters = dict(parameters or {})
-        self._sweeper: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
-        if self._sweeper is None or self._sweeper.done():
-            self._sweeper = asyncio.create_task(self._sweep(scope))
         path, method = scope.get("path", ""), scope.get("method")
         if method == "GET":
             if match := _RESULT.search(path):
@@ -444,41 +440,6 @@ class HttpGate:
             watcher.cancel()
             self.callers.closed(reader)
 
-    async def _sweep(self, scope: Scope) -> None:
-        """Cancel abandoned calls, as long as the server runs."""
-        while True:
-            await asyncio.sleep(SWEEP_EVERY_S)  # a period, not a synchronisation: the sweep looks at the clock
-            for call in self.callers.abandoned():
-                log.info("an answer nobody reads was cancelled (%s)", "running" if call.started else "queued")
-                await self._cancel(scope, call)
-
-    async def _cancel(self, scope: Scope, call: Call) -> None:
-        """Gradio's own cancel route, called in this process: the event leaves the queue, or its handler's task is
-        cancelled."""
-        body = json.dumps({"session_hash": call.session, "fn_index": call.fn_index, "event_id": call.event_id}).encode()
-        inner = {key: scope[key] for key in ("type", "http_version", "scheme", "server", "root_path", "app")
-                 if key in scope}  # fmt: skip
-        root = scope.get("root_path", "")  # the route's path as the outer request's, behind a proxy's prefix too
-        path = (root if root and scope.get("path", "").startswith(root) else "") + PREFIX + "/cancel"
-        inner.update(method="POST", path=path, raw_path=path.encode(), query_string=b"",
-                     headers=[(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-                     client=("127.0.0.1", 0), state={})  # fmt: skip
-        sent = False
-
-        async def receive() -> Message:
-            nonlocal sent
-            if sent:
-                return {"type": "http.disconnect"}
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        async def send(_message: Message) -> None:
-            pass
-
-        try:
-            await self.app(inner, receive, send)
-        except Exception:  # the sweep goes on; the call's handler still checks `start`
-            log.exception("cancelling an abandoned answer failed")
 
 
 def _query(scope: Scope, name: str) -> str | None:

@@ -6,7 +6,8 @@ would run on in its thread to the end of the answer for nobody. When the consume
 at the next chunk: the engine stops between two steps (on ZeroGPU `spaces` tells the worker to stop, and keeps it).
 The web process's engine slot is held until that close returns, so the next job starts on a worker that has finished
 (on ZeroGPU: one that is back in `spaces`' pool, with its engine loaded). A consumer that stops reading without
-leaving is treated as gone after `orphan_timeout_s`, so no work outlives its reader by long.
+leaving is treated as gone after `orphan_timeout_s`, so no work outlives its reader by long; and `alive` (asked at
+every chunk) says whether anybody still reads the answer at all (see callers.py): when not, the job stops itself.
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ class ReplyJob(Generic[T]):
         is_final: Callable[[T], bool] = lambda _chunk: False,
         fold: Callable[[T, T], T] | None = None,
         orphan_timeout_s: float = 120.0,
+        alive: Callable[[], bool] = lambda: True,
     ) -> None:
         self._open_stream = open_stream
+        self._alive = alive
         self._slot = slot
         self._is_final = is_final
         self._fold = fold
@@ -147,10 +150,12 @@ class ReplyJob(Generic[T]):
         try:
             self._slot.acquire()
             try:
+                if not self._alive():
+                    return
                 stream = self._open_stream()
                 try:
                     for chunk in stream:
-                        if self._cancelled.is_set() or self._orphaned():
+                        if self._cancelled.is_set() or self._orphaned() or not self._alive():
                             break
                         with self._counts:
                             if self._pending == 0:

@@ -299,7 +299,7 @@ class SpaceService:
         as WorkerError; leaving the loop (or being cancelled) stops the engine. `call`: the engine call the HTTP gate
         admitted (callers.py); one abandoned before it starts ends here, without asking for a GPU."""
         if not self.callers.start(call):
-            log.info("an answer nobody reads was dropped before it started")
+            log.info("an answer nobody reads was dropped before it started")  # (callers.py)
             return
         files = await self.files()
         job_spec = GpuJob(request, self.preset, files, phases, cache_owner=owner,
@@ -312,7 +312,7 @@ class SpaceService:
                  estimate.includes_load)  # fmt: skip
         job: ReplyJob[ReplyChunk] = ReplyJob(
             partial(self._run_gpu, job_spec), self.slot, is_final=lambda chunk: chunk.finish_reason is not None,
-            fold=ReplyChunk.then,
+            fold=ReplyChunk.then, alive=partial(self.callers.alive, call),
         )
         if session is not None:
             session.attach(job)

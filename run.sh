@@ -110,10 +110,10 @@ ensure_wheel() {  # ensure_wheel VARIANT: the recipe's wheel in the cache (built
   args+=(--jobs "$(nproc)" --out-dir "$WHEEL_CACHE/$variant" --build-root "$WHEEL_CACHE/build")
   say "llama-cpp-python wheel: prebuilt_wheels/build_wheel.py ${args[*]}"
   say "  (skipped when the cache holds one of this configuration, else built: about 5 min for the CPU wheel on 2 cores,"
-  say "  longer for CUDA; log $WHEEL_CACHE/build.log)"
-  logged "building the llama-cpp-python wheel" "$WHEEL_CACHE/build.log" \
+  say "  longer for CUDA; log $LOG_DIR/build-wheel.log)"
+  logged "building the llama-cpp-python wheel" "$LOG_DIR/build-wheel.log" \
     python prebuilt_wheels/build_wheel.py "${args[@]}"
-  say "  $(grep -E '^(up to date|built) ' "$WHEEL_CACHE/build.log" | tail -n 1)"
+  say "  $(grep -E '^(up to date:|built )' "$LOG_DIR/build-wheel.log" | tail -n 1)"
   local read_name='import json, sys; print(json.load(open(sys.argv[1]))["wheel"]["filename"])'
   WHEEL="$WHEEL_CACHE/$variant/$(python -c "$read_name" "$WHEEL_CACHE/$variant/manifest.json")"
 }

@@ -54,11 +54,16 @@ stamp_is() { [[ -f "$STAMPS/$1" && "$(cat "$STAMPS/$1")" == "$2" ]]; }
 
 write_stamp() { mkdir -p "$STAMPS" && printf '%s\n' "$2" >"$STAMPS/$1"; }
 
-ensure_venv() {  # .venv with Python >= 3.10, activated
+ensure_venv() {  # .venv with Python >= 3.10 and a current pip, activated
   if [[ -e .venv/bin/python ]]; then
     .venv/bin/python -c 'import sys' 2>/dev/null ||
       fail ".venv exists but its python does not run (moved, or its Python removed): rm -rf .venv and run again"
-    say "venv: reusing .venv ($(.venv/bin/python --version))"
+    if stamp_is venv ready; then
+      say "venv: reusing .venv ($(.venv/bin/python --version))"
+    else  # made elsewhere, or its pip upgrade did not finish
+      say "venv: completing .venv ($(.venv/bin/python --version)): upgrading pip"
+      logged "upgrading pip in .venv" "$LOG_DIR/pip.log" .venv/bin/python -m pip install --upgrade pip
+    fi
   else
     command -v python3 >/dev/null || fail "no python3 on PATH: install Python 3.10 or newer"
     python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' ||
@@ -67,6 +72,7 @@ ensure_venv() {  # .venv with Python >= 3.10, activated
     logged "creating .venv" "$LOG_DIR/venv.log" python3 -m venv .venv
     logged "upgrading pip in .venv" "$LOG_DIR/pip.log" .venv/bin/python -m pip install --upgrade pip
   fi
+  write_stamp venv ready
   # shellcheck disable=SC1091
   . .venv/bin/activate
 }

@@ -99,6 +99,20 @@ def chart_frames(trace: SpeedTrace | None) -> tuple[pd.DataFrame | None, pd.Data
     return trace_frame(trace, SPEED), trace_frame(trace, ACCEPTANCE)
 
 
+def shown(frame: pd.DataFrame | None) -> Any:
+    """A chart's update: shown with its data, hidden while it has none (no empty box before the first answer)."""
+    return gr.update(value=frame, visible=frame is not None and not frame.empty)
+
+
+def chart_updates(stats: dict[str, Any], trace: SpeedTrace | None) -> tuple[Any, Any, Any]:
+    """The acceptance-by-position plot, the speed chart and the acceptance chart, each hidden while empty."""
+    speed, acceptance = chart_frames(trace)
+    return shown(plot_frame(stats)), shown(speed), shown(acceptance)
+
+
+HIDDEN_CHARTS = (gr.update(value=None, visible=False),) * 3
+
+
 # -- the API --------------------------------------------------------------------------------------------------------
 
 
@@ -313,7 +327,7 @@ class PageHandlers:
             return
         epoch, request = pending
         trace = SpeedTrace(point_every(request.max_tokens))
-        yield skip, skip, WAITING_STATS, skip, None, None, skip, skip, skip
+        yield skip, skip, WAITING_STATS, *HIDDEN_CHARTS, skip, skip, skip
         reply: Reply | None = None
         try:
             while await self.service.poll_files() is None:
@@ -327,7 +341,7 @@ class PageHandlers:
                 session.last_stats = reply.stats
                 plot = speed = acceptance = skip
                 if trace.add(reply.stats, final=reply.finish_reason is not None):
-                    plot, (speed, acceptance) = plot_frame(reply.stats), chart_frames(trace)
+                    plot, speed, acceptance = chart_updates(reply.stats, trace)
                 notice_update = skip
                 if reply.notice and reply.notice != notice:
                     notice = reply.notice
@@ -347,12 +361,11 @@ class PageHandlers:
         if not session.is_current(epoch):
             # Cleared: this event's last word empties what it showed (Clear's own outputs may arrive before frames
             # this event sent earlier).
-            yield [], skip, EMPTY_STATS, plot_frame({}), None, None, skip, skip, skip
+            yield [], skip, EMPTY_STATS, *HIDDEN_CHARTS, skip, skip, skip
         elif reply is not None and reply.finish_reason is None and session.last_stats:  # stopped: say so, chart it
             stopped = {**session.last_stats, "finish_reason": "stopped", "finish_detail": "by you"}
             trace.add(stopped, final=True)
-            speed, acceptance = chart_frames(trace)
-            yield skip, skip, stats_markdown(stopped), plot_frame(stopped), speed, acceptance, skip, skip, skip
+            yield skip, skip, stats_markdown(stopped), *chart_updates(stopped, trace), skip, skip, skip
 
     def comparison_phases(self) -> tuple[tuple[str, ...], dict[str, str]]:
         """The A/B run's phases (plain decoding, then each draft method the pair runs) and each method's row name."""
@@ -399,7 +412,7 @@ class PageHandlers:
         """Inputs: session. Outputs: chatbot, message box, statistics, acceptance plot, speed chart, acceptance chart,
         notice, A/B box. Stops the running answer and forgets the conversation."""
         session.clear()
-        return [], "", EMPTY_STATS, plot_frame({}), None, None, gr.update(value="", visible=False), ""
+        return [], "", EMPTY_STATS, *HIDDEN_CHARTS, gr.update(value="", visible=False), ""
 
     def page_load(self) -> tuple[Any, ...]:
         """Outputs: thinking switch, info box, temperature, top-p, top-k, min-p, sampling note, method. The sampling

@@ -222,4 +222,5 @@ def test_info_box_lists_methods_and_warns_of_a_missing_draft() -> None:
     text = info_markdown(preset, Limits(), {}, {"methods": ["mtp"], "draft_kind": None,
                                                 "draft_problem": "DFlash draft unavailable: gone; drafting with the "
                                                 "target's MTP head"})  # fmt: skip
-    assert "- Draft methods: MTP (the target's own multi-token-prediction head)" in text and "⚠️ DFlash draft unavailable: gone" in text
+    assert "- Draft methods: MTP (the target's own multi-token-prediction head)" in text
+    assert "⚠️ DFlash draft unavailable: gone" in text

@@ -21,7 +21,7 @@ import pandas as pd
 from ..errors import DFlashError, RequestError
 from .callers import caller_of
 from .provenance import ACCEPTANCE, SPEED, SpeedTrace, point_every
-from .requests import AUTO
+from .requests import AUTO, DEFAULT_SYSTEM_PROMPT
 from .service import Comparison, Reply, SpaceService
 from .session import ChatSession
 from .views import (
@@ -126,7 +126,7 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
     async def chat(
         message: str,
         history: list[dict[str, str]] | None = None,
-        system_prompt: str = "",
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
         preset: str = preset_name,
         max_tokens: int = max_tokens_default,
         temperature: float | None = None,
@@ -145,7 +145,7 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
         Parameters:
             message: the new user message
             history: earlier turns, [{"role": "user" | "assistant", "content": str}, ...]; the oldest go if need be
-            system_prompt: the system message ("" for none)
+            system_prompt: the system message (left out: the page's, "You are a helpful assistant."; "" for none)
             preset: the model pair, one of /info's presets
             max_tokens: the longest answer, in tokens (an integer in 1..limits.max_new_tokens)
             temperature: sampling temperature in [0, 2] (0 = greedy); null: the server's default (/info defaults)
@@ -173,7 +173,7 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
     async def generate(
         message: str,
         history: list[dict[str, str]] | None = None,
-        system_prompt: str = "",
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
         preset: str = preset_name,
         max_tokens: int = max_tokens_default,
         temperature: float | None = None,
@@ -192,7 +192,7 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
         Parameters:
             message: the new user message
             history: earlier turns, [{"role": "user" | "assistant", "content": str}, ...]
-            system_prompt: the system message ("" for none)
+            system_prompt: the system message (left out: the page's, "You are a helpful assistant."; "" for none)
             preset: the model pair, one of /info's presets
             max_tokens: the longest answer, in tokens
             temperature: sampling temperature in [0, 2] (0 = greedy); null: the server's default

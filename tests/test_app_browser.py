@@ -471,6 +471,7 @@ def test_ab_above_temperature_zero_explains_why_the_texts_may_differ(page: DevTo
 
 
 def test_about_box_names_the_pair_and_the_build_without_server_paths(page: DevTools) -> None:
+    wait_for_page(page)  # a click before the page is live opens nothing (when this test runs first)
     page.wait_for("!!document.querySelector('#about .label-wrap')", 20, "the About accordion")
     page.click("#about .label-wrap")
     about = page.wait_for(f"{text_of('#about')}.includes('llama.cpp build') && {text_of('#about')}", 20, "the info box")

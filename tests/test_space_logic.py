@@ -479,6 +479,7 @@ def test_the_panel_tells_verify_and_plain_steps_apart_and_estimates_the_speed_ag
     learnt = panel({**none_plain, "controller": {"cost_ms_by_length": [25.0, 30.0]}})
     assert "≈ 1.25×" in learnt and "the adaptive length's measured plain step" in learnt
     assert "not measured: no plain step yet" in panel(none_plain)
+    assert "not measured: no plain step yet" in panel({**none_plain, "draft_length": 0})
     fixed = panel({**none_plain, "draft_length": 3})
     assert "not measured: a fixed draft length takes no plain step" in fixed and "| Draft length | 3 (fixed) |" in fixed
     plain = panel({**Stats(n_generated=5, decode_ms=50.0, verify_ms=40.0, plain_ms=40.0, speculative=False,

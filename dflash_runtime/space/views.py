@@ -60,7 +60,8 @@ def vs_plain_row(stats: Mapping[str, Any]) -> tuple[str, str]:
     plain step. An estimate: the A/B run measures plain decoding itself."""
     speed, measured = stats.get("decode_tok_s"), plain_step_ms(stats)
     if measured is None:
-        why = "a fixed draft length takes no plain step" if stats.get("draft_length") != "auto" else "no plain step yet"
+        fixed = stats.get("draft_length") not in ("auto", 0)  # a fixed length drafts at every step
+        why = "a fixed draft length takes no plain step" if fixed else "no plain step yet"
         return "vs plain (estimate)", f"not measured: {why} (the A/B button measures it)"
     step_ms, source = measured
     if not speed:

@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens (0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p × the top probability")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--method", default=None, help="draft method: dflash or mtp (default: dflash when a draft is given)")
     g.add_argument("--draft-length", default=None, help="'auto' (default) or a fixed draft length, 0 for no draft")
@@ -86,7 +88,8 @@ def _generate(args: argparse.Namespace) -> int:
     from .report import stats_table
 
     with _open(args, args.target, args.draft) as engine:
-        kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                      min_p=args.min_p, seed=args.seed,
                       speculative=not args.no_spec and bool(engine.methods), method=args.method,
                       draft_length=_draft_arg(_lengths(args, "auto")))
         if args.chat:

@@ -242,7 +242,8 @@ class Decoding:
         inject_before = stats.inject_ms
         self._decode([id_last, *proposal.tokens], "all", eager=bool(proposal.tokens))
         step = self._accept(verifier.walk(proposal))
-        stats.verify_ms += (time.perf_counter() - t) * 1000.0 - (stats.inject_ms - inject_before)
+        step_ms = (time.perf_counter() - t) * 1000.0 - (stats.inject_ms - inject_before)
+        stats.verify_ms += step_ms
         n_accepted = step.sources.count(DRAFT)
         if self.drafter is not None and proposal.tokens:
             self.drafter.accept(n_accepted)
@@ -251,6 +252,7 @@ class Decoding:
             stats.record_verify(len(proposal.tokens), n_accepted, len(step.tokens))
         else:
             stats.plain_steps += 1
+            stats.plain_ms += step_ms
         if policy is not None:
             policy.observe(n_block, len(proposal.tokens), n_accepted, time.perf_counter() - t_round)
         if parts.cache.interval_due():

@@ -26,7 +26,8 @@ class Stats:
     prefill_ms: float = 0.0
     draft_ms: float = 0.0           # draft block decode + lattice walk
     inject_ms: float = 0.0          # target features → draft cache
-    verify_ms: float = 0.0          # target decode of [id_last, drafts] + sampling
+    verify_ms: float = 0.0          # target decode of [id_last, drafts] + sampling, at every step (plain ones too)
+    plain_ms: float = 0.0           # of which the plain steps' (one row, no draft)
     native_ms: float = 0.0          # time inside libllama calls after the prefill
     decode_ms: float = 0.0          # wall time after the prefill
     speculative: bool = True
@@ -92,8 +93,8 @@ class Stats:
             host_ms=round(self.host_ms, 3),
             target_steps=self.target_steps,
         )
-        for k in ("prefill_ms", "draft_ms", "inject_ms", "verify_ms", "native_ms", "decode_ms", "checkpoint_restore_ms",
-                  "checkpoint_save_ms"):
+        for k in ("prefill_ms", "draft_ms", "inject_ms", "verify_ms", "plain_ms", "native_ms", "decode_ms",
+                  "checkpoint_restore_ms", "checkpoint_save_ms"):
             d[k] = round(d[k], 3)
         return d
 

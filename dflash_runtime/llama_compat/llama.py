@@ -41,7 +41,7 @@ from llama_cpp.llama_speculative import LlamaDraftModel
 from .. import load_pair
 from ..backends import load_backends
 from ..engine import deprecated_alias
-from ..errors import DownloadError, ModelFileError, PairMismatchError, RequestError
+from ..errors import DownloadError, EngineClosedError, ModelFileError, PairMismatchError, RequestError
 from ..pair import DEFAULT_DRAFT_CAPACITY
 from .openai import (
     CHAT_OPTIONS_OFF,
@@ -120,14 +120,20 @@ class DFlashDraftModel(LlamaDraftModel):
         return f"DFlashDraftModel({self.draft_model_path!r}, num_pred_tokens={self.num_pred_tokens})"
 
 
+CLOSED_MESSAGE = "this DFlashLlama was closed; open a new one with DFlashLlama(...)"
+
+
 def _engine_or_llama(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Runs `method` with a DFlash engine, and `Llama`'s method of the same name in llama-cpp-python's loop."""
+    """Runs `method` with a DFlash engine, and `Llama`'s method of the same name in llama-cpp-python's loop. After
+    close() every method but close() raises EngineClosedError, in this class's words (not the engine's)."""
     llama_method = getattr(Llama, method.__name__)
 
     @functools.wraps(method)
     def dispatch(self: DFlashLlama, *args: Any, **kwargs: Any) -> Any:
         if self._engine is None:
             return llama_method(self, *args, **kwargs)
+        if self._engine.closed and method.__name__ != "close":
+            raise EngineClosedError(CLOSED_MESSAGE)
         return method(self, *args, **kwargs)
 
     return dispatch

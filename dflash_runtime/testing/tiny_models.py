@@ -178,9 +178,11 @@ def read_pair_spec(draft_path: Path) -> PairSpec:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m dflash_runtime.testing.tiny_models",
-        description="Generate (or find in the cache) a tiny target + draft pair.",
+        description="Generate (or find in the cache) a tiny target + draft pair; prints the target's path, then the "
+        "draft's, one a line.",
     )
-    parser.add_argument("--out", type=Path, required=True, help="cache directory the files go to")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"cache directory the files go to (default: ${CACHE_ENV}, else .cache/tiny-models)")
     parser.add_argument("--target", choices=tuple(TARGET_ARCHS), default="dense")
     parser.add_argument("--draft", choices=(*DRAFT_KINDS, "none"), default="dflash2", help="none: the target alone")
     parser.add_argument("--head", choices=HEADS, default="shaped")

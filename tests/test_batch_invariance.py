@@ -51,6 +51,6 @@ def test_a_rows_logits_do_not_depend_on_its_batch(target: str) -> None:
         prompt = engine.tokenize("the draft proposes tokens and the target verifies them. " * 5)[:64]
         n = len(prompt)
         whole = _rows(engine, prompt, [n])
-        for splits in ([n - 1, 1], [33, n - 33], [n - 8, 8], [n - 3, 1, 2], [1] * n, [2, 5, 7] + [n - 14]):
+        for splits in ([n - 1, 1], [33, n - 33], [n - 8, 8], [n - 3, 1, 2], [1] * n, [2, 5, 7, n - 14]):
             assert np.array_equal(_rows(engine, prompt, splits), whole), splits
         engine.reset()

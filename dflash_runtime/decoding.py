@@ -185,7 +185,10 @@ class Decoding:
         end = len(prompt)
         stats.n_prompt, stats.n_reused, stats.n_prefilled = end, kept, end - kept
         marks = prompt_marks(prompt, parts.controls, req.public_prefix) if cache.checkpointing else []
-        marks = [m for m in marks if m > kept]
+        # The first request that declares a public prefix keeps a copy of the caches right after it (sessions.py).
+        public_base = req.public_prefix if kept < req.public_prefix and parts.owners.needs_public_base(
+            prompt, req.public_prefix) else 0  # fmt: skip
+        marks = sorted({m for m in marks if m > kept} | ({public_base} if public_base else set()))
         pos, rows = kept, 0
         while pos < end:
             if self.cancelled():
@@ -198,6 +201,12 @@ class Decoding:
             pos = stop
             if req.on_prefill is not None:
                 req.on_prefill(pos - kept, end - kept)
+            if pos == public_base:
+                if marks and pos == marks[0]:
+                    marks.pop(0)
+                    cache.save_checkpoint(self.costs)
+                cache.public_len = pos
+                parts.owners.keep_public_base()
             if pos < end and not (marks and pos == marks[0]) and cache.interval_due():
                 cache.save_checkpoint(self.costs)
         if req.public_prefix > cache.public_len:

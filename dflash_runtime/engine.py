@@ -282,6 +282,13 @@ class Engine:
             self._parts.cache.clear()
             self._parts.owners.forget()
 
+    def park(self) -> None:
+        """Copy the current cache owner's state aside now (host memory), so that it comes back at its owner's next
+        request and no other owner's request pays for the copy. Owners that never park are not kept when
+        `SessionPolicy(park_on_switch=False)`; see sessions.py."""
+        with self._occupancy.exclusive():
+            self._parts.owners.park()
+
     def info(self) -> dict[str, Any]:
         with self._open_native():
             pair, spec, store = self.pair, self.pair.spec, self._parts.cache.checkpoints
@@ -305,6 +312,7 @@ class Engine:
                 "n_vocab": pair.n_vocab,
                 "n_embd": pair.n_embd,
                 "n_cached": len(self._parts.cache),
+                "batch_invariant": pair.batch_invariant,
                 "checkpoints": store.describe() if store is not None else None,
                 "sessions": self._parts.owners.describe(),
                 "chat_template": self.template is not None,

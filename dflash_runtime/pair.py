@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -75,6 +76,12 @@ def _init_backend() -> None:
         _backend_ready = True
 
 
+@functools.cache
+def _system_info() -> str:
+    """libllama's build features (e.g. "CPU : AVX2 = 1 | ... | LLAMAFILE = 1 |"), after the backends are loaded."""
+    return (ll.llama_print_system_info() or b"").decode("utf-8", "replace")
+
+
 def init_native(verbose: bool = False) -> None:
     """ggml's backends loaded and libllama's log routed (errors only unless verbose), for callers such as
     `llama_model_quantize` that use libllama without opening a pair."""
@@ -100,9 +107,10 @@ class _Owned:
             _count(-1)
 
 
-def _load_model(path: Path, n_gpu_layers: int, *, load_mtp: bool = False) -> Any:
+def _load_model(path: Path, n_gpu_layers: int, *, load_mtp: bool = False, repack: bool = True) -> Any:
     params = ll.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers
+    params.use_extra_bufts = repack  # CPU weight repacking (Q4_0, Q4_K, IQ4_NL, ...): one kernel per row count
     params.load_mtp = load_mtp  # the nextn layers' tensors are skipped unless asked for
     _log.lines.clear()
     model = ll.llama_model_load_from_file(str(path).encode(), params)
@@ -213,7 +221,10 @@ class LinkedPair:
 
     def _open_target(self, n_ctx: int, n_gpu_layers: int, n_batch: int, threads: int) -> None:
         self.target_model = self._owned.push(
-            _load_model(self.target_info.path, n_gpu_layers, load_mtp=self.wants_mtp), ll.llama_model_free
+            # On the CPU the target's rows must not depend on their batch (see batch_invariant): repacked weights
+            # take a many-row kernel from four rows up and a one-row kernel below.
+            _load_model(self.target_info.path, n_gpu_layers, load_mtp=self.wants_mtp, repack=n_gpu_layers != 0),
+            ll.llama_model_free,
         )
         model = self.target_model
         self.is_recurrent = bool(ll.llama_model_is_recurrent(model) or ll.llama_model_is_hybrid(model))
@@ -226,6 +237,11 @@ class LinkedPair:
         params.n_batch = params.n_ubatch
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = threads
+        if n_gpu_layers == 0:
+            # Exactness across requests needs a row's numbers not to depend on the rows decoded beside it: the CPU
+            # FlashAttention kernel tiles many-row batches and splits single rows across threads differently, the
+            # plain attention path does neither (see batch_invariant).
+            params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         # Recurrent state can be cut back only through snapshots, one per token that may be rejected.
         wanted = capacity if self._n_rs_seq_request is None else self._n_rs_seq_request
         params.n_rs_seq = wanted if (capacity and self.is_recurrent) else 0
@@ -301,6 +317,17 @@ class LinkedPair:
 
     def capacity(self, method: str) -> int:
         return {DFLASH: self.draft_capacity, MTP: self.mtp_capacity}.get(method, 0)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a target row's numbers are the same whatever rows share its batch and its cache's history, which is
+        what makes a long-lived engine answer exactly as a fresh one (and speculative exactly as plain decoding).
+        True on the CPU (FlashAttention off, see _open_target) with a build whose matrix products take one path for
+        any row count: llama.cpp's llamafile sgemm, used from two rows up, sums in another order than the one-row
+        path, so the wheel recipe's CPU variant is built without it. GPU kernels (and a GPU build, which offloads
+        large batches even with n_gpu_layers=0) are not batch-invariant: there every answer is a valid sample of the
+        target under its own numerics."""
+        return self.n_gpu_layers == 0 and not ll.llama_supports_gpu_offload() and "LLAMAFILE = 1" not in _system_info()
 
     def sampling_defaults(self) -> dict[str, float | int]:
         """The model's recommended sampling (`general.sampling.*`, as llama.cpp reads them): only keys present."""

@@ -144,6 +144,7 @@ class EngineFacts:
 
     public_tokens: dict[bool, list[int]] = field(default_factory=dict)
     thinking_prefix: dict[bool, str] = field(default_factory=dict)
+    public_kept: set[bool] = field(default_factory=set)  # thinking switches whose public prefix the engine keeps
 
     def public(self, engine: Any, thinking: bool) -> list[int]:
         """The prompt tokens every visitor can send: the page's system prompt up to where the visitor's own message
@@ -181,7 +182,6 @@ class EngineHost:
         self._engine: Any = None
         self._key: tuple[Any, ...] | None = None
         self._facts: EngineFacts | None = None
-        self._public_cached: list[int] | None = None  # the public prefix the cache holds (see _owner_arguments)
         self.loads = 0
         self.requests = 0
         self.last_load_s: float | None = None
@@ -196,7 +196,6 @@ class EngineHost:
         if self._engine is not None:
             self._engine.close()
             self._engine, self._key, self._facts = None, None, None
-            self._public_cached = None
 
     def _ensure(self, preset: PairPreset, files: ResolvedPair) -> tuple[Any, bool]:
         """The engine for this preset and files, and whether it was loaded now. Call with the lock held."""
@@ -205,7 +204,11 @@ class EngineHost:
             return self._engine, False
         self._close()
         started = time.monotonic()
-        options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity}
+        from ..sessions import SessionPolicy  # the core's cache modules import libllama: only where engines run
+
+        # Only a visitor's own request parks its state (see run): nobody's request pays for, or times, another's.
+        options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
+                   "sessions": SessionPolicy(park_on_switch=False)}  # fmt: skip
         self.draft_problem = files.draft_problem
         if files.draft_path is None:
             self._engine = self._loader(files.target_path, None, **options)
@@ -252,12 +255,15 @@ class EngineHost:
                                "n_generated": chunk.stats["n_generated"], "phase": phase}  # fmt: skip
                     if not info_known:
                         chunk.engine_info, info_known = info, True
-                    if owner.get("public_prefix"):  # its prompt is prefilled: the public prefix is cached
-                        self._public_cached = self._facts.public(engine, thinking) if self._facts else None
                     chunk.used_s = round(time.monotonic() - started, 3)
-                    if first or (chunk.finish_reason and phase == job.phases[-1]):
+                    last = chunk.finish_reason is not None and phase == job.phases[-1]
+                    if first or last:
                         chunk.worker = self._report(report, started)
                         first = False
+                    if last and job.cache_owner:
+                        # A visitor's state is copied aside inside its own request (after its figures), so the
+                        # next visitor's request costs the same whatever this one left.
+                        engine.park()
                     yield chunk
         except DFlashError as error:
             if isinstance(error, ENGINE_FAILURES):
@@ -281,15 +287,17 @@ class EngineHost:
         is would tell whether the previous visitor used the page's system prompt; when the previous request did not
         leave it there, a one-token request of nobody's puts it back first."""
         assert self._facts is not None
-        owner = owner or secrets.token_hex(16)  # nobody's session: a fresh owner, nothing to reuse
+        owner = owner or secrets.token_hex(16)  # nobody's session: a fresh owner, nothing to reuse, never parked
         public = self._facts.public(engine, thinking)
         declared = len(public) if len(tokens) > len(public) and tokens[: len(public)] == public else 0
-        if declared and self._public_cached != public:
+        if declared and thinking not in self._facts.public_kept:
+            # The engine keeps a copy of the caches after the public prefix, made by the first request that declares
+            # it: made here by nobody's request, so that no visitor's figures say whether it was already there.
             with engine.stream(public, max_tokens=1, speculative=False, cache_owner=PUBLIC_OWNER,
                                public_prefix=declared) as events:  # fmt: skip
                 for _ in events:
                     pass
-        self._public_cached = None  # until this request's prompt is in the cache (see run)
+            self._facts.public_kept.add(thinking)
         return {"cache_owner": owner, "public_prefix": declared}
 
     def _report(self, report: dict[str, Any], started: float) -> dict[str, Any]:

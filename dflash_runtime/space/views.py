@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .. import methods as draft_methods
 from .presets import PairPreset
 from .requests import Limits
 from .runmode import RunMode
@@ -76,7 +77,7 @@ def acceptance_rows(stats: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-METHOD_LABELS = {"dflash": "DFlash 2", "mtp": "MTP (target's own head)"}
+METHOD_LABELS = {m.name: m.label for m in draft_methods.REGISTRY}
 PLAIN_LABEL = "Plain (target only)"
 
 
@@ -84,6 +85,8 @@ def method_label(method: str | None, draft_kind: str | None = None) -> str:
     """How the page names a draft method ("DFlash" for a v1 draft)."""
     if method == "dflash" and draft_kind == "dflash1":
         return "DFlash"
+    if method and draft_methods.CHAIN_SEPARATOR in method:
+        return " → ".join(method_label(m, draft_kind) for m in draft_methods.split(method))
     return METHOD_LABELS.get(method or "", "speculative")
 
 

@@ -52,6 +52,7 @@ def _methods_of(module: str) -> tuple[Method, ...]:
 REGISTRY: tuple[Method, ...] = (
     Method(DFLASH, "DFlash 2", "draft", _open_dflash),
     Method(MTP, "MTP (target's own head)", "nextn", _open_mtp),
+    *_methods_of("ngram"),
 )
 LISTED_CHAINS: tuple[tuple[str, ...], ...] = ()  # chains the pair lists beside its methods when all members run
 

@@ -26,16 +26,17 @@ def both():
 
 def test_an_engine_lists_the_methods_its_pair_can_run(mtp_target, both) -> None:
     with load_pair(mtp_target.target, None, n_ctx=256) as engine:
-        assert engine.methods == ("mtp",) and engine.default_method == "mtp"
-        assert engine.info()["methods"] == ["mtp"] and engine.info()["mtp_error"] is None
+        assert engine.methods == ("mtp", "ngram-mod", "ngram-map-k") and engine.default_method == "mtp"
+        assert engine.info()["methods"] == ["mtp", "ngram-mod", "ngram-map-k"] and engine.info()["mtp_error"] is None
     with load_pair(both.target, both.draft, n_ctx=256) as engine:
-        assert engine.methods == ("dflash", "mtp") and engine.default_method == "dflash"
+        assert engine.methods == ("dflash", "mtp", "ngram-mod", "ngram-map-k") and engine.default_method == "dflash"
     with load_pair(both.target, both.draft, n_ctx=256, mtp=False) as engine:
-        assert engine.methods == ("dflash",)
+        assert engine.methods == ("dflash", "ngram-mod", "ngram-map-k")
     plain = tiny_pair("hybrid", "dflash2", head="shaped")
     with load_pair(plain.target, None, n_ctx=256) as engine:
-        assert engine.methods == () and engine.default_method is None
-        result = engine.generate("hello", max_tokens=4)  # nothing to draft with: plain decoding
+        assert engine.methods == ("ngram-mod", "ngram-map-k")  # the n-grams run anywhere, drafting only when asked
+        assert engine.default_method is None
+        result = engine.generate("hello", max_tokens=4)  # no draft, no MTP head: plain decoding
         assert result.stats.method is None and result.stats.drafted == 0
         with pytest.raises(RequestError, match="not available"):
             engine.generate("hello", max_tokens=4, method="mtp")
@@ -110,7 +111,7 @@ def test_old_spellings_still_work_with_a_deprecation_warning(both) -> None:
 def test_the_drop_in_runs_mtp_on_a_target_alone(mtp_target, both) -> None:
     llm = DFlashLlama(model_path=str(mtp_target.target), n_ctx=512, verbose=False)
     try:
-        assert llm.methods == ("mtp",)
+        assert llm.methods == ("mtp", "ngram-mod", "ngram-map-k")
         response = llm.create_completion("hello world", max_tokens=16, temperature=0, draft_length=3)
         stats = response["dflash_stats"]
         assert stats["method"] == "mtp" and stats["drafted"] > 0
@@ -121,7 +122,7 @@ def test_the_drop_in_runs_mtp_on_a_target_alone(mtp_target, both) -> None:
     llm = DFlashLlama(model_path=str(both.target), draft_model=DFlashDraftModel(str(both.draft)), n_ctx=512,
                       verbose=False)
     try:
-        assert llm.methods == ("dflash", "mtp")
+        assert llm.methods == ("dflash", "mtp", "ngram-mod", "ngram-map-k")
         mtp = llm.create_completion("hello world", max_tokens=16, temperature=0, method="mtp")["dflash_stats"]
         assert mtp["method"] == "mtp"
     finally:

@@ -54,7 +54,9 @@ REGISTRY: tuple[Method, ...] = (
     Method(MTP, "MTP (target's own head)", "nextn", _open_mtp),
     *_methods_of("ngram"),
 )
-LISTED_CHAINS: tuple[tuple[str, ...], ...] = ()  # chains the pair lists beside its methods when all members run
+# Chains the pair lists beside its methods when all their members run (any other chain may still be asked for):
+# the n-gram draft where the answer copies its prompt, DFlash everywhere else.
+LISTED_CHAINS: tuple[tuple[str, ...], ...] = (("ngram-mod", DFLASH),)
 
 
 def registry() -> dict[str, Method]:

@@ -74,7 +74,8 @@ def generate(client: Client, **changes: Any) -> tuple[str, dict[str, Any]]:
 
 def test_info_lists_the_methods_and_the_models_sampling_defaults(client: Client) -> None:
     info = client.predict(api_name="/info")
-    assert info["methods"] == ["dflash", "mtp", "ngram-mod", "ngram-map-k"] and info["default_method"] == "dflash"
+    assert info["methods"] == ["dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-mod,dflash"]
+    assert info["default_method"] == "dflash"
     assert info["draft_problem"] is None and info["offline_demo"] is False
     assert info["sampling_defaults_from"] == "the model's general.sampling"
     defaults = info["defaults"]
@@ -83,7 +84,7 @@ def test_info_lists_the_methods_and_the_models_sampling_defaults(client: Client)
     assert defaults["method"] == "auto" and defaults["draft_length"] == "auto"
     limits = info["limits"]
     assert limits["draft_length"] == ["auto", [0, 7]]
-    assert limits["method"] == ["auto", "dflash", "mtp", "ngram-mod", "ngram-map-k"]
+    assert limits["method"] == ["auto", "dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-mod,dflash"]
 
 
 def test_each_method_writes_the_plain_text_at_temperature_zero(client: Client) -> None:
@@ -109,7 +110,7 @@ def test_unset_sampling_takes_the_models_defaults(client: Client) -> None:
         ({"draft_length": 8}, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got 8"),
         ({"draft_length": "three"}, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got 'three'"),
         ({"method": "eagle"},
-         "method must be one of 'auto', 'dflash', 'mtp', 'ngram-mod', 'ngram-map-k', got 'eagle'"),
+         "method must be one of 'auto', 'dflash', 'mtp', 'ngram-mod', 'ngram-map-k', 'ngram-mod,dflash', got 'eagle'"),
         ({"top_k": -1}, "top_k must be an integer in 0..1000 (0 = off), got -1"),
         ({"min_p": 1.5}, "min_p must be a number in [0.0, 0.99], got 1.5"),
     ],
@@ -145,7 +146,7 @@ def test_the_page_offers_the_methods_and_the_ab_run_compares_them(server: Runnin
         page.screenshot(ARTIFACTS / "app_methods_ab.png")
     rows = [line.split("\t")[0].strip() for line in result.splitlines() if "tok/s\t" in line]
     assert rows == ["Plain (target only)", "DFlash 2", "MTP (target's own head)", "n-gram (ngram-mod)",
-                    "n-gram (ngram-map-k)"], result
+                    "n-gram (ngram-map-k)", "n-gram (ngram-mod) → DFlash 2"], result
     assert "Texts identical: yes" in result and "DFlash 2: Speed-up" in result and "MTP (target's own head): " in result
 
 

@@ -29,9 +29,10 @@ def test_an_engine_lists_the_methods_its_pair_can_run(mtp_target, both) -> None:
         assert engine.methods == ("mtp", "ngram-mod", "ngram-map-k") and engine.default_method == "mtp"
         assert engine.info()["methods"] == ["mtp", "ngram-mod", "ngram-map-k"] and engine.info()["mtp_error"] is None
     with load_pair(both.target, both.draft, n_ctx=256) as engine:
-        assert engine.methods == ("dflash", "mtp", "ngram-mod", "ngram-map-k") and engine.default_method == "dflash"
+        assert engine.methods == ("dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-mod,dflash")
+        assert engine.default_method == "dflash"
     with load_pair(both.target, both.draft, n_ctx=256, mtp=False) as engine:
-        assert engine.methods == ("dflash", "ngram-mod", "ngram-map-k")
+        assert engine.methods == ("dflash", "ngram-mod", "ngram-map-k", "ngram-mod,dflash")
     plain = tiny_pair("hybrid", "dflash2", head="shaped")
     with load_pair(plain.target, None, n_ctx=256) as engine:
         assert engine.methods == ("ngram-mod", "ngram-map-k")  # the n-grams run anywhere, drafting only when asked
@@ -122,7 +123,7 @@ def test_the_drop_in_runs_mtp_on_a_target_alone(mtp_target, both) -> None:
     llm = DFlashLlama(model_path=str(both.target), draft_model=DFlashDraftModel(str(both.draft)), n_ctx=512,
                       verbose=False)
     try:
-        assert llm.methods == ("dflash", "mtp", "ngram-mod", "ngram-map-k")
+        assert llm.methods == ("dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-mod,dflash")
         mtp = llm.create_completion("hello world", max_tokens=16, temperature=0, method="mtp")["dflash_stats"]
         assert mtp["method"] == "mtp"
     finally:

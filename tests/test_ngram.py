@@ -50,6 +50,27 @@ def test_llama_cpp_defaults_draft_on_a_long_copy_and_answer_as_plain_decoding() 
             assert result.stats.accepted > 0, method
 
 
+def test_chains_before_dflash_are_lossless_and_say_who_drafted() -> None:
+    """ngram-mod,dflash: the n-gram draft where the answer copies the prompt, DFlash elsewhere, each step recorded."""
+    pair = tiny_pair("hybrid", "dflash2", head="phrase")
+    with load_pair(pair.target, pair.draft, n_ctx=1024, draft_capacity=7, method_options=SMALL) as engine:
+        assert "ngram-mod,dflash" in engine.methods
+        seen: set[str] = set()
+        for prompt in PROMPTS:
+            base = engine.generate(prompt, max_tokens=48, speculative=False)
+            for chain in ("ngram-mod,dflash", "ngram-map-k,dflash", "dflash,ngram-mod"):
+                for length in (3, 7, "auto"):
+                    result = engine.generate(prompt, max_tokens=48, method=chain, draft_length=length)
+                    assert result.tokens == base.tokens, (chain, prompt, length)
+                    stats = result.stats
+                    assert stats.method == chain and len(stats.drafted_by) == stats.verify_steps
+                    assert set(stats.drafted_by) <= set(chain.split(","))
+                    if chain.startswith("dflash"):
+                        assert set(stats.drafted_by) <= {"dflash"}  # DFlash always drafts: the n-grams never run
+                    seen.update(stats.drafted_by)
+        assert {"ngram-mod", "ngram-map-k", "dflash"} <= seen
+
+
 def test_a_long_lived_engine_mixing_methods_answers_as_a_fresh_engine() -> None:
     rng = random.Random(11)
     pair = tiny_pair("hybrid", "dflash2", head="phrase")

@@ -263,13 +263,19 @@ def compare_pair(args: argparse.Namespace, target: str, draft: str, head: str, l
             log = logs / f"{target}-{draft}-{head}-n{n_max}.log"
             eng.reset()  # like the freshly started server
             with running_server(args, pair.target, draft, pair.draft, n_max, log) as server:
-                for prompt, ids in prompts.items():
-                    same_ids = server.tokenize(prompt) == ids
-                    srv = server.complete(ids, args.max_tokens, args.reuse)
-                    ours = None if args.server_only else engine_outcome(eng, args, ids, n_max, draft)
-                    lossless = (srv if ours is None else ours).tokens == plain[prompt]
-                    rows.append(Row(name, n_max, prompt, srv, ours, lossless, same_ids))
+                rows += [prompt_row(args, eng, server, name, n_max, draft, prompt, ids, plain[prompt])
+                         for prompt, ids in prompts.items()]
     return rows
+
+
+def prompt_row(args: argparse.Namespace, eng: Engine, server: LlamaServer, name: str, n_max: int, draft: str,
+               prompt: str, ids: list[int], plain: tuple[int, ...]) -> Row:
+    """One prompt on the server and the engine, the same draft length."""
+    same_ids = server.tokenize(prompt) == ids
+    srv = server.complete(ids, args.max_tokens, args.reuse)
+    ours = None if args.server_only else engine_outcome(eng, args, ids, n_max, draft)
+    lossless = (srv if ours is None else ours).tokens == plain
+    return Row(name, n_max, prompt, srv, ours, lossless, same_ids)
 
 
 def compare_ngram(args: argparse.Namespace, target: str, draft: str, head: str, logs: Path) -> list[Row]:
@@ -287,11 +293,7 @@ def compare_ngram(args: argparse.Namespace, target: str, draft: str, head: str, 
             for i, (prompt, ids) in enumerate(prompts.items()):
                 log = logs / f"{target}-{draft}-{head}-n{n_max}-p{i}.log"
                 with running_server(args, pair.target, draft, None, n_max, log) as server:
-                    same_ids = server.tokenize(prompt) == ids
-                    srv = server.complete(ids, args.max_tokens, args.reuse)
-                ours = None if args.server_only else engine_outcome(eng, args, ids, n_max, draft)
-                lossless = (srv if ours is None else ours).tokens == plain[prompt]
-                rows.append(Row(name, n_max, prompt, srv, ours, lossless, same_ids))
+                    rows.append(prompt_row(args, eng, server, name, n_max, draft, prompt, ids, plain[prompt]))
     return rows
 
 

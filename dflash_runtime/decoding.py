@@ -25,6 +25,7 @@ from .cache import PairCache
 from .checkpoints import CheckpointCosts, prompt_marks
 from .controller import DraftPolicy
 from .drafting import Drafter
+from .methods import Chain, split
 from .pair import LinkedPair
 from .proposal import DRAFT, TARGET, DraftSampling, Proposal
 from .results import StreamEvent
@@ -103,7 +104,7 @@ class Decoding:
         self.req = req
         self.policy = policy
         self.cancelled = cancelled
-        self.drafter = parts.drafters[req.method] if req.method is not None else None
+        self.drafter = Chain(parts.drafters, split(req.method)) if req.method is not None else None
         self.stats = Stats(speculative=req.speculative, method=req.method,
                            draft_capacity=self.drafter.capacity if self.drafter else 0,
                            draft_length=req.draft_length if req.speculative else 0, verify_mode=req.verify_mode)
@@ -112,6 +113,7 @@ class Decoding:
         self.text = TextStream(parts.pair.vocab, req.stop)
         self._t_start = time.perf_counter()
         self._prefilled = False
+        self._drafted_by: str | None = None  # the method that drafted the current step (a chain's member)
 
     # -- the request ------------------------------------------------------------------------------------------
 
@@ -124,6 +126,8 @@ class Decoding:
             if last_rows is None:
                 yield self.final_event([], [], "", "cancelled", "cancelled during the prompt")
                 return
+            if self.drafter is not None:
+                self.drafter.begin()
             self._t_start, self.clock.s = time.perf_counter(), 0.0
             step = self._accept(verifier.walk(Proposal(), first_row=last_rows - 1))  # the prefill's own sample
             while step.finish is None:
@@ -226,7 +230,8 @@ class Decoding:
         t = time.perf_counter()
         with self.clock:
             for drafter in parts.drafters.values():
-                drafter.process(tokens, pos0, eager=eager and drafter is self.drafter)
+                drafter.process(tokens, pos0, eager=eager and self.drafter is not None
+                                and drafter in self.drafter.members)
         if self._prefilled:
             self.stats.inject_ms += (time.perf_counter() - t) * 1000.0
         return n
@@ -258,7 +263,7 @@ class Decoding:
             self.drafter.accept(n_accepted)
         parts.cache.roll_back(pos0 + 1 + n_accepted)
         if proposal.tokens:
-            stats.record_verify(len(proposal.tokens), n_accepted, len(step.tokens))
+            stats.record_verify(len(proposal.tokens), n_accepted, len(step.tokens), self._drafted_by)
         else:
             stats.plain_steps += 1
             stats.plain_ms += step_ms
@@ -272,8 +277,8 @@ class Decoding:
         assert self.drafter is not None
         t = time.perf_counter()
         with self.clock:
-            proposal = self.drafter.draft(id_last, pos0, n_block, n_min=self.req.n_min, p_min=self.req.p_min,
-                                          sampling=sampling)
+            proposal, self._drafted_by = self.drafter.draft(id_last, pos0, n_block, n_min=self.req.n_min,
+                                                            p_min=self.req.p_min, sampling=sampling)
         self.stats.draft_ms += (time.perf_counter() - t) * 1000.0
         return proposal
 

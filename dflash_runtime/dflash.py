@@ -27,8 +27,7 @@ from .drafting import DFLASH
 from .errors import DecodeError, RollbackError
 from .features import FeatureBridge
 from .native import DFlashApi
-from .proposal import DraftSampling, Proposal
-from .sampling import draw
+from .proposal import DraftSampling, Proposal, draw
 from .states import WHOLE, load_seq, save_seq
 from .validation import DraftSpec
 
@@ -135,6 +134,9 @@ class DFlashDrafter:
 
     def catch_up(self) -> None:
         self.bridge.flush()
+
+    def begin(self) -> None:
+        pass  # the features come with every decode (process)
 
     def draft(self, id_last: int, pos0: int, n: int, *, n_min: int = 0, p_min: float = 0.0,
               sampling: DraftSampling | None = None) -> Proposal:

@@ -20,16 +20,15 @@ from typing import Any
 import llama_cpp
 from llama_cpp import llama_cpp as ll
 
+from . import methods
 from .batches import TokenBatch
 from .cache import PairCache
 from .chat import ChatTemplate, ControlToken, control_tokens
 from .checkpoints import CheckpointPolicy, CheckpointStore
 from .controller import DraftPolicy, make_policy
 from .decoding import Decoding, Parts, Request
-from .dflash import DFlashDrafter
-from .drafting import DFLASH, METHODS, MTP, Drafter
+from .drafting import Drafter, TokenView
 from .errors import EngineClosedError, PromptTooLongError, RequestError
-from .mtp import MTPDrafter
 from .pair import CUDA_VERIFY_ROWS, LinkedPair
 from .results import Result, StreamEvent
 from .sampling import VERIFY_MODES, SamplingParams
@@ -61,40 +60,41 @@ class Engine:
     n_rs_seq, verbose), plus `draft_length` (a request's default: "auto" or a fixed length), `checkpoints` (a
     `CheckpointPolicy` for hybrid targets; `CheckpointPolicy(max_count=0)` turns them off), `sessions` (a
     `SessionPolicy`: how many other owners' caches are kept aside), `verifiers` (how drafts are checked: see
-    verify.py) and `busy_timeout_s` (how long another thread's request waits for the engine; None waits as long as
-    it takes). `draft_policy=` is the deprecated spelling of `draft_length=`.
+    verify.py), `busy_timeout_s` (how long another thread's request waits for the engine; None waits as long as
+    it takes) and `method_options` (a method's own settings by name, e.g. {"ngram-mod": {"n_match": 16}}; see the
+    method's module). `draft_policy=` is the deprecated spelling of `draft_length=`.
     """
 
     def __init__(self, target_path: str | os.PathLike[str], draft_path: str | os.PathLike[str] | None = None, *,
                  draft_length: str | int | None = None, checkpoints: CheckpointPolicy | None = None,
                  sessions: SessionPolicy | None = None, verifiers: Verifiers | None = None,
                  busy_timeout_s: float | None = DEFAULT_BUSY_TIMEOUT_S, draft_policy: str | int | None = None,
-                 **pair_options: Any) -> None:
+                 method_options: Mapping[str, Mapping[str, Any]] | None = None, **pair_options: Any) -> None:
         length = deprecated_alias("draft_policy", "draft_length", draft_policy, draft_length, "auto")
+        unknown = sorted(set(method_options or {}) - set(methods.names()))
+        if unknown:
+            raise ValueError(f"method_options names unknown methods {unknown} (known: {', '.join(methods.names())})")
         self.pair = LinkedPair(target_path, draft_path, **pair_options)
         try:
             self._open(length, checkpoints or CheckpointPolicy(), sessions or SessionPolicy(),
-                       verifiers or Verifiers(), busy_timeout_s)
+                       verifiers or Verifiers(), busy_timeout_s, dict(method_options or {}))
         except BaseException:
             self.pair.close()
             raise
 
     def _open(self, draft_length: str | int, checkpoints: CheckpointPolicy, sessions: SessionPolicy,
-              verifiers: Verifiers, busy_timeout_s: float | None) -> None:
+              verifiers: Verifiers, busy_timeout_s: float | None,
+              method_options: dict[str, Mapping[str, Any]]) -> None:
         pair = self.pair
         self._occupancy = Occupancy(self._free, busy_timeout_s)
         batch = TokenBatch(pair.n_batch)
         drafters: dict[str, Drafter] = {}
+        caches: list[PairCache] = []  # the cache is made with its drafters; they read its tokens through this view
+        tokens = TokenView(lambda: caches[0].tokens)
         try:
-            if pair.spec is not None:
-                assert pair.api is not None
-                drafters[DFLASH] = DFlashDrafter(
-                    pair.api, pair.target_ctx, pair.draft_ctx, pair.spec, n_embd=pair.n_embd,
-                    n_embd_draft=pair.n_embd_draft, n_vocab=pair.n_vocab, n_ubatch=pair.n_ubatch,
-                    capacity=pair.draft_capacity)
-            if pair.mtp_ctx is not None:
-                drafters[MTP] = MTPDrafter(pair.target_ctx, pair.mtp_ctx, n_embd=pair.n_embd_out,
-                                           n_vocab=pair.n_vocab, n_batch=pair.n_ubatch, capacity=pair.mtp_capacity)
+            for method in methods.REGISTRY:
+                if method.ready(pair):
+                    drafters[method.name] = method.open(pair, tokens, **method_options.get(method.name, {}))
         except BaseException:
             for drafter in drafters.values():
                 drafter.free()
@@ -103,6 +103,7 @@ class Engine:
         store = CheckpointStore(pair.target_ctx, checkpoints) if pair.is_recurrent else None
         cache = PairCache(pair.target_ctx, list(drafters.values()), recurrent=pair.is_recurrent,
                           n_rs_seq=pair.n_rs_seq, checkpoints=store)
+        caches.append(cache)
         # Control tokens are read once, here: chat prompts and checkpoint positions need them on every request.
         self._controls: list[ControlToken] = control_tokens(pair.vocab, pair.n_vocab, self._special_piece)
         self._parts = Parts(pair, cache, batch, drafters, verifiers, CacheOwners(cache, sessions),
@@ -151,13 +152,14 @@ class Engine:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        """The draft methods this engine can run ("dflash" with a DFlash draft, "mtp" with the target's MTP head)."""
+        """The draft methods this engine can run, in the registry's order (methods.py): "dflash" with a DFlash draft,
+        "mtp" with the target's MTP head, the n-gram methods on every pair, then the listed chains."""
         return self.pair.methods
 
     @property
     def default_method(self) -> str | None:
         """The method a speculative request uses when it names none: DFlash when loaded, else MTP, else None."""
-        return self.pair.methods[0] if self.pair.methods else None
+        return self.pair.default_method
 
     def sampling_defaults(self) -> dict[str, float | int]:
         """The target's recommended sampling (`general.sampling.*`), as llama.cpp applies it: only keys present."""
@@ -215,7 +217,8 @@ class Engine:
     ) -> RequestStream:
         """A request's events, one per engine step; the request starts at the first `next()`.
 
-        `method`: "dflash" or "mtp" (see `methods`; default `default_method`); `speculative=False` decodes plainly.
+        `method`: one of `methods` (default `default_method`), or a chain "a,b" in order of preference (each step
+        drafted by the first that proposes something); `speculative=False` decodes plainly.
         `draft_length`: "auto" (the adaptive controller), 0 (no draft) or a fixed length ≤ the method's capacity;
         default the engine's `draft_length`. `verify` ("sample" or "match") chooses how drafts are checked above
         temperature 0. `cache_owner` (any hashable key, e.g. a visitor's session) limits prefix reuse to what the
@@ -422,10 +425,8 @@ class Engine:
             raise RequestError(f"max_tokens must be a positive integer (got {max_tokens!r})")
         sampling.check()
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if method is not None and method not in self.methods:
-            known = ", ".join(self.methods) or "none: the target has no draft and no MTP head"
-            why = "not available on this pair" if method in METHODS else "unknown"
-            raise RequestError(f"draft method {method!r} is {why} (available: {known})")
+        if method is not None:
+            method = methods.CHAIN_SEPARATOR.join(methods.check(method, self.methods))
         chosen = (method or self.default_method) if speculative else None
         capacity = self.pair.capacity(chosen) if chosen else max(map(self.pair.capacity, self.methods), default=0)
         length = self.default_draft_length if draft_length is None else draft_length

@@ -17,8 +17,8 @@ from typing import Any
 from llama_cpp import _logger
 from llama_cpp import llama_cpp as ll
 
+from . import methods
 from .backends import load_backends
-from .drafting import DFLASH, MTP
 from .errors import ContextCreationError, EngineClosedError, PairMismatchError
 from .gguf_meta import GGUFInfo, read_gguf, sampling_defaults
 from .native import DFlashApi, dflash_api
@@ -195,6 +195,7 @@ class LinkedPair:
         self.wants_mtp = n_nextn > 0 and mtp is not False
         self.mtp_error: str | None = None
         self._mtp_required = bool(mtp)
+        self._capacity = capacity
         self.mtp_capacity = capacity if self.wants_mtp else 0
         self.draft_capacity = capacity if self.spec else 0
         self.n_gpu_layers = n_gpu_layers
@@ -232,7 +233,7 @@ class LinkedPair:
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         # The whole verify batch must fit in one ubatch so that a hybrid target can roll it back.
-        capacity = max(self.draft_capacity, self.mtp_capacity)
+        capacity = self._capacity if any(m.wanted(self) for m in methods.REGISTRY) else 0
         params.n_ubatch = max(n_batch, capacity + 2)
         params.n_batch = params.n_ubatch
         params.n_seq_max = 1
@@ -312,11 +313,18 @@ class LinkedPair:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        """The draft methods this pair can run, the default first."""
-        return tuple(m for m, ok in ((DFLASH, self.spec is not None), (MTP, self.mtp_ctx is not None)) if ok)
+        """The draft methods (and listed chains) this pair can run, in the registry's order (methods.py)."""
+        return methods.available(self)
+
+    @property
+    def default_method(self) -> str | None:
+        return methods.default(self)
 
     def capacity(self, method: str) -> int:
-        return {DFLASH: self.draft_capacity, MTP: self.mtp_capacity}.get(method, 0)
+        """The longest draft of a method or chain the pair runs (0 for one it does not)."""
+        runs = methods.available(self)
+        members = methods.split(method)
+        return self._capacity if members and all(m in runs for m in members) else 0
 
     @property
     def batch_invariant(self) -> bool:

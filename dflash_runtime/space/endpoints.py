@@ -19,6 +19,7 @@ import gradio as gr
 import pandas as pd
 
 from ..errors import DFlashError, RequestError
+from ..methods import runnable as registered_methods
 from .callers import caller_of
 from .provenance import ACCEPTANCE, SPEED, SpeedTrace, point_every
 from .requests import AUTO, DEFAULT_SYSTEM_PROMPT
@@ -248,7 +249,7 @@ def method_choices(service: SpaceService) -> list[tuple[str, str]]:
     """The method menu: "auto" (the pair's default), then each method the pair runs (all while not known yet)."""
     methods = service.methods()
     kind = service.engine_info.get("draft_kind")
-    shown = methods if methods is not None else ["dflash", "mtp"]
+    shown = methods if methods is not None else list(registered_methods(lambda needs: True))
     default = f"auto ({method_label(methods[0], kind)})" if methods else "auto"
     return [(default, AUTO), *((method_label(m, kind), m) for m in shown)]
 

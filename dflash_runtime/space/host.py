@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from .. import methods as draft_methods
 from ..errors import DecodeError, DFlashError, EngineClosedError, ModelFileError, PairMismatchError, RequestError
 from .fitting import FittedConversation, fit_conversation, prompt_tokens
 from .presets import PairPreset, ResolvedPair, draft_unavailable, has_mtp_head
@@ -32,8 +33,8 @@ from .views import scrub_paths
 
 # Each phase's decoding: None for the request's own `speculative` and method; True for speculative with the request's
 # method; False for plain decoding; a method name for speculative decoding with that method (an A/B comparison).
-PHASES: dict[str, bool | str | None] = {"chat": None, "speculative": True, "plain": False, "dflash": "dflash",
-                                        "mtp": "mtp"}  # fmt: skip
+PHASES: dict[str, bool | str | None] = {"chat": None, "speculative": True, "plain": False,
+                                        **{m: m for m in draft_methods.runnable(lambda needs: True)}}  # fmt: skip
 # Errors after which the engine's state is not to be trusted: it is closed, and the next request loads it again.
 # Any other runtime error (a bad request, a prompt too long, a busy engine) leaves it as it is.
 ENGINE_FAILURES = (DecodeError, EngineClosedError)

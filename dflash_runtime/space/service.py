@@ -21,6 +21,7 @@ from functools import partial
 from typing import Any
 
 from ..errors import DFlashError, RequestError
+from ..methods import runnable as registered_methods
 from .callers import Callers
 from .downloads import PairDownload
 from .gpu_time import GpuTimeEstimator, GpuTimeSettings
@@ -253,7 +254,8 @@ class SpaceService:
         except DFlashError as error:  # the load reports it properly; here it only means "not known"
             log.warning("could not read the target's header: %s", error)
             return
-        methods = [m for m, ok in (("dflash", files.draft_path is not None), ("mtp", mtp)) if ok]
+        holds = {"draft": files.draft_path is not None, "nextn": mtp}
+        methods = list(registered_methods(holds.__getitem__))
         problem = draft_unavailable(scrub_paths(files.draft_problem)) if files.draft_problem else None
         self.file_facts = {"methods": methods, "draft_problem": problem}
         if sampling:

@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .. import methods as draft_methods
 from .presets import PairPreset
 from .requests import Limits
 from .runmode import RunMode
@@ -134,7 +135,7 @@ def acceptance_rows(stats: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-METHOD_LABELS = {"dflash": "DFlash 2", "mtp": "MTP"}
+METHOD_LABELS = {m.name: m.label for m in draft_methods.REGISTRY}
 METHOD_DESCRIPTIONS = {"mtp": "MTP (the target's own multi-token-prediction head)"}
 PLAIN_LABEL = "Plain"
 VERIFY_MODES = {"greedy": "greedy match (temperature 0)", "sample": "rejection sampling",
@@ -145,6 +146,8 @@ def method_label(method: str | None, draft_kind: str | None = None) -> str:
     """How the page names a draft method, short ("DFlash" for a v1 draft)."""
     if method == "dflash" and draft_kind == "dflash1":
         return "DFlash"
+    if method and draft_methods.CHAIN_SEPARATOR in method:
+        return " → ".join(method_label(m, draft_kind) for m in draft_methods.split(method))
     return METHOD_LABELS.get(method or "", "speculative")
 
 

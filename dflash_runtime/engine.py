@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -27,6 +26,7 @@ from .chat import ChatTemplate, ControlToken, control_tokens
 from .checkpoints import CheckpointPolicy, CheckpointStore
 from .controller import DraftPolicy, make_policy
 from .decoding import Decoding, Parts, Request
+from .deprecated import renamed, renamed_keyword
 from .drafting import Drafter, TokenView
 from .errors import EngineClosedError, PromptTooLongError, RequestError
 from .pair import CUDA_VERIFY_ROWS, LinkedPair
@@ -41,15 +41,6 @@ from .verify import Verifiers
 DEFAULT_BUSY_TIMEOUT_S = 300.0
 POLICIES_KEPT = 64  # adaptive policies per (owner, method, length), least recently used first out
 
-
-def deprecated_alias(old: str, new: str, old_value: Any, new_value: Any, default: Any, *, stacklevel: int = 3) -> Any:
-    """The value of a renamed keyword: the new one, or the old one with a DeprecationWarning (not both)."""
-    if old_value is None:
-        return default if new_value is None else new_value
-    warnings.warn(f"{old}= is now {new}=", DeprecationWarning, stacklevel=stacklevel)
-    if new_value is not None and new_value != old_value:
-        raise RequestError(f"give {new} or its older spelling {old}, not both")
-    return old_value
 
 
 class Engine:
@@ -70,7 +61,7 @@ class Engine:
                  sessions: SessionPolicy | None = None, verifiers: Verifiers | None = None,
                  busy_timeout_s: float | None = DEFAULT_BUSY_TIMEOUT_S, draft_policy: str | int | None = None,
                  method_options: Mapping[str, Mapping[str, Any]] | None = None, **pair_options: Any) -> None:
-        length = deprecated_alias("draft_policy", "draft_length", draft_policy, draft_length, "auto")
+        length = renamed_keyword("draft_policy", "draft_length", draft_policy, draft_length, "auto")
         unknown = sorted(set(method_options or {}) - set(methods.names()))
         if unknown:
             raise ValueError(f"method_options names unknown methods {unknown} (known: {', '.join(methods.names())})")
@@ -147,7 +138,7 @@ class Engine:
     @property
     def draft_max(self) -> int:
         """The deprecated spelling of `draft_capacity`."""
-        warnings.warn("Engine.draft_max is now Engine.draft_capacity", DeprecationWarning, stacklevel=2)
+        renamed("Engine.draft_max", "Engine.draft_capacity")
         return self.pair.draft_capacity
 
     @property
@@ -227,7 +218,7 @@ class Engine:
         long prompt); it runs on the decoding thread, between chunks, and may cancel the request.
         `draft_max=` is the deprecated spelling of `draft_length=`."""
         self.check_open()
-        length = deprecated_alias("draft_max", "draft_length", draft_max, draft_length, None)
+        length = renamed_keyword("draft_max", "draft_length", draft_max, draft_length, None)
         tokens = self._prompt_tokens(prompt)
         req = self._request(max_tokens, SamplingParams(temperature, top_k, top_p, min_p, seed), stop, speculative,
                             method, length, n_min, p_min, verify)

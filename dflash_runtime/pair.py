@@ -8,7 +8,6 @@ import functools
 import os
 import sys
 import threading
-import warnings
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ from llama_cpp import llama_cpp as ll
 
 from . import methods
 from .backends import load_backends
+from .deprecated import renamed_keyword
 from .errors import ContextCreationError, EngineClosedError, PairMismatchError
 from .gguf_meta import GGUFInfo, read_gguf, sampling_defaults
 from .native import DFlashApi, dflash_api
@@ -168,11 +168,8 @@ class LinkedPair:
         mtp: bool | None = None,
         draft_max: int | None = None,
     ) -> None:
-        if draft_max is not None:
-            warnings.warn("draft_max= is now draft_capacity=", DeprecationWarning, stacklevel=3)
-            if draft_capacity is not None and draft_capacity != draft_max:
-                raise ValueError("give draft_capacity or its older spelling draft_max, not both")
-        capacity = next((n for n in (draft_capacity, draft_max) if n is not None), DEFAULT_DRAFT_CAPACITY)
+        capacity = renamed_keyword("draft_max", "draft_capacity", draft_max, draft_capacity, DEFAULT_DRAFT_CAPACITY,
+                                   stacklevel=4)
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"draft_capacity must be an integer ≥ 0 (got {capacity!r})")
         _logger.set_verbose(verbose)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from .deprecated import renamed
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Stats:
     @property
     def draft_policy(self) -> int | str:
         """The older name of `draft_length`."""
-        warnings.warn("Stats.draft_policy is now Stats.draft_length", DeprecationWarning, stacklevel=2)
+        renamed("Stats.draft_policy", "Stats.draft_length")
         return self.draft_length
 
     @property

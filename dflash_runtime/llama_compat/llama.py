@@ -40,7 +40,7 @@ from llama_cpp.llama_speculative import LlamaDraftModel
 
 from .. import load_pair
 from ..backends import load_backends
-from ..engine import deprecated_alias
+from ..deprecated import renamed_keyword
 from ..errors import DownloadError, EngineClosedError, ModelFileError, PairMismatchError, RequestError
 from ..pair import DEFAULT_DRAFT_CAPACITY
 from .openai import (
@@ -168,7 +168,7 @@ REQUEST_EXTRAS = {"speculative": True, "method": None, "draft_length": None, "ve
 def _pop_extras(kwargs: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     extras = {name: kwargs.pop(name, default) for name, default in defaults.items()}
     if "draft_max" in kwargs:  # the deprecated spelling of draft_length
-        extras["draft_length"] = deprecated_alias("draft_max", "draft_length", kwargs.pop("draft_max"),
+        extras["draft_length"] = renamed_keyword("draft_max", "draft_length", kwargs.pop("draft_max"),
                                                   extras["draft_length"], None, stacklevel=4)
     return extras
 
@@ -206,7 +206,7 @@ class DFlashLlama(Llama):
         **llama_kwargs: Any,
     ) -> None:
         self._engine: Any = None  # first: every dispatched method reads it, even from Llama.__init__
-        capacity = deprecated_alias("draft_max", "draft_capacity", draft_max, draft_capacity, None)
+        capacity = renamed_keyword("draft_max", "draft_capacity", draft_max, draft_capacity, None)
         if draft_model is not None and not isinstance(draft_model, DFlashDraftModel):
             if draft_model_path is not None or capacity is not None:
                 raise RequestError("draft_model_path and draft_capacity apply to DFlash drafts, not to a Python draft")

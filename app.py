@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import gradio as gr
 from starlette.middleware import Middleware
@@ -43,11 +46,19 @@ EXAMPLES = [
 ]
 
 
+def demo_files(spec: Mapping[str, Any]) -> tuple[Path, Path]:
+    """The offline demo's generated pair (made once, then cached): the test models live in dflash_runtime.testing,
+    which only this file, not the Space's modules, imports."""
+    from dflash_runtime.testing.tiny_models import pair_paths
+
+    return pair_paths(spec)
+
+
 def build_service() -> SpaceService:
     """The native build's self-check (probed in a child process: no CUDA here), then the service it allows."""
     status, details = run_startup_check()
     log.info("llama.cpp build: %s", status)
-    service = SpaceService.from_env(status, details)
+    service = SpaceService.from_env(status, details, demo_files=demo_files)
     log.info("mode: %s (%s)", "offline demo" if service.mode.tiny else service.preset.name, service.mode.reason)
     for problem in service.mode.problems:
         log.warning("not serving the model pair: %s", problem)

@@ -1,5 +1,6 @@
-"""No import runs back up: the core imports nothing of the drop-in, the Space or the test models, and the drop-in
-nothing of the Space or the test models (the package facade, `__init__.py`, may reach the drop-in lazily)."""
+"""No import runs back up: the core imports nothing of the drop-in, the Space or the test models, the drop-in
+nothing of the Space or the test models, the Space nothing of the test models (the package facade, `__init__.py`,
+may reach the drop-in lazily)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,11 @@ def test_the_core_imports_nothing_above_it(path: Path) -> None:
 @pytest.mark.parametrize("path", sorted((PACKAGE / "llama_compat").glob("*.py")), ids=lambda p: p.name)
 def test_the_drop_in_imports_nothing_of_the_space_or_the_test_models(path: Path) -> None:
     assert not imported(path) & {"space", "testing"}
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "space").glob("*.py")), ids=lambda p: p.name)
+def test_the_space_imports_nothing_of_the_test_models(path: Path) -> None:
+    assert "testing" not in imported(path)  # app.py hands the offline demo its generated pair
 
 
 def test_the_check_sees_imports_across_levels() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -185,24 +185,30 @@ DEMO_PAIRS: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-def configured_preset(tiny: bool, env: Mapping[str, str] | None = None) -> PairPreset:
-    """The pair this server offers: the environment's, or in the offline demo generated tiny models (CPU)."""
+# Makes (or finds) the offline demo's files for one of DEMO_PAIRS' specs: (target, draft). app.py hands in
+# dflash_runtime.testing's generator, which the Space itself does not import.
+DemoFiles = Callable[[Mapping[str, Any]], tuple[Path, Path]]
+
+
+def configured_preset(tiny: bool, env: Mapping[str, str] | None = None,
+                      demo_files: DemoFiles | None = None) -> PairPreset:
+    """The pair this server offers: the environment's, or in the offline demo generated tiny models (CPU), made by
+    `demo_files`."""
     env = os.environ if env is None else env
     preset = preset_from_env(env)
     if not tiny:
         return preset
-    from ..testing.tiny_models import tiny_pair
-
     choice = env_text(env, "DFLASH_DEMO_PAIR") or "dense"
     if choice not in DEMO_PAIRS:
         raise ValueError(f"DFLASH_DEMO_PAIR must be one of {', '.join(DEMO_PAIRS)}, got {choice!r}")
+    if demo_files is None:
+        raise ValueError("the offline demo needs a maker of its generated models (demo_files); app.py hands it in")
     spec, description = DEMO_PAIRS[choice]
-    pair = tiny_pair(**spec)
-    assert pair.draft is not None
+    target, draft = demo_files(spec)
     return with_local_files(
         preset,
-        pair.target,
-        pair.draft,
+        target,
+        draft,
         name=TINY_PRESET_NAME,
         label=f"random-weight test models ({description}, generated: predictable stretches and random text)",
         n_ctx=preset.n_ctx if env.get("DFLASH_N_CTX", "").strip() else TINY_N_CTX,

@@ -28,6 +28,7 @@ from .gpu_time import GpuTimeEstimator, GpuTimeSettings
 from .host import GpuJob, ReplyChunk, info_digest
 from .jobs import EngineSlot, ReplyJob
 from .presets import (
+    DemoFiles,
     PairPreset,
     ResolvedPair,
     configured_preset,
@@ -196,9 +197,11 @@ class SpaceService:
 
     @classmethod
     def from_env(
-        cls, build_status: str, build: Mapping[str, Any], env: Mapping[str, str] | None = None
+        cls, build_status: str, build: Mapping[str, Any], env: Mapping[str, str] | None = None,
+        demo_files: DemoFiles | None = None,
     ) -> SpaceService:
-        """The service as the environment configures it, given the start-up check's result."""
+        """The service as the environment configures it, given the start-up check's result; `demo_files` makes the
+        offline demo's generated models (see presets.DemoFiles)."""
         from . import zerogpu
 
         env = os.environ if env is None else env
@@ -206,7 +209,7 @@ class SpaceService:
         mode = choose_run_mode(env, overrides_in_env(env), has_cuda)
         mode = settle_run_mode(mode, build, zero_gpu=zero_gpu, has_cuda=has_cuda,
                                n_gpu_layers=configured_preset(False, env).n_gpu_layers)  # fmt: skip
-        preset = configured_preset(mode.tiny, env)
+        preset = configured_preset(mode.tiny, env, demo_files)
         return cls(
             mode=mode,
             preset=preset,

@@ -22,7 +22,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,14 @@ def tiny_pair(
             cache / f"draft-{draft}-{stem}-{spec.draft_digest()}.gguf", lambda path: write_draft(path, spec)
         )
     return TinyPair(target=target_path, draft=draft_path, target_arch=spec.target.arch, draft_kind=draft, spec=spec)
+
+
+def pair_paths(spec: Mapping[str, Any]) -> tuple[Path, Path]:
+    """`tiny_pair(**spec)`'s target and draft paths (how the Space's offline demo is handed its files)."""
+    pair = tiny_pair(**spec)
+    if pair.draft is None:
+        raise ValueError(f"the spec {dict(spec)} has no draft")
+    return pair.target, pair.draft
 
 
 def _ensure(path: Path, write: Callable[[Path], None]) -> Path:

@@ -18,7 +18,6 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from llama_cpp import llama_cpp as ll
 
 from .batches import TokenBatch
 from .cache import PairCache
@@ -110,7 +109,7 @@ class Decoding:
                            draft_length=req.draft_length if req.speculative else 0, verify_mode=req.verify_mode)
         self.costs = CheckpointCosts()
         self.clock = _Clock()
-        self.text = TextStream(parts.pair.vocab, req.stop)
+        self.text = TextStream(parts.pair.vocabulary, req.stop)
         self._t_start = time.perf_counter()
         self._prefilled = False
         self._drafted_by: str | None = None  # the method that drafted the current step (a chain's member)
@@ -295,14 +294,14 @@ class Decoding:
     def _accept(self, walk: Iterator[tuple[int, str]]) -> _Step:
         """Emit the verifier's tokens until the walk ends, the end of generation or a stop string."""
         step = _Step([], [], "")
-        vocab = self.parts.pair.vocab
+        vocab = self.parts.pair.vocabulary
         while True:
             with self.clock:  # the walk samples the target's rows
                 item = next(walk, None)
             if item is None:
                 break
             token, source = item
-            if ll.llama_vocab_is_eog(vocab, token):
+            if vocab.is_eog(token):
                 step.finish, step.detail = "stop", "end of generation"
                 break
             step.tokens.append(token)

@@ -9,7 +9,6 @@ back, and checkpoints.py for hybrid targets). Lifetime, cancellation and busy ru
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -35,7 +34,6 @@ from .sampling import VERIFY_MODES, SamplingParams
 from .sessions import CacheOwners, SessionPolicy
 from .stats import Stats
 from .streams import CLOSED_MESSAGE, Occupancy, RequestStream
-from .textstream import detokenize, token_piece
 from .verify import Verifiers
 
 DEFAULT_BUSY_TIMEOUT_S = 300.0
@@ -96,7 +94,7 @@ class Engine:
                           n_rs_seq=pair.n_rs_seq, checkpoints=store)
         caches.append(cache)
         # Control tokens are read once, here: chat prompts and checkpoint positions need them on every request.
-        self._controls: list[ControlToken] = control_tokens(pair.vocab, pair.n_vocab, self._special_piece)
+        self._controls: list[ControlToken] = control_tokens(pair.vocabulary)
         self._parts = Parts(pair, cache, batch, drafters, verifiers, CacheOwners(cache, sessions),
                             frozenset(t.id for t in self._controls))
         self.default_draft_length = self._check_length(draft_length, max(map(pair.capacity, pair.methods),
@@ -261,7 +259,7 @@ class Engine:
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         with self._open_native():
-            return detokenize(self.pair.vocab, tokens)
+            return self.pair.vocabulary.text(tokens)
 
     def token_text(self, token: int) -> str:
         """The text of one token, special tokens rendered."""
@@ -347,20 +345,11 @@ class Engine:
             yield
 
     def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        raw = text.encode("utf-8")
-        cap = len(raw) + 8
         with self._open_native():
-            while True:
-                buf = (ll.llama_token * cap)()
-                n = ll.llama_tokenize(self.pair.vocab, raw, len(raw), buf, cap, add_special, parse_special)
-                if n >= 0:
-                    return list(buf[:n])
-                if n == -(2**31):
-                    raise RequestError("the text is too long to tokenize")
-                cap = -n
+            return self.pair.vocabulary.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def _special_piece(self, token: int) -> str:
-        return token_piece(self.pair.vocab, token, ctypes.create_string_buffer(256)).decode("utf-8", "replace")
+        return self.pair.vocabulary.piece_text(token)
 
     def _template(self) -> ChatTemplate:
         self.check_open()
@@ -457,7 +446,7 @@ class Engine:
         src = raw.decode("utf-8", "replace") if raw else self.pair.meta("tokenizer.chat_template")
         if not src:
             return None
-        vocab, n_vocab = self.pair.vocab, self.pair.n_vocab
-        bos, eos = ll.llama_vocab_bos(vocab), ll.llama_vocab_eos(vocab)
+        n_vocab = self.pair.n_vocab
+        bos, eos = self.pair.vocabulary.bos, self.pair.vocabulary.eos
         return ChatTemplate(src, self._special_piece(bos) if 0 <= bos < n_vocab else "",
                             self._special_piece(eos) if 0 <= eos < n_vocab else "")

@@ -25,7 +25,8 @@ from llama_cpp import llama_cpp_ext as lx
 
 from .batches import decode_error
 from .drafting import MTP
-from .errors import ContextCreationError, DecodeError, RollbackError
+from .errors import ContextCreationError, DecodeError
+from .memory import SequenceMemory
 from .proposal import DraftSampling, Proposal
 from .states import WHOLE, load_seq, save_seq
 
@@ -45,7 +46,7 @@ class MTPDrafter:
         self._tokens = tokens  # the target cache's tokens (read only)
         self._target = target_ctx
         self._ctx = mtp_ctx
-        self._mem = ll.llama_get_memory(mtp_ctx)
+        self._memory = SequenceMemory(mtp_ctx, "MTP")
         self._n_embd = n_embd
         self._n_vocab = n_vocab
         self._n_batch = n_batch
@@ -111,9 +112,9 @@ class MTPDrafter:
                 self._chain[i + 1] = np.ctypeslib.as_array(h_ptr, shape=(self._n_embd,))
                 h = self._chain[i + 1]
         finally:
-            removed = ll.llama_memory_seq_rm(self._mem, 0, pos0, -1)  # the drafted cells; verify rows come next
+            removed = self._memory.remove_from(pos0)  # the drafted cells; verify rows come next
         if not removed:
-            raise RollbackError(f"the MTP cache refused to drop its drafts at position {pos0}")
+            raise self._memory.refused(f"drop its drafts at position {pos0}")
         self.n_fed = min(self.n_fed, pos0)
         return out.at_least(n_min, sampling)
 
@@ -125,12 +126,11 @@ class MTPDrafter:
     def keep(self, n: int) -> None:
         self.n_known = min(self.n_known, n)
         if self.n_fed > n:
-            if not ll.llama_memory_seq_rm(self._mem, 0, n, -1):
-                raise RollbackError(f"the MTP cache refused to roll back to {n} tokens")
+            self._memory.cut(n)
             self.n_fed = n
 
     def clear(self) -> None:
-        ll.llama_memory_clear(self._mem, True)
+        self._memory.clear()
         self.n_known = self.n_fed = 0
 
     def save(self) -> _Parked:

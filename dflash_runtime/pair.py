@@ -23,6 +23,7 @@ from .errors import ContextCreationError, EngineClosedError, PairMismatchError
 from .gguf_meta import GGUFInfo, read_gguf, sampling_defaults
 from .native import DFlashApi, dflash_api
 from .validation import DraftSpec, validate_pair
+from .vocab import Vocabulary
 
 CUDA_VERIFY_ROWS = 8  # CUDA's small-batch matrix-vector kernels take up to this many rows: verify batches stay there
 DEFAULT_DRAFT_CAPACITY = CUDA_VERIFY_ROWS - 1  # a verify batch is id_last + the draft
@@ -248,8 +249,9 @@ class LinkedPair:
         self.n_batch = int(ll.llama_n_batch(self.target_ctx))
         self.n_ubatch = int(ll.llama_n_ubatch(self.target_ctx))
         self.n_rs_seq = int(ll.llama_n_rs_seq(self.target_ctx))
-        self.vocab = ll.llama_model_get_vocab(self.target_model)
-        self.n_vocab = int(ll.llama_vocab_n_tokens(self.vocab))
+        self.vocab = ll.llama_model_get_vocab(self.target_model)  # the raw pointer, for callers driving libllama
+        self.vocabulary = Vocabulary(self.vocab)
+        self.n_vocab = self.vocabulary.n_tokens
         self.n_embd = int(ll.llama_model_n_embd(self.target_model))
         if self.spec is not None:
             assert self.api is not None

@@ -23,12 +23,11 @@ recurrent state of a hybrid target, so such a target is refused.
 
 from __future__ import annotations
 
-import ctypes
 import fnmatch
 import functools
 import inspect
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from ..backends import load_backends
 from ..deprecated import renamed_keyword
 from ..errors import DownloadError, EngineClosedError, ModelFileError, PairMismatchError, RequestError
 from ..pair import DEFAULT_DRAFT_CAPACITY
+from ..vocab import Vocabulary
 from .openai import (
     CHAT_OPTIONS_OFF,
     COMPLETION_OPTIONS_OFF,
@@ -360,7 +360,7 @@ class DFlashLlama(Llama):
 
     @_engine_or_llama
     def detokenize(self, tokens: list[int], prev_tokens: list[int] | None = None, special: bool = False) -> bytes:
-        return _detokenize(self._vocab(), tokens, special)
+        return self._vocabulary().detokenize(tokens, special=special)
 
     @_engine_or_llama
     def n_ctx(self) -> int:
@@ -377,11 +377,11 @@ class DFlashLlama(Llama):
 
     @_engine_or_llama
     def token_eos(self) -> int:
-        return int(ll.llama_vocab_eos(self._vocab()))
+        return self._vocabulary().eos
 
     @_engine_or_llama
     def token_bos(self) -> int:
-        return int(ll.llama_vocab_bos(self._vocab()))
+        return self._vocabulary().bos
 
     @_engine_or_llama
     def token_nl(self) -> int:
@@ -412,8 +412,11 @@ class DFlashLlama(Llama):
         self.close()
 
     def _vocab(self) -> Any:
+        return self._vocabulary().handle
+
+    def _vocabulary(self) -> Vocabulary:
         self._engine.check_open()  # after close() the vocabulary is freed: raise EngineClosedError, never read it
-        return self._engine.pair.vocab
+        return self._engine.pair.vocabulary
 
     # -- Llama methods that need Llama's own decode state ---------------------------------------------------------
 
@@ -477,21 +480,6 @@ def _same(value: Any, default: Any) -> bool:
         return bool(value == default)
     except (TypeError, ValueError):  # e.g. an array compared with None
         return False
-
-
-def _detokenize(vocab: Any, tokens: Iterable[int], special: bool) -> bytes:
-    """Token ids → bytes, special tokens rendered only when `special` (as `Llama.detokenize`)."""
-    ids = list(tokens)
-    if not ids:
-        return b""
-    array = (ll.llama_token * len(ids))(*ids)
-    size = 8 * len(ids) + 16
-    while True:
-        buffer = ctypes.create_string_buffer(size)
-        n = ll.llama_detokenize(vocab, array, len(ids), buffer, size, False, special)
-        if n >= 0:
-            return buffer.raw[:n]
-        size = -n  # too small: -n bytes are needed
 
 
 def _hub_file(

@@ -132,3 +132,12 @@ def check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or m.get("role") not in ROLES or not isinstance(m.get("content", ""), str):
             raise RequestError(f"message {i} must be a dict with role in {ROLES} and a string content")
+
+
+def model_template(source: str | None, vocab: Vocabulary) -> ChatTemplate | None:
+    """The chat template a model carries (`tokenizer.chat_template`), with its BOS and EOS texts; None without one."""
+    if not source:
+        return None
+    bos, eos = vocab.bos, vocab.eos
+    return ChatTemplate(source, vocab.piece_text(bos) if 0 <= bos < vocab.n_tokens else "",
+                        vocab.piece_text(eos) if 0 <= eos < vocab.n_tokens else "")

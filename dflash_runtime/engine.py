@@ -10,35 +10,32 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import llama_cpp
-from llama_cpp import llama_cpp as ll
 
 from . import methods
 from .batches import TokenBatch
 from .cache import PairCache
-from .chat import ChatTemplate, ControlToken, control_tokens
+from .chat import ChatTemplate, ControlToken, control_tokens, model_template
 from .checkpoints import CheckpointPolicy, CheckpointStore
-from .controller import DraftPolicy, make_policy
+from .controller import Policies
 from .decoding import Decoding, Parts, Request
 from .deprecated import renamed, renamed_keyword
 from .drafting import Drafter, TokenView
-from .errors import EngineClosedError, PromptTooLongError, RequestError
-from .pair import CUDA_VERIFY_ROWS, LinkedPair
+from .errors import EngineClosedError, RequestError
+from .pair import LinkedPair
+from .request_checks import check_length, checked_owner, checked_request, prompt_tokens
 from .results import Result, StreamEvent
-from .sampling import VERIFY_MODES, SamplingParams
+from .sampling import SamplingParams
 from .sessions import CacheOwners, SessionPolicy
 from .stats import Stats
 from .streams import CLOSED_MESSAGE, Occupancy, RequestStream
 from .verify import Verifiers
 
 DEFAULT_BUSY_TIMEOUT_S = 300.0
-POLICIES_KEPT = 64  # adaptive policies per (owner, method, length), least recently used first out
-
 
 
 class Engine:
@@ -97,10 +94,10 @@ class Engine:
         self._controls: list[ControlToken] = control_tokens(pair.vocabulary)
         self._parts = Parts(pair, cache, batch, drafters, verifiers, CacheOwners(cache, sessions),
                             frozenset(t.id for t in self._controls))
-        self.default_draft_length = self._check_length(draft_length, max(map(pair.capacity, pair.methods),
+        self.default_draft_length = check_length(draft_length, max(map(pair.capacity, pair.methods),
                                                                             default=0))
-        self._policies: OrderedDict[tuple[Any, ...], DraftPolicy] = OrderedDict()
-        self.template = self._load_template()
+        self._policies = Policies(pair.verify_cap)
+        self.template = model_template(pair.chat_template_source(), pair.vocabulary)
 
     # -- the pair's facts ---------------------------------------------------------------------------------------
 
@@ -217,17 +214,12 @@ class Engine:
         `draft_max=` is the deprecated spelling of `draft_length=`."""
         self.check_open()
         length = renamed_keyword("draft_max", "draft_length", draft_max, draft_length, None)
-        tokens = self._prompt_tokens(prompt)
-        req = self._request(max_tokens, SamplingParams(temperature, top_k, top_p, min_p, seed), stop, speculative,
-                            method, length, n_min, p_min, verify)
-        if isinstance(public_prefix, bool) or not isinstance(public_prefix, int) or public_prefix < 0:
-            raise RequestError(f"public_prefix must be an integer ≥ 0 (got {public_prefix!r})")
-        try:
-            hash(cache_owner)
-        except TypeError:
-            raise RequestError(f"cache_owner must be hashable (got {type(cache_owner).__name__})") from None
-        req = replace(req, owner=cache_owner, public_prefix=min(public_prefix, len(tokens)), on_prefill=on_prefill)
-        return self._start(tokens, req)
+        tokens = prompt_tokens(prompt, self.pair, lambda text: self._tokenize(text, True, True))
+        req = checked_request(self.pair, self.default_draft_length, max_tokens,
+                              SamplingParams(temperature, top_k, top_p, min_p, seed), stop, speculative,
+                              method, length, n_min, p_min, verify)  # fmt: skip
+        owner = checked_owner(cache_owner, public_prefix, len(tokens))
+        return self._start(tokens, replace(req, **owner, on_prefill=on_prefill))
 
     def stream_chat(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool | None = None,
                     **kwargs: Any) -> RequestStream:
@@ -361,7 +353,9 @@ class Engine:
         holder: dict[str, Decoding] = {}
 
         def decoding(stream: RequestStream) -> Iterator[StreamEvent]:
-            holder["run"] = run = Decoding(self._parts, tokens, req, self._policy(req), stream.cancelled.is_set)
+            policy = None if req.method is None else self._policies.get(req.owner, req.method, req.draft_length,
+                                                                         self.pair.capacity(req.method))
+            holder["run"] = run = Decoding(self._parts, tokens, req, policy, stream.cancelled.is_set)
             return run.events()
 
         def final(detail: str) -> StreamEvent:
@@ -373,80 +367,3 @@ class Engine:
             return StreamEvent("", [], stats, "cancelled", detail)
 
         return RequestStream(self._occupancy, decoding, final, self._parts.cache.clear)
-
-    def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("the prompt is empty")
-            tokens = self._tokenize(prompt, True, True)
-        else:
-            try:
-                tokens = [int(t) for t in prompt]
-            except (TypeError, ValueError) as error:
-                raise RequestError(f"a prompt is a string or a sequence of token ids ({error})") from None
-            bad = [t for t in tokens if not 0 <= t < self.pair.n_vocab]
-            if bad:
-                raise RequestError(
-                    f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.pair.n_vocab - 1})"
-                )
-        if not tokens:
-            raise RequestError("the prompt is empty")
-        if len(tokens) >= self.n_ctx:
-            raise PromptTooLongError(
-                f"the prompt has {len(tokens)} tokens but the context holds {self.n_ctx}: shorten it or open the "
-                "pair with a larger n_ctx"
-            )
-        return tokens
-
-    def _request(self, max_tokens: int, sampling: SamplingParams, stop: str | Sequence[str] | None,
-                 speculative: bool, method: str | None, draft_length: int | str | None, n_min: int, p_min: float,
-                 verify: str) -> Request:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestError(f"max_tokens must be a positive integer (got {max_tokens!r})")
-        sampling.check()
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if method is not None:
-            method = methods.CHAIN_SEPARATOR.join(methods.check(method, self.methods))
-        chosen = (method or self.default_method) if speculative else None
-        capacity = self.pair.capacity(chosen) if chosen else max(map(self.pair.capacity, self.methods), default=0)
-        length = self.default_draft_length if draft_length is None else draft_length
-        length = self._check_length(length, capacity)
-        if not 0 <= n_min <= capacity or not 0.0 <= p_min < 1.0:
-            raise RequestError(f"n_min must be in 0..{capacity} and p_min in [0, 1)")
-        if verify not in VERIFY_MODES:
-            raise RequestError(f"verify must be one of {', '.join(VERIFY_MODES)} (got {verify!r})")
-        return Request(max_tokens, sampling, stops, chosen, length, n_min, p_min, verify)
-
-    @staticmethod
-    def _check_length(length: Any, capacity: int) -> int | str:
-        fixed = isinstance(length, int) and not isinstance(length, bool) and 0 <= length <= capacity
-        if length != "auto" and not fixed:
-            raise RequestError(f"draft_length must be 'auto' or an integer in 0..{capacity} (got {length!r})")
-        return length
-
-    def _policy(self, req: Request) -> DraftPolicy | None:
-        if req.method is None:
-            return None
-        key = (req.owner, req.method, str(req.draft_length))
-        policy = self._policies.pop(key, None)
-        if policy is None:
-            policy = make_policy(req.draft_length, self.pair.capacity(req.method), verify_cap=self._verify_cap())
-        self._policies[key] = policy  # most recently used last
-        while len(self._policies) > POLICIES_KEPT:
-            self._policies.popitem(last=False)
-        return policy
-
-    def _verify_cap(self) -> int:
-        # CUDA's small-batch matrix-vector kernels take a few rows only: keep verify batches there on a GPU target.
-        on_gpu = self.pair.n_gpu_layers != 0 and bool(ll.llama_supports_gpu_offload())
-        return CUDA_VERIFY_ROWS - 1 if on_gpu else self.pair.n_ubatch - 1
-
-    def _load_template(self) -> ChatTemplate | None:
-        raw = ll.llama_model_chat_template(self.pair.target_model, None)
-        src = raw.decode("utf-8", "replace") if raw else self.pair.meta("tokenizer.chat_template")
-        if not src:
-            return None
-        n_vocab = self.pair.n_vocab
-        bos, eos = self.pair.vocabulary.bos, self.pair.vocabulary.eos
-        return ChatTemplate(src, self._special_piece(bos) if 0 <= bos < n_vocab else "",
-                            self._special_piece(eos) if 0 <= eos < n_vocab else "")

@@ -366,6 +366,18 @@ class LinkedPair:
         with contextlib.suppress(Exception):
             self.close()
 
+    @property
+    def verify_cap(self) -> int:
+        """The most drafts a verify batch may hold: CUDA's small-batch matrix-vector kernels take a few rows only, so
+        a GPU target stays within CUDA_VERIFY_ROWS; on the CPU, one ubatch."""
+        on_gpu = self.n_gpu_layers != 0 and bool(ll.llama_supports_gpu_offload())
+        return CUDA_VERIFY_ROWS - 1 if on_gpu else self.n_ubatch - 1
+
+    def chat_template_source(self) -> str | None:
+        """The target's chat template text (`tokenizer.chat_template`), None without one."""
+        raw = ll.llama_model_chat_template(self.target_model, None)
+        return raw.decode("utf-8", "replace") if raw else self.meta("tokenizer.chat_template")
+
     def meta(self, key: str, draft: bool = False) -> str | None:
         """A GGUF metadata value as libllama reads it."""
         model = self.draft_model if draft else self.target_model

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import gradio as gr
 from starlette.middleware import Middleware
@@ -24,7 +27,6 @@ from dflash_runtime.space.endpoints import (
     sampling_note,
 )
 from dflash_runtime.space.highlight import CSS, LEGEND
-from dflash_runtime.space.provenance import ACCEPTANCE, SERIES_COLOURS, SPEED
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT
 from dflash_runtime.space.service import SpaceService
 from dflash_runtime.space.session import ChatSession
@@ -44,31 +46,39 @@ EXAMPLES = [
 ]
 
 
+def demo_files(spec: Mapping[str, Any]) -> tuple[Path, Path]:
+    """The offline demo's generated pair (made once, then cached): the test models live in dflash_runtime.testing,
+    which only this file, not the Space's modules, imports."""
+    from dflash_runtime.testing.tiny_models import pair_paths
+
+    return pair_paths(spec)
+
+
 def build_service() -> SpaceService:
     """The native build's self-check (probed in a child process: no CUDA here), then the service it allows."""
     status, details = run_startup_check()
     log.info("llama.cpp build: %s", status)
-    service = SpaceService.from_env(status, details)
+    service = SpaceService.from_env(status, details, demo_files=demo_files)
     log.info("mode: %s (%s)", "offline demo" if service.mode.tiny else service.preset.name, service.mode.reason)
     for problem in service.mode.problems:
         log.warning("not serving the model pair: %s", problem)
     return service
 
 
-def trace_chart(series: str, title: str, y_title: str, elem_id: str, y_lim: list[float] | None = None) -> gr.LinePlot:
-    """One live chart of a trace series (see `provenance`) against tokens generated, empty until an answer starts."""
+def trace_chart(title: str, y_title: str, elem_id: str, y_lim: list[float] | None = None) -> gr.LinePlot:
+    """One live chart of a trace (see `provenance`) against tokens generated, hidden until an answer has
+    points. One series, so no legend: the title says what it is."""
     return gr.LinePlot(
         None,
         x="tokens",
         y="value",
-        color="series",
-        color_map={series: SERIES_COLOURS[series]},
         y_lim=y_lim,
         height=180,
         title=title,
         x_title="tokens generated",
         y_title=y_title,
         elem_id=elem_id,
+        visible=False,
     )
 
 
@@ -98,7 +108,7 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
                 with gr.Row(equal_height=True):
                     highlight = gr.Checkbox(True, label="Highlight draft tokens", scale=0, min_width=200,
                                             elem_id="highlight-draft")  # fmt: skip
-                    gr.HTML(LEGEND, elem_id="draft-legend")
+                    legend = gr.HTML(LEGEND, elem_id="draft-legend")  # shown while the highlight is on
                 notice = gr.Markdown("", visible=False, elem_id="context-notice")
                 with gr.Row():
                     message_box = gr.Textbox(
@@ -117,9 +127,8 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
                 gr.Examples(EXAMPLES, inputs=[message_box], label="Examples")
             with gr.Column(scale=2):
                 stats_box = gr.Markdown(EMPTY_STATS, label="Live statistics", elem_id="stats", container=True)
-                speed_chart = trace_chart(SPEED, "Decode speed so far", "tok/s", "speed-chart")
-                acceptance_chart = trace_chart(ACCEPTANCE, "Acceptance so far", "accepted %", "acceptance-chart",
-                                               y_lim=[0, 100])  # fmt: skip
+                speed_chart = trace_chart("Decode speed so far", "tok/s", "speed-chart")
+                acceptance_chart = trace_chart("Acceptance so far", "accepted %", "acceptance-chart", y_lim=[0, 100])
                 plot = gr.BarPlot(
                     plot_frame({}),
                     x="position",
@@ -130,6 +139,7 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
                     x_title="draft position",
                     y_title="accepted",
                     elem_id="acceptance-plot",
+                    visible=False,  # until an answer drafts
                 )
                 ab_box = gr.Markdown("", elem_id="ab-result")
                 with gr.Accordion("Settings", open=True):
@@ -186,6 +196,8 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
             api_visibility="private",
         )
         highlight.change(handlers.highlight, [session, highlight], [chatbot], queue=False, api_visibility="private")
+        highlight.change(lambda on: gr.update(visible=bool(on)), [highlight], [legend], queue=False,
+                         api_visibility="private")  # fmt: skip
         demo.load(handlers.page_load, None,
                   [thinking, info_box, temperature, top_p, top_k, min_p, sampling_source, method],
                   api_visibility="private")  # fmt: skip

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from llama_cpp import llama_cpp as ll
 
 from .checkpoints import Checkpoint, CheckpointCosts, CheckpointStore
 from .drafting import Drafter
 from .errors import RollbackError
+from .memory import SequenceMemory
 from .states import WHOLE, load_seq, save_seq
 
 
@@ -53,7 +53,7 @@ class PairCache:
     def __init__(self, target_ctx: Any, drafters: Sequence[Drafter], *, recurrent: bool, n_rs_seq: int,
                  checkpoints: CheckpointStore | None) -> None:
         self._target_ctx = target_ctx
-        self._target = ll.llama_get_memory(target_ctx)
+        self._target = SequenceMemory(target_ctx, "target")
         self.drafters = list(drafters)
         self.recurrent = recurrent
         self._n_rs_seq = n_rs_seq
@@ -111,7 +111,7 @@ class PairCache:
         return self.keep(n if limit is None else min(n, limit), costs)
 
     def clear(self) -> None:
-        ll.llama_memory_clear(self._target, True)
+        self._target.clear()
         for drafter in self.drafters:
             drafter.clear()
         if self.checkpoints is not None:
@@ -165,7 +165,7 @@ class PairCache:
     # -- internals ----------------------------------------------------------------------------------------------
 
     def _cut_target(self, n: int) -> None:
-        if not ll.llama_memory_seq_rm(self._target, 0, n, -1):
+        if not self._target.remove_from(n):
             had = len(self.tokens)
             self.clear()
             raise RollbackError(
@@ -190,7 +190,7 @@ class PairCache:
         return checkpoint.n_tokens
 
     def _clear_target(self) -> None:
-        ll.llama_memory_clear(self._target, True)
+        self._target.clear()
         self.tokens = []
         self.public_len = 0
         self._rollback_window = 0

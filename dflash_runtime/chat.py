@@ -20,10 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llama_cpp import llama_cpp as ll
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from .errors import RequestError
+from .vocab import CONTROL_ATTRS, LSTRIP, RSTRIP, Vocabulary
 
 ROLES = ("system", "user", "assistant", "tool")
 WHITESPACE = " \t\n\v\f\r"  # C isspace(), as llama.cpp strips around LSTRIP / RSTRIP tokens
@@ -39,16 +39,15 @@ class ControlToken:
     rstrip: bool
 
 
-def control_tokens(vocab: Any, n_vocab: int, piece: Callable[[int], str]) -> list[ControlToken]:
+def control_tokens(vocab: Vocabulary) -> list[ControlToken]:
     """The vocabulary's control (and unknown) tokens, longest text first, as llama.cpp's partition orders them."""
     found = []
-    for token in range(n_vocab):
-        attr = int(ll.llama_vocab_get_attr(vocab, token))
-        if attr & (ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_UNKNOWN):
-            text = piece(token)
+    for token in range(vocab.n_tokens):
+        attr = vocab.attrs(token)
+        if attr & CONTROL_ATTRS:
+            text = vocab.piece_text(token)
             if text:
-                found.append(ControlToken(text, token, bool(attr & ll.LLAMA_TOKEN_ATTR_LSTRIP),
-                                          bool(attr & ll.LLAMA_TOKEN_ATTR_RSTRIP)))
+                found.append(ControlToken(text, token, bool(attr & LSTRIP), bool(attr & RSTRIP)))
     return sorted(found, key=lambda t: len(t.text.encode()), reverse=True)
 
 
@@ -133,3 +132,12 @@ def check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or m.get("role") not in ROLES or not isinstance(m.get("content", ""), str):
             raise RequestError(f"message {i} must be a dict with role in {ROLES} and a string content")
+
+
+def model_template(source: str | None, vocab: Vocabulary) -> ChatTemplate | None:
+    """The chat template a model carries (`tokenizer.chat_template`), with its BOS and EOS texts; None without one."""
+    if not source:
+        return None
+    bos, eos = vocab.bos, vocab.eos
+    return ChatTemplate(source, vocab.piece_text(bos) if 0 <= bos < vocab.n_tokens else "",
+                        vocab.piece_text(eos) if 0 <= eos < vocab.n_tokens else "")

@@ -8,7 +8,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .drafting import DFLASH, MTP
 from .errors import DFlashError
+from .methods import names
 
 
 def _add_pair_args(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -33,8 +35,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens (0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p × the top probability")
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--method", default=None, help="draft method: dflash or mtp (default: dflash when a draft is given)")
+    g.add_argument("--method", default=None,
+                   help=f"draft method ({', '.join(names())}) or a chain 'a,b' (default: dflash when a draft is given)")
     g.add_argument("--draft-length", default=None, help="'auto' (default) or a fixed draft length, 0 for no draft")
     g.add_argument("--draft-max", default=None, help=argparse.SUPPRESS)  # deprecated spelling of --draft-length
     g.add_argument("--no-spec", action="store_true", help="plain decoding (A/B baseline)")
@@ -51,7 +56,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--draft-length", default=None, help="comma list of lengths and/or 'auto' (default 3,7,auto)")
     b.add_argument("--draft-max", default=None, help=argparse.SUPPRESS)  # deprecated spelling of --draft-length
-    b.add_argument("--methods", default="dflash,mtp", help="comma list of draft methods to compare with plain")
+    b.add_argument("--methods", nargs="+", default=[DFLASH, MTP],
+                   help=f"draft methods to compare with plain ({', '.join(names())}; a chain: 'a,b')")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--verify", default="sample", help="above temperature 0: comma list of 'sample' and/or 'match'")
     b.add_argument("--runs", type=int, default=3, help="alternating runs per mode; the median is reported")
@@ -86,7 +92,8 @@ def _generate(args: argparse.Namespace) -> int:
     from .report import stats_table
 
     with _open(args, args.target, args.draft) as engine:
-        kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                      min_p=args.min_p, seed=args.seed,
                       speculative=not args.no_spec and bool(engine.methods), method=args.method,
                       draft_length=_draft_arg(_lengths(args, "auto")))
         if args.chat:
@@ -111,7 +118,7 @@ def run_bench_cli(args: argparse.Namespace, pairs: list[tuple[str, str, str]]) -
     from .bench import BenchConfig, run_bench
 
     modes = [_draft_arg(x.strip()) for x in _lengths(args, "3,7,auto").split(",") if x.strip()]
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = [m.strip() for m in args.methods if m.strip()]
     prompts = None
     if args.prompts:
         prompts = [ln for ln in args.prompts.read_text().splitlines() if ln.strip()]

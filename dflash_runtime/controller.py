@@ -5,6 +5,8 @@ when drafting does not pay, probing now and then (with back-off) to notice when 
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Any, Protocol
 
 
@@ -194,3 +196,26 @@ def make_policy(draft_length: int | str, capacity: int, *, verify_cap: int) -> D
     if draft_length == "auto":
         return AdaptiveLength(max(0, min(capacity, verify_cap)))
     return FixedLength(int(draft_length))
+
+
+POLICIES_KEPT = 64  # adaptive policies per (owner, method, length), least recently used first out
+
+
+class Policies:
+    """The draft policies kept across requests, one per (owner, method, draft length): what "auto" measured about a
+    conversation carries over to its next request, and nobody else's (least recently used first out)."""
+
+    def __init__(self, verify_cap: int, kept: int = POLICIES_KEPT) -> None:
+        self._verify_cap = verify_cap
+        self._kept = kept
+        self._policies: OrderedDict[tuple[Hashable, str, str], DraftPolicy] = OrderedDict()
+
+    def get(self, owner: Hashable, method: str, draft_length: int | str, capacity: int) -> DraftPolicy:
+        key = (owner, method, str(draft_length))
+        policy = self._policies.pop(key, None)
+        if policy is None:
+            policy = make_policy(draft_length, capacity, verify_cap=self._verify_cap)
+        self._policies[key] = policy  # most recently used last
+        while len(self._policies) > self._kept:
+            self._policies.popitem(last=False)
+        return policy

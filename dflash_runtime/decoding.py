@@ -18,13 +18,13 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from llama_cpp import llama_cpp as ll
 
 from .batches import TokenBatch
 from .cache import PairCache
 from .checkpoints import CheckpointCosts, prompt_marks
 from .controller import DraftPolicy
 from .drafting import Drafter
+from .methods import Chain, split
 from .pair import LinkedPair
 from .proposal import DRAFT, TARGET, DraftSampling, Proposal
 from .results import StreamEvent
@@ -103,15 +103,16 @@ class Decoding:
         self.req = req
         self.policy = policy
         self.cancelled = cancelled
-        self.drafter = parts.drafters[req.method] if req.method is not None else None
+        self.drafter = Chain(parts.drafters, split(req.method)) if req.method is not None else None
         self.stats = Stats(speculative=req.speculative, method=req.method,
                            draft_capacity=self.drafter.capacity if self.drafter else 0,
                            draft_length=req.draft_length if req.speculative else 0, verify_mode=req.verify_mode)
         self.costs = CheckpointCosts()
         self.clock = _Clock()
-        self.text = TextStream(parts.pair.vocab, req.stop)
+        self.text = TextStream(parts.pair.vocabulary, req.stop)
         self._t_start = time.perf_counter()
         self._prefilled = False
+        self._drafted_by: str | None = None  # the method that drafted the current step (a chain's member)
 
     # -- the request ------------------------------------------------------------------------------------------
 
@@ -124,6 +125,8 @@ class Decoding:
             if last_rows is None:
                 yield self.final_event([], [], "", "cancelled", "cancelled during the prompt")
                 return
+            if self.drafter is not None:
+                self.drafter.begin()
             self._t_start, self.clock.s = time.perf_counter(), 0.0
             step = self._accept(verifier.walk(Proposal(), first_row=last_rows - 1))  # the prefill's own sample
             while step.finish is None:
@@ -185,7 +188,10 @@ class Decoding:
         end = len(prompt)
         stats.n_prompt, stats.n_reused, stats.n_prefilled = end, kept, end - kept
         marks = prompt_marks(prompt, parts.controls, req.public_prefix) if cache.checkpointing else []
-        marks = [m for m in marks if m > kept]
+        # The first request that declares a public prefix keeps a copy of the caches right after it (sessions.py).
+        public_base = req.public_prefix if kept < req.public_prefix and parts.owners.needs_public_base(
+            prompt, req.public_prefix) else 0  # fmt: skip
+        marks = sorted({m for m in marks if m > kept} | ({public_base} if public_base else set()))
         pos, rows = kept, 0
         while pos < end:
             if self.cancelled():
@@ -198,6 +204,12 @@ class Decoding:
             pos = stop
             if req.on_prefill is not None:
                 req.on_prefill(pos - kept, end - kept)
+            if pos == public_base:
+                if marks and pos == marks[0]:
+                    marks.pop(0)
+                    cache.save_checkpoint(self.costs)
+                cache.public_len = pos
+                parts.owners.keep_public_base()
             if pos < end and not (marks and pos == marks[0]) and cache.interval_due():
                 cache.save_checkpoint(self.costs)
         if req.public_prefix > cache.public_len:
@@ -217,7 +229,8 @@ class Decoding:
         t = time.perf_counter()
         with self.clock:
             for drafter in parts.drafters.values():
-                drafter.process(tokens, pos0, eager=eager and drafter is self.drafter)
+                drafter.process(tokens, pos0, eager=eager and self.drafter is not None
+                                and drafter in self.drafter.members)
         if self._prefilled:
             self.stats.inject_ms += (time.perf_counter() - t) * 1000.0
         return n
@@ -242,15 +255,17 @@ class Decoding:
         inject_before = stats.inject_ms
         self._decode([id_last, *proposal.tokens], "all", eager=bool(proposal.tokens))
         step = self._accept(verifier.walk(proposal))
-        stats.verify_ms += (time.perf_counter() - t) * 1000.0 - (stats.inject_ms - inject_before)
+        step_ms = (time.perf_counter() - t) * 1000.0 - (stats.inject_ms - inject_before)
+        stats.verify_ms += step_ms
         n_accepted = step.sources.count(DRAFT)
         if self.drafter is not None and proposal.tokens:
             self.drafter.accept(n_accepted)
         parts.cache.roll_back(pos0 + 1 + n_accepted)
         if proposal.tokens:
-            stats.record_verify(len(proposal.tokens), n_accepted, len(step.tokens))
+            stats.record_verify(len(proposal.tokens), n_accepted, len(step.tokens), self._drafted_by)
         else:
             stats.plain_steps += 1
+            stats.plain_ms += step_ms
         if policy is not None:
             policy.observe(n_block, len(proposal.tokens), n_accepted, time.perf_counter() - t_round)
         if parts.cache.interval_due():
@@ -261,8 +276,8 @@ class Decoding:
         assert self.drafter is not None
         t = time.perf_counter()
         with self.clock:
-            proposal = self.drafter.draft(id_last, pos0, n_block, n_min=self.req.n_min, p_min=self.req.p_min,
-                                          sampling=sampling)
+            proposal, self._drafted_by = self.drafter.draft(id_last, pos0, n_block, n_min=self.req.n_min,
+                                                            p_min=self.req.p_min, sampling=sampling)
         self.stats.draft_ms += (time.perf_counter() - t) * 1000.0
         return proposal
 
@@ -279,14 +294,14 @@ class Decoding:
     def _accept(self, walk: Iterator[tuple[int, str]]) -> _Step:
         """Emit the verifier's tokens until the walk ends, the end of generation or a stop string."""
         step = _Step([], [], "")
-        vocab = self.parts.pair.vocab
+        vocab = self.parts.pair.vocabulary
         while True:
             with self.clock:  # the walk samples the target's rows
                 item = next(walk, None)
             if item is None:
                 break
             token, source = item
-            if ll.llama_vocab_is_eog(vocab, token):
+            if vocab.is_eog(token):
                 step.finish, step.detail = "stop", "end of generation"
                 break
             step.tokens.append(token)

@@ -24,11 +24,11 @@ from llama_cpp import llama_cpp as ll
 
 from .batches import TokenBatch
 from .drafting import DFLASH
-from .errors import DecodeError, RollbackError
+from .errors import DecodeError
 from .features import FeatureBridge
+from .memory import SequenceMemory
 from .native import DFlashApi
-from .proposal import DraftSampling, Proposal
-from .sampling import draw
+from .proposal import DraftSampling, Proposal, draw
 from .states import WHOLE, load_seq, save_seq
 from .validation import DraftSpec
 
@@ -37,7 +37,7 @@ class BlockDrafter:
     def __init__(self, api: DFlashApi, draft_ctx: Any, spec: DraftSpec, n_embd_draft: int, n_vocab: int) -> None:
         self._api = api
         self._ctx = draft_ctx
-        self._mem = ll.llama_get_memory(draft_ctx)
+        self._memory = SequenceMemory(draft_ctx, "draft")
         self._spec = spec
         self._n_embd = n_embd_draft
         self._n_vocab = n_vocab
@@ -61,9 +61,9 @@ class BlockDrafter:
         finally:
             # The block's K/V must go before the verify rows' features are injected at the same positions. A failed
             # removal is raised here only when nothing else is being raised: it must not hide a decode error.
-            removed = ll.llama_memory_seq_rm(self._mem, 0, pos0, -1)
+            removed = self._memory.remove_from(pos0)
         if not removed:
-            raise RollbackError(f"the draft cache refused to drop its block at position {pos0}")
+            raise self._memory.refused(f"drop its block at position {pos0}")
         return proposal.at_least(n_min, sampling)
 
     def _walk_lattice(self, n_max: int, p_min: float, sampling: DraftSampling | None) -> Proposal:
@@ -123,7 +123,7 @@ class DFlashDrafter:
         self.capacity = capacity
         self.spec = spec
         self._ctx = draft_ctx
-        self._mem = ll.llama_get_memory(draft_ctx)
+        self._memory = SequenceMemory(draft_ctx, "draft")
         self.bridge = FeatureBridge(api, target_ctx, draft_ctx, spec.target_layer_ids, n_embd, n_ubatch)
         self._block = BlockDrafter(api, draft_ctx, spec, n_embd_draft, n_vocab)
 
@@ -136,6 +136,9 @@ class DFlashDrafter:
     def catch_up(self) -> None:
         self.bridge.flush()
 
+    def begin(self) -> None:
+        pass  # the features come with every decode (process)
+
     def draft(self, id_last: int, pos0: int, n: int, *, n_min: int = 0, p_min: float = 0.0,
               sampling: DraftSampling | None = None) -> Proposal:
         return self._block.draft(id_last, pos0, n, n_min=n_min, p_min=p_min, sampling=sampling)
@@ -146,12 +149,11 @@ class DFlashDrafter:
     def keep(self, n: int) -> None:
         self.bridge.drop_from(n)
         # Attention only: removing a suffix, even an empty one, always succeeds there; the result is still checked.
-        if not ll.llama_memory_seq_rm(self._mem, 0, n, -1):
-            raise RollbackError(f"the draft cache refused to roll back to {n} tokens")
+        self._memory.cut(n)
 
     def clear(self) -> None:
         self.bridge.n_pending = 0
-        ll.llama_memory_clear(self._mem, True)
+        self._memory.clear()
 
     def save(self) -> np.ndarray:
         self.bridge.flush()  # pending rows become draft cache cells, which the copy then holds

@@ -9,48 +9,33 @@ back, and checkpoints.py for hybrid targets). Lifetime, cancellation and busy ru
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import llama_cpp
-from llama_cpp import llama_cpp as ll
 
+from . import methods
 from .batches import TokenBatch
 from .cache import PairCache
-from .chat import ChatTemplate, ControlToken, control_tokens
+from .chat import ChatTemplate, ControlToken, control_tokens, model_template
 from .checkpoints import CheckpointPolicy, CheckpointStore
-from .controller import DraftPolicy, make_policy
+from .controller import Policies
 from .decoding import Decoding, Parts, Request
-from .dflash import DFlashDrafter
-from .drafting import DFLASH, METHODS, MTP, Drafter
-from .errors import EngineClosedError, PromptTooLongError, RequestError
-from .mtp import MTPDrafter
-from .pair import CUDA_VERIFY_ROWS, LinkedPair
+from .deprecated import renamed, renamed_keyword
+from .drafting import Drafter, TokenView
+from .errors import EngineClosedError, RequestError
+from .pair import LinkedPair
+from .request_checks import check_length, checked_owner, checked_request, prompt_tokens
 from .results import Result, StreamEvent
-from .sampling import VERIFY_MODES, SamplingParams
+from .sampling import SamplingParams
 from .sessions import CacheOwners, SessionPolicy
 from .stats import Stats
 from .streams import CLOSED_MESSAGE, Occupancy, RequestStream
-from .textstream import detokenize, token_piece
 from .verify import Verifiers
 
 DEFAULT_BUSY_TIMEOUT_S = 300.0
-POLICIES_KEPT = 64  # adaptive policies per (owner, method, length), least recently used first out
-
-
-def deprecated_alias(old: str, new: str, old_value: Any, new_value: Any, default: Any, *, stacklevel: int = 3) -> Any:
-    """The value of a renamed keyword: the new one, or the old one with a DeprecationWarning (not both)."""
-    if old_value is None:
-        return default if new_value is None else new_value
-    warnings.warn(f"{old}= is now {new}=", DeprecationWarning, stacklevel=stacklevel)
-    if new_value is not None and new_value != old_value:
-        raise RequestError(f"give {new} or its older spelling {old}, not both")
-    return old_value
 
 
 class Engine:
@@ -61,40 +46,41 @@ class Engine:
     n_rs_seq, verbose), plus `draft_length` (a request's default: "auto" or a fixed length), `checkpoints` (a
     `CheckpointPolicy` for hybrid targets; `CheckpointPolicy(max_count=0)` turns them off), `sessions` (a
     `SessionPolicy`: how many other owners' caches are kept aside), `verifiers` (how drafts are checked: see
-    verify.py) and `busy_timeout_s` (how long another thread's request waits for the engine; None waits as long as
-    it takes). `draft_policy=` is the deprecated spelling of `draft_length=`.
+    verify.py), `busy_timeout_s` (how long another thread's request waits for the engine; None waits as long as
+    it takes) and `method_options` (a method's own settings by name, e.g. {"ngram-mod": {"n_match": 16}}; see the
+    method's module). `draft_policy=` is the deprecated spelling of `draft_length=`.
     """
 
     def __init__(self, target_path: str | os.PathLike[str], draft_path: str | os.PathLike[str] | None = None, *,
                  draft_length: str | int | None = None, checkpoints: CheckpointPolicy | None = None,
                  sessions: SessionPolicy | None = None, verifiers: Verifiers | None = None,
                  busy_timeout_s: float | None = DEFAULT_BUSY_TIMEOUT_S, draft_policy: str | int | None = None,
-                 **pair_options: Any) -> None:
-        length = deprecated_alias("draft_policy", "draft_length", draft_policy, draft_length, "auto")
+                 method_options: Mapping[str, Mapping[str, Any]] | None = None, **pair_options: Any) -> None:
+        length = renamed_keyword("draft_policy", "draft_length", draft_policy, draft_length, "auto")
+        unknown = sorted(set(method_options or {}) - set(methods.names()))
+        if unknown:
+            raise ValueError(f"method_options names unknown methods {unknown} (known: {', '.join(methods.names())})")
         self.pair = LinkedPair(target_path, draft_path, **pair_options)
         try:
             self._open(length, checkpoints or CheckpointPolicy(), sessions or SessionPolicy(),
-                       verifiers or Verifiers(), busy_timeout_s)
+                       verifiers or Verifiers(), busy_timeout_s, dict(method_options or {}))
         except BaseException:
             self.pair.close()
             raise
 
     def _open(self, draft_length: str | int, checkpoints: CheckpointPolicy, sessions: SessionPolicy,
-              verifiers: Verifiers, busy_timeout_s: float | None) -> None:
+              verifiers: Verifiers, busy_timeout_s: float | None,
+              method_options: dict[str, Mapping[str, Any]]) -> None:
         pair = self.pair
         self._occupancy = Occupancy(self._free, busy_timeout_s)
         batch = TokenBatch(pair.n_batch)
         drafters: dict[str, Drafter] = {}
+        caches: list[PairCache] = []  # the cache is made with its drafters; they read its tokens through this view
+        tokens = TokenView(lambda: caches[0].tokens)
         try:
-            if pair.spec is not None:
-                assert pair.api is not None
-                drafters[DFLASH] = DFlashDrafter(
-                    pair.api, pair.target_ctx, pair.draft_ctx, pair.spec, n_embd=pair.n_embd,
-                    n_embd_draft=pair.n_embd_draft, n_vocab=pair.n_vocab, n_ubatch=pair.n_ubatch,
-                    capacity=pair.draft_capacity)
-            if pair.mtp_ctx is not None:
-                drafters[MTP] = MTPDrafter(pair.target_ctx, pair.mtp_ctx, n_embd=pair.n_embd_out,
-                                           n_vocab=pair.n_vocab, n_batch=pair.n_ubatch, capacity=pair.mtp_capacity)
+            for method in methods.REGISTRY:
+                if method.ready(pair):
+                    drafters[method.name] = method.open(pair, tokens, **method_options.get(method.name, {}))
         except BaseException:
             for drafter in drafters.values():
                 drafter.free()
@@ -103,14 +89,15 @@ class Engine:
         store = CheckpointStore(pair.target_ctx, checkpoints) if pair.is_recurrent else None
         cache = PairCache(pair.target_ctx, list(drafters.values()), recurrent=pair.is_recurrent,
                           n_rs_seq=pair.n_rs_seq, checkpoints=store)
+        caches.append(cache)
         # Control tokens are read once, here: chat prompts and checkpoint positions need them on every request.
-        self._controls: list[ControlToken] = control_tokens(pair.vocab, pair.n_vocab, self._special_piece)
+        self._controls: list[ControlToken] = control_tokens(pair.vocabulary)
         self._parts = Parts(pair, cache, batch, drafters, verifiers, CacheOwners(cache, sessions),
                             frozenset(t.id for t in self._controls))
-        self.default_draft_length = self._check_length(draft_length, max(map(pair.capacity, pair.methods),
+        self.default_draft_length = check_length(draft_length, max(map(pair.capacity, pair.methods),
                                                                             default=0))
-        self._policies: OrderedDict[tuple[Any, ...], DraftPolicy] = OrderedDict()
-        self.template = self._load_template()
+        self._policies = Policies(pair.verify_cap)
+        self.template = model_template(pair.chat_template_source(), pair.vocabulary)
 
     # -- the pair's facts ---------------------------------------------------------------------------------------
 
@@ -146,18 +133,19 @@ class Engine:
     @property
     def draft_max(self) -> int:
         """The deprecated spelling of `draft_capacity`."""
-        warnings.warn("Engine.draft_max is now Engine.draft_capacity", DeprecationWarning, stacklevel=2)
+        renamed("Engine.draft_max", "Engine.draft_capacity")
         return self.pair.draft_capacity
 
     @property
     def methods(self) -> tuple[str, ...]:
-        """The draft methods this engine can run ("dflash" with a DFlash draft, "mtp" with the target's MTP head)."""
+        """The draft methods this engine can run, in the registry's order (methods.py): "dflash" with a DFlash draft,
+        "mtp" with the target's MTP head, the n-gram methods on every pair, then the listed chains."""
         return self.pair.methods
 
     @property
     def default_method(self) -> str | None:
         """The method a speculative request uses when it names none: DFlash when loaded, else MTP, else None."""
-        return self.pair.methods[0] if self.pair.methods else None
+        return self.pair.default_method
 
     def sampling_defaults(self) -> dict[str, float | int]:
         """The target's recommended sampling (`general.sampling.*`), as llama.cpp applies it: only keys present."""
@@ -215,7 +203,8 @@ class Engine:
     ) -> RequestStream:
         """A request's events, one per engine step; the request starts at the first `next()`.
 
-        `method`: "dflash" or "mtp" (see `methods`; default `default_method`); `speculative=False` decodes plainly.
+        `method`: one of `methods` (default `default_method`), or a chain "a,b" in order of preference (each step
+        drafted by the first that proposes something); `speculative=False` decodes plainly.
         `draft_length`: "auto" (the adaptive controller), 0 (no draft) or a fixed length ≤ the method's capacity;
         default the engine's `draft_length`. `verify` ("sample" or "match") chooses how drafts are checked above
         temperature 0. `cache_owner` (any hashable key, e.g. a visitor's session) limits prefix reuse to what the
@@ -224,18 +213,13 @@ class Engine:
         long prompt); it runs on the decoding thread, between chunks, and may cancel the request.
         `draft_max=` is the deprecated spelling of `draft_length=`."""
         self.check_open()
-        length = deprecated_alias("draft_max", "draft_length", draft_max, draft_length, None)
-        tokens = self._prompt_tokens(prompt)
-        req = self._request(max_tokens, SamplingParams(temperature, top_k, top_p, min_p, seed), stop, speculative,
-                            method, length, n_min, p_min, verify)
-        if isinstance(public_prefix, bool) or not isinstance(public_prefix, int) or public_prefix < 0:
-            raise RequestError(f"public_prefix must be an integer ≥ 0 (got {public_prefix!r})")
-        try:
-            hash(cache_owner)
-        except TypeError:
-            raise RequestError(f"cache_owner must be hashable (got {type(cache_owner).__name__})") from None
-        req = replace(req, owner=cache_owner, public_prefix=min(public_prefix, len(tokens)), on_prefill=on_prefill)
-        return self._start(tokens, req)
+        length = renamed_keyword("draft_max", "draft_length", draft_max, draft_length, None)
+        tokens = prompt_tokens(prompt, self.pair, lambda text: self._tokenize(text, True, True))
+        req = checked_request(self.pair, self.default_draft_length, max_tokens,
+                              SamplingParams(temperature, top_k, top_p, min_p, seed), stop, speculative,
+                              method, length, n_min, p_min, verify)  # fmt: skip
+        owner = checked_owner(cache_owner, public_prefix, len(tokens))
+        return self._start(tokens, replace(req, **owner, on_prefill=on_prefill))
 
     def stream_chat(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool | None = None,
                     **kwargs: Any) -> RequestStream:
@@ -267,7 +251,7 @@ class Engine:
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         with self._open_native():
-            return detokenize(self.pair.vocab, tokens)
+            return self.pair.vocabulary.text(tokens)
 
     def token_text(self, token: int) -> str:
         """The text of one token, special tokens rendered."""
@@ -281,6 +265,13 @@ class Engine:
         with self._occupancy.exclusive():
             self._parts.cache.clear()
             self._parts.owners.forget()
+
+    def park(self) -> None:
+        """Copy the current cache owner's state aside now (host memory), so that it comes back at its owner's next
+        request and no other owner's request pays for the copy. Owners that never park are not kept when
+        `SessionPolicy(park_on_switch=False)`; see sessions.py."""
+        with self._occupancy.exclusive():
+            self._parts.owners.park()
 
     def info(self) -> dict[str, Any]:
         with self._open_native():
@@ -305,6 +296,7 @@ class Engine:
                 "n_vocab": pair.n_vocab,
                 "n_embd": pair.n_embd,
                 "n_cached": len(self._parts.cache),
+                "batch_invariant": pair.batch_invariant,
                 "checkpoints": store.describe() if store is not None else None,
                 "sessions": self._parts.owners.describe(),
                 "chat_template": self.template is not None,
@@ -345,20 +337,11 @@ class Engine:
             yield
 
     def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        raw = text.encode("utf-8")
-        cap = len(raw) + 8
         with self._open_native():
-            while True:
-                buf = (ll.llama_token * cap)()
-                n = ll.llama_tokenize(self.pair.vocab, raw, len(raw), buf, cap, add_special, parse_special)
-                if n >= 0:
-                    return list(buf[:n])
-                if n == -(2**31):
-                    raise RequestError("the text is too long to tokenize")
-                cap = -n
+            return self.pair.vocabulary.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def _special_piece(self, token: int) -> str:
-        return token_piece(self.pair.vocab, token, ctypes.create_string_buffer(256)).decode("utf-8", "replace")
+        return self.pair.vocabulary.piece_text(token)
 
     def _template(self) -> ChatTemplate:
         self.check_open()
@@ -370,7 +353,9 @@ class Engine:
         holder: dict[str, Decoding] = {}
 
         def decoding(stream: RequestStream) -> Iterator[StreamEvent]:
-            holder["run"] = run = Decoding(self._parts, tokens, req, self._policy(req), stream.cancelled.is_set)
+            policy = None if req.method is None else self._policies.get(req.owner, req.method, req.draft_length,
+                                                                         self.pair.capacity(req.method))
+            holder["run"] = run = Decoding(self._parts, tokens, req, policy, stream.cancelled.is_set)
             return run.events()
 
         def final(detail: str) -> StreamEvent:
@@ -382,82 +367,3 @@ class Engine:
             return StreamEvent("", [], stats, "cancelled", detail)
 
         return RequestStream(self._occupancy, decoding, final, self._parts.cache.clear)
-
-    def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("the prompt is empty")
-            tokens = self._tokenize(prompt, True, True)
-        else:
-            try:
-                tokens = [int(t) for t in prompt]
-            except (TypeError, ValueError) as error:
-                raise RequestError(f"a prompt is a string or a sequence of token ids ({error})") from None
-            bad = [t for t in tokens if not 0 <= t < self.pair.n_vocab]
-            if bad:
-                raise RequestError(
-                    f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.pair.n_vocab - 1})"
-                )
-        if not tokens:
-            raise RequestError("the prompt is empty")
-        if len(tokens) >= self.n_ctx:
-            raise PromptTooLongError(
-                f"the prompt has {len(tokens)} tokens but the context holds {self.n_ctx}: shorten it or open the "
-                "pair with a larger n_ctx"
-            )
-        return tokens
-
-    def _request(self, max_tokens: int, sampling: SamplingParams, stop: str | Sequence[str] | None,
-                 speculative: bool, method: str | None, draft_length: int | str | None, n_min: int, p_min: float,
-                 verify: str) -> Request:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestError(f"max_tokens must be a positive integer (got {max_tokens!r})")
-        sampling.check()
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if method is not None and method not in self.methods:
-            known = ", ".join(self.methods) or "none: the target has no draft and no MTP head"
-            why = "not available on this pair" if method in METHODS else "unknown"
-            raise RequestError(f"draft method {method!r} is {why} (available: {known})")
-        chosen = (method or self.default_method) if speculative else None
-        capacity = self.pair.capacity(chosen) if chosen else max(map(self.pair.capacity, self.methods), default=0)
-        length = self.default_draft_length if draft_length is None else draft_length
-        length = self._check_length(length, capacity)
-        if not 0 <= n_min <= capacity or not 0.0 <= p_min < 1.0:
-            raise RequestError(f"n_min must be in 0..{capacity} and p_min in [0, 1)")
-        if verify not in VERIFY_MODES:
-            raise RequestError(f"verify must be one of {', '.join(VERIFY_MODES)} (got {verify!r})")
-        return Request(max_tokens, sampling, stops, chosen, length, n_min, p_min, verify)
-
-    @staticmethod
-    def _check_length(length: Any, capacity: int) -> int | str:
-        fixed = isinstance(length, int) and not isinstance(length, bool) and 0 <= length <= capacity
-        if length != "auto" and not fixed:
-            raise RequestError(f"draft_length must be 'auto' or an integer in 0..{capacity} (got {length!r})")
-        return length
-
-    def _policy(self, req: Request) -> DraftPolicy | None:
-        if req.method is None:
-            return None
-        key = (req.owner, req.method, str(req.draft_length))
-        policy = self._policies.pop(key, None)
-        if policy is None:
-            policy = make_policy(req.draft_length, self.pair.capacity(req.method), verify_cap=self._verify_cap())
-        self._policies[key] = policy  # most recently used last
-        while len(self._policies) > POLICIES_KEPT:
-            self._policies.popitem(last=False)
-        return policy
-
-    def _verify_cap(self) -> int:
-        # CUDA's small-batch matrix-vector kernels take a few rows only: keep verify batches there on a GPU target.
-        on_gpu = self.pair.n_gpu_layers != 0 and bool(ll.llama_supports_gpu_offload())
-        return CUDA_VERIFY_ROWS - 1 if on_gpu else self.pair.n_ubatch - 1
-
-    def _load_template(self) -> ChatTemplate | None:
-        raw = ll.llama_model_chat_template(self.pair.target_model, None)
-        src = raw.decode("utf-8", "replace") if raw else self.pair.meta("tokenizer.chat_template")
-        if not src:
-            return None
-        vocab, n_vocab = self.pair.vocab, self.pair.n_vocab
-        bos, eos = ll.llama_vocab_bos(vocab), ll.llama_vocab_eos(vocab)
-        return ChatTemplate(src, self._special_piece(bos) if 0 <= bos < n_vocab else "",
-                            self._special_piece(eos) if 0 <= eos < n_vocab else "")

@@ -8,7 +8,8 @@ drafted cells are removed afterwards; the verify batch's rows then come in throu
 
 The target's hidden rows are kept per position in host memory (n_embd floats per cached token), so that after any
 cut of the caches — a rejected draft, a new request sharing a prefix — the row before the cut is at hand, and rows
-of plain decoding can reach the MTP context later, in one batch, only when a request drafts with MTP.
+of plain decoding can reach the MTP context later, in one batch, only when a request drafts with MTP. Their tokens
+are read from the target cache's own list, through the view the drafter is opened with.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from llama_cpp import llama_cpp_ext as lx
 
 from .batches import decode_error
 from .drafting import MTP
-from .errors import ContextCreationError, DecodeError, RollbackError
+from .errors import ContextCreationError, DecodeError
+from .memory import SequenceMemory
 from .proposal import DraftSampling, Proposal
 from .states import WHOLE, load_seq, save_seq
 
@@ -33,23 +35,22 @@ from .states import WHOLE, load_seq, save_seq
 class _Parked:
     kv: np.ndarray
     hidden: np.ndarray
-    tokens: np.ndarray
 
 
 class MTPDrafter:
     method = MTP
 
-    def __init__(self, target_ctx: Any, mtp_ctx: Any, *, n_embd: int, n_vocab: int, n_batch: int,
-                 capacity: int) -> None:
+    def __init__(self, target_ctx: Any, mtp_ctx: Any, tokens: Sequence[int], *, n_embd: int, n_vocab: int,
+                 n_batch: int, capacity: int) -> None:
         self.capacity = capacity
+        self._tokens = tokens  # the target cache's tokens (read only)
         self._target = target_ctx
         self._ctx = mtp_ctx
-        self._mem = ll.llama_get_memory(mtp_ctx)
+        self._memory = SequenceMemory(mtp_ctx, "MTP")
         self._n_embd = n_embd
         self._n_vocab = n_vocab
         self._n_batch = n_batch
         self._hidden = np.zeros((256, n_embd), dtype=np.float32)  # target row per position, grown on demand
-        self._tokens = np.zeros(256, dtype=np.int32)
         self._zero = np.zeros(n_embd, dtype=np.float32)  # h_{-1}: what llama.cpp pairs with the first token
         self._chain = np.zeros((capacity + 1, n_embd), dtype=np.float32)
         self._pos = (ll.llama_pos * 4)()
@@ -69,7 +70,6 @@ class MTPDrafter:
             raise DecodeError("the target produced no nextn hidden rows (MTP needs them for every decoded row)")
         self._grow(pos0 + n)
         self._hidden[pos0:pos0 + n] = np.ctypeslib.as_array(ptr, shape=(n, self._n_embd))
-        self._tokens[pos0:pos0 + n] = tokens
         self.keep(pos0)
         self.n_known = pos0 + n
         if eager:
@@ -84,6 +84,9 @@ class MTPDrafter:
                 self._add(int(self._tokens[p]), p, self._row(p - 1), output=False)
             self._process(f"MTP catch-up at {self.n_fed}")
             self.n_fed = stop
+
+    def begin(self) -> None:
+        pass  # the rows come with every decode (process)
 
     # -- drafting -----------------------------------------------------------------------------------------------
 
@@ -109,9 +112,9 @@ class MTPDrafter:
                 self._chain[i + 1] = np.ctypeslib.as_array(h_ptr, shape=(self._n_embd,))
                 h = self._chain[i + 1]
         finally:
-            removed = ll.llama_memory_seq_rm(self._mem, 0, pos0, -1)  # the drafted cells; verify rows come next
+            removed = self._memory.remove_from(pos0)  # the drafted cells; verify rows come next
         if not removed:
-            raise RollbackError(f"the MTP cache refused to drop its drafts at position {pos0}")
+            raise self._memory.refused(f"drop its drafts at position {pos0}")
         self.n_fed = min(self.n_fed, pos0)
         return out.at_least(n_min, sampling)
 
@@ -123,29 +126,27 @@ class MTPDrafter:
     def keep(self, n: int) -> None:
         self.n_known = min(self.n_known, n)
         if self.n_fed > n:
-            if not ll.llama_memory_seq_rm(self._mem, 0, n, -1):
-                raise RollbackError(f"the MTP cache refused to roll back to {n} tokens")
+            self._memory.cut(n)
             self.n_fed = n
 
     def clear(self) -> None:
-        ll.llama_memory_clear(self._mem, True)
+        self._memory.clear()
         self.n_known = self.n_fed = 0
 
     def save(self) -> _Parked:
         self.catch_up()
         n = self.n_known
-        return _Parked(save_seq(self._ctx, WHOLE), self._hidden[:n].copy(), self._tokens[:n].copy())
+        return _Parked(save_seq(self._ctx, WHOLE), self._hidden[:n].copy())
 
     def restore(self, state: _Parked) -> None:
         load_seq(self._ctx, state.kv, WHOLE)
-        n = len(state.tokens)
+        n = len(state.hidden)
         self._grow(n)
         self._hidden[:n] = state.hidden
-        self._tokens[:n] = state.tokens
         self.n_known = self.n_fed = n
 
     def state_bytes(self, state: _Parked) -> int:
-        return int(state.kv.nbytes + state.hidden.nbytes + state.tokens.nbytes)
+        return int(state.kv.nbytes + state.hidden.nbytes)
 
     def free(self) -> None:
         if self._batch:
@@ -158,13 +159,10 @@ class MTPDrafter:
         return self._hidden[p] if p >= 0 else self._zero
 
     def _grow(self, n: int) -> None:
-        if n > len(self._tokens):
-            size = max(n, 2 * len(self._tokens))
-            hidden = np.zeros((size, self._n_embd), dtype=np.float32)
+        if n > len(self._hidden):
+            hidden = np.zeros((max(n, 2 * len(self._hidden)), self._n_embd), dtype=np.float32)
             hidden[:len(self._hidden)] = self._hidden
-            tokens = np.zeros(size, dtype=np.int32)
-            tokens[:len(self._tokens)] = self._tokens
-            self._hidden, self._tokens = hidden, tokens
+            self._hidden = hidden
 
     def _add(self, token: int, pos: int, h: np.ndarray, *, output: bool) -> None:
         batch = self._batch

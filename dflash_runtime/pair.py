@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import sys
 import threading
-import warnings
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -16,12 +16,14 @@ from typing import Any
 from llama_cpp import _logger
 from llama_cpp import llama_cpp as ll
 
+from . import methods
 from .backends import load_backends
-from .drafting import DFLASH, MTP
+from .deprecated import renamed_keyword
 from .errors import ContextCreationError, EngineClosedError, PairMismatchError
 from .gguf_meta import GGUFInfo, read_gguf, sampling_defaults
 from .native import DFlashApi, dflash_api
 from .validation import DraftSpec, validate_pair
+from .vocab import Vocabulary
 
 CUDA_VERIFY_ROWS = 8  # CUDA's small-batch matrix-vector kernels take up to this many rows: verify batches stay there
 DEFAULT_DRAFT_CAPACITY = CUDA_VERIFY_ROWS - 1  # a verify batch is id_last + the draft
@@ -75,6 +77,12 @@ def _init_backend() -> None:
         _backend_ready = True
 
 
+@functools.cache
+def _system_info() -> str:
+    """libllama's build features (e.g. "CPU : AVX2 = 1 | ... | LLAMAFILE = 1 |"), after the backends are loaded."""
+    return (ll.llama_print_system_info() or b"").decode("utf-8", "replace")
+
+
 def init_native(verbose: bool = False) -> None:
     """ggml's backends loaded and libllama's log routed (errors only unless verbose), for callers such as
     `llama_model_quantize` that use libllama without opening a pair."""
@@ -100,9 +108,10 @@ class _Owned:
             _count(-1)
 
 
-def _load_model(path: Path, n_gpu_layers: int, *, load_mtp: bool = False) -> Any:
+def _load_model(path: Path, n_gpu_layers: int, *, load_mtp: bool = False, repack: bool = True) -> Any:
     params = ll.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers
+    params.use_extra_bufts = repack  # CPU weight repacking (Q4_0, Q4_K, IQ4_NL, ...): one kernel per row count
     params.load_mtp = load_mtp  # the nextn layers' tensors are skipped unless asked for
     _log.lines.clear()
     model = ll.llama_model_load_from_file(str(path).encode(), params)
@@ -160,11 +169,8 @@ class LinkedPair:
         mtp: bool | None = None,
         draft_max: int | None = None,
     ) -> None:
-        if draft_max is not None:
-            warnings.warn("draft_max= is now draft_capacity=", DeprecationWarning, stacklevel=3)
-            if draft_capacity is not None and draft_capacity != draft_max:
-                raise ValueError("give draft_capacity or its older spelling draft_max, not both")
-        capacity = next((n for n in (draft_capacity, draft_max) if n is not None), DEFAULT_DRAFT_CAPACITY)
+        capacity = renamed_keyword("draft_max", "draft_capacity", draft_max, draft_capacity, DEFAULT_DRAFT_CAPACITY,
+                                   stacklevel=4)
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"draft_capacity must be an integer ≥ 0 (got {capacity!r})")
         _logger.set_verbose(verbose)
@@ -187,6 +193,7 @@ class LinkedPair:
         self.wants_mtp = n_nextn > 0 and mtp is not False
         self.mtp_error: str | None = None
         self._mtp_required = bool(mtp)
+        self._capacity = capacity
         self.mtp_capacity = capacity if self.wants_mtp else 0
         self.draft_capacity = capacity if self.spec else 0
         self.n_gpu_layers = n_gpu_layers
@@ -213,7 +220,10 @@ class LinkedPair:
 
     def _open_target(self, n_ctx: int, n_gpu_layers: int, n_batch: int, threads: int) -> None:
         self.target_model = self._owned.push(
-            _load_model(self.target_info.path, n_gpu_layers, load_mtp=self.wants_mtp), ll.llama_model_free
+            # On the CPU the target's rows must not depend on their batch (see batch_invariant): repacked weights
+            # take a many-row kernel from four rows up and a one-row kernel below.
+            _load_model(self.target_info.path, n_gpu_layers, load_mtp=self.wants_mtp, repack=n_gpu_layers != 0),
+            ll.llama_model_free,
         )
         model = self.target_model
         self.is_recurrent = bool(ll.llama_model_is_recurrent(model) or ll.llama_model_is_hybrid(model))
@@ -221,11 +231,16 @@ class LinkedPair:
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         # The whole verify batch must fit in one ubatch so that a hybrid target can roll it back.
-        capacity = max(self.draft_capacity, self.mtp_capacity)
+        capacity = self._capacity if any(m.wanted(self) for m in methods.REGISTRY) else 0
         params.n_ubatch = max(n_batch, capacity + 2)
         params.n_batch = params.n_ubatch
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = threads
+        if n_gpu_layers == 0:
+            # Exactness across requests needs a row's numbers not to depend on the rows decoded beside it: the CPU
+            # FlashAttention kernel tiles many-row batches and splits single rows across threads differently, the
+            # plain attention path does neither (see batch_invariant).
+            params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         # Recurrent state can be cut back only through snapshots, one per token that may be rejected.
         wanted = capacity if self._n_rs_seq_request is None else self._n_rs_seq_request
         params.n_rs_seq = wanted if (capacity and self.is_recurrent) else 0
@@ -234,8 +249,9 @@ class LinkedPair:
         self.n_batch = int(ll.llama_n_batch(self.target_ctx))
         self.n_ubatch = int(ll.llama_n_ubatch(self.target_ctx))
         self.n_rs_seq = int(ll.llama_n_rs_seq(self.target_ctx))
-        self.vocab = ll.llama_model_get_vocab(self.target_model)
-        self.n_vocab = int(ll.llama_vocab_n_tokens(self.vocab))
+        self.vocab = ll.llama_model_get_vocab(self.target_model)  # the raw pointer, for callers driving libllama
+        self.vocabulary = Vocabulary(self.vocab)
+        self.n_vocab = self.vocabulary.n_tokens
         self.n_embd = int(ll.llama_model_n_embd(self.target_model))
         if self.spec is not None:
             assert self.api is not None
@@ -296,11 +312,29 @@ class LinkedPair:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        """The draft methods this pair can run, the default first."""
-        return tuple(m for m, ok in ((DFLASH, self.spec is not None), (MTP, self.mtp_ctx is not None)) if ok)
+        """The draft methods (and listed chains) this pair can run, in the registry's order (methods.py)."""
+        return methods.available(self)
+
+    @property
+    def default_method(self) -> str | None:
+        return methods.default(self)
 
     def capacity(self, method: str) -> int:
-        return {DFLASH: self.draft_capacity, MTP: self.mtp_capacity}.get(method, 0)
+        """The longest draft of a method or chain the pair runs (0 for one it does not)."""
+        runs = methods.available(self)
+        members = methods.split(method)
+        return self._capacity if members and all(m in runs for m in members) else 0
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a target row's numbers are the same whatever rows share its batch and its cache's history, which is
+        what makes a long-lived engine answer exactly as a fresh one (and speculative exactly as plain decoding).
+        True on the CPU (FlashAttention off, see _open_target) with a build whose matrix products take one path for
+        any row count: llama.cpp's llamafile sgemm, used from two rows up, sums in another order than the one-row
+        path, so the wheel recipe's CPU variant is built without it. GPU kernels (and a GPU build, which offloads
+        large batches even with n_gpu_layers=0) are not batch-invariant: there every answer is a valid sample of the
+        target under its own numerics."""
+        return self.n_gpu_layers == 0 and not ll.llama_supports_gpu_offload() and "LLAMAFILE = 1" not in _system_info()
 
     def sampling_defaults(self) -> dict[str, float | int]:
         """The model's recommended sampling (`general.sampling.*`, as llama.cpp reads them): only keys present."""
@@ -331,6 +365,18 @@ class LinkedPair:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+    @property
+    def verify_cap(self) -> int:
+        """The most drafts a verify batch may hold: CUDA's small-batch matrix-vector kernels take a few rows only, so
+        a GPU target stays within CUDA_VERIFY_ROWS; on the CPU, one ubatch."""
+        on_gpu = self.n_gpu_layers != 0 and bool(ll.llama_supports_gpu_offload())
+        return CUDA_VERIFY_ROWS - 1 if on_gpu else self.n_ubatch - 1
+
+    def chat_template_source(self) -> str | None:
+        """The target's chat template text (`tokenizer.chat_template`), None without one."""
+        raw = ll.llama_model_chat_template(self.target_model, None)
+        return raw.decode("utf-8", "replace") if raw else self.meta("tokenizer.chat_template")
 
     def meta(self, key: str, draft: bool = False) -> str | None:
         """A GGUF metadata value as libllama reads it."""

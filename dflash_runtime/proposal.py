@@ -4,10 +4,12 @@ and the names of the two sources an emitted token can come from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .sampling import ChainProbabilities, draw
+if TYPE_CHECKING:  # the drafters' side stays free of libllama: the Space's web process lists methods through it
+    from .sampling import ChainProbabilities
 
 DRAFT, TARGET = "draft", "target"  # an accepted draft token; the target's own sample that ends a verify walk
 CONFIDENCE_TOP_K = 10  # a greedy draft's confidence: the softmax over its top candidates, as llama.cpp's draft sampler
@@ -55,3 +57,9 @@ class DraftSampling:
 
     chain: ChainProbabilities
     rng: np.random.Generator
+
+
+def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """An index drawn from `probs` (non-negative, summing to about 1) by inverting its cumulative sum."""
+    cdf = np.cumsum(probs)
+    return min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(probs) - 1)

@@ -132,9 +132,3 @@ class ChainProbabilities:
         if self._chain:
             ll.llama_sampler_free(self._chain)
             self._chain = None
-
-
-def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """An index drawn from `probs` (non-negative, summing to about 1) by inverting its cumulative sum."""
-    cdf = np.cumsum(probs)
-    return min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(probs) - 1)

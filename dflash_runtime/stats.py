@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from .deprecated import renamed
 
 
 @dataclass
@@ -23,14 +24,16 @@ class Stats:
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: times draft position i+1 was accepted
     drafted_per_position: list[int] = field(default_factory=list)   # [i]: times draft position i+1 was verified
     draft_lengths: list[int] = field(default_factory=list)          # draft length chosen at each round
+    drafted_by: list[str] = field(default_factory=list)  # the method that drafted each verify step (chains: a member)
     prefill_ms: float = 0.0
     draft_ms: float = 0.0           # draft block decode + lattice walk
     inject_ms: float = 0.0          # target features → draft cache
-    verify_ms: float = 0.0          # target decode of [id_last, drafts] + sampling
+    verify_ms: float = 0.0          # target decode of [id_last, drafts] + sampling, at every step (plain ones too)
+    plain_ms: float = 0.0           # of which the plain steps' (one row, no draft)
     native_ms: float = 0.0          # time inside libllama calls after the prefill
     decode_ms: float = 0.0          # wall time after the prefill
     speculative: bool = True
-    method: str | None = None       # the draft method ("dflash", "mtp"); None for plain decoding
+    method: str | None = None       # the draft method or chain ("dflash", "ngram-mod,dflash"); None: plain decoding
     draft_capacity: int = 0         # the method's longest draft
     draft_length: int | str = 0     # the request's draft length: "auto" or a fixed length
     verify_mode: str = "plain"      # "greedy" (temperature 0), "sample" or "match" (above it), "plain" (no draft)
@@ -44,7 +47,7 @@ class Stats:
     @property
     def draft_policy(self) -> int | str:
         """The older name of `draft_length`."""
-        warnings.warn("Stats.draft_policy is now Stats.draft_length", DeprecationWarning, stacklevel=2)
+        renamed("Stats.draft_policy", "Stats.draft_length")
         return self.draft_length
 
     @property
@@ -69,8 +72,10 @@ class Stats:
     def target_steps(self) -> int:
         return self.verify_steps + self.plain_steps
 
-    def record_verify(self, n_drafted: int, n_accepted: int, n_emitted: int) -> None:
+    def record_verify(self, n_drafted: int, n_accepted: int, n_emitted: int, method: str | None = None) -> None:
         self.verify_steps += 1
+        if method is not None:
+            self.drafted_by.append(method)
         self.drafted += n_drafted
         self.accepted += n_accepted
         self.verify_emitted += n_emitted
@@ -92,8 +97,8 @@ class Stats:
             host_ms=round(self.host_ms, 3),
             target_steps=self.target_steps,
         )
-        for k in ("prefill_ms", "draft_ms", "inject_ms", "verify_ms", "native_ms", "decode_ms", "checkpoint_restore_ms",
-                  "checkpoint_save_ms"):
+        for k in ("prefill_ms", "draft_ms", "inject_ms", "verify_ms", "plain_ms", "native_ms", "decode_ms",
+                  "checkpoint_restore_ms", "checkpoint_save_ms"):
             d[k] = round(d[k], 3)
         return d
 
@@ -103,7 +108,7 @@ class Stats:
     def snapshot(self) -> Stats:
         """A copy taken at every stream event: shallow, lists copied (asdict would deep-copy per element)."""
         snap = copy.copy(self)
-        for name in ("accepted_per_position", "drafted_per_position", "draft_lengths"):
+        for name in ("accepted_per_position", "drafted_per_position", "draft_lengths", "drafted_by"):
             setattr(snap, name, list(getattr(self, name)))
         snap.controller = dict(self.controller)
         return snap

@@ -3,21 +3,9 @@
 from __future__ import annotations
 
 import codecs
-import ctypes
 from collections.abc import Sequence
-from typing import Any
 
-from llama_cpp import llama_cpp as ll
-
-
-def token_piece(vocab: Any, token: int, buf: ctypes.Array[ctypes.c_char]) -> bytes:
-    """The bytes of one token, special tokens rendered (so <think> reaches the UI)."""
-    n = ll.llama_token_to_piece(vocab, token, buf, len(buf), 0, True)
-    if n < 0:  # buffer too small: -n is the size needed
-        big = ctypes.create_string_buffer(-n)
-        n = ll.llama_token_to_piece(vocab, token, big, len(big), 0, True)
-        return big.raw[:n]
-    return buf.raw[:n]
+from .vocab import Vocabulary
 
 
 class TextStream:
@@ -26,12 +14,11 @@ class TextStream:
     Each character remembers the source of the token that completed it ("draft" or "target"); `take_runs()` gives
     the released text's sources as runs [(n_chars, source), ...], so a view can mark what the draft wrote."""
 
-    def __init__(self, vocab: Any, stop: Sequence[str] = ()) -> None:
+    def __init__(self, vocab: Vocabulary, stop: Sequence[str] = ()) -> None:
         self._vocab = vocab
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._buf = ctypes.create_string_buffer(256)
         self._pending = ""
         self._pending_sources: list[str] = []
         self._runs: list[tuple[int, str]] = []
@@ -41,7 +28,7 @@ class TextStream:
     def feed(self, token: int, source: str = "target") -> str:
         if self.stopped:
             return ""
-        piece = self._decoder.decode(token_piece(self._vocab, token, self._buf))
+        piece = self._decoder.decode(self._vocab.piece(token))
         self._pending += piece
         self._pending_sources += [source] * len(piece)
         return self._release(final=False)
@@ -85,8 +72,3 @@ class TextStream:
             if any(s.startswith(tail[-n:]) for s in self._stop):
                 return n
         return 0
-
-
-def detokenize(vocab: Any, tokens: Sequence[int]) -> str:
-    buf = ctypes.create_string_buffer(256)
-    return b"".join(token_piece(vocab, t, buf) for t in tokens).decode("utf-8", "replace")

@@ -8,7 +8,9 @@ target's distribution exactly (token for token at temperature 0):
 - `RejectionVerifier` (`verify="sample"`, temperature > 0; Leviathan et al. 2023, Chen et al. 2023): a draft token x,
   sampled from q, is kept with probability min(1, p(x) / q(x)); on rejection the token comes from the normalised
   residual max(0, p − q); after a fully accepted draft the bonus token comes from p at the next row. A draft token
-  survives with probability Σ min(p, q), close to 1 when q ≈ p.
+  survives with probability Σ min(p, q), close to 1 when q ≈ p. A deterministic draft (the proposal has no q, e.g.
+  an n-gram lookup) was drawn from a point mass on its token: it is kept with probability p(x), and on rejection the
+  token comes from p with x removed, renormalised.
 
 Rows are those of the last target decode, from `first_row` on. `walk()` yields (token, source) lazily, so sampling
 stops where the caller stops reading (end of generation, a stop string): "draft" for an accepted draft token,
@@ -25,8 +27,8 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from .errors import DecodeError
-from .proposal import DRAFT, TARGET, Proposal
-from .sampling import ChainProbabilities, Sampler, draw
+from .proposal import DRAFT, TARGET, Proposal, draw
+from .sampling import ChainProbabilities, Sampler
 
 
 class Verifier(Protocol):
@@ -72,19 +74,25 @@ class RejectionVerifier:
 
     def walk(self, proposal: Proposal, first_row: int = 0) -> Iterator[tuple[int, str]]:
         drafts, q = proposal.tokens, proposal.q
-        if drafts and (q is None or len(q) != len(drafts)):
-            raise ValueError("rejection sampling needs the distribution each draft token was sampled from")
+        if q is not None and len(q) != len(drafts):
+            raise ValueError("rejection sampling needs the distribution of every draft token, or of none")
         for i, token in enumerate(drafts):
             p_ids, p_probs = self.target_distribution(first_row + i)
-            q_ids, q_probs = q[i]  # type: ignore[index]
             p_x = _prob_of(token, p_ids, p_probs)
-            q_x = _prob_of(token, q_ids, q_probs)
-            if q_x <= 0.0:
-                raise ValueError(f"draft token {token} was not in the distribution it was sampled from")
-            if self._rng.random() * q_x < p_x:  # accept with probability min(1, p(x) / q(x))
-                yield token, DRAFT
-                continue
-            residual = np.maximum(p_probs - _on_support(p_ids, q_ids, q_probs), 0.0)
+            if q is None:  # a deterministic draft: q is a point mass on the token
+                if self._rng.random() < p_x:  # accept with probability min(1, p(x) / 1)
+                    yield token, DRAFT
+                    continue
+                residual = np.where(p_ids == token, 0.0, p_probs)  # max(0, p − δx): p without x
+            else:
+                q_ids, q_probs = q[i]
+                q_x = _prob_of(token, q_ids, q_probs)
+                if q_x <= 0.0:
+                    raise ValueError(f"draft token {token} was not in the distribution it was sampled from")
+                if self._rng.random() * q_x < p_x:  # accept with probability min(1, p(x) / q(x))
+                    yield token, DRAFT
+                    continue
+                residual = np.maximum(p_probs - _on_support(p_ids, q_ids, q_probs), 0.0)
             total = float(residual.sum())
             weights = residual / total if total > 0.0 else p_probs  # total 0 only through rounding: then p = q
             yield int(p_ids[draw(weights, self._rng)]), TARGET

@@ -147,7 +147,9 @@ class BuildConfig:
             "-DLLAVA_BUILD=OFF",
         ]
         if self.variant == "cpu":
-            return [*common, "-DGGML_CUDA=OFF", *self.extra_cmake_args]
+            # One matrix-product path for any row count (llamafile's sgemm takes two rows and up): a row's numbers do
+            # not depend on its batch, so answers are exact across requests (dflash_runtime.pair: batch_invariant).
+            return [*common, "-DGGML_CUDA=OFF", "-DGGML_LLAMAFILE=OFF", *self.extra_cmake_args]
         major = self.cuda.version.split(".")[0] if self.cuda else "13"
         cuda = [
             "-DGGML_CUDA=ON",

@@ -148,8 +148,10 @@ def launch_app(
     timeout_s: float = 180.0,
     python: str = sys.executable,
     app_dir: Path = REPO_ROOT,
+    command: list[str] | None = None,
 ) -> RunningApp:
-    """Run `python app.py` (in app_dir, with that interpreter) on 127.0.0.1 at a free port; wait until it answers."""
+    """Run `python app.py` (in app_dir, with that interpreter), or `command` there (what ends by starting it), on
+    127.0.0.1 at a free port; wait until it answers."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "GRADIO_", "SPACES_"))}
     env.update(
@@ -158,7 +160,7 @@ def launch_app(
     )
     env.update(env_overrides)
     process = subprocess.Popen(
-        [python, str(app_dir / "app.py")],
+        command or [python, str(app_dir / "app.py")],
         cwd=app_dir,
         env=env,
         stdout=subprocess.PIPE,

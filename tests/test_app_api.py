@@ -30,7 +30,7 @@ from space_client import (
 )
 
 from dflash_runtime.space.provenance import draft_text
-from dflash_runtime.space.requests import thinking_prefix
+from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT, thinking_prefix
 
 N_CTX = 1024
 MAX_INPUT_CHARS = 6000
@@ -108,7 +108,9 @@ def test_info_describes_the_offline_pair_without_server_paths(info: dict[str, An
     assert info["defaults"] == {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0, "top_k": 40, "min_p": 0.0,
                                 "method": "auto", "draft_length": "auto"}, "adaptive, the pair's default method"
     assert info["sampling_defaults_from"] == "server defaults", "the demo keeps temperature 0"
-    assert info["methods"] == ["dflash"] and info["default_method"] == "dflash" and info["draft_problem"] is None
+    assert info["methods"] == ["dflash", "ngram-mod", "ngram-map-k", "ngram-mod,dflash"]
+    assert info["default_method"] == "dflash"
+    assert info["draft_problem"] is None
     assert "random-weight test models" in preset["label"]
 
 
@@ -182,6 +184,20 @@ def test_history_and_system_prompt_reach_the_model(client: Client, reference: An
     ]
     assert final_text == expected_answer(reference, messages, 40)
     check_stats(stats, prompt_length(reference, messages), 40)
+
+
+def test_the_api_default_system_prompt_is_the_pages(client: Client, reference: Any) -> None:
+    """A call that leaves system_prompt out gets the page's system prompt (and its public prefix); "" is none."""
+    text, stats = client.predict(message="one two three", max_tokens=16, temperature=0.0, api_name="/generate")
+    messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": "one two three"}]
+    assert text == expected_answer(reference, messages, 16)
+    assert stats["n_prompt"] == prompt_length(reference, messages)
+    endpoints = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
+    for name in ("/chat", "/generate"):
+        shown = next(p for p in endpoints[name]["parameters"] if p["parameter_name"] == "system_prompt")
+        assert shown["parameter_default"] == DEFAULT_SYSTEM_PROMPT, shown
+    _, none = client.predict(message="one two three", system_prompt="", max_tokens=4, api_name="/generate")
+    assert none["n_prompt"] == prompt_length(reference, messages[1:])
 
 
 def test_generate_answers_in_one_piece(client: Client, reference: Any) -> None:

@@ -6,6 +6,7 @@ the next turn still completes, the A/B button reports a speed-up; screenshots la
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
 import shutil
@@ -112,6 +113,17 @@ class DevTools:
 
     def screenshot(self, path: Path) -> None:
         data = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)["data"]
+        path.write_bytes(base64.b64decode(data))
+
+    def screenshot_of(self, selector: str, path: Path) -> None:
+        """A picture of one element (the page scrolled so that it is whole)."""
+        box = self.evaluate(
+            f"(() => {{ const el = document.querySelector({json.dumps(selector)}); el.scrollIntoView();"
+            " const r = el.getBoundingClientRect();"
+            " return [r.x + window.scrollX, r.y + window.scrollY, r.width, r.height]; })()"
+        )
+        clip = {"x": box[0], "y": box[1], "width": box[2], "height": box[3], "scale": 1}
+        data = self.call("Page.captureScreenshot", format="png", clip=clip, captureBeyondViewport=True)["data"]
         path.write_bytes(base64.b64decode(data))
 
     def close(self) -> None:
@@ -256,6 +268,35 @@ def draft_spans(page: DevTools) -> list[str]:
 
 
 CHARTS = ("#speed-chart", "#acceptance-chart")
+ALL_CHARTS = (*CHARTS, "#acceptance-plot")
+
+
+def is_shown(selector: str) -> str:
+    """A JavaScript test: the element takes room on the page (present, displayed, with a size)."""
+    return (f"(el => !!el && el.offsetParent !== null && el.getBoundingClientRect().width > 0 && "
+            f"el.getBoundingClientRect().height > 0)(document.querySelector({json.dumps(selector)}))")  # fmt: skip
+
+
+def shown_boxes(page: DevTools, selectors: tuple[str, ...]) -> list[str]:
+    """Which of the elements take room on the page."""
+    return [selector for selector in selectors if page.evaluate(is_shown(selector))]
+
+
+# Every header of the A/B table whose text is cut (its content wider than its box), and every box from the table up
+# to the A/B panel whose content is wider than the box (a scrollbar, or a part out of sight).
+AB_TABLE_FAULTS = """(() => {
+    const table = document.querySelector('#ab-result table');
+    if (!table) return ['no table'];
+    const faults = Array.from(table.querySelectorAll('th')).filter(th => th.scrollWidth > th.clientWidth + 1)
+        .map(th => 'header cut: ' + th.innerText);
+    for (let el = table; el; el = el.parentElement) {
+        if (el.scrollWidth > el.clientWidth + 1) faults.push('overflow: ' + el.tagName + '.' + el.className);
+        if (el.id === 'ab-result') break;
+    }
+    const right = table.getBoundingClientRect().right;
+    if (right > document.documentElement.clientWidth + 1) faults.push('table past the window: ' + right);
+    return faults;
+})()"""
 
 
 def chart_lines(page: DevTools, chart: str) -> list[int]:
@@ -270,6 +311,14 @@ def chart_text(page: DevTools, chart: str) -> str:
     return page.evaluate(text_of(chart)) + " " + page.evaluate(
         f"Array.from(document.querySelectorAll({json.dumps(chart + ' svg text')})).map(t => t.textContent).join(' ')"
     )
+
+
+def test_no_chart_box_shows_before_the_first_answer(page: DevTools) -> None:
+    wait_for_page(page)
+    page.wait_for("!!document.querySelector('#stats')", 20, "the statistics panel")
+    assert shown_boxes(page, ALL_CHARTS) == [], "an empty chart box shows before any answer"
+    assert shown_boxes(page, ("#draft-legend",)) == ["#draft-legend"], "the highlight is on: its legend shows"
+    page.screenshot(ARTIFACTS / "app_browser_before_answer.png")
 
 
 def test_chat_in_the_browser_shows_answer_stats_and_plot(page: DevTools, server: RunningApp) -> None:
@@ -288,9 +337,16 @@ def test_chat_in_the_browser_shows_answer_stats_and_plot(page: DevTools, server:
                   60, "highlighted draft text while the answer streams")  # fmt: skip
     page.screenshot(ARTIFACTS / "app_browser_streaming.png")
     stats = wait_for_answer(page, answers=1)
-    for label in ("Decode speed", "Acceptance rate", "Mean accepted length", "Drafted / accepted", "Draft vs verify",
+    for label in ("Decode speed", "vs plain (estimate)", "verify steps (drafts checked)", "plain steps (one token",
+                  "Draft length", "across your requests in this conversation", "Acceptance rate",
+                  "Mean accepted length", "Drafted / accepted", "Time: draft / verify steps / plain steps",
                   "Prompt tokens", "reused", "Engine time"):  # fmt: skip
         assert label in stats, f"{label!r} missing from the statistics panel"
+    # The demo's adaptive length takes plain steps: the estimate against plain comes from them, and says so.
+    assert re.search(r"vs plain \(estimate\)\s+≈ [\d.]+×: [\d.]+ tok/s against ≈ [\d.]+ tok/s, one token per plain "
+                     r"step of [\d.]+ ms \(the mean of this answer's \d+ plain steps?\)", stats), stats
+    steps = re.search(r"(\d+) tokens: (\d+) verify steps \(drafts checked\), (\d+) plain steps", stats)
+    assert steps and int(steps.group(3)) > 0, stats
     answers = bot_texts(page)
     assert len(answers) == 1 and same_text(answers[0], expected_reply("hello world"))
     spans = draft_spans(page)
@@ -305,7 +361,11 @@ def test_chat_in_the_browser_shows_answer_stats_and_plot(page: DevTools, server:
         assert len(lines) == 1 and 10 <= lines[0] <= 512 // 10 + 1, (chart, lines)
     assert "accepted %" in chart_text(page, "#acceptance-chart") and "tok/s" in chart_text(page, "#speed-chart")
     assert page.evaluate("document.querySelector('#thinking')?.offsetParent !== null"), "thinking switch hidden"
+    assert shown_boxes(page, ALL_CHARTS) == list(ALL_CHARTS), "the charts show once there are points"
+    for chart in ALL_CHARTS:  # one series a chart, named by its title: no legend ("series ○ ...")
+        assert "series" not in chart_text(page, chart), chart
     page.screenshot(ARTIFACTS / "app_browser_chat.png")
+    page.screenshot_of("#stats", ARTIFACTS / "app_browser_stats_panel.png")
 
 
 def test_the_highlight_switch_removes_the_marks_and_brings_them_back(page: DevTools) -> None:
@@ -314,9 +374,12 @@ def test_the_highlight_switch_removes_the_marks_and_brings_them_back(page: DevTo
     page.click("#highlight-draft input")
     page.wait_for(f"document.querySelectorAll({json.dumps(DRAFT_SPANS)}).length === 0", 20, "the marks to go")
     assert [" ".join(t.split()) for t in bot_texts(page)] == [" ".join(t.split()) for t in before]
+    page.wait_for(f"!{is_shown('#draft-legend')}", 10, "the legend to go with the highlight")
     page.screenshot(ARTIFACTS / "app_browser_highlight_off.png")
     page.click("#highlight-draft input")
     page.wait_for(f"document.querySelectorAll({json.dumps(DRAFT_SPANS)}).length > 0", 20, "the marks to return")
+    page.wait_for(is_shown("#draft-legend"), 10, "the legend to return")
+    assert "written by the draft and accepted by the target" in page.evaluate(text_of("#draft-legend"))
 
 
 def test_stop_interrupts_and_the_next_turn_completes(page: DevTools, server: RunningApp) -> None:
@@ -358,11 +421,40 @@ def set_temperature(page: DevTools, value: float) -> None:
                   f"the temperature slider at {value}")  # fmt: skip
 
 
+SPEED_UP = r"DFlash 2: (no measurable speed-up|no speed-up|slower than plain here|[\d.]+× as fast as plain)"
+
+
 def test_ab_at_temperature_zero_reports_a_speed_up_and_identical_texts(page: DevTools) -> None:
     result = run_ab(page, "At temperature 0")
-    assert "Speed-up" in result and "Plain (target only)" in result and "greedy" in result
+    assert re.search(SPEED_UP, result) and "÷" not in result, result
+    assert "Plain" in result and "DFlash 2" in result and "greedy match" in result
     assert "Texts identical: yes" in result and "greedy output, token for token" in result
     page.screenshot(ARTIFACTS / "app_browser_ab.png")
+    page.screenshot_of("#ab-result", ARTIFACTS / "app_browser_ab_table.png")
+
+
+def test_the_ab_table_fits_at_1400_px_and_on_a_phone(page: DevTools) -> None:
+    """The A/B table at the page's 1,400 px and at a phone's 390 px: no header cut short, nothing wider than its box
+    (no scrollbar hiding a column), nothing past the window's edge."""
+    wait_for_page(page)
+    if not page.evaluate(f"{text_of('#ab-result')}.includes('Texts identical')"):  # run alone: an A/B of its own
+        if not bot_texts(page):
+            page.type_into("#message-box textarea", "hello world")
+        run_ab(page, "At temperature 0")
+    assert page.evaluate("document.documentElement.clientWidth") > 1300
+    assert page.evaluate(AB_TABLE_FAULTS) == []
+    headers = page.evaluate("Array.from(document.querySelectorAll('#ab-result th')).map(th => th.innerText.trim())")
+    assert headers == ["Method", "Tokens", "tok/s", "Accepted", "Tok/step"], headers
+    page.call("Emulation.setDeviceMetricsOverride", width=390, height=844, deviceScaleFactor=1, mobile=True)
+    try:
+        page.wait_for("document.documentElement.clientWidth <= 390", 10, "the phone's width")
+        with contextlib.suppress(TimeoutError):  # the layout follows the width within a frame or two
+            page.wait_for(f"{AB_TABLE_FAULTS}.length === 0", 5, "the table laid out for the phone")
+        page.screenshot_of("#ab-result", ARTIFACTS / "app_browser_ab_phone.png")
+        assert page.evaluate(AB_TABLE_FAULTS) == []
+    finally:
+        page.call("Emulation.clearDeviceMetricsOverride")
+        page.wait_for("document.documentElement.clientWidth > 1300", 10, "the page's own width")
 
 
 def test_ab_above_temperature_zero_explains_why_the_texts_may_differ(page: DevTools) -> None:
@@ -371,7 +463,7 @@ def test_ab_above_temperature_zero_explains_why_the_texts_may_differ(page: DevTo
         result = run_ab(page, "Above temperature 0")
     finally:
         set_temperature(page, 0)
-    assert "Speed-up" in result and "sample" in result, "the draft's side verifies by rejection sampling"
+    assert re.search(SPEED_UP, result) and "Drafts checked by rejection sampling" in result, result
     assert re.search(r"Texts identical: (no, as expected|yes, this time)", result), result
     assert re.search(r"same seed \(\d+\)", result) and "rejection sampling" in result and "distribution" in result
     assert "fault" not in result.replace("not a fault", ""), "a sampled difference is never called a fault"
@@ -379,6 +471,7 @@ def test_ab_above_temperature_zero_explains_why_the_texts_may_differ(page: DevTo
 
 
 def test_about_box_names_the_pair_and_the_build_without_server_paths(page: DevTools) -> None:
+    wait_for_page(page)  # a click before the page is live opens nothing (when this test runs first)
     page.wait_for("!!document.querySelector('#about .label-wrap')", 20, "the About accordion")
     page.click("#about .label-wrap")
     about = page.wait_for(f"{text_of('#about')}.includes('llama.cpp build') && {text_of('#about')}", 20, "the info box")

@@ -7,6 +7,7 @@ cannot be downloaded), the target drafts with its own MTP head, and the Space sa
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,8 @@ def generate(client: Client, **changes: Any) -> tuple[str, dict[str, Any]]:
 
 def test_info_lists_the_methods_and_the_models_sampling_defaults(client: Client) -> None:
     info = client.predict(api_name="/info")
-    assert info["methods"] == ["dflash", "mtp"] and info["default_method"] == "dflash"
+    assert info["methods"] == ["dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-mod,dflash"]
+    assert info["default_method"] == "dflash"
     assert info["draft_problem"] is None and info["offline_demo"] is False
     assert info["sampling_defaults_from"] == "the model's general.sampling"
     defaults = info["defaults"]
@@ -82,7 +84,8 @@ def test_info_lists_the_methods_and_the_models_sampling_defaults(client: Client)
         "temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.05}  # fmt: skip
     assert defaults["method"] == "auto" and defaults["draft_length"] == "auto"
     limits = info["limits"]
-    assert limits["draft_length"] == ["auto", [0, 7]] and limits["method"] == ["auto", "dflash", "mtp"]
+    assert limits["draft_length"] == ["auto", [0, 7]]
+    assert limits["method"] == ["auto", "dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-mod,dflash"]
 
 
 def test_each_method_writes_the_plain_text_at_temperature_zero(client: Client) -> None:
@@ -107,7 +110,8 @@ def test_unset_sampling_takes_the_models_defaults(client: Client) -> None:
     [
         ({"draft_length": 8}, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got 8"),
         ({"draft_length": "three"}, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got 'three'"),
-        ({"method": "eagle"}, "method must be one of 'auto', 'dflash', 'mtp', got 'eagle'"),
+        ({"method": "eagle"},
+         "method must be one of 'auto', 'dflash', 'mtp', 'ngram-mod', 'ngram-map-k', 'ngram-mod,dflash', got 'eagle'"),
         ({"top_k": -1}, "top_k must be an integer in 0..1000 (0 = off), got -1"),
         ({"min_p": 1.5}, "min_p must be a number in [0.0, 0.99], got 1.5"),
     ],
@@ -141,9 +145,11 @@ def test_the_page_offers_the_methods_and_the_ab_run_compares_them(server: Runnin
         result = page.wait_for(f"{text_of('#ab-result')}.includes('Texts identical') && {text_of('#ab-result')}",
                                240, "the A/B comparison")  # fmt: skip
         page.screenshot(ARTIFACTS / "app_methods_ab.png")
-    rows = [line.split("\t")[0].strip() for line in result.splitlines() if "tok/s\t" in line]
-    assert rows == ["Plain (target only)", "DFlash 2", "MTP (target's own head)"], result
-    assert "Texts identical: yes" in result and "DFlash 2: Speed-up" in result and "MTP (target's own head): " in result
+    rows = [line.split("\t")[0].strip() for line in result.splitlines() if line.count("\t") >= 4]
+    assert rows == ["Method", "Plain", "DFlash 2", "MTP", "ngram-mod", "ngram-map-k", "ngram-mod → DFlash 2"], result
+    assert "Texts identical: yes" in result and "DFlash 2: " in result and "MTP: " in result
+    assert re.search(r"(DFlash 2|MTP): (no measurable speed-up|no speed-up|slower than plain here|[\d.]+× as fast)",
+                     result), result  # fmt: skip
 
 
 # -- MTP when the DFlash draft is unusable -----------------------------------------------------------------------
@@ -168,7 +174,7 @@ def test_a_draft_that_fails_validation_leaves_the_target_drafting_with_its_mtp_h
         answer = run_job(host, ResolvedPair(pair.target, broken))
         assert answer.error is None, answer.error
         info = answer.engine_info
-        assert info is not None and info["methods"] == ["mtp"]
+        assert info is not None and info["methods"] == ["mtp", "ngram-mod", "ngram-map-k"]
         assert info["draft_problem"].startswith("DFlash draft unavailable: ")
         assert info["draft_problem"].endswith("; drafting with the target's MTP head")
         assert str(tmp_path) not in info["draft_problem"], "no server paths"
@@ -204,7 +210,7 @@ def test_a_draft_that_cannot_be_downloaded_leaves_the_target_alone(tmp_path: Pat
     host = EngineHost(load_pair)
     try:
         answer = run_job(host, files)
-        assert answer.engine_info is not None and answer.engine_info["methods"] == ["mtp"]
+        assert answer.engine_info is not None and answer.engine_info["methods"] == ["mtp", "ngram-mod", "ngram-map-k"]
         assert "DFlash draft unavailable: Could not download the draft" in answer.engine_info["draft_problem"]
         assert answer.stats["method"] == "mtp"
     finally:
@@ -219,4 +225,5 @@ def test_info_box_lists_methods_and_warns_of_a_missing_draft() -> None:
     text = info_markdown(preset, Limits(), {}, {"methods": ["mtp"], "draft_kind": None,
                                                 "draft_problem": "DFlash draft unavailable: gone; drafting with the "
                                                 "target's MTP head"})  # fmt: skip
-    assert "- Draft methods: MTP (target's own head)" in text and "⚠️ DFlash draft unavailable: gone" in text
+    assert "- Draft methods: MTP (the target's own multi-token-prediction head)" in text
+    assert "⚠️ DFlash draft unavailable: gone" in text

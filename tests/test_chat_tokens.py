@@ -19,7 +19,7 @@ CONTROL_TEXTS = (ENDOFTEXT, IM_START, IM_END, MASK)  # every control token of th
 
 
 def controls_in(engine, tokens: list[int]) -> list[int]:
-    ids = {c.id for c in control_tokens(engine.pair.vocab, engine.pair.n_vocab, engine.token_text)}
+    ids = {c.id for c in control_tokens(engine.pair.vocabulary)}
     return [t for t in tokens if t in ids]
 
 
@@ -71,7 +71,7 @@ def test_content_without_control_tokens_is_tokenized_exactly_as_llama_cpp_does(e
     """The plain path equals llama.cpp's own tokenization; the split the guarded path uses, applied to benign text,
     equals it too (so a forged message changes only the forged parts)."""
     eng = engines[("dense", "dflash2", "shaped")]
-    controls = control_tokens(eng.pair.vocab, eng.pair.n_vocab, eng.token_text)
+    controls = control_tokens(eng.pair.vocabulary)
     rng = random.Random(7)
     pieces = ["hello", " world", "<think>", "</think>", "\n", "  ", "the fox", "42", "é", "?!", "\t", " <b>", "|"]
     for _ in range(60):

@@ -75,3 +75,19 @@ def test_the_old_draft_max_flag_still_works_and_says_so() -> None:
     assert "--draft-max is now --draft-length" in out.stderr
     stats = json.loads(out.stdout.partition("[finish: length")[2].split("]", 1)[1])
     assert stats["draft_length"] == 3
+
+
+def generated_text(*options: str) -> str:
+    files = pair_files("dense", "dflash2", head="random")  # a random head: flat enough for draws to differ
+    out = run_cli("generate", "--target", str(files.target), "--prompt", "hello world", "--max-tokens", "24",
+                  "--n-ctx", "512", "--no-spec", "--seed", "3", *options)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.partition("[finish:")[0]
+
+
+def test_generate_takes_top_k_and_min_p() -> None:
+    """At temperature 2 the draws wander from the greedy text; --top-k 1, or --min-p 0.99, leave only the top token."""
+    greedy = generated_text("--temperature", "0")
+    assert generated_text("--temperature", "2", "--top-k", "0", "--top-p", "1") != greedy
+    assert generated_text("--temperature", "2", "--top-k", "1") == greedy
+    assert generated_text("--temperature", "2", "--top-k", "0", "--min-p", "0.99") == greedy

@@ -26,6 +26,8 @@ from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
 from dflash_runtime.verify import DRAFT, TARGET, RejectionVerifier, Verifiers
 
 PROMPT = "hello world"
+NGRAMS = ("ngram-mod", "ngram-map-k")
+NGRAM_KEYS = {"ngram-mod": {"n_match": 1}, "ngram-map-k": {"size_n": 1}}  # one-token keys: 3-token answers draft
 Z_LIMIT = 4.5  # one-sided normal quantile: a false alarm about once in 300,000 tests
 
 
@@ -83,10 +85,11 @@ def chi_square_z(observed: Counter, expected: dict, n: int) -> tuple[float, int]
 class Reference:
     """The target's exact joint distribution of the first tokens after the prompt, from teacher-forced logits."""
 
-    def __init__(self, pair: TinyPair, engine: Engine) -> None:
+    def __init__(self, pair: TinyPair, engine: Engine, text: str = PROMPT, method: str | None = None) -> None:
         load_backends()  # a build with loadable backends registers them once per process
         self.llm = Llama(model_path=str(pair.target), n_ctx=256, logits_all=True, verbose=False)
-        self.prompt = engine.tokenize(PROMPT)
+        self.text, self.method = text, method  # the requests' prompt and draft method (None: the default)
+        self.prompt = engine.tokenize(text)
 
     def next_logits(self, prefix: Sequence[int]) -> np.ndarray:
         self.llm.reset()
@@ -108,9 +111,11 @@ class Reference:
         self.llm.close()
 
 
-def samples(engine: Engine, chain: Chain, verify: str, n: int, length: int) -> Iterator[tuple[int, ...]]:
+def samples(engine: Engine, reference: Reference, chain: Chain, verify: str, n: int,
+            length: int) -> Iterator[tuple[int, ...]]:
     for seed in range(n):
-        result = engine.generate(PROMPT, max_tokens=length, draft_length=3, verify=verify, seed=seed, **chain.kwargs())
+        result = engine.generate(reference.text, max_tokens=length, draft_length=3, verify=verify, seed=seed,
+                                 method=reference.method, **chain.kwargs())
         yield tuple(result.tokens)
 
 
@@ -118,7 +123,7 @@ def check_distribution(engine: Engine, reference: Reference, chain: Chain, verif
     """z-scores of the per-position marginals and of the joint, for `n` three-token samples."""
     length = 3
     expected = reference.joint(chain, length)
-    drawn = list(samples(engine, chain, verify, n, length))
+    drawn = list(samples(engine, reference, chain, verify, n, length))
     zs = [chi_square_z(Counter(drawn), expected, n)[0]]
     for position in range(length):
         marginal: dict = {}
@@ -133,7 +138,15 @@ def check_distribution(engine: Engine, reference: Reference, chain: Chain, verif
 VARIANTS = [Chain(0.6), Chain(1.0, top_k=3), Chain(0.6, top_p=0.8), Chain(1.0, min_p=0.25)]
 COMBOS = [(t, d, v) for t in ("dense", "hybrid") for d in ("dflash2", "dflash1") for v in ("sample", "match")]
 COMBOS += [("hybrid", "mtp", v) for v in ("sample", "match")]  # the target's own MTP head drafts
+COMBOS += [(t, d, v) for t in ("dense", "hybrid") for d in NGRAMS for v in ("sample", "match")]  # no q: point masses
 CASES = [(*combo, VARIANTS[(i + j) % len(VARIANTS)]) for i, combo in enumerate(COMBOS) for j in (0, 2)]
+
+
+def ngram_prompt(engine: Engine) -> str:
+    """A prompt whose tokens the markov head's answers reuse: n-gram drafts happen, some accepted, most not."""
+    sampled = "".join(engine.generate(PROMPT, max_tokens=8, temperature=1.0, seed=s, speculative=False).text
+                      for s in range(4))
+    return PROMPT + engine.generate(PROMPT, max_tokens=12, speculative=False).text + sampled + " " + PROMPT
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +156,12 @@ def markov() -> Iterator[dict]:
     def get(target: str, draft: str, verifiers: Verifiers | None = None) -> tuple[Engine, Reference]:
         key = (target, draft, verifiers)
         if key not in opened:
+            if draft in NGRAMS:
+                pair = tiny_pair(target, None, head="markov")
+                engine = load_pair(pair.target, None, n_ctx=256, draft_capacity=3, verifiers=verifiers,
+                                   method_options=NGRAM_KEYS)
+                opened[key] = (engine, Reference(pair, engine, ngram_prompt(engine), draft))
+                return opened[key]
             pair = (tiny_pair(target, None, head="markov", mtp_layers=1) if draft == "mtp"
                     else tiny_pair(target, draft, head="markov"))
             engine = load_pair(pair.target, pair.draft, n_ctx=256, draft_capacity=3, verifiers=verifiers)
@@ -161,7 +180,8 @@ def test_speculative_samples_follow_the_target_distribution(target, draft, verif
     engine, reference = markov(target, draft)
     zs = check_distribution(engine, reference, chain, verify, n=1200)
     assert max(zs) < Z_LIMIT, zs
-    stats = engine.generate(PROMPT, max_tokens=24, draft_length=3, verify=verify, seed=7, **chain.kwargs()).stats
+    stats = engine.generate(reference.text, max_tokens=24, draft_length=3, verify=verify, seed=7,
+                            method=reference.method, **chain.kwargs()).stats
     assert stats.verify_mode == verify and stats.drafted > 0
 
 
@@ -191,7 +211,8 @@ class AcceptEverything:
             yield token, TARGET
 
 
-@pytest.mark.parametrize(("target", "draft"), [("dense", "dflash2"), ("dense", "dflash1"), ("hybrid", "mtp")])
+@pytest.mark.parametrize(("target", "draft"), [("dense", "dflash2"), ("dense", "dflash1"), ("hybrid", "mtp"),
+                                               ("dense", "ngram-mod"), ("hybrid", "ngram-map-k")])
 def test_a_broken_verifier_fails_the_distribution_test(target, draft, markov) -> None:
     engine, reference = markov(target, draft, verifiers=Verifiers(sample=AcceptEverything))
     zs = check_distribution(engine, reference, Chain(1.0), "sample", n=1200)

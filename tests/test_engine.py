@@ -30,6 +30,8 @@ def check_invariants(stats: Stats, tokens: list[int], draft_length: int | None =
     # the prompt's first sample, then one token per plain step, the rest from verify steps
     assert stats.n_generated <= 1 + stats.plain_steps + stats.verify_emitted
     assert stats.n_prompt == stats.n_reused + stats.n_prefilled
+    # the plain steps' time is a part of the steps' time, there exactly when plain steps ran
+    assert 0 <= stats.plain_ms <= stats.verify_ms and (stats.plain_ms > 0) == (stats.plain_steps > 0)
     if stats.verify_steps:
         assert stats.mean_accepted_length == pytest.approx(stats.verify_emitted / stats.verify_steps)
         assert 1.0 <= stats.mean_accepted_length <= 1 + max(stats.draft_lengths)

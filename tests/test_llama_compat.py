@@ -97,8 +97,9 @@ def test_dflash_draft_is_linked_to_the_target(pairs: dict[str, TinyPair]) -> Non
         assert info["draft"] == str(p.draft) and info["draft_kind"] == "dflash2"
         stats = llm.create_completion(PROMPT, max_tokens=MAX_TOKENS, temperature=0, draft_length=3)["dflash_stats"]
         assert stats["drafted"] > 0 and stats["accepted"] > 0
-    with pytest.raises(EngineClosedError):
-        llm.create_completion(PROMPT, max_tokens=4)
+    for call in (lambda: llm.create_completion(PROMPT, max_tokens=4), lambda: llm.tokenize(b"hi"), llm.n_ctx):
+        with pytest.raises(EngineClosedError, match=r"this DFlashLlama was closed; open a new one with DFlashLlama"):
+            call()
 
 
 # -- (2) Llama.model has no setter -------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from dflash_runtime import DFlashDraftModel, DFlashLlama, PairMismatchError, RequestError, load_pair
+from dflash_runtime import DFlashDraftModel, DFlashLlama, PairMismatchError, RequestError, load_pair, methods
 from dflash_runtime.testing.tiny_models import tiny_pair
 
 PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog.", "one two three four five", "a"]
@@ -26,16 +26,18 @@ def both():
 
 def test_an_engine_lists_the_methods_its_pair_can_run(mtp_target, both) -> None:
     with load_pair(mtp_target.target, None, n_ctx=256) as engine:
-        assert engine.methods == ("mtp",) and engine.default_method == "mtp"
-        assert engine.info()["methods"] == ["mtp"] and engine.info()["mtp_error"] is None
+        assert engine.methods == ("mtp", "ngram-mod", "ngram-map-k") and engine.default_method == "mtp"
+        assert engine.info()["methods"] == ["mtp", "ngram-mod", "ngram-map-k"] and engine.info()["mtp_error"] is None
     with load_pair(both.target, both.draft, n_ctx=256) as engine:
-        assert engine.methods == ("dflash", "mtp") and engine.default_method == "dflash"
+        assert engine.methods == ("dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-mod,dflash")
+        assert engine.default_method == "dflash"
     with load_pair(both.target, both.draft, n_ctx=256, mtp=False) as engine:
-        assert engine.methods == ("dflash",)
+        assert engine.methods == ("dflash", "ngram-mod", "ngram-map-k", "ngram-mod,dflash")
     plain = tiny_pair("hybrid", "dflash2", head="shaped")
     with load_pair(plain.target, None, n_ctx=256) as engine:
-        assert engine.methods == () and engine.default_method is None
-        result = engine.generate("hello", max_tokens=4)  # nothing to draft with: plain decoding
+        assert engine.methods == ("ngram-mod", "ngram-map-k")  # the n-grams run anywhere, drafting only when asked
+        assert engine.default_method is None
+        result = engine.generate("hello", max_tokens=4)  # no draft, no MTP head: plain decoding
         assert result.stats.method is None and result.stats.drafted == 0
         with pytest.raises(RequestError, match="not available"):
             engine.generate("hello", max_tokens=4, method="mtp")
@@ -110,7 +112,7 @@ def test_old_spellings_still_work_with_a_deprecation_warning(both) -> None:
 def test_the_drop_in_runs_mtp_on_a_target_alone(mtp_target, both) -> None:
     llm = DFlashLlama(model_path=str(mtp_target.target), n_ctx=512, verbose=False)
     try:
-        assert llm.methods == ("mtp",)
+        assert llm.methods == ("mtp", "ngram-mod", "ngram-map-k")
         response = llm.create_completion("hello world", max_tokens=16, temperature=0, draft_length=3)
         stats = response["dflash_stats"]
         assert stats["method"] == "mtp" and stats["drafted"] > 0
@@ -121,8 +123,39 @@ def test_the_drop_in_runs_mtp_on_a_target_alone(mtp_target, both) -> None:
     llm = DFlashLlama(model_path=str(both.target), draft_model=DFlashDraftModel(str(both.draft)), n_ctx=512,
                       verbose=False)
     try:
-        assert llm.methods == ("dflash", "mtp")
+        assert llm.methods == ("dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-mod,dflash")
         mtp = llm.create_completion("hello world", max_tokens=16, temperature=0, method="mtp")["dflash_stats"]
         assert mtp["method"] == "mtp"
     finally:
         llm.close()
+
+
+def test_the_registry_names_each_method_once_and_the_engine_opens_what_it_lists(both) -> None:
+    """One registry: names, labels and needs; an engine lists what its pair holds and refuses the rest clearly."""
+    assert set(methods.names()) >= {"dflash", "mtp"} and len(set(methods.names())) == len(methods.names())
+    assert {m.name: m.needs for m in methods.REGISTRY}["dflash"] == "draft"
+    assert methods.label("mtp,dflash") == "MTP → DFlash 2"
+    assert methods.runnable(lambda needs: needs == "nextn")[:1] == ("mtp",)
+    with load_pair(both.target, both.draft, n_ctx=256) as engine:
+        assert engine.pair.capacity("mtp,dflash") == engine.pair.capacity("dflash") == 7
+        for bad, match in (("nope", "'nope' is unknown"), ("dflash,nope", "'nope' is unknown"),
+                           ("dflash,dflash", "names a method twice"), ("", "a name or a comma list")):
+            with pytest.raises(RequestError, match=match):
+                engine.generate("hello", max_tokens=2, method=bad)
+    with pytest.raises(ValueError, match="unknown methods"):
+        load_pair(both.target, both.draft, n_ctx=256, method_options={"nope": {}})
+
+
+@pytest.mark.parametrize("chain", ["mtp,dflash", "dflash,mtp"])
+def test_a_chain_drafts_with_its_first_member_that_drafts_and_answers_as_plain_decoding(both, chain: str) -> None:
+    """A chain is lossless and its stats say which member drafted each verify step (here the first always can)."""
+    first = chain.split(",")[0]
+    with load_pair(both.target, both.draft, n_ctx=1024) as engine:
+        for prompt in PROMPTS:
+            base = engine.generate(prompt, max_tokens=30, speculative=False)
+            for length in (1, 3, "auto"):
+                result = engine.generate(prompt, max_tokens=30, method=chain.replace(",", ", "), draft_length=length)
+                assert result.tokens == base.tokens, (chain, prompt, length)
+                assert result.stats.method == chain
+                assert result.stats.drafted_by == [first] * result.stats.verify_steps
+                assert result.token_sources.count("draft") == result.stats.accepted

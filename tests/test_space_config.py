@@ -158,3 +158,20 @@ def test_packages_txt_brings_what_the_wheel_needs_at_run_time() -> None:
     assert not unknown, f"the wheel needs {sorted(unknown)}: add their Debian packages to packages.txt and here"
     assert {DEBIAN_PACKAGE_OF[name] for name in needed} <= set(packages)
     assert "libgomp.so.1" in needed, "the CPU backend is built with OpenMP"
+
+
+def test_the_find_links_folders_exist_so_pip_stays_quiet() -> None:
+    """pip warns at every package it looks up when a --find-links folder is missing (58 warnings an install): the
+    local folders requirements.txt names are in the checkout (relative to the file, as pip resolves them), and git
+    keeps them while ignoring what is built into them."""
+    _, options = requirement_lines()
+    local = [option.split(None, 1)[1] for option in options if option.startswith("--find-links")
+             and "://" not in option]  # fmt: skip
+    assert local, "requirements.txt names the checkout's wheel folders"
+    for folder in local:
+        assert (ROOT / folder).is_dir(), folder
+        tracked = subprocess.run(["git", "ls-files", "--error-unmatch", f"{folder}/.keep"], cwd=ROOT,
+                                 capture_output=True, text=True)  # fmt: skip
+        assert tracked.returncode == 0, f"{folder} is not kept by git: {tracked.stderr}"
+        ignored = subprocess.run(["git", "check-ignore", "-q", f"{folder}/llama_cpp_python-0.3.36-x.whl"], cwd=ROOT)
+        assert ignored.returncode == 0, f"a wheel built into {folder} would not be ignored"

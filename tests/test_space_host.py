@@ -14,6 +14,7 @@ from dflash_runtime import load_pair
 from dflash_runtime.space.host import EngineHost, GpuJob, ReplyChunk, info_digest
 from dflash_runtime.space.presets import ResolvedPair, configured_preset
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT, Limits, build_request
+from dflash_runtime.testing.tiny_models import pair_paths
 
 N_CTX = 1024
 
@@ -39,7 +40,7 @@ def host() -> Iterator[tuple[EngineHost, RecordingLoader]]:
 
 
 def job(message: str, max_tokens: int = 16, **fields: Any) -> GpuJob:
-    preset = configured_preset(True, {"DFLASH_N_CTX": str(N_CTX)})
+    preset = configured_preset(True, {"DFLASH_N_CTX": str(N_CTX)}, pair_paths)
     pair = demo_pair()
     request = build_request(preset=preset.name, presets=[preset.name], limits=Limits(), message=message,
                             max_tokens=max_tokens, draft_length=7, **fields)  # fmt: skip
@@ -175,7 +176,7 @@ def test_the_default_system_prompt_is_public_and_reused_across_visitors(
 def test_the_methods_demo_pair_drafts_with_both_methods(host: tuple[EngineHost, RecordingLoader]) -> None:
     """DFLASH_DEMO_PAIR=methods: the offline demo's hybrid target carries an MTP head beside its DFlash 2 draft."""
     engine_host, _ = host
-    preset = configured_preset(True, {"DFLASH_N_CTX": str(N_CTX), "DFLASH_DEMO_PAIR": "methods"})
+    preset = configured_preset(True, {"DFLASH_N_CTX": str(N_CTX), "DFLASH_DEMO_PAIR": "methods"}, pair_paths)
     assert "MTP head" in preset.label
     pair = ResolvedPair(preset.target.local_path, preset.draft.local_path)
     texts = set()
@@ -187,4 +188,4 @@ def test_the_methods_demo_pair_drafts_with_both_methods(host: tuple[EngineHost, 
         texts.add(answer.delta)
     assert len(texts) == 1  # temperature 0: both methods give the target's own answer
     with pytest.raises(ValueError, match="DFLASH_DEMO_PAIR"):
-        configured_preset(True, {"DFLASH_DEMO_PAIR": "nope"})
+        configured_preset(True, {"DFLASH_DEMO_PAIR": "nope"}, pair_paths)

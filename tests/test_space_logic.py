@@ -150,7 +150,8 @@ def test_an_unusable_gpu_build_serves_the_offline_demo_with_the_fix() -> None:
         ("draft_length", 8, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got 8"),
         ("draft_length", "3", "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got '3'"),
         ("draft_length", True, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got True"),
-        ("method", "eagle", "method must be one of 'auto', 'dflash', 'mtp', got 'eagle'"),
+        ("method", "eagle",
+         "method must be one of 'auto', 'dflash', 'mtp', 'ngram-mod', 'ngram-map-k', 'ngram-mod,dflash', got 'eagle'"),
         ("top_k", -1, "top_k must be an integer in 0..1000 (0 = off), got -1"),
         ("min_p", 1.0, "min_p must be a number in [0.0, 0.99], got 1.0"),
         ("temperature", float("nan"), "temperature must be a number in [0.0, 2.0], got nan"),
@@ -199,15 +200,16 @@ def test_the_comparison_has_a_row_per_method_and_names_a_method_that_differs() -
     dflash.record_verify(3, 2, 3)
     mtp = Stats(n_generated=9, decode_ms=150.0, draft_capacity=3, method="mtp")
     mtp.record_verify(3, 1, 2)
-    methods = {"DFlash 2": dflash.to_dict(), "MTP (target's own head)": mtp.to_dict()}
-    summary = comparison_markdown(methods, plain, {"DFlash 2": True, "MTP (target's own head)": False})
+    methods = {"DFlash 2": dflash.to_dict(), "MTP": mtp.to_dict()}
+    summary = comparison_markdown(methods, plain, {"DFlash 2": True, "MTP": False})
     rows = [line.split(" | ")[0] for line in summary.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows == ["| Decoding", "| Plain (target only)", "| DFlash 2", "| MTP (target's own head)"]
+    assert rows == ["| Method", "| Plain", "| DFlash 2", "| MTP"]
     assert "| 67% | 3.00 |" in summary and "| 33% | 2.00 |" in summary, "acceptance and mean accepted length"
-    assert "DFlash 2: Speed-up: 3.00×" in summary and "MTP (target's own head): Speed-up: 2.00×" in summary
-    assert "NO: this is a fault" in summary and "Differs from plain: MTP (target's own head)" in summary
-    waiting = comparison_markdown({"DFlash 2": dflash.to_dict(), "MTP (target's own head)": None}, None, {})
-    assert "| MTP (target's own head) | … | running or waiting |" in waiting and "Speed-up" not in waiting
+    assert "**DFlash 2: 3.00× as fast as plain** (90.0 tok/s against plain's 30.0)" in summary
+    assert "**MTP: 2.00× as fast as plain**" in summary and "÷" not in summary
+    assert "NO: this is a fault" in summary and "Differs from plain: MTP" in summary
+    waiting = comparison_markdown({"DFlash 2": dflash.to_dict(), "MTP": None}, None, {})
+    assert "| MTP | … | waiting | | |" in waiting and "as fast" not in waiting
 
 
 def test_history_keeps_what_the_model_should_see() -> None:
@@ -443,17 +445,48 @@ def test_statistics_panel_plot_rows_and_ab_summary() -> None:
     ]
     plain = {**Stats(n_generated=9, decode_ms=300.0, speculative=False).to_dict(), "finish_reason": "length"}
     summary = ab_markdown(stats.to_dict(), plain, identical=True)
-    assert "Speed-up: 3.00×" in summary and "Texts identical: yes" in summary
-    assert "running" in ab_markdown(stats.to_dict(), None, None)
+    assert "3.00× as fast as plain" in summary and "Texts identical: yes" in summary
+    assert "waiting" in ab_markdown(stats.to_dict(), None, None)
     # No gain is claimed where the draft did nothing, or where the difference is noise.
     rejected = {**stats.to_dict(), "accepted": 0, "decode_tok_s": 34.5}
     plain_30 = {**plain, "decode_tok_s": 30.0}
-    assert "Speed-up: none.** The target accepted none" in ab_markdown(rejected, plain_30, identical=True)
+    assert "DFlash 2: no speed-up.** The target kept none" in ab_markdown(rejected, plain_30, identical=True)
     assert "1.15×" in ab_markdown(rejected, plain_30, True) and "noise" in ab_markdown(rejected, plain_30, True)
     close = {**stats.to_dict(), "decode_tok_s": 31.5}
-    assert "Speed-up: none measurable** (1.05×" in ab_markdown(close, plain_30, identical=True)
+    assert "no measurable speed-up** (1.05×" in ab_markdown(close, plain_30, identical=True)
+    slow = {**stats.to_dict(), "decode_tok_s": 15.0}
+    assert "**DFlash 2: slower than plain here, 0.50×**" in ab_markdown(slow, plain_30, identical=True)
     # Speed before the first decode step is not a number: the first token is the prefill's own sample.
-    assert "… (DFlash 2 speculative: after the first step)" in panel({**api, "decode_tok_s": None})
+    assert "… (DFlash 2 speculative: after a step)" in panel({**api, "decode_tok_s": None})
+
+
+def test_the_panel_tells_verify_and_plain_steps_apart_and_estimates_the_speed_against_plain() -> None:
+    """Steps: 2 verify steps and 6 plain ones, with their times apart (plain steps are not verify time); the speed
+    against plain is an estimate from the answer's own plain steps, labelled so, and says how it was computed."""
+    stats = Stats(n_prompt=10, n_prefilled=10, n_generated=11, decode_ms=200.0, draft_capacity=3, method="dflash",
+                  draft_length="auto", draft_ms=15.0, verify_ms=130.0, plain_ms=60.0)  # fmt: skip
+    stats.record_verify(3, 3, 4)
+    stats.record_verify(3, 0, 1)
+    stats.plain_steps = 6
+    text = panel({**stats.to_dict(), "decode_tok_s": 50.0})
+    assert "11 tokens: 2 verify steps (drafts checked), 6 plain steps (one token, no draft)" in text
+    assert "| Time: draft / verify steps / plain steps | 15.0 ms / 70.0 ms / 60.0 ms |" in text
+    # 60 ms over 6 plain steps: 10 ms a token, 100 tok/s plain, against 50 tok/s.
+    assert "| vs plain (estimate) | **≈ 0.50×**: 50.0 tok/s against ≈ 100.0 tok/s, one token per plain step of " \
+           "10.0 ms (the mean of this answer's 6 plain steps) |" in text  # fmt: skip
+    assert "across your requests in this conversation" in text, "the adaptive length's memory is said"
+    # No plain step in this answer: the adaptive length's measured plain step (from earlier requests), else none.
+    none_plain = {**stats.to_dict(), "plain_steps": 0, "plain_ms": 0.0, "decode_tok_s": 50.0}
+    learnt = panel({**none_plain, "controller": {"cost_ms_by_length": [25.0, 30.0]}})
+    assert "≈ 1.25×" in learnt and "the adaptive length's measured plain step" in learnt
+    assert "not measured: no plain step yet" in panel(none_plain)
+    assert "not measured: no plain step yet" in panel({**none_plain, "draft_length": 0})
+    fixed = panel({**none_plain, "draft_length": 3})
+    assert "not measured: a fixed draft length takes no plain step" in fixed and "| Draft length | 3 (fixed) |" in fixed
+    plain = panel({**Stats(n_generated=5, decode_ms=50.0, verify_ms=40.0, plain_ms=40.0, speculative=False,
+                           plain_steps=4).to_dict(), "decode_tok_s": 80.0})  # fmt: skip
+    assert "vs plain" not in plain and "Acceptance" not in plain and "5 tokens: 0 verify steps" in plain
+    assert "| Time: plain steps | 40.0 ms |" in plain
 
 
 def test_server_paths_are_cut_to_file_names() -> None:

@@ -260,5 +260,5 @@ def test_ab_verdict_says_what_identical_means_at_each_temperature() -> None:
     spec = Stats(n_generated=9, decode_ms=100.0, verify_mode="sample", drafted=6, accepted=3).to_dict()
     plain = {**Stats(n_generated=9, decode_ms=300.0, speculative=False).to_dict(), "finish_reason": "length"}
     summary = ab_markdown(spec, plain, identical=False, temperature=0.7, seed=1234)
-    assert "Speed-up: 3.00×" in summary and "| sample |" in summary and "| plain |" in summary
+    assert "3.00× as fast as plain" in summary and "Drafts checked by rejection sampling" in summary
     assert "as expected" in summary and "Texts identical" not in ab_markdown(spec, None, None)

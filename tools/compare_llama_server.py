@@ -5,6 +5,11 @@ For each generated tiny pair (target × draft × head) and each fixed draft leng
 token ids to /completion at temperature 0, and runs the same request through `load_pair(...).generate(...)`.
 Draft `mtp` is the hybrid target's own MTP (nextn) block, no draft file: the server runs `--spec-type draft-mtp` on
 the generated hybrid target with `mtp_layers=1`, the engine `load_pair(target, None)` with `method="mtp"`.
+Drafts `ngram-mod` and `ngram-map-k` are llama.cpp's n-gram self-speculation on the target alone (`--spec-type
+ngram-mod` / `ngram-map-k`, the key length `--ngram-n`, the draft length n as `--spec-ngram-mod-n-max` /
+`--spec-ngram-map-k-size-m`; the engine the same method with the same options). The server keeps its n-gram tables
+for as long as it runs, the engine rebuilds them from each request's tokens: the server is started afresh for
+every prompt of these drafts.
 `--server-only` runs the server side alone and prints its acceptance (for an engine without that method).
 Both must emit the same tokens and text, and count the same drafted tokens, accepted tokens and verify steps
 (the server's `timings.draft_n`, `timings.draft_n_accepted` and its `spec_decode_num_drafts_total` metric).
@@ -14,8 +19,8 @@ Requests must end before the context does: there llama-server stops one cell ear
 shift) and drops the accepted tokens of a step that reaches that cell, while the engine fills the context.
 
     python tools/compare_llama_server.py --server-bin /path/to/llama-server [--targets dense,hybrid]
-        [--drafts dflash2,dflash1,mtp] [--heads shaped,regime] [--n-max 3,7] [--max-tokens 48] [--n-ctx 512]
-        [--server-only]
+        [--drafts dflash2,dflash1,mtp,ngram-mod,ngram-map-k] [--heads shaped,regime] [--n-max 3,7]
+        [--max-tokens 48] [--n-ctx 512] [--ngram-n 3] [--server-only]
 
 Exits 1 on any mismatch, 2 on a usage error or when llama-server fails.
 
@@ -62,6 +67,8 @@ PROMPTS = (
 VERIFY_METRIC = "llamacpp:spec_decode_num_drafts_total"
 DFLASH_DRAFTS = ("dflash2", "dflash1")
 MTP = "mtp"  # the target's own nextn block
+NGRAMS = ("ngram-mod", "ngram-map-k")  # no draft file: the sequence drafts itself
+NGRAM_KEY = {"ngram-mod": "n_match", "ngram-map-k": "size_n"}  # the key length's engine option
 
 
 @dataclass(frozen=True)
@@ -182,12 +189,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def spec_args(args: argparse.Namespace, kind: str, draft: Path | None, n_max: int) -> list[str]:
+    """llama-server's --spec-type and its settings for a draft kind (see the module doc)."""
+    if kind == "ngram-mod":
+        return ["--spec-type", kind, "--spec-ngram-mod-n-match", str(args.ngram_n), "--spec-ngram-mod-n-max",
+                str(n_max), "--spec-ngram-mod-n-min", str(args.n_min)]
+    if kind == "ngram-map-k":
+        return ["--spec-type", kind, "--spec-ngram-map-k-size-n", str(args.ngram_n), "--spec-ngram-map-k-size-m",
+                str(n_max)]
+    return ["--spec-type", "draft-mtp"] if draft is None else ["-md", str(draft), "--spec-type", "draft-dflash"]
+
+
 @contextlib.contextmanager
 def running_server(
-    args: argparse.Namespace, target: Path, draft: Path | None, n_max: int, log: Path
+    args: argparse.Namespace, target: Path, kind: str, draft: Path | None, n_max: int, log: Path
 ) -> Iterator[LlamaServer]:
-    """draft None: the target drafts with its own MTP block (draft-mtp)."""
-    spec = ["--spec-type", "draft-mtp"] if draft is None else ["-md", str(draft), "--spec-type", "draft-dflash"]
+    spec = spec_args(args, kind, draft, n_max)
     argv = [
         "-m", str(target), *spec,
         "--spec-draft-n-max", str(n_max), "--spec-draft-n-min", str(args.n_min), "--spec-draft-p-min", str(args.p_min),
@@ -211,7 +228,8 @@ def engine_outcome(engine: Engine, args: argparse.Namespace, tokens: list[int], 
     if not args.reuse:
         engine.reset()
     common = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=args.p_min)
-    r = engine.generate(tokens, method="mtp" if draft == MTP else "dflash", draft_length=n_max, **common)
+    method = draft if draft in (MTP, *NGRAMS) else "dflash"
+    r = engine.generate(tokens, method=method, draft_length=n_max, **common)
     s = r.stats
     return Outcome(tuple(r.tokens), r.text, s.drafted, s.accepted, s.verify_steps)
 
@@ -226,6 +244,8 @@ def compare_pair(args: argparse.Namespace, target: str, draft: str, head: str, l
         if target != "hybrid":
             raise UsageError(f"draft {MTP} needs the hybrid target (only qwen35 targets carry an MTP block)")
         pair = tiny_pair(target, None, head=head, mtp_layers=1)
+    elif draft in NGRAMS:
+        return compare_ngram(args, target, draft, head, logs)
     else:
         pair = tiny_pair(target, draft, head=head)
     opened = load_pair(pair.target, pair.draft, n_ctx=args.n_ctx, draft_capacity=max(args.n_max),
@@ -242,13 +262,38 @@ def compare_pair(args: argparse.Namespace, target: str, draft: str, head: str, l
         for n_max in args.n_max:
             log = logs / f"{target}-{draft}-{head}-n{n_max}.log"
             eng.reset()  # like the freshly started server
-            with running_server(args, pair.target, pair.draft, n_max, log) as server:
-                for prompt, ids in prompts.items():
-                    same_ids = server.tokenize(prompt) == ids
-                    srv = server.complete(ids, args.max_tokens, args.reuse)
-                    ours = None if args.server_only else engine_outcome(eng, args, ids, n_max, draft)
-                    lossless = (srv if ours is None else ours).tokens == plain[prompt]
-                    rows.append(Row(name, n_max, prompt, srv, ours, lossless, same_ids))
+            with running_server(args, pair.target, draft, pair.draft, n_max, log) as server:
+                rows += [prompt_row(args, eng, server, name, n_max, draft, prompt, ids, plain[prompt])
+                         for prompt, ids in prompts.items()]
+    return rows
+
+
+def prompt_row(args: argparse.Namespace, eng: Engine, server: LlamaServer, name: str, n_max: int, draft: str,
+               prompt: str, ids: list[int], plain: tuple[int, ...]) -> Row:
+    """One prompt on the server and the engine, the same draft length."""
+    same_ids = server.tokenize(prompt) == ids
+    srv = server.complete(ids, args.max_tokens, args.reuse)
+    ours = None if args.server_only else engine_outcome(eng, args, ids, n_max, draft)
+    lossless = (srv if ours is None else ours).tokens == plain
+    return Row(name, n_max, prompt, srv, ours, lossless, same_ids)
+
+
+def compare_ngram(args: argparse.Namespace, target: str, draft: str, head: str, logs: Path) -> list[Row]:
+    """An n-gram draft on the target alone: one engine per draft length (the method drafts up to it, as the server's
+    n_max), one server per prompt (its tables outlive requests, the engine's do not)."""
+    pair = tiny_pair(target, None, head=head)
+    name = f"{target}/{draft}/{head}"
+    rows: list[Row] = []
+    options = {NGRAM_KEY[draft]: args.ngram_n, **({"n_min": args.n_min} if draft == "ngram-mod" else {})}
+    for n_max in args.n_max:
+        with load_pair(pair.target, None, n_ctx=args.n_ctx, draft_capacity=n_max, n_threads=args.threads,
+                       method_options={draft: options}) as eng:
+            prompts = {p: eng.tokenize(p) for p in args.prompts}
+            plain = {p: plain_tokens(eng, ids, args.max_tokens) for p, ids in prompts.items()}
+            for i, (prompt, ids) in enumerate(prompts.items()):
+                log = logs / f"{target}-{draft}-{head}-n{n_max}-p{i}.log"
+                with running_server(args, pair.target, draft, None, n_max, log) as server:
+                    rows.append(prompt_row(args, eng, server, name, n_max, draft, prompt, ids, plain[prompt]))
     return rows
 
 
@@ -305,13 +350,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--server-bin", type=Path, required=True, help="llama-server built from the vendored llama.cpp")
     p.add_argument("--targets", type=_csv(str), default=["dense", "hybrid"])
     p.add_argument("--drafts", type=_csv(str), default=list(DFLASH_DRAFTS),
-                   help=f"{', '.join(DFLASH_DRAFTS)} (draft files) or {MTP} (the hybrid target's nextn block)")
+                   help=f"{', '.join(DFLASH_DRAFTS)} (draft files), {MTP} (the hybrid target's nextn block) or "
+                        f"{', '.join(NGRAMS)} (the target alone)")
     p.add_argument("--heads", type=_csv(str), default=["shaped", "regime"])
     p.add_argument("--n-max", type=_csv(int), default=[3, 7], help="fixed draft lengths")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--n-min", type=int, default=0, help="drop drafts shorter than this")
     p.add_argument("--p-min", type=float, default=0.0, help="stop a draft at a less confident position")
     p.add_argument("--n-ctx", type=int, default=512)
+    p.add_argument("--ngram-n", type=int, default=3, help="n-gram drafts: the key length (n_match / size_n)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--prompts", type=lambda s: s.split("|"), default=list(PROMPTS), help="'|'-separated")
     p.add_argument("--reuse", action="store_true",
@@ -328,9 +375,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.server_bin.is_file():
         print(f"no llama-server at {args.server_bin}", file=sys.stderr)
         return 2
-    unknown = sorted(set(args.drafts) - {*DFLASH_DRAFTS, MTP})
+    unknown = sorted(set(args.drafts) - {*DFLASH_DRAFTS, MTP, *NGRAMS})
     if unknown:
-        print(f"unknown draft(s) {unknown}: choose from {', '.join((*DFLASH_DRAFTS, MTP))}", file=sys.stderr)
+        print(f"unknown draft(s) {unknown}: choose from {', '.join((*DFLASH_DRAFTS, MTP, *NGRAMS))}",
+              file=sys.stderr)
         return 2
     if MTP in args.drafts and not args.server_only and not engine_has_mtp():
         print(f"this engine has no MTP drafting (no method= on requests): use --server-only for draft {MTP}",

@@ -21,7 +21,7 @@ from dflash_runtime.space.host import EngineHost, GpuJob
 from dflash_runtime.space.presets import ResolvedPair, configured_preset
 from dflash_runtime.space.requests import Limits, build_request
 from dflash_runtime.space.session import ChatSession
-from dflash_runtime.testing.tiny_models import tiny_pair
+from dflash_runtime.testing.tiny_models import pair_paths, tiny_pair
 
 PROMPT = "Explain speculative decoding in three sentences."
 
@@ -31,7 +31,7 @@ def run(n_ctx: int, max_tokens: int) -> list[Any]:
     from dflash_runtime import load_pair
 
     pair = tiny_pair(target="dense", draft="dflash2", head="phrase", n_embd=512, dims="scaled")
-    preset = configured_preset(True, {"DFLASH_N_CTX": str(n_ctx)})
+    preset = configured_preset(True, {"DFLASH_N_CTX": str(n_ctx)}, pair_paths)
     request = build_request(preset=preset.name, presets=[preset.name], limits=Limits(max_new_tokens=max_tokens),
                             message=PROMPT, max_tokens=max_tokens, draft_length="auto")  # fmt: skip
     host = EngineHost(load_pair)

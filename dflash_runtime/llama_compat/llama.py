@@ -23,12 +23,11 @@ recurrent state of a hybrid target, so such a target is refused.
 
 from __future__ import annotations
 
-import ctypes
 import fnmatch
 import functools
 import inspect
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +39,10 @@ from llama_cpp.llama_speculative import LlamaDraftModel
 
 from .. import load_pair
 from ..backends import load_backends
-from ..engine import deprecated_alias
-from ..errors import DownloadError, ModelFileError, PairMismatchError, RequestError
+from ..deprecated import renamed_keyword
+from ..errors import DownloadError, EngineClosedError, ModelFileError, PairMismatchError, RequestError
 from ..pair import DEFAULT_DRAFT_CAPACITY
+from ..vocab import Vocabulary
 from .openai import (
     CHAT_OPTIONS_OFF,
     COMPLETION_OPTIONS_OFF,
@@ -120,14 +120,20 @@ class DFlashDraftModel(LlamaDraftModel):
         return f"DFlashDraftModel({self.draft_model_path!r}, num_pred_tokens={self.num_pred_tokens})"
 
 
+CLOSED_MESSAGE = "this DFlashLlama was closed; open a new one with DFlashLlama(...)"
+
+
 def _engine_or_llama(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Runs `method` with a DFlash engine, and `Llama`'s method of the same name in llama-cpp-python's loop."""
+    """Runs `method` with a DFlash engine, and `Llama`'s method of the same name in llama-cpp-python's loop. After
+    close() every method but close() raises EngineClosedError, in this class's words (not the engine's)."""
     llama_method = getattr(Llama, method.__name__)
 
     @functools.wraps(method)
     def dispatch(self: DFlashLlama, *args: Any, **kwargs: Any) -> Any:
         if self._engine is None:
             return llama_method(self, *args, **kwargs)
+        if self._engine.closed and method.__name__ != "close":
+            raise EngineClosedError(CLOSED_MESSAGE)
         return method(self, *args, **kwargs)
 
     return dispatch
@@ -162,7 +168,7 @@ REQUEST_EXTRAS = {"speculative": True, "method": None, "draft_length": None, "ve
 def _pop_extras(kwargs: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     extras = {name: kwargs.pop(name, default) for name, default in defaults.items()}
     if "draft_max" in kwargs:  # the deprecated spelling of draft_length
-        extras["draft_length"] = deprecated_alias("draft_max", "draft_length", kwargs.pop("draft_max"),
+        extras["draft_length"] = renamed_keyword("draft_max", "draft_length", kwargs.pop("draft_max"),
                                                   extras["draft_length"], None, stacklevel=4)
     return extras
 
@@ -177,7 +183,7 @@ class DFlashLlama(Llama):
     defaults and return its shapes, plus `"dflash_stats"` on the response (and on the last streamed chunk).
     Sampling honours max_tokens, temperature, top_k, top_p, min_p, seed and stop; options that need host logits
     (logprobs, grammar, penalties, logits processors, logit_bias, ...) raise `RequestError` when turned on.
-    Extra keywords: `speculative=False` (target only), `method` ("dflash" or "mtp", see `methods`), `draft_length`
+    Extra keywords: `speculative=False` (target only), `method` (one of `methods`, or a chain "a,b"), `draft_length`
     (an int ≤ the pair's capacity, 0 for no draft, or "auto"; `draft_max` is its deprecated spelling), `verify`
     ("sample": rejection sampling, or "match", above temperature 0) and, for chats, `enable_thinking`. Chats use the
     target GGUF's own template; message content never becomes control tokens.
@@ -200,7 +206,7 @@ class DFlashLlama(Llama):
         **llama_kwargs: Any,
     ) -> None:
         self._engine: Any = None  # first: every dispatched method reads it, even from Llama.__init__
-        capacity = deprecated_alias("draft_max", "draft_capacity", draft_max, draft_capacity, None)
+        capacity = renamed_keyword("draft_max", "draft_capacity", draft_max, draft_capacity, None)
         if draft_model is not None and not isinstance(draft_model, DFlashDraftModel):
             if draft_model_path is not None or capacity is not None:
                 raise RequestError("draft_model_path and draft_capacity apply to DFlash drafts, not to a Python draft")
@@ -342,7 +348,8 @@ class DFlashLlama(Llama):
 
     @property
     def methods(self) -> tuple[str, ...]:
-        """The draft methods this model can run: "dflash" with a DFlash draft, "mtp" with the target's MTP head."""
+        """The draft methods this model can run (the engine's: "dflash" with a DFlash draft, "mtp" with the target's
+        MTP head, the n-gram methods, the listed chains)."""
         return self._engine.methods if self._engine is not None else ()
 
     # -- Llama methods re-implemented on the engine ---------------------------------------------------------------
@@ -353,7 +360,7 @@ class DFlashLlama(Llama):
 
     @_engine_or_llama
     def detokenize(self, tokens: list[int], prev_tokens: list[int] | None = None, special: bool = False) -> bytes:
-        return _detokenize(self._vocab(), tokens, special)
+        return self._vocabulary().detokenize(tokens, special=special)
 
     @_engine_or_llama
     def n_ctx(self) -> int:
@@ -370,11 +377,11 @@ class DFlashLlama(Llama):
 
     @_engine_or_llama
     def token_eos(self) -> int:
-        return int(ll.llama_vocab_eos(self._vocab()))
+        return self._vocabulary().eos
 
     @_engine_or_llama
     def token_bos(self) -> int:
-        return int(ll.llama_vocab_bos(self._vocab()))
+        return self._vocabulary().bos
 
     @_engine_or_llama
     def token_nl(self) -> int:
@@ -405,8 +412,11 @@ class DFlashLlama(Llama):
         self.close()
 
     def _vocab(self) -> Any:
+        return self._vocabulary().handle
+
+    def _vocabulary(self) -> Vocabulary:
         self._engine.check_open()  # after close() the vocabulary is freed: raise EngineClosedError, never read it
-        return self._engine.pair.vocab
+        return self._engine.pair.vocabulary
 
     # -- Llama methods that need Llama's own decode state ---------------------------------------------------------
 
@@ -472,21 +482,6 @@ def _same(value: Any, default: Any) -> bool:
         return False
 
 
-def _detokenize(vocab: Any, tokens: Iterable[int], special: bool) -> bytes:
-    """Token ids → bytes, special tokens rendered only when `special` (as `Llama.detokenize`)."""
-    ids = list(tokens)
-    if not ids:
-        return b""
-    array = (ll.llama_token * len(ids))(*ids)
-    size = 8 * len(ids) + 16
-    while True:
-        buffer = ctypes.create_string_buffer(size)
-        n = ll.llama_detokenize(vocab, array, len(ids), buffer, size, False, special)
-        if n >= 0:
-            return buffer.raw[:n]
-        size = -n  # too small: -n bytes are needed
-
-
 def _hub_file(
     repo_id: str,
     pattern: str,
@@ -497,8 +492,7 @@ def _hub_file(
     token: str | None,
 ) -> str:
     """Local path of the one file of `repo_id` that `pattern` names (a glob pattern is resolved on the Hub)."""
-    from ..space.downloads import fetch_model_file
-    from ..space.presets import ModelSource
+    from ..hub import ModelSource, fetch_model_file
 
     filename = pattern
     if any(char in pattern for char in "*?["):

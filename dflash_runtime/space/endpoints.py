@@ -19,9 +19,10 @@ import gradio as gr
 import pandas as pd
 
 from ..errors import DFlashError, PromptTooLongError, RequestError
+from ..methods import runnable as registered_methods
 from .callers import call_of
 from .provenance import ACCEPTANCE, SPEED, SpeedTrace, point_every
-from .requests import AUTO, MessageTooLongError
+from .requests import AUTO, DEFAULT_SYSTEM_PROMPT, MessageTooLongError
 from .service import Comparison, Reply, SpaceService
 from .session import ChatSession
 from .views import (
@@ -111,6 +112,20 @@ def chart_frames(trace: SpeedTrace | None) -> tuple[pd.DataFrame | None, pd.Data
     return trace_frame(trace, SPEED), trace_frame(trace, ACCEPTANCE)
 
 
+def shown(frame: pd.DataFrame | None) -> Any:
+    """A chart's update: shown with its data, hidden while it has none (no empty box before the first answer)."""
+    return gr.update(value=frame, visible=frame is not None and not frame.empty)
+
+
+def chart_updates(stats: dict[str, Any], trace: SpeedTrace | None) -> tuple[Any, Any, Any]:
+    """The acceptance-by-position plot, the speed chart and the acceptance chart, each hidden while empty."""
+    speed, acceptance = chart_frames(trace)
+    return shown(plot_frame(stats)), shown(speed), shown(acceptance)
+
+
+HIDDEN_CHARTS = (gr.update(value=None, visible=False),) * 3
+
+
 # -- the API --------------------------------------------------------------------------------------------------------
 
 
@@ -144,7 +159,7 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
     async def chat(
         message: str,
         history: list[dict[str, str]] | None = None,
-        system_prompt: str = "",
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
         preset: str = preset_name,
         max_tokens: int = max_tokens_default,
         temperature: float | None = None,
@@ -164,7 +179,7 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
         Parameters:
             message: the new user message
             history: earlier turns, [{"role": "user" | "assistant", "content": str}, ...]; the oldest go if need be
-            system_prompt: the system message ("" for none)
+            system_prompt: the system message (left out: the page's, "You are a helpful assistant."; "" for none)
             preset: the model pair, one of /info's presets
             max_tokens: the longest answer, in tokens (an integer in 1..limits.max_new_tokens)
             temperature: sampling temperature in [0, 2] (0 = greedy); null: the server's default (/info defaults)
@@ -191,7 +206,7 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
     async def generate(
         message: str,
         history: list[dict[str, str]] | None = None,
-        system_prompt: str = "",
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
         preset: str = preset_name,
         max_tokens: int = max_tokens_default,
         temperature: float | None = None,
@@ -210,7 +225,7 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
         Parameters:
             message: the new user message
             history: earlier turns, [{"role": "user" | "assistant", "content": str}, ...]
-            system_prompt: the system message ("" for none)
+            system_prompt: the system message (left out: the page's, "You are a helpful assistant."; "" for none)
             preset: the model pair, one of /info's presets
             max_tokens: the longest answer, in tokens
             temperature: sampling temperature in [0, 2] (0 = greedy); null: the server's default
@@ -268,7 +283,7 @@ def method_choices(service: SpaceService) -> list[tuple[str, str]]:
     """The method menu: "auto" (the pair's default), then each method the pair runs (all while not known yet)."""
     methods = service.methods()
     kind = service.engine_info.get("draft_kind")
-    shown = methods if methods is not None else ["dflash", "mtp"]
+    shown = methods if methods is not None else list(registered_methods(lambda needs: True))
     default = f"auto ({method_label(methods[0], kind)})" if methods else "auto"
     return [(default, AUTO), *((method_label(m, kind), m) for m in shown)]
 
@@ -356,7 +371,7 @@ class PageHandlers:
             return
         epoch, request = pending
         trace = SpeedTrace(point_every(request.max_tokens))
-        yield skip, skip, WAITING_STATS, skip, None, None, skip, skip, skip
+        yield skip, skip, WAITING_STATS, *HIDDEN_CHARTS, skip, skip, skip
         reply: Reply | None = None
         try:
             while await self.service.poll_files() is None:
@@ -371,7 +386,7 @@ class PageHandlers:
                 session.last_stats = reply.stats
                 plot = speed = acceptance = skip
                 if trace.add(reply.stats, final=reply.finish_reason is not None):
-                    plot, (speed, acceptance) = plot_frame(reply.stats), chart_frames(trace)
+                    plot, speed, acceptance = chart_updates(reply.stats, trace)
                 notice_update = skip
                 if reply.notice and reply.notice != notice:
                     notice = reply.notice
@@ -393,12 +408,11 @@ class PageHandlers:
         if not session.is_current(epoch):
             # Cleared: this event's last word empties what it showed (Clear's own outputs may arrive before frames
             # this event sent earlier).
-            yield [], skip, EMPTY_STATS, plot_frame({}), None, None, skip, skip, skip
+            yield [], skip, EMPTY_STATS, *HIDDEN_CHARTS, skip, skip, skip
         elif reply is not None and reply.finish_reason is None and session.last_stats:  # stopped: say so, chart it
             stopped = {**session.last_stats, "finish_reason": "stopped", "finish_detail": "by you"}
             trace.add(stopped, final=True)
-            speed, acceptance = chart_frames(trace)
-            yield skip, skip, stats_markdown(stopped), plot_frame(stopped), speed, acceptance, skip, skip, skip
+            yield skip, skip, stats_markdown(stopped), *chart_updates(stopped, trace), skip, skip, skip
 
     def comparison_phases(self) -> tuple[tuple[str, ...], dict[str, str]]:
         """The A/B run's phases (plain decoding, then each draft method the pair runs) and each method's row name."""
@@ -460,7 +474,7 @@ class PageHandlers:
         """Inputs: session. Outputs: chatbot, message box, statistics, acceptance plot, speed chart, acceptance chart,
         notice, A/B box. Stops the running answer and forgets the conversation."""
         session.clear()
-        return [], "", EMPTY_STATS, plot_frame({}), None, None, gr.update(value="", visible=False), ""
+        return [], "", EMPTY_STATS, *HIDDEN_CHARTS, gr.update(value="", visible=False), ""
 
     def page_load(self) -> tuple[Any, ...]:
         """Outputs: thinking switch, info box, temperature, top-p, top-k, min-p, sampling note, method. The sampling

@@ -24,6 +24,9 @@ CSS = f"""
 .{DRAFT_CLASS} {{ background: rgba(250, 190, 40, 0.35); border-radius: 2px; }}
 #draft-legend {{ font-size: var(--text-sm); }}
 #ab-result th {{ white-space: nowrap; word-break: normal; overflow-wrap: normal; hyphens: none; }}
+#ab-result table {{ font-size: var(--text-sm); }}
+#ab-result th, #ab-result td {{ padding: 4px 6px; }}
+@media (max-width: 480px) {{ #ab-result th, #ab-result td {{ padding: 3px 3px; }} }}
 """
 LEGEND = (
     f'<span class="{DRAFT_CLASS}">highlighted</span>: written by the draft and accepted by the target; '

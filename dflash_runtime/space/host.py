@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,18 +24,17 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from .. import methods as draft_methods
 from ..errors import DecodeError, DFlashError, EngineClosedError, ModelFileError, PairMismatchError, RequestError
 from .fitting import FittedConversation, fit_conversation, prompt_tokens
 from .presets import PairPreset, ResolvedPair, draft_unavailable, has_mtp_head
 from .requests import DEFAULT_SYSTEM_PROMPT, ChatRequest, thinking_prefix
 from .views import scrub_paths
 
-log = logging.getLogger(__name__)
-
 # Each phase's decoding: None for the request's own `speculative` and method; True for speculative with the request's
 # method; False for plain decoding; a method name for speculative decoding with that method (an A/B comparison).
-PHASES: dict[str, bool | str | None] = {"chat": None, "speculative": True, "plain": False, "dflash": "dflash",
-                                        "mtp": "mtp"}  # fmt: skip
+PHASES: dict[str, bool | str | None] = {"chat": None, "speculative": True, "plain": False,
+                                        **{m: m for m in draft_methods.runnable(lambda needs: True)}}  # fmt: skip
 # Errors after which the engine's state is not to be trusted: it is closed, and the next request loads it again.
 # Any other runtime error (a bad request, a prompt too long, a busy engine) leaves it as it is.
 ENGINE_FAILURES = (DecodeError, EngineClosedError)
@@ -51,7 +50,7 @@ class GpuJob:
     phases: tuple[str, ...] = ("chat",)  # e.g. ("dflash", "mtp", "plain") for an A/B comparison
     gpu_seconds: int = 60  # the duration asked of ZeroGPU, decided in the web process
     # Whose text this is (an opaque key per visitor's session): the engine reuses cached tokens only for the same
-    # owner, beyond the prompt's public prefix. Empty: a session-less call (see EngineHost._forget_sessionless).
+    # owner, beyond the prompt's public prefix. Empty: a fresh owner, nothing of anybody else's is reused.
     cache_owner: str = ""
     engine_info_seen: str = ""  # the digest of the engine description the web process holds (see info_digest)
 
@@ -113,7 +112,6 @@ class ReplyChunk:
 # What the cache holds now (tokens, checkpoints, the owners' parked states): the state of somebody's requests.
 PRIVATE_ENGINE_KEYS = ("n_cached", "checkpoints", "sessions")
 PUBLIC_OWNER = "public prefix"  # the owner of the requests that put the public prefix back in the cache
-SESSIONLESS_OWNER = "session-less calls"  # the one owner of every call without a session (see _forget_sessionless)
 
 
 def _public_info(info: dict[str, Any]) -> dict[str, Any]:
@@ -147,6 +145,7 @@ class EngineFacts:
 
     public_tokens: dict[bool, list[int]] = field(default_factory=dict)
     thinking_prefix: dict[bool, str] = field(default_factory=dict)
+    public_kept: set[bool] = field(default_factory=set)  # thinking switches whose public prefix the engine keeps
 
     def public(self, engine: Any, thinking: bool) -> list[int]:
         """The prompt tokens every visitor can send: the page's system prompt up to where the visitor's own message
@@ -184,7 +183,6 @@ class EngineHost:
         self._engine: Any = None
         self._key: tuple[Any, ...] | None = None
         self._facts: EngineFacts | None = None
-        self._public_cached: list[int] | None = None  # the public prefix the cache holds (see _owner_arguments)
         self.loads = 0
         self.requests = 0
         self.last_load_s: float | None = None
@@ -199,7 +197,6 @@ class EngineHost:
         if self._engine is not None:
             self._engine.close()
             self._engine, self._key, self._facts = None, None, None
-            self._public_cached = None
 
     def _ensure(self, preset: PairPreset, files: ResolvedPair) -> tuple[Any, bool]:
         """The engine for this preset and files, and whether it was loaded now. Call with the lock held."""
@@ -208,7 +205,11 @@ class EngineHost:
             return self._engine, False
         self._close()
         started = time.monotonic()
-        options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity}
+        from ..sessions import SessionPolicy  # the core's cache modules import libllama: only where engines run
+
+        # Only a visitor's own request parks its state (see run): nobody's request pays for, or times, another's.
+        options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
+                   "sessions": SessionPolicy(park_on_switch=False)}  # fmt: skip
         self.draft_problem = files.draft_problem
         if files.draft_path is None:
             self._engine = self._loader(files.target_path, None, **options)
@@ -255,12 +256,15 @@ class EngineHost:
                                "n_generated": chunk.stats["n_generated"], "phase": phase}  # fmt: skip
                     if not info_known:
                         chunk.engine_info, info_known = info, True
-                    if owner.get("public_prefix"):  # its prompt is prefilled: the public prefix is cached
-                        self._public_cached = self._facts.public(engine, thinking) if self._facts else None
                     chunk.used_s = round(time.monotonic() - started, 3)
-                    if first or (chunk.finish_reason and phase == job.phases[-1]):
+                    last = chunk.finish_reason is not None and phase == job.phases[-1]
+                    if first or last:
                         chunk.worker = self._report(report, started)
                         first = False
+                    if last and job.cache_owner:
+                        # A visitor's state is copied aside inside its own request (after its figures), so the
+                        # next visitor's request costs the same whatever this one left.
+                        engine.park()
                     yield chunk
         except DFlashError as error:
             if isinstance(error, ENGINE_FAILURES):
@@ -271,14 +275,8 @@ class EngineHost:
             chunk.used_s = chunk.worker["used_s"]
             yield chunk
         finally:
-            try:
-                if not job.cache_owner and self._engine is not None and self._facts is not None:
-                    self._forget_sessionless(self._engine, job.request.enable_thinking)
-            except DFlashError as error:  # the next request reports a broken engine itself
-                log.warning("could not clear a session-less call's cache: %s", error)
-            finally:
-                self.previous_request = outcome
-                self._lock.release()
+            self.previous_request = outcome
+            self._lock.release()
 
     def _owner_arguments(self, engine: Any, owner: str, tokens: list[int], thinking: bool) -> dict[str, Any]:
         """The engine's keyword arguments that keep this request's cache to its owner (see the class doc). Call
@@ -290,29 +288,18 @@ class EngineHost:
         is would tell whether the previous visitor used the page's system prompt; when the previous request did not
         leave it there, a one-token request of nobody's puts it back first."""
         assert self._facts is not None
-        owner = owner or SESSIONLESS_OWNER
+        owner = owner or secrets.token_hex(16)  # nobody's session: a fresh owner, nothing to reuse, never parked
         public = self._facts.public(engine, thinking)
         declared = len(public) if len(tokens) > len(public) and tokens[: len(public)] == public else 0
-        if declared and self._public_cached != public:
+        if declared and thinking not in self._facts.public_kept:
+            # The engine keeps a copy of the caches after the public prefix, made by the first request that declares
+            # it: made here by nobody's request, so that no visitor's figures say whether it was already there.
             with engine.stream(public, max_tokens=1, speculative=False, cache_owner=PUBLIC_OWNER,
                                public_prefix=declared) as events:  # fmt: skip
                 for _ in events:
                     pass
-        self._public_cached = None  # until this request's prompt is in the cache (see run)
+            self._facts.public_kept.add(thinking)
         return {"cache_owner": owner, "public_prefix": declared}
-
-    def _forget_sessionless(self, engine: Any, thinking: bool) -> None:
-        """After a call without a session: leave the cache holding the public prefix only, still as the session-less
-        owner. The next owner then finds nothing of this call to park, so session-less calls take no parked
-        visitor's place however many come, and the next session-less call reuses nothing of this one (the engine
-        keeps only the common prefix of an owner's cache and its new prompt). Call with the lock held."""
-        assert self._facts is not None
-        public = self._facts.public(engine, thinking)
-        with engine.stream(public, max_tokens=1, speculative=False, cache_owner=SESSIONLESS_OWNER,
-                           public_prefix=len(public)) as events:  # fmt: skip
-            for _ in events:
-                pass
-        self._public_cached = public
 
     def _report(self, report: dict[str, Any], started: float) -> dict[str, Any]:
         used_s = round(time.monotonic() - started, 3)

@@ -18,46 +18,18 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from ..hub import ModelSource
 
 log = logging.getLogger(__name__)
 DEFAULT_PRESET_NAME = "qwen3.8-27b-dflash2"
 DEFAULT_N_CTX = 16384
 DEFAULT_GPU_LAYERS = -1
 DEFAULT_DRAFT_CAPACITY = 7
-_QUANT_PATTERN = re.compile(r"(NVFP4|MXFP4|IQ\d_[A-Z0-9_]+|Q\d_K(?:_[SML])?|Q\d_\d|BF16|F16|F32)", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where one GGUF file comes from: a local path, or a file of a Hub repository at a revision."""
-
-    repo: str | None = None
-    filename: str | None = None
-    revision: str | None = None
-    local_path: Path | None = None
-
-    def describe(self) -> str:
-        """Where the file comes from, as visitors may read it: the Hub repo and file, or a local file's name (the
-        server's directories stay private)."""
-        if self.local_path is not None:
-            return f"local file {self.local_path.name}"
-        revision = f"@{self.revision}" if self.revision else ""
-        return f"{self.repo}/{self.filename}{revision}"
-
-    @property
-    def display_name(self) -> str:
-        return self.local_path.name if self.local_path is not None else str(self.filename)
-
-    @property
-    def quantisation(self) -> str:
-        """Quantisation read from the file name (GGUF names carry it by convention); "unknown" when absent."""
-        match = _QUANT_PATTERN.search(self.display_name)
-        return match.group(1).upper() if match else "unknown"
 
 
 DEFAULT_TARGET = ModelSource(
@@ -213,24 +185,30 @@ DEMO_PAIRS: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-def configured_preset(tiny: bool, env: Mapping[str, str] | None = None) -> PairPreset:
-    """The pair this server offers: the environment's, or in the offline demo generated tiny models (CPU)."""
+# Makes (or finds) the offline demo's files for one of DEMO_PAIRS' specs: (target, draft). app.py hands in
+# dflash_runtime.testing's generator, which the Space itself does not import.
+DemoFiles = Callable[[Mapping[str, Any]], tuple[Path, Path]]
+
+
+def configured_preset(tiny: bool, env: Mapping[str, str] | None = None,
+                      demo_files: DemoFiles | None = None) -> PairPreset:
+    """The pair this server offers: the environment's, or in the offline demo generated tiny models (CPU), made by
+    `demo_files`."""
     env = os.environ if env is None else env
     preset = preset_from_env(env)
     if not tiny:
         return preset
-    from ..testing.tiny_models import tiny_pair
-
     choice = env_text(env, "DFLASH_DEMO_PAIR") or "dense"
     if choice not in DEMO_PAIRS:
         raise ValueError(f"DFLASH_DEMO_PAIR must be one of {', '.join(DEMO_PAIRS)}, got {choice!r}")
+    if demo_files is None:
+        raise ValueError("the offline demo needs a maker of its generated models (demo_files); app.py hands it in")
     spec, description = DEMO_PAIRS[choice]
-    pair = tiny_pair(**spec)
-    assert pair.draft is not None
+    target, draft = demo_files(spec)
     return with_local_files(
         preset,
-        pair.target,
-        pair.draft,
+        target,
+        draft,
         name=TINY_PRESET_NAME,
         label=f"random-weight test models ({description}, generated: predictable stretches and random text)",
         n_ctx=preset.n_ctx if env.get("DFLASH_N_CTX", "").strip() else TINY_N_CTX,

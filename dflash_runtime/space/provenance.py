@@ -68,8 +68,7 @@ class SourceRuns:
 
 # -- the chart ------------------------------------------------------------------------------------------------------
 
-SPEED, ACCEPTANCE = "decode speed (tok/s)", "acceptance (%)"
-SERIES_COLOURS = {SPEED: "#2563eb", ACCEPTANCE: "#f59e0b"}  # each series has a chart (and a y axis) of its own
+SPEED, ACCEPTANCE = "decode speed (tok/s)", "acceptance (%)"  # each series has a chart (and a y axis) of its own
 MIN_POINT_EVERY = 4
 POINTS_PER_ANSWER = 48
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import methods as draft_methods
 from ..errors import RequestError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -25,7 +26,7 @@ TOP_P_RANGE = (0.01, 1.0)
 TOP_K_RANGE = (0, 1000)  # 0: no top-k cut
 MIN_P_RANGE = (0.0, 0.99)
 AUTO = "auto"
-METHOD_CHOICES = (AUTO, "dflash", "mtp")  # "auto": the pair's default method
+METHOD_CHOICES = (AUTO, *draft_methods.runnable(lambda needs: True))  # "auto": the pair's default method
 DRAFT_MAX_NOTE = ("draft_max is deprecated: send draft_length ('auto' or an integer, 0 = no draft); "
                   "draft_max 0 meant 'auto'")  # fmt: skip
 
@@ -174,10 +175,14 @@ def check_draft_length(value: Any, capacity: int) -> int | str:
 
 
 def check_method(value: Any, available: Sequence[str] | None) -> str:
-    """One of METHOD_CHOICES, and (when the pair's methods are known) one the pair runs."""
-    if value not in METHOD_CHOICES:
-        raise RequestError(f"method must be one of {', '.join(map(repr, METHOD_CHOICES))}, got {_shown(value)}")
-    if available is not None and value != AUTO and value not in available:
+    """"auto", a registered method or a chain of them ("a,b"), and (when the pair's methods are known) one the pair
+    runs."""
+    known = draft_methods.names()
+    if value != AUTO and not (isinstance(value, str) and all(m in known for m in draft_methods.split(value))):
+        raise RequestError(f"method must be one of {', '.join(map(repr, METHOD_CHOICES))}, got {_shown(value)} "
+                           "(or a chain of methods, 'a,b')")
+    singles = [m for m in available or () if draft_methods.CHAIN_SEPARATOR not in m]
+    if available is not None and value != AUTO and not all(m in singles for m in draft_methods.split(value)):
         runs = ", ".join(map(repr, available)) or "none (plain decoding only)"
         raise RequestError(f"method {value!r} is not available on this pair; it runs {runs}")
     return value

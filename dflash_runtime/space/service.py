@@ -21,12 +21,14 @@ from functools import partial
 from typing import Any
 
 from ..errors import DFlashError, RequestError
+from ..methods import runnable as registered_methods
 from .callers import Callers, GateSettings
 from .downloads import PairDownload
 from .gpu_time import GpuTimeEstimator, GpuTimeSettings
 from .host import GpuJob, ReplyChunk, info_digest
 from .jobs import EngineSlot, ReplyJob
 from .presets import (
+    DemoFiles,
     PairPreset,
     ResolvedPair,
     configured_preset,
@@ -198,9 +200,11 @@ class SpaceService:
 
     @classmethod
     def from_env(
-        cls, build_status: str, build: Mapping[str, Any], env: Mapping[str, str] | None = None
+        cls, build_status: str, build: Mapping[str, Any], env: Mapping[str, str] | None = None,
+        demo_files: DemoFiles | None = None,
     ) -> SpaceService:
-        """The service as the environment configures it, given the start-up check's result."""
+        """The service as the environment configures it, given the start-up check's result; `demo_files` makes the
+        offline demo's generated models (see presets.DemoFiles)."""
         from . import zerogpu
 
         env = os.environ if env is None else env
@@ -208,7 +212,7 @@ class SpaceService:
         mode = choose_run_mode(env, overrides_in_env(env), has_cuda)
         mode = settle_run_mode(mode, build, zero_gpu=zero_gpu, has_cuda=has_cuda,
                                n_gpu_layers=configured_preset(False, env).n_gpu_layers)  # fmt: skip
-        preset = configured_preset(mode.tiny, env)
+        preset = configured_preset(mode.tiny, env, demo_files)
         return cls(
             mode=mode,
             preset=preset,
@@ -257,7 +261,8 @@ class SpaceService:
         except DFlashError as error:  # the load reports it properly; here it only means "not known"
             log.warning("could not read the target's header: %s", error)
             return
-        methods = [m for m, ok in (("dflash", files.draft_path is not None), ("mtp", mtp)) if ok]
+        holds = {"draft": files.draft_path is not None, "nextn": mtp}
+        methods = list(registered_methods(holds.__getitem__))
         problem = draft_unavailable(scrub_paths(files.draft_problem)) if files.draft_problem else None
         self.file_facts = {"methods": methods, "draft_problem": problem}
         if sampling:
@@ -278,8 +283,8 @@ class SpaceService:
 
     def owner_key(self, session_hash: str | None, call: str | None = None) -> str:
         """The cache owner (and the GPU-time estimates' source) of a request: an opaque key derived from the caller's
-        session; "" for a raw call without a session (`call`, see callers.py): they all share one owner whose cache
-        keeps nothing of them (see host.EngineHost), and the GPU-time estimates do not learn from them."""
+        session; "" for a raw call without a session (`call`, see callers.py), which the engine host runs as a fresh
+        owner it never parks (see host.EngineHost), and from which the GPU-time estimates do not learn."""
         if not session_hash or self.callers.sessionless(call):
             return ""
         return hmac.new(self._owner_secret, session_hash.encode(), hashlib.sha256).hexdigest()[:32]

@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .. import methods as draft_methods
 from .presets import PairPreset
 from .requests import Limits
 from .runmode import RunMode
@@ -37,22 +38,80 @@ def _gpu_time_row(stats: Mapping[str, Any]) -> tuple[str, str] | None:
     return ("Engine time", f"{used:.1f} s") if used is not None else None
 
 
+def _speed_row(stats: Mapping[str, Any], mode: str) -> tuple[str, str]:
+    speed = stats["decode_tok_s"]
+    return "Decode speed", f"**{speed:.1f} tok/s** ({mode})" if speed is not None else f"… ({mode}: after a step)"
+
+
+def plain_step_ms(stats: Mapping[str, Any]) -> tuple[float, str] | None:
+    """The engine's own measured cost of a plain step (one token, no draft), and where it comes from: the mean of
+    this answer's plain steps (the target's decode and sampling), else, at the end of an answer that took none, the
+    adaptive length's measured plain round (learnt on this conversation's earlier requests); None when neither."""
+    steps, spent = stats.get("plain_steps") or 0, stats.get("plain_ms") or 0.0
+    if steps and spent > 0:
+        return spent / steps, f"the mean of this answer's {steps} plain step{'s' if steps > 1 else ''}"
+    costs = (stats.get("controller") or {}).get("cost_ms_by_length") or []
+    if costs and costs[0]:
+        return float(costs[0]), "the adaptive length's measured plain step, from this conversation's requests"
+    return None
+
+
+def vs_plain_row(stats: Mapping[str, Any]) -> tuple[str, str]:
+    """A live estimate of the speed against plain decoding: the answer's decode speed over one token per measured
+    plain step. An estimate: the A/B run measures plain decoding itself."""
+    speed, measured = stats.get("decode_tok_s"), plain_step_ms(stats)
+    if measured is None:
+        fixed = stats.get("draft_length") not in ("auto", 0)  # a fixed length drafts at every step
+        why = "a fixed draft length takes no plain step" if fixed else "no plain step yet"
+        return "vs plain (estimate)", f"not measured: {why} (the A/B button measures it)"
+    step_ms, source = measured
+    if not speed:
+        return "vs plain (estimate)", "… (after the first step)"
+    plain = 1000.0 / step_ms
+    return "vs plain (estimate)", (
+        f"**≈ {speed / plain:.2f}×**: {speed:.1f} tok/s against ≈ {plain:.1f} tok/s, one token per plain step of "
+        f"{step_ms:.1f} ms ({source})"
+    )
+
+
+def draft_length_text(stats: Mapping[str, Any]) -> str:
+    """The request's draft length; for "auto", that the adaptive length keeps what it learnt across this
+    conversation's requests (the engine keeps a policy per cache owner, method and draft length setting)."""
+    length = stats.get("draft_length")
+    if length == "auto":
+        return ("auto (adaptive: what it measured, each length's cost and each position's acceptance, carries over "
+                "across your requests in this conversation, per method)")  # fmt: skip
+    return f"{length} (fixed)"
+
+
 def stats_markdown(stats: Mapping[str, Any]) -> str:
-    """The live panel: speed, acceptance, time split, prompt cache use and GPU time of one request (its statistics
-    as the API returns them)."""
+    """The live panel: speed (and against plain decoding, estimated), the steps, acceptance, time split, prompt cache
+    use and GPU time of one request (its statistics as the API returns them)."""
     if not stats or "decode_tok_s" not in stats:
         return EMPTY_STATS
-    drafting = stats.get("speculative") and stats.get("method") and stats.get("drafted", 0)
-    mode = f"{method_label(stats.get('method'))} speculative" if drafting else "plain"
-    speed = stats["decode_tok_s"]
-    speed_text = f"**{speed:.1f} tok/s** ({mode})" if speed is not None else f"… ({mode}: after the first step)"
-    rows = [
-        ("Decode speed", speed_text),
-        ("Generated", f"{stats['n_generated']} tokens in {stats['verify_steps']} verify steps"),
-        ("Acceptance rate", f"{stats['acceptance_rate']:.0%}"),
-        ("Mean accepted length", f"{stats['mean_accepted_length']:.2f} tokens / step"),
-        ("Drafted / accepted", f"{stats['drafted']} / {stats['accepted']}"),
-        ("Draft vs verify", f"{_fmt_ms(stats['draft_ms'])} vs {_fmt_ms(stats['verify_ms'])}"),
+    speculative = bool(stats.get("speculative") and stats.get("method"))
+    mode = f"{method_label(stats.get('method'))} speculative" if speculative else "plain"
+    verify_steps, plain_steps = stats.get("verify_steps", 0), stats.get("plain_steps", 0)
+    plain_ms = stats.get("plain_ms", 0.0)
+    rows = [_speed_row(stats, mode)]
+    if speculative:
+        rows.append(vs_plain_row(stats))
+    rows.append(("Generated", f"{stats['n_generated']} tokens: {verify_steps} verify steps (drafts checked), "
+                              f"{plain_steps} plain steps (one token, no draft)"))  # fmt: skip
+    if speculative:
+        drafted = bool(stats.get("drafted"))
+        rows += [
+            ("Draft length", draft_length_text(stats)),
+            ("Acceptance rate", f"{stats['acceptance_rate']:.0%}" if drafted else "– (nothing drafted yet)"),
+            ("Mean accepted length",
+             f"{stats['mean_accepted_length']:.2f} tokens / verify step" if verify_steps else "–"),
+            ("Drafted / accepted", f"{stats['drafted']} / {stats['accepted']}"),
+            ("Time: draft / verify steps / plain steps",
+             f"{_fmt_ms(stats['draft_ms'])} / {_fmt_ms(stats['verify_ms'] - plain_ms)} / {_fmt_ms(plain_ms)}"),
+        ]  # fmt: skip
+    else:
+        rows.append(("Time: plain steps", _fmt_ms(stats["verify_ms"])))
+    rows += [
         ("Prompt tokens", f"{stats['n_prompt']}: {stats['n_reused']} reused, {stats['n_prefilled']} prefilled"),
         ("Prefill", _fmt_ms(stats["prefill_ms"])),
     ]
@@ -76,15 +135,25 @@ def acceptance_rows(stats: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-METHOD_LABELS = {"dflash": "DFlash 2", "mtp": "MTP (target's own head)"}
-PLAIN_LABEL = "Plain (target only)"
+METHOD_LABELS = {m.name: m.label for m in draft_methods.REGISTRY}
+METHOD_DESCRIPTIONS = {"mtp": "MTP (the target's own multi-token-prediction head)"}
+PLAIN_LABEL = "Plain"
+VERIFY_MODES = {"greedy": "greedy match (temperature 0)", "sample": "rejection sampling",
+                "match": "sample and match"}  # fmt: skip
 
 
 def method_label(method: str | None, draft_kind: str | None = None) -> str:
-    """How the page names a draft method ("DFlash" for a v1 draft)."""
+    """How the page names a draft method, short ("DFlash" for a v1 draft)."""
     if method == "dflash" and draft_kind == "dflash1":
         return "DFlash"
+    if method and draft_methods.CHAIN_SEPARATOR in method:
+        return " → ".join(method_label(m, draft_kind) for m in draft_methods.split(method))
     return METHOD_LABELS.get(method or "", "speculative")
+
+
+def method_description(method: str | None, draft_kind: str | None = None) -> str:
+    """A method's label with what it is, where the label alone does not say (the About box)."""
+    return METHOD_DESCRIPTIONS.get(method or "", method_label(method, draft_kind))
 
 
 def comparison_markdown(
@@ -98,21 +167,24 @@ def comparison_markdown(
     """Side by side: the same request decoded plainly and with each draft method (`methods`: label → statistics,
     None or empty while it has not started), per method its acceptance, mean accepted length and speed-up, and what
     the texts being equal or not (`identical`: label → whether its text equals plain's, None until both finished)
-    means at this temperature, once every method has finished."""
-    lines = ["| Decoding | Tokens | Speed | Acceptance | Mean length | Verify |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    means at this temperature, once every method has finished. Five short columns: it fits a phone."""
+    lines = ["| Method | Tokens | tok/s | Accepted | Tok/step |", "| --- | --- | --- | --- | --- |"]
+    modes = []
     for name, stats in ((PLAIN_LABEL, plain), *methods.items()):
         if stats:
             drafted = bool(stats.get("drafted"))  # nothing drafted: no acceptance to speak of
             acceptance = f"{stats['acceptance_rate']:.0%}" if drafted else "–"
             mean_length = f"{stats['mean_accepted_length']:.2f}" if drafted else "–"
             speed = stats.get("decode_tok_s")
-            lines.append(
-                f"| {name} | {stats['n_generated']} | {'…' if speed is None else f'{speed:.1f} tok/s'} | "
-                f"{acceptance} | {mean_length} | {stats.get('verify_mode', '')} |"
-            )
+            lines.append(f"| {name} | {stats['n_generated']} | {'…' if speed is None else f'{speed:.1f}'} | "
+                         f"{acceptance} | {mean_length} |")  # fmt: skip
+            if stats.get("verify_mode") in VERIFY_MODES:
+                modes.append(VERIFY_MODES[stats["verify_mode"]])
         else:
-            lines.append(f"| {name} | … | running or waiting | | | |")
+            lines.append(f"| {name} | … | waiting | | |")
+    checked = f" Drafts checked by {' / '.join(dict.fromkeys(modes))}." if modes else ""
+    lines.append(f"\n*Accepted: the drafted tokens the target kept. Tok/step: tokens per verify step (the mean "
+                 f"accepted length, the target's own token included).{checked}*")  # fmt: skip
     if plain and plain.get("finish_reason"):
         for name, stats in methods.items():
             if stats:
@@ -129,7 +201,7 @@ def ab_markdown(
     *,
     temperature: float = 0.0,
     seed: int | None = None,
-    name: str = "DFlash speculative",
+    name: str = "DFlash 2",
 ) -> str:
     """`comparison_markdown` for one draft method."""
     return comparison_markdown({name: speculative}, plain, {name: identical}, temperature=temperature, seed=seed)
@@ -138,20 +210,23 @@ def ab_markdown(
 NOISE = 0.10  # speed ratios within ±10 % of 1 are what two runs of one decoder differ by on a shared machine
 
 
-def speed_up_line(speculative: Mapping[str, Any], plain: Mapping[str, Any], name: str = "DFlash") -> str:
+def speed_up_line(speculative: Mapping[str, Any], plain: Mapping[str, Any], name: str = "DFlash 2") -> str:
     """A method's speed-up over plain decoding, claimed only when the draft did something and the difference is
     beyond noise."""
     spec_speed, plain_speed = speculative.get("decode_tok_s"), plain.get("decode_tok_s")
     if not spec_speed or not plain_speed:
         return f"**{name}: speed-up not measured** (an answer too short to time)"
     ratio = spec_speed / plain_speed
+    speeds = f"{spec_speed:.1f} tok/s against plain's {plain_speed:.1f}"
     if not speculative.get("accepted"):
-        return (f"**{name}: Speed-up: none.** The target accepted none of the draft's tokens (acceptance 0 %), so "
-                f"drafting cannot have gained anything; the measured ratio ({ratio:.2f}×) is noise.")  # fmt: skip
+        return (f"**{name}: no speed-up.** The target kept none of the draft's tokens, so drafting cannot have "
+                f"gained anything; the measured {ratio:.2f}× ({speeds}) is noise.")  # fmt: skip
     if abs(ratio - 1) <= NOISE:
-        return f"**{name}: Speed-up: none measurable** ({ratio:.2f}×, within the ±{NOISE:.0%} two runs differ by)"
-    slower = f": {name} was slower here" if ratio < 1 else ""
-    return f"**{name}: Speed-up: {ratio:.2f}×** ({name} tok/s ÷ plain tok/s{slower})"
+        return (f"**{name}: no measurable speed-up** ({ratio:.2f}×, {speeds}: within the ±{NOISE:.0%} two runs "
+                "differ by)")  # fmt: skip
+    if ratio < 1:
+        return f"**{name}: slower than plain here, {ratio:.2f}×** ({speeds})"
+    return f"**{name}: {ratio:.2f}× as fast as plain** ({speeds})"
 
 
 def comparison_verdict(identical: Mapping[str, bool], temperature: float, seed: int | None) -> str:
@@ -231,7 +306,7 @@ def info_markdown(
             f"block size {engine_info.get('block_size')}, thinking switch "
             f"{'supported' if engine_info.get('supports_thinking') else 'not supported'}"
         )
-        methods = [method_label(m, engine_info.get("draft_kind")) for m in engine_info.get("methods") or []]
+        methods = [method_description(m, engine_info.get("draft_kind")) for m in engine_info.get("methods") or []]
         lines.append(f"- Draft methods: {', '.join(methods) or 'none (plain decoding only)'}")
         if engine_info.get("draft_problem"):
             lines.append(f"- ⚠️ {scrub_paths(str(engine_info['draft_problem']))}")

@@ -3,7 +3,7 @@
     python -m dflash_runtime.testing.bench --pairs matrix --runs 3 --max-tokens 128 --draft-max 3,7,auto
     python -m dflash_runtime.testing.bench --pairs hybrid:soft:512 --temperature 0.6 --verify sample,match
     python -m dflash_runtime.testing.bench --pairs real --runs 1 --max-tokens 32
-    python -m dflash_runtime.testing.bench --pairs methods --draft-length 3,auto --methods dflash,mtp
+    python -m dflash_runtime.testing.bench --pairs methods --draft-length 3,auto --methods dflash mtp ngram-mod,dflash
 
 `--pairs`: a comma list of 'matrix' (widths 512 and 1024 × random/const heads × dense/hybrid targets),
 'methods' (hybrid targets with an MTP head and a DFlash 2 draft, width 512, random/phrase/const heads: both methods

@@ -22,7 +22,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,6 +108,14 @@ def tiny_pair(
     return TinyPair(target=target_path, draft=draft_path, target_arch=spec.target.arch, draft_kind=draft, spec=spec)
 
 
+def pair_paths(spec: Mapping[str, Any]) -> tuple[Path, Path]:
+    """`tiny_pair(**spec)`'s target and draft paths (how the Space's offline demo is handed its files)."""
+    pair = tiny_pair(**spec)
+    if pair.draft is None:
+        raise ValueError(f"the spec {dict(spec)} has no draft")
+    return pair.target, pair.draft
+
+
 def _ensure(path: Path, write: Callable[[Path], None]) -> Path:
     if not path.exists():
         _write_atomically(path, write)
@@ -178,9 +186,11 @@ def read_pair_spec(draft_path: Path) -> PairSpec:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m dflash_runtime.testing.tiny_models",
-        description="Generate (or find in the cache) a tiny target + draft pair.",
+        description="Generate (or find in the cache) a tiny target + draft pair; prints the target's path, then the "
+        "draft's, one a line.",
     )
-    parser.add_argument("--out", type=Path, required=True, help="cache directory the files go to")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"cache directory the files go to (default: ${CACHE_ENV}, else .cache/tiny-models)")
     parser.add_argument("--target", choices=tuple(TARGET_ARCHS), default="dense")
     parser.add_argument("--draft", choices=(*DRAFT_KINDS, "none"), default="dflash2", help="none: the target alone")
     parser.add_argument("--head", choices=HEADS, default="shaped")

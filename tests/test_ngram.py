@@ -1,0 +1,115 @@
+"""N-gram drafting (llama.cpp's ngram-mod and ngram-map-k): on every target, no draft file, lossless at temperature 0
+on dense and hybrid targets, alone and chained before DFlash, and one owner's text never drafts for another."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dflash_runtime import RequestError, load_pair
+from dflash_runtime.testing.heads import PHRASE
+from dflash_runtime.testing.tiny_models import tiny_pair
+
+NGRAMS = ("ngram-mod", "ngram-map-k")
+SMALL = {"ngram-mod": {"n_match": 3}, "ngram-map-k": {"size_n": 2}}  # short keys: tiny answers match early
+QUOTE = "".join(PHRASE) * 3  # a prompt the "phrase" head's answers copy from
+PROMPTS = [QUOTE, "hello world", "Edit this text:" + QUOTE + " the quick brown fox. Edited:", "a"]
+
+
+@pytest.mark.parametrize("target", ["dense", "hybrid"])
+@pytest.mark.parametrize("head", ["phrase", "random"])
+def test_ngram_answers_equal_plain_decoding(target: str, head: str) -> None:
+    pair = tiny_pair(target, None, head=head)
+    with load_pair(pair.target, None, n_ctx=1024, draft_capacity=7, method_options=SMALL) as engine:
+        assert engine.methods[:2] == NGRAMS and engine.default_method is None  # drafts only when asked
+        drafted = 0
+        for prompt in PROMPTS:
+            base = engine.generate(prompt, max_tokens=48, speculative=False)
+            for method in NGRAMS:
+                for length in (1, 3, 7, "auto"):
+                    result = engine.generate(prompt, max_tokens=48, method=method, draft_length=length)
+                    assert result.tokens == base.tokens, (method, prompt, length)
+                    assert result.stats.method == method
+                    assert result.stats.drafted_by == [method] * result.stats.verify_steps
+                    assert result.token_sources.count("draft") == result.stats.accepted
+                    drafted += result.stats.drafted
+        if head == "phrase":
+            assert drafted > 0  # the answers copy the prompt: the n-grams find it
+
+
+def test_llama_cpp_defaults_draft_on_a_long_copy_and_answer_as_plain_decoding() -> None:
+    """Default keys (24 tokens for ngram-mod, 12 for ngram-map-k): a long quoted answer is drafted from the prompt."""
+    pair = tiny_pair("dense", None, head="phrase")
+    with load_pair(pair.target, None, n_ctx=2048, draft_capacity=7) as engine:
+        prompt = "".join(PHRASE) * 12
+        base = engine.generate(prompt, max_tokens=160, speculative=False)
+        for method in NGRAMS:
+            result = engine.generate(prompt, max_tokens=160, method=method, draft_length=7)
+            assert result.tokens == base.tokens, method
+            assert result.stats.accepted > 0, method
+
+
+def test_chains_before_dflash_are_lossless_and_say_who_drafted() -> None:
+    """ngram-mod,dflash: the n-gram draft where the answer copies the prompt, DFlash elsewhere, each step recorded."""
+    pair = tiny_pair("hybrid", "dflash2", head="phrase")
+    with load_pair(pair.target, pair.draft, n_ctx=1024, draft_capacity=7, method_options=SMALL) as engine:
+        assert "ngram-mod,dflash" in engine.methods
+        seen: set[str] = set()
+        for prompt in PROMPTS:
+            base = engine.generate(prompt, max_tokens=48, speculative=False)
+            for chain in ("ngram-mod,dflash", "ngram-map-k,dflash", "dflash,ngram-mod"):
+                for length in (3, 7, "auto"):
+                    result = engine.generate(prompt, max_tokens=48, method=chain, draft_length=length)
+                    assert result.tokens == base.tokens, (chain, prompt, length)
+                    stats = result.stats
+                    assert stats.method == chain and len(stats.drafted_by) == stats.verify_steps
+                    assert set(stats.drafted_by) <= set(chain.split(","))
+                    if chain.startswith("dflash"):
+                        assert set(stats.drafted_by) <= {"dflash"}  # DFlash always drafts: the n-grams never run
+                    seen.update(stats.drafted_by)
+        assert {"ngram-mod", "ngram-map-k", "dflash"} <= seen
+
+
+def test_a_long_lived_engine_mixing_methods_answers_as_a_fresh_engine() -> None:
+    rng = random.Random(11)
+    pair = tiny_pair("hybrid", "dflash2", head="phrase")
+    with load_pair(pair.target, pair.draft, n_ctx=1024, method_options=SMALL) as engine, \
+            load_pair(pair.target, pair.draft, n_ctx=1024) as reference:
+        prompt = engine.tokenize(QUOTE)
+        for _ in range(16):
+            method = rng.choice([*NGRAMS, "ngram-mod,dflash", "dflash", None])
+            options = {"max_tokens": rng.randint(1, 24), "draft_length": rng.choice(["auto", 1, 3, 7])}
+            result = (engine.generate(prompt, speculative=False, **options) if method is None
+                      else engine.generate(prompt, method=method, **options))
+            reference.reset()
+            assert result.tokens == reference.generate(prompt, speculative=False, **options).tokens, method
+            prompt = prompt + result.tokens
+            if rng.random() < 0.4:
+                prompt = prompt[: rng.randint(1, len(prompt))]
+            prompt = (prompt + engine.tokenize(rng.choice(PHRASE), add_special=False))[:600]
+
+
+def test_one_owners_text_never_drafts_for_another() -> None:
+    """Visitor B's request drafts exactly as on a fresh engine, whatever visitor A sent before (the tables are the
+    sequence's own: A's quote cannot raise B's acceptance)."""
+    pair = tiny_pair("dense", None, head="phrase")
+    request = dict(max_tokens=40, draft_length=7, cache_owner="b")
+    with load_pair(pair.target, None, n_ctx=1024, method_options=SMALL) as fresh:
+        expected = {m: fresh.generate("hello", method=m, **request).stats for m in NGRAMS}
+    with load_pair(pair.target, None, n_ctx=1024, method_options=SMALL) as engine:
+        for method in NGRAMS:
+            engine.generate(QUOTE * 2, method=method, max_tokens=40, cache_owner="a")
+            stats = engine.generate("hello", method=method, **request).stats
+            assert (stats.drafted, stats.accepted, stats.drafted_by) == (
+                expected[method].drafted, expected[method].accepted, expected[method].drafted_by), method
+
+
+def test_bad_options_are_refused_clearly() -> None:
+    pair = tiny_pair("dense", None, head="phrase")
+    with pytest.raises(ValueError, match="n_match"):
+        load_pair(pair.target, None, n_ctx=256, method_options={"ngram-mod": {"n_match": 0}})
+    with pytest.raises(TypeError, match="bogus"):
+        load_pair(pair.target, None, n_ctx=256, method_options={"ngram-map-k": {"bogus": 1}})
+    with load_pair(pair.target, None, n_ctx=256) as engine, pytest.raises(RequestError, match="'dflash' is not"):
+        engine.generate("hello", max_tokens=2, method="ngram-mod,dflash")

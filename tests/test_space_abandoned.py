@@ -175,8 +175,8 @@ def test_unread_chat_streams_do_not_make_an_honest_visitor_wait(server: RunningA
 
 
 def test_one_session_cannot_queue_more_than_its_share(server: RunningApp, monitor: Client) -> None:
-    """Three answers per session (DFLASH_SESSION_JOBS); an A/B run counts as the answers it runs (plain and the
-    demo's one method: two), so a session queues one A/B run, not five."""
+    """Three answers per session (DFLASH_SESSION_JOBS); an A/B run counts as the answers it runs (plain and each of
+    the demo's methods), so a session queues one A/B run, not five."""
     ids = dependency_ids(server)
     statuses = [join(server, ids["chat"], api_values(LONG), "greedy-session") for _ in range(4)]
     assert [r.status_code for r in statuses] == [200, 200, 200, 429], [r.text for r in statuses]

@@ -247,6 +247,9 @@ def test_limits_count_answers_per_session_for_session_less_calls_and_in_all() ->
     assert isinstance(callers.admit(1, 1, "t"), Call) and isinstance(callers.admit(1, 1, "u"), Call)
     full = callers.admit(1, 1, "v")
     assert isinstance(full, str) and "its limit is 6" in full
+    alone = Callers(GateSettings(session_jobs=3), Clock())
+    big = alone.admit(1, 5, "s")  # an A/B run of four methods and plain decoding, alone in its session
+    assert isinstance(big, Call) and isinstance(alone.admit(1, 5, "s"), str)
 
 
 def test_a_queued_call_its_client_cancels_frees_its_place() -> None:

@@ -140,22 +140,23 @@ class Callers:
     # -- admission ---------------------------------------------------------------------------------------------------
 
     def admit(self, fn_index: int, weight: int, session: str | None) -> Call | str:
-        """A new call (session None: session-less), or why it is refused."""
+        """A new call (session None: session-less), or why it is refused. A call over a limit on its own (an A/B run
+        of many methods) is let in when nothing else counts against that limit."""
         s = self.settings
         with self._lock:
             live = list(self._calls.values())
             total = sum(c.weight for c in live) + weight
-            if total > s.total_jobs:
+            if total > s.total_jobs and total > weight:
                 return (f"the server has {total - weight} answers queued or running, its limit is {s.total_jobs}: "
                         "retry in a minute")  # fmt: skip
             if session is None:
                 used = sum(c.weight for c in live if c.sessionless)
-                if used + weight > s.sessionless_jobs:
+                if used and used + weight > s.sessionless_jobs:
                     return (f"calls without a session_hash have {used} answers queued or running together, their "
                             f"limit is {s.sessionless_jobs}: retry later, or send a session_hash")  # fmt: skip
             else:
                 used = sum(c.weight for c in live if c.session == session)
-                if used + weight > s.session_jobs:
+                if used and used + weight > s.session_jobs:
                     return (f"this session has {used} answers queued or running and this call would add {weight}; "
                             f"the limit is {s.session_jobs} (an A/B run counts as the answers it runs): wait for "
                             "them, or stop them")  # fmt: skip

@@ -69,13 +69,16 @@ class GateSettings:
     | `DFLASH_SESSION_JOBS` | generations one session may have queued or running | 3 |
     | `DFLASH_SESSIONLESS_JOBS` | the same, for all session-less raw calls together | 8 |
     | `DFLASH_TOTAL_JOBS` | the same, for everybody (at most the queue's size) | 64 |
-    | `DFLASH_MAX_BODY_BYTES` | the longest request body | 1 MiB |"""
+    | `DFLASH_MAX_BODY_BYTES` | the longest request body | 1 MiB |
+    | `DFLASH_BUSY_TIMEOUT_S` | the one wait for the engine: a job for the web process's engine slot, a GPU call for the
+      worker's engine lock, a stream for a consumer that stopped taking chunks | 120 |"""
 
     reader_timeout_s: float = 3.0
     session_jobs: int = 3
     sessionless_jobs: int = 8
     total_jobs: int = 64
     max_body_bytes: int = 1 << 20
+    busy_timeout_s: float = 120.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, queue_size: int | None = None) -> GateSettings:
@@ -87,12 +90,13 @@ class GateSettings:
             sessionless_jobs=int(_env_number(env, "DFLASH_SESSIONLESS_JOBS", cls.sessionless_jobs)),
             total_jobs=min(total, queue_size) if queue_size else total,
             max_body_bytes=int(_env_number(env, "DFLASH_MAX_BODY_BYTES", cls.max_body_bytes)),
+            busy_timeout_s=_env_number(env, "DFLASH_BUSY_TIMEOUT_S", cls.busy_timeout_s),
         )
 
     def describe(self) -> dict[str, Any]:
         return {"reader_timeout_s": self.reader_timeout_s, "session_jobs": self.session_jobs,
                 "sessionless_jobs": self.sessionless_jobs, "total_jobs": self.total_jobs,
-                "max_body_bytes": self.max_body_bytes}  # fmt: skip
+                "max_body_bytes": self.max_body_bytes, "busy_timeout_s": self.busy_timeout_s}  # fmt: skip
 
 
 @dataclass(frozen=True)

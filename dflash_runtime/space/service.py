@@ -178,7 +178,7 @@ class SpaceService:
         self.estimator = GpuTimeEstimator(gpu_time)
         self.zero_gpu = zero_gpu
         self.gpu_size = gpu_size
-        self.slot = EngineSlot()
+        self.slot = EngineSlot((gate or GateSettings()).busy_timeout_s)
         self.engine_info: dict[str, Any] = {}
         self.worker_info: dict[str, Any] = {}
         self._run_gpu = run_gpu
@@ -317,7 +317,7 @@ class SpaceService:
                  estimate.includes_load)  # fmt: skip
         job: ReplyJob[ReplyChunk] = ReplyJob(
             partial(self._run_gpu, job_spec), self.slot, is_final=lambda chunk: chunk.finish_reason is not None,
-            fold=ReplyChunk.then, alive=partial(self.callers.alive, call),
+            fold=ReplyChunk.then, alive=partial(self.callers.alive, call), orphan_timeout_s=self.slot.timeout_s,
         )
         if session is not None:
             session.attach(job)

@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .callers import GateSettings
 from .host import EngineHost, GpuJob, ReplyChunk
 
 try:  # ZeroGPU provides `spaces`; elsewhere its decorator is a no-op, and without it an identity stands in
@@ -41,7 +42,7 @@ def _load_pair(*args: Any, **kwargs: Any) -> Any:
 
 
 GPU_SIZE = gpu_size_from_env()
-HOST = EngineHost(_load_pair)
+HOST = EngineHost(_load_pair, GateSettings.from_env().busy_timeout_s)  # the Space's one wait for the engine
 
 
 def _requested_seconds(job: GpuJob) -> int:

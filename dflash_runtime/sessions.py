@@ -20,6 +20,7 @@ bounded in count and bytes, least recently used first out.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
@@ -38,14 +39,19 @@ class SessionPolicy:
 
     `park_on_switch`: park the previous owner's state when another owner's request begins (its cost then lands in
     that request); False keeps only the states parked explicitly with `Engine.park()` — what a multi-tenant service
-    wants, so that nobody's request pays for, or times, somebody else's state."""
+    wants, so that nobody's request pays for, or times, somebody else's state.
+
+    `protect_s`: a state parked less than this long ago is not evicted to make room for another owner's; the newcomer's
+    state is then not kept instead. 0 (the default) is plain least-recently-used; a public service sets minutes, so
+    that a burst of new owners (one caller opening many sessions) cannot push out the states of recent visitors."""
 
     max_parked: int = DEFAULT_MAX_PARKED
     max_bytes: int = DEFAULT_MAX_PARKED_BYTES
     park_on_switch: bool = True
+    protect_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.max_parked < 0 or self.max_bytes < 0:
+        if self.max_parked < 0 or self.max_bytes < 0 or self.protect_s < 0:
             raise ValueError(f"session limits must be ≥ 0 (got {self})")
 
 
@@ -56,6 +62,7 @@ class CacheOwners:
         self.owner: Hashable | None = None
         self._dirty = False  # the live caches hold more of the owner's than its parked copy (if any)
         self._parked: OrderedDict[Hashable | None, ParkedCache] = OrderedDict()
+        self._parked_at: dict[Hashable | None, float] = {}  # when each was parked (time.monotonic)
         self._public: OrderedDict[tuple[int, ...], ParkedCache] = OrderedDict()
 
     def switch(self, owner: Hashable | None, prompt: Sequence[int], public_prefix: int) -> int | None:
@@ -66,6 +73,7 @@ class CacheOwners:
             return None
         cache = self.cache
         parked = self._parked.pop(owner, None)  # before parking the current owner: it must not be evicted for it
+        self._parked_at.pop(owner, None)
         if self._dirty and self.policy.park_on_switch and len(cache.tokens) > cache.public_len:
             self._park(self.owner, cache.park())
         self.owner, self._dirty = owner, True
@@ -103,6 +111,7 @@ class CacheOwners:
     def forget(self) -> None:
         """Drop every parked state and public base (the live caches are cleared by their owner)."""
         self._parked.clear()
+        self._parked_at.clear()
         self._public.clear()
         self.owner, self._dirty = None, False
 
@@ -118,10 +127,17 @@ class CacheOwners:
 
     def _park(self, owner: Hashable | None, parked: ParkedCache) -> None:
         self._parked.pop(owner, None)
-        if self.policy.max_parked == 0 or parked.nbytes > self.policy.max_bytes:
+        self._parked_at.pop(owner, None)
+        policy = self.policy
+        if policy.max_parked == 0 or parked.nbytes > policy.max_bytes:
             return
+        now = time.monotonic()
+        # Make room, least recently used first, but never by evicting a state parked within protect_s.
+        while self._parked and (len(self._parked) + 1 > policy.max_parked or (
+                sum(p.nbytes for p in self._parked.values()) + parked.nbytes > policy.max_bytes)):  # fmt: skip
+            oldest = next(iter(self._parked))
+            if now - self._parked_at[oldest] < policy.protect_s:
+                return  # the recent states stay; this one is not kept
+            del self._parked[oldest], self._parked_at[oldest]
         self._parked[owner] = parked
-        while len(self._parked) > self.policy.max_parked or (
-            sum(p.nbytes for p in self._parked.values()) > self.policy.max_bytes
-        ):
-            self._parked.popitem(last=False)
+        self._parked_at[owner] = now

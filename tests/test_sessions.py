@@ -76,6 +76,21 @@ def test_parking_is_bounded() -> None:
         assert oldest.stats.n_reused == 0 and newest.stats.n_reused > 0
 
 
+def test_recent_states_are_not_evicted_by_a_burst_of_new_owners() -> None:
+    """With protect_s, owners that come later do not push out the states parked recently: theirs are not kept."""
+    pair = tiny_pair("hybrid", "dflash2")
+    policy = SessionPolicy(max_parked=2, park_on_switch=False, protect_s=3600)
+    with load_pair(pair.target, pair.draft, n_ctx=1024, sessions=policy) as engine:
+        prompts = {owner: engine.tokenize(f"{SYSTEM}{owner} one two three") for owner in "abcdef"}
+        for owner in "abcdef":  # a and b are parked first; c..f come after, within protect_s
+            engine.generate(prompts[owner], max_tokens=4, cache_owner=owner)
+            engine.park()
+        assert engine.info()["sessions"]["parked"] == 2
+        assert engine.generate(prompts["f"], max_tokens=4, cache_owner="x").stats.n_reused == 0
+        kept = [engine.generate(prompts[o], max_tokens=4, cache_owner=o).stats.n_reused > 0 for o in "abcde"]
+        assert kept == [True, True, False, False, False]
+
+
 @pytest.mark.parametrize("target", ["dense", "hybrid"])
 def test_interleaved_owners_answer_as_a_fresh_engine(target: str) -> None:
     rng = random.Random(f"owners-{target}")

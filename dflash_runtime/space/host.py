@@ -112,6 +112,9 @@ class ReplyChunk:
 # What the cache holds now (tokens, checkpoints, the owners' parked states): the state of somebody's requests.
 PRIVATE_ENGINE_KEYS = ("n_cached", "checkpoints", "sessions")
 PUBLIC_OWNER = "public prefix"  # the owner of the requests that put the public prefix back in the cache
+# A visitor's parked state is not evicted for a newer owner's within this many seconds: one caller opening many
+# sessions cannot push recent visitors' states out (a newcomer's state is then not kept instead).
+PARKED_PROTECT_S = 600.0
 
 
 def _public_info(info: dict[str, Any]) -> dict[str, Any]:
@@ -209,7 +212,7 @@ class EngineHost:
 
         # Only a visitor's own request parks its state (see run): nobody's request pays for, or times, another's.
         options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
-                   "sessions": SessionPolicy(park_on_switch=False)}  # fmt: skip
+                   "sessions": SessionPolicy(park_on_switch=False, protect_s=PARKED_PROTECT_S)}  # fmt: skip
         self.draft_problem = files.draft_problem
         if files.draft_path is None:
             self._engine = self._loader(files.target_path, None, **options)

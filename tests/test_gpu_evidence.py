@@ -26,9 +26,12 @@ def installed_wheel() -> Path:
 
 
 def carried_wheels(folder: Path) -> Path:
-    """What a device run carries, less the pure-Python gguf and diskcache, which this environment has."""
+    """What a GPU run carries (the wheel and its manifest), less the pure-Python gguf and diskcache, which this
+    environment has."""
     folder.mkdir()
-    shutil.copy(installed_wheel(), folder)
+    wheel = installed_wheel()
+    shutil.copy(wheel, folder)
+    shutil.copy(wheel.parent / "manifest.json", folder)
     return folder
 
 
@@ -43,12 +46,13 @@ def test_cpu_mode_writes_every_section_and_finds_no_mismatch(tmp_path: Path) -> 
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((out / "gpu-evidence.json").read_text())
     for section in SECTIONS:
-        assert section in result and "error" not in result[section] and "skipped" not in result[section], section
+        assert section in result and "error" not in result[section] and not result[section].get("skipped"), section
     env_info = result["environment"]
     # the measured llama_cpp is the freshly installed copy, not this environment's
     assert env_info["llama_cpp_path"].startswith(str(tmp_path / "work" / "site"))
     assert Path(llama_cpp.__file__).parent != Path(env_info["llama_cpp_path"])
     assert env_info["mode"] == "cpu" and "CPU" in env_info["backends_registered"]
+    assert env_info["startup"]["manifest"]["matches"], env_info["startup_status"]
 
     loss = result["lossless"]
     assert loss["mismatch_count"] == 0 and loss["mismatches"] == []

@@ -32,6 +32,7 @@ the loader's reason in the JSON (exit 2). Exit 1 when any answer differs from pl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -172,12 +173,13 @@ def environment(cpu: bool) -> dict[str, Any]:
     except Exception as error:  # the check is evidence too, but never a reason to measure nothing
         status, startup = f"start-up check failed: {type(error).__name__}: {error}", {}
     report = backend_report()
+    installed_s = os.environ.get(CHILD_ENV)
     env: dict[str, Any] = {
-        "mode": "cpu" if cpu else "cuda", "python": platform.python_version(), "machine": platform.machine(),
-        "cpus": os.cpu_count(), "llama_cpp_version": llama_cpp.__version__,
+        "mode": "cpu" if cpu else "gpu", "cuda": "CUDA" in report.registered, "python": platform.python_version(),
+        "machine": platform.machine(), "cpus": os.cpu_count(), "llama_cpp_version": llama_cpp.__version__,
         "llama_cpp_path": str(Path(llama_cpp.__file__).parent), "backends_registered": report.registered,
-        "backends_skipped": report.skipped, "wheel_install_s": float(os.environ[CHILD_ENV] or 0) if
-        os.environ.get(CHILD_ENV) else None, "gpus": None, "startup_status": status, "startup": startup,
+        "backends_skipped": report.skipped, "wheel_install_s": float(installed_s) if installed_s else None,
+        "gpus": None, "startup_status": status, "startup": startup,
     }
     if shutil.which("nvidia-smi"):
         query = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,compute_cap",
@@ -554,7 +556,8 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
-    parts = [f"# GPU evidence ({env['mode']})", "",
+    backend = "CUDA" if env["cuda"] else "no CUDA backend: everything ran on the CPU"
+    parts = [f"# GPU evidence ({env['mode']} plan; {backend})", "",
              f"llama-cpp-python {env['llama_cpp_version']}; backends {', '.join(env['backends_registered'])}; "
              f"GPUs: {env['gpus'] or 'none'}; {env['cpus']} CPUs; total {result['total_s']:.1f} s.", ""]
     models = result["models"]
@@ -616,6 +619,10 @@ def markdown(result: dict[str, Any]) -> str:
 
 def measure(args: argparse.Namespace) -> int:
     plan = CPU_PLAN if args.cpu else GPU_PLAN
+    if args.large_embd or args.large_layers:
+        large = dict(plan.large, n_embd=args.large_embd or plan.large["n_embd"],
+                     n_layer=args.large_layers or plan.large["n_layer"])
+        plan = dataclasses.replace(plan, large=large)
     deadline = Deadline(args.budget_s)
     started = time.perf_counter()
     out = Path(args.out)
@@ -631,7 +638,7 @@ def measure(args: argparse.Namespace) -> int:
     result["models"] = models.info
     result["models_s"] = round(time.perf_counter() - started, 2)
     result["environment"] = environment(args.cpu)
-    if not args.cpu and "CUDA" not in result["environment"]["backends_registered"]:
+    if not args.cpu and not result["environment"]["cuda"] and not args.without_cuda:
         result["error"] = f"the CUDA backend did not register: {result['environment']['backends_skipped']}"
         write()
         print(f"error: {result['error']}", file=sys.stderr)
@@ -674,9 +681,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--wheels", help="install these wheels (llama-cpp-python, gguf, diskcache) into a fresh folder")
     parser.add_argument("--work", default="/tmp/dflash-gpu-evidence", help="the fresh folder's parent")
     parser.add_argument("--models", default=None, help="generated models (default: <work>/models)")
+    parser.add_argument("--large-embd", type=int, default=None, help="width of the large pairs (GPU: 4096)")
+    parser.add_argument("--large-layers", type=int, default=None, help="layers of the large targets (GPU: 8)")
+    parser.add_argument("--without-cuda", action="store_true",
+                        help="GPU plan even where the CUDA backend did not register (to try it on a CPU)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="measuring stops starting sections after this (default 420 s; --cpu 240 s)")
     args = parser.parse_args(argv)
+    if args.large_layers is not None and args.large_layers < 4:
+        # a hybrid target of fewer layers than its full_attention_interval (4) has no attention layer, which
+        # libllama does not support (it aborts in its first decode)
+        parser.error("--large-layers must be at least 4")
     if args.carry:
         if not args.wheel:
             parser.error("--carry needs --wheel")

@@ -42,7 +42,7 @@ def test_cpu_mode_writes_every_section_and_finds_no_mismatch(tmp_path: Path) -> 
     run = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_evidence.py"), "--cpu", "--out", str(out),
                           "--wheels", str(wheels), "--work", str(tmp_path / "work"),
                           "--models", str(tmp_path / "models")],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((out / "gpu-evidence.json").read_text())
     for section in SECTIONS:

@@ -408,9 +408,12 @@ def verify_rows(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any
         if deadline.left() <= 0:
             out["targets"][name] = {"skipped": "time budget"}
             continue
-        with open_engine(models.pair(name), plan) as engine:
+        pair = models.pair(name)
+        with open_engine(pair, plan) as engine:
             rows = decode_rows(engine, plan.row_repeats)
-        out["targets"][name] = {"target_mib": models.info[name]["target_mib"], "rows": rows, "knee": knee(rows)}
+        one_row_s = rows[0]["median_ms"] / 1000.0
+        out["targets"][name] = {"target_mib": models.info[name]["target_mib"], "rows": rows, "knee": knee(rows),
+                                "one_row_gb_s": round(pair.target.stat().st_size / 1e9 / one_row_s, 2)}
     return out
 
 
@@ -590,7 +593,8 @@ def markdown(result: dict[str, Any]) -> str:
         rows = [[k] + [x for n in names for x in (measured[n]["rows"][k - 1]["median_ms"],
                                                   measured[n]["rows"][k - 1]["vs_one_row"])] for k in ROWS]
         headers = ["rows"] + [h for n in names for h in (f"{n} ms", "× 1 row")]
-        knees = ", ".join(f"{n} ({measured[n]['target_mib']} MiB): {measured[n]['knee']}" for n in names)
+        knees = "; ".join(f"{n} ({measured[n]['target_mib']} MiB, {measured[n]['one_row_gb_s']} GB/s at one row): "
+                          f"{measured[n]['knee']} rows" for n in names)
         parts += ["## Verify rows: one target decode of k rows", "", f"Knee (within 10 % of one row): {knees}.", "",
                   md_table(headers, rows), ""]
     ck = result.get("checkpoints", {})

@@ -63,6 +63,7 @@ PROMPTS = (
     "Once upon a time the",
     "what is the capital of france",
 )
+LOSSLESS_BATCH = 16  # prompt chunk (and checkpoint interval) of the lossless engines
 KNEE_TOLERANCE = 1.10  # a row count whose decode takes at most 10 % longer than one row is "free"
 
 
@@ -256,10 +257,12 @@ def open_engine(pair: Any, plan: Plan, **options: Any) -> Any:
 
 
 class Reference:
-    """Plain decoding of a fresh cache: a second engine whose cache is forgotten before every prompt."""
+    """Plain decoding of a fresh cache: a second engine whose cache is forgotten before every prompt. Its prompt
+    chunks are the speculative engine's size, so that prefill batching is the same on both sides (on a GPU, kernels
+    are chosen by the number of rows)."""
 
-    def __init__(self, pair: Any, plan: Plan) -> None:
-        self.engine = open_engine(pair, plan)
+    def __init__(self, pair: Any, plan: Plan, n_batch: int) -> None:
+        self.engine = open_engine(pair, plan, n_batch=n_batch)
         self.answers: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     def answer(self, prompt: Sequence[int], max_tokens: int) -> list[int]:
@@ -329,9 +332,11 @@ def lossless(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any]:
     skipped: list[str] = []
     for target, name in (("dense", "small-dense-phrase"), ("hybrid", "small-hybrid-phrase-mtp")):
         pair = models.pair(name)
-        reference = Reference(pair, plan)
-        try:  # small prefill chunks and a short interval: checkpoints everywhere, so diverging prompts restore one
-            with open_engine(pair, plan, n_batch=16, checkpoints=CheckpointPolicy(max_count=64, interval=16)) as engine:
+        reference = Reference(pair, plan, n_batch=LOSSLESS_BATCH)
+        # small prefill chunks and a short interval: checkpoints everywhere, so diverging prompts restore one
+        policy = CheckpointPolicy(max_count=64, interval=LOSSLESS_BATCH)
+        try:
+            with open_engine(pair, plan, n_batch=LOSSLESS_BATCH, checkpoints=policy) as engine:
                 for method in engine.methods:
                     for length in LENGTHS:
                         if deadline.left() <= 0:

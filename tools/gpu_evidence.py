@@ -142,8 +142,8 @@ CARRIED_PURE = ("gguf", "diskcache")  # what the model generators and llama_cpp 
 
 
 def prepare_carry(folder: Path, wheel: Path) -> int:
-    """Fill `folder` with what a device run installs: the llama-cpp-python wheel and pure-Python wheels of the
-    versions installed here (pip download, so this step needs the package index; the device run does not)."""
+    """Fill `folder` with what a GPU run installs: the llama-cpp-python wheel (and its manifest) and pure-Python
+    wheels of the versions installed here (pip download: this step needs the package index, the GPU run does not)."""
     from importlib.metadata import version
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -163,17 +163,18 @@ def prepare_carry(folder: Path, wheel: Path) -> int:
 
 
 def environment(cpu: bool) -> dict[str, Any]:
-    import llama_cpp
-
-    from dflash_runtime.backends import backend_report
     from dflash_runtime.space.startup import run_startup_check
 
-    # The Space's own start-up check, in this process: the CUDA runtime preloaded, the build against its manifest,
-    # GPUs and compute capabilities against the compiled architectures.
+    # The Space's own start-up check, in this process and before llama_cpp is imported: the CUDA runtime preloaded,
+    # the build against its manifest, GPUs and compute capabilities against the compiled architectures.
     try:
         status, startup = run_startup_check(in_child=False)
     except Exception as error:  # the check is evidence too, but never a reason to measure nothing
         status, startup = f"start-up check failed: {type(error).__name__}: {error}", {}
+    import llama_cpp
+
+    from dflash_runtime.backends import backend_report
+
     report = backend_report()
     installed_s = os.environ.get(CHILD_ENV)
     env: dict[str, Any] = {

@@ -706,7 +706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python tools/gpu_evidence.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="folder for gpu-evidence.json and gpu-evidence.md")
-    parser.add_argument("--carry", metavar="DIR", help="only prepare DIR for a device run from --wheel, then exit")
+    parser.add_argument("--carry", metavar="DIR", help="only prepare DIR for a GPU run from --wheel, then exit")
     parser.add_argument("--wheel", help="with --carry: the llama-cpp-python wheel to carry")
     parser.add_argument("--cpu", action="store_true", help="the CPU backend and small models (CI)")
     parser.add_argument("--wheels", help="install these wheels (llama-cpp-python, gguf, diskcache) into a fresh folder")

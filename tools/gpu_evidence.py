@@ -25,7 +25,7 @@ run (the small pairs first), into --models; nothing is downloaded. `--wheels DIR
 llama-cpp-python wheel and the pure-Python gguf and diskcache) with pip into a fresh folder and runs the
 measurements in a child interpreter with that folder first on its path and the pip CUDA runtime (nvidia/cu13/lib
 of this interpreter) on the loader's path. Without it the installed llama_cpp is used. `--cpu` runs everything on
-the CPU with small models (about 1–2 minutes), which CI does, so the script cannot rot. Without `--cpu` the CUDA
+the CPU with small models (15–25 s here), which CI does, so the script cannot rot. Without `--cpu` the CUDA
 backend must register, else the run stops with the loader's reason in the JSON (exit 2). Exit 1 when any answer
 differs from plain decoding.
 """

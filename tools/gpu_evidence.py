@@ -106,6 +106,13 @@ class Deadline:
 # -- setup: a fresh folder with the carried wheels, then the measurements in a child interpreter -------------------
 
 
+MODEL_METHODS = ("dflash", "mtp")  # what needs a GPU to be measured; the n-gram methods draft without a model
+
+
+def model_methods(engine: Any) -> list[str]:
+    return [m for m in engine.methods if m in MODEL_METHODS]
+
+
 def cuda_library_dirs() -> list[str]:
     """Folders of the pip CUDA runtime (libcudart / libcublas) this interpreter can import, and the toolkit's."""
     found = []
@@ -338,7 +345,7 @@ def lossless(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any]:
         policy = CheckpointPolicy(max_count=64, interval=LOSSLESS_BATCH)
         try:
             with open_engine(pair, plan, n_batch=LOSSLESS_BATCH, checkpoints=policy) as engine:
-                for method in engine.methods:
+                for method in model_methods(engine):
                     for length in LENGTHS:
                         if deadline.left() <= 0:
                             skipped.append(f"{target} {method} {length}")
@@ -483,7 +490,7 @@ def speed(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any]:
         pair = models.pair(name)
         with open_engine(pair, plan) as engine:
             cfg = BenchConfig(modes=[3, 7, "auto"], runs=plan.speed_runs, max_tokens=plan.speed_tokens,
-                              methods=list(engine.methods))
+                              methods=model_methods(engine))
             modes = bench_pair(engine, cfg, lambda: None)
         target_bytes = pair.target.stat().st_size
         plain_step = modes["plain"]["step_ms"]

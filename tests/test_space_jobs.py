@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -192,13 +193,19 @@ def test_a_call_is_abandoned_when_nobody_opens_its_result_in_time() -> None:
     assert not callers.start(late.id), "abandoned while it waited: it never asks for a GPU"
 
 
-def test_a_reader_that_leaves_after_the_call_abandons_it_at_once() -> None:
-    clock = Clock()
+def _read_call(clock: Clock) -> tuple[Callers, Any, Call]:
+    """A session's reader, then a queued call of that session (grace 3 s)."""
     callers = Callers(GateSettings(reader_timeout_s=3.0), clock)
     reader = callers.opened("s")
     call = callers.admit(1, 1, "s")
     assert isinstance(call, Call)
     callers.queued(call, "e1")
+    return callers, reader, call
+
+
+def test_a_reader_that_leaves_after_the_call_abandons_it_at_once() -> None:
+    clock = Clock()
+    callers, reader, call = _read_call(clock)
     assert callers.start(call.id)
     clock.now += 60.0
     assert callers.alive(call.id), "read: it may run as long as it likes"
@@ -216,11 +223,7 @@ def test_a_reader_that_leaves_after_the_call_abandons_it_at_once() -> None:
 
 def test_a_reader_that_takes_no_write_counts_as_gone() -> None:
     clock = Clock()
-    callers = Callers(GateSettings(reader_timeout_s=3.0), clock)
-    reader = callers.opened("s")
-    call = callers.admit(1, 1, "s")
-    assert isinstance(call, Call)
-    callers.queued(call, "e1")
+    callers, reader, call = _read_call(clock)
     callers.sending(reader, True)
     clock.now += 2.0
     assert callers.alive(call.id)

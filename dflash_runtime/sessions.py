@@ -91,7 +91,8 @@ class CacheOwners:
         return public
 
     def needs_public_base(self, prompt: Sequence[int], public_prefix: int) -> bool:
-        return 0 < public_prefix < len(prompt) + 1 and tuple(prompt[:public_prefix]) not in self._public
+        """Whether no copy of the caches after this prompt's public prefix is kept yet."""
+        return 0 < public_prefix <= len(prompt) and tuple(prompt[:public_prefix]) not in self._public
 
     def keep_public_base(self) -> None:
         """Keep a copy of the caches as they are now — right after a public prefix — as that prefix's base."""

@@ -256,7 +256,7 @@ class Engine:
     def token_text(self, token: int) -> str:
         """The text of one token, special tokens rendered."""
         with self._open_native():
-            return self._special_piece(token)
+            return self.pair.vocabulary.piece_text(token)
 
     # -- state --------------------------------------------------------------------------------------------------
 
@@ -339,9 +339,6 @@ class Engine:
     def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         with self._open_native():
             return self.pair.vocabulary.tokenize(text, add_special=add_special, parse_special=parse_special)
-
-    def _special_piece(self, token: int) -> str:
-        return self.pair.vocabulary.piece_text(token)
 
     def _template(self) -> ChatTemplate:
         self.check_open()

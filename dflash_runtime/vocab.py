@@ -82,3 +82,7 @@ class Vocabulary:
     @property
     def eos(self) -> int:
         return int(ll.llama_vocab_eos(self.handle))
+
+    @property
+    def nl(self) -> int:
+        return int(ll.llama_vocab_nl(self.handle))

@@ -385,7 +385,7 @@ class DFlashLlama(Llama):
 
     @_engine_or_llama
     def token_nl(self) -> int:
-        return int(ll.llama_vocab_nl(self._vocab()))
+        return self._vocabulary().nl
 
     @_engine_or_llama
     def reset(self) -> None:
@@ -410,9 +410,6 @@ class DFlashLlama(Llama):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _vocab(self) -> Any:
-        return self._vocabulary().handle
 
     def _vocabulary(self) -> Vocabulary:
         self._engine.check_open()  # after close() the vocabulary is freed: raise EngineClosedError, never read it

@@ -18,7 +18,8 @@ def decode_error(what: str, rc: int, n_rows: int) -> DecodeError:
 
 
 class TokenBatch:
-    """A `llama_batch` of token ids for sequence 0, filled through numpy views (no per-token ctypes calls)."""
+    """A `llama_batch` of token ids, filled through numpy views (no per-token ctypes calls): one sequence's rows
+    (`fill`), or several sequences' rows one after another (`clear`, then `add` per sequence)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -28,21 +29,40 @@ class TokenBatch:
         self._pos = np.ctypeslib.as_array(b.pos, shape=(capacity,))
         self._logits = np.ctypeslib.as_array(b.logits, shape=(capacity,))
         np.ctypeslib.as_array(b.n_seq_id, shape=(capacity,))[:] = 1
+        self._seq = [0] * capacity  # what each row's seq_id slot holds, to write only the rows that change
         for i in range(capacity):
             b.seq_id[i][0] = 0
+        self.n_rows = 0
 
     def fill(self, tokens: Sequence[int], pos0: int, *, outputs: str) -> int:
-        """Rows at positions pos0..; outputs is "all", "last" or "none". Returns the row count."""
-        n = len(tokens)
-        if not 0 < n <= self.capacity:
-            raise ValueError(f"batch of {n} rows does not fit capacity {self.capacity}")
-        self._tokens[:n] = tokens
-        self._pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
-        self._logits[:n] = 1 if outputs == "all" else 0
+        """Rows of sequence 0 at positions pos0..; outputs is "all", "last" or "none". Returns the row count."""
+        if not 0 < len(tokens) <= self.capacity:
+            raise ValueError(f"batch of {len(tokens)} rows does not fit capacity {self.capacity}")
+        self.clear()
+        self.add(tokens, pos0, 0, outputs=outputs)
+        return self.n_rows
+
+    def clear(self) -> None:
+        self.n_rows = 0
+        self._batch.n_tokens = 0
+
+    def add(self, tokens: Sequence[int], pos0: int, seq: int, *, outputs: str) -> int:
+        """Append one sequence's rows at positions pos0..; returns the batch index of its first row."""
+        start, n = self.n_rows, len(tokens)
+        if n == 0 or start + n > self.capacity:
+            raise ValueError(f"{n} more rows do not fit a batch of {start} rows with capacity {self.capacity}")
+        stop = start + n
+        self._tokens[start:stop] = tokens
+        self._pos[start:stop] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        self._logits[start:stop] = 1 if outputs == "all" else 0
         if outputs == "last":
-            self._logits[n - 1] = 1
-        self._batch.n_tokens = n
-        return n
+            self._logits[stop - 1] = 1
+        for i in range(start, stop):
+            if self._seq[i] != seq:
+                self._batch.seq_id[i][0] = self._seq[i] = seq
+        self.n_rows = stop
+        self._batch.n_tokens = stop
+        return start
 
     def decode(self, ctx: Any, what: str) -> None:
         rc = ll.llama_decode(ctx, self._batch)
@@ -70,8 +90,9 @@ class FeatureBatch:
         self._pos_ptr = self._pos.ctypes.data
         self._pos_type = ctypes.POINTER(ll.llama_pos)
 
-    def decode(self, rows: np.ndarray, positions: np.ndarray) -> None:
-        """Decode `rows` (n × row_width float32, C-contiguous) at `positions` into the draft, no outputs."""
+    def decode(self, rows: np.ndarray, positions: np.ndarray, seqs: np.ndarray | None = None) -> None:
+        """Decode `rows` (n × row_width float32, C-contiguous) at `positions` (of sequences `seqs`, default 0) into
+        the draft, no outputs."""
         n = rows.shape[0]
         if n == 0:
             return
@@ -84,7 +105,7 @@ class FeatureBatch:
         f32p = ctypes.POINTER(ctypes.c_float)
         for i in range(n):
             embd = ll.llama_embd(ctypes.cast(base + i * stride, f32p), 1, self.row_width)
-            idx = ll.llama_batch_ext_add_embd(self._batch, 0, embd)
+            idx = ll.llama_batch_ext_add_embd(self._batch, 0 if seqs is None else int(seqs[i]), embd)
             if idx < 0:
                 raise DecodeError(f"could not add feature row {i} to the draft batch (status {idx})")
             pos = ctypes.cast(self._pos_ptr + i * 16, self._pos_type)

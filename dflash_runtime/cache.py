@@ -50,10 +50,13 @@ class ParkedCache:
 
 
 class PairCache:
+    """One sequence of the engine (`seq`): its tokens, and its part of the target's and every drafter's state."""
+
     def __init__(self, target_ctx: Any, drafters: Sequence[Drafter], *, recurrent: bool, n_rs_seq: int,
-                 checkpoints: CheckpointStore | None) -> None:
+                 checkpoints: CheckpointStore | None, seq: int = 0) -> None:
+        self.seq = seq
         self._target_ctx = target_ctx
-        self._target = SequenceMemory(target_ctx, "target")
+        self._target = SequenceMemory(target_ctx, "target", seq)
         self.drafters = list(drafters)
         self.recurrent = recurrent
         self._n_rs_seq = n_rs_seq
@@ -113,7 +116,7 @@ class PairCache:
     def clear(self) -> None:
         self._target.clear()
         for drafter in self.drafters:
-            drafter.clear()
+            drafter.clear(self.seq)
         if self.checkpoints is not None:
             self.checkpoints.clear()
         self.tokens = []
@@ -124,8 +127,8 @@ class PairCache:
 
     def park(self) -> ParkedCache:
         """A copy of the caches' whole state; the caches themselves are left as they are."""
-        target = save_seq(self._target_ctx, WHOLE)
-        drafters = [d.save() for d in self.drafters]
+        target = save_seq(self._target_ctx, WHOLE, seq=self.seq)
+        drafters = [d.save(self.seq) for d in self.drafters]
         checkpoints = self.checkpoints.items() if self.checkpoints is not None else []
         nbytes = target.nbytes + sum(d.state_bytes(s) for d, s in zip(self.drafters, drafters, strict=True))
         nbytes += sum(c.data.nbytes for c in checkpoints)
@@ -134,9 +137,9 @@ class PairCache:
     def unpark(self, parked: ParkedCache) -> None:
         """Bring back a parked state in place of the current one."""
         try:
-            load_seq(self._target_ctx, parked.target, WHOLE)
+            load_seq(self._target_ctx, parked.target, WHOLE, self.seq)
             for drafter, state in zip(self.drafters, parked.drafters, strict=True):
-                drafter.restore(state)
+                drafter.restore(self.seq, state)
         except BaseException:
             self.clear()
             raise
@@ -200,7 +203,7 @@ class PairCache:
     def _cut_draft(self, n: int) -> None:
         try:
             for drafter in self.drafters:
-                drafter.keep(n)
+                drafter.keep(self.seq, n)
         except RollbackError as error:
             self.clear()
             raise RollbackError(f"{error}; both caches were cleared") from None

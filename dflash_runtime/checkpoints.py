@@ -62,9 +62,10 @@ class CheckpointCosts:
 class CheckpointStore:
     """Bounded checkpoints of one sequence's recurrent state, oldest evicted first."""
 
-    def __init__(self, ctx: Any, policy: CheckpointPolicy) -> None:
+    def __init__(self, ctx: Any, policy: CheckpointPolicy, seq: int = 0) -> None:
         self._ctx = ctx
         self.policy = policy
+        self.seq = seq
         self._items: list[Checkpoint] = []
 
     @property
@@ -83,10 +84,10 @@ class CheckpointStore:
         if not self.policy.enabled or n_tokens in self.positions:
             return
         t0 = time.perf_counter()
-        size = state_size(self._ctx, PARTIAL_ONLY)
+        size = state_size(self._ctx, PARTIAL_ONLY, self.seq)
         if size == 0 or size > self.policy.max_bytes:
             return  # nothing to keep, or one copy would not fit the budget
-        data = save_seq(self._ctx, PARTIAL_ONLY, size)
+        data = save_seq(self._ctx, PARTIAL_ONLY, size, self.seq)
         while self._items and (
             len(self._items) >= self.policy.max_count or self.total_bytes + size > self.policy.max_bytes
         ):
@@ -104,7 +105,7 @@ class CheckpointStore:
     def restore(self, checkpoint: Checkpoint, costs: CheckpointCosts) -> None:
         """Replace the recurrent state with the checkpoint's (the attention part is left to the caller to cut)."""
         t0 = time.perf_counter()
-        load_seq(self._ctx, checkpoint.data, PARTIAL_ONLY)
+        load_seq(self._ctx, checkpoint.data, PARTIAL_ONLY, self.seq)
         costs.restored_at = checkpoint.n_tokens
         costs.restore_ms += (time.perf_counter() - t0) * 1000.0
 

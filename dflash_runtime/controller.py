@@ -5,17 +5,22 @@ when drafting does not pay, probing now and then (with back-off) to notice when 
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any, Protocol
 
 
 class DraftPolicy(Protocol):
-    def choose(self, pos0: int, limit: int) -> int:
-        """The draft length for the round at `pos0`, at most `limit` (the room left in the context and the request)."""
+    def choose(self, pos0: int, limit: int, others: int = 0) -> int:
+        """The draft length for the round at `pos0`, at most `limit` (the room left in the context and the request);
+        `others` is how many rows of other sequences the same target decode holds."""
         ...
 
-    def observe(self, n_block: int, n_drafted: int, n_accepted: int, seconds: float) -> None: ...
+    def observe(self, n_block: int, n_drafted: int, n_accepted: int, seconds: float,
+                rows: int | None = None) -> None:
+        """A round's outcome; `rows` is what its target decode held in all (default n_block + 1: itself alone)."""
+        ...
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -28,10 +33,11 @@ class FixedLength:
     def __init__(self, n: int) -> None:
         self.n = n
 
-    def choose(self, pos0: int, limit: int) -> int:
+    def choose(self, pos0: int, limit: int, others: int = 0) -> int:
         return min(self.n, limit)
 
-    def observe(self, n_block: int, n_drafted: int, n_accepted: int, seconds: float) -> None:
+    def observe(self, n_block: int, n_drafted: int, n_accepted: int, seconds: float,
+                rows: int | None = None) -> None:
         pass
 
     def describe(self) -> dict[str, Any]:
@@ -48,8 +54,9 @@ class AdaptiveLength:
     reached, shrunk towards a_{j-1} (position 1: towards `prior`) so that positions not reached lately follow the
     ones that were instead of keeping stale values. Evidence fades per drafting round (`decay`) and, more slowly,
     per plain round (`plain_decay`), so a probe after a long plain stretch weighs enough to bring drafting back.
-    cost(n) is a decayed mean of measured round times per length, quick to fall and slow to rise; unmeasured
-    lengths are interpolated between measured ones, or scaled by the number of rows the round decodes.
+    cost(n) is a decayed mean of measured round times by the rows the round's target decode holds (n + 1, plus the
+    rows of the other sequences sharing the decode: the cost model knows the batch), quick to fall and slow to rise;
+    unmeasured row counts are interpolated between measured ones, or scaled by the number of rows.
     While plain (n = 0) it re-plans only at probes: at the start of each request and every `probe_interval`
     plain rounds. A probe whose drafts are all accepted doubles its length each round while that lasts, so drafting
     comes back within a few rounds; the wait doubles after each probe that never beat plain decoding (up to
@@ -70,7 +77,9 @@ class AdaptiveLength:
         self.since_draft = 0
         self.hits = [0.0] * (n_max + 1)        # index j ≥ 1: decayed accepted count at position j
         self.reached = [0.0] * (n_max + 1)     # decayed times position j was verified with 1..j-1 accepted
-        self.cost: list[float | None] = [None] * (n_max + 1)
+        self.cost: list[float | None] = [None] * (n_max + 1)  # by own length, whatever shared the decode
+        self.row_cost: dict[int, float] = {}  # by the rows of the whole target decode
+        self.others = 0  # rows of other sequences in the decode being planned
         self.history: list[int] = []
         self._probing = False
         self._ramping = False
@@ -96,19 +105,20 @@ class AdaptiveLength:
         return out
 
     def estimated_cost(self, n: int) -> float | None:
-        exact = self.cost[n]
+        rows = n + 1 + self.others  # a round decodes n + 1 target rows beside the others'
+        exact = self.row_cost.get(rows)
         if exact is not None:
             return exact
-        known = [(k, c) for k, c in enumerate(self.cost) if c is not None]
+        known = sorted(self.row_cost.items())
         if not known:
             return None
-        below = [(k, c) for k, c in known if k < n]
-        above = [(k, c) for k, c in known if k > n]
+        below = [(k, c) for k, c in known if k < rows]
+        above = [(k, c) for k, c in known if k > rows]
         if below and above:
             (k0, c0), (k1, c1) = below[-1], above[0]
-            return c0 + (c1 - c0) * (n - k0) / (k1 - k0)
+            return c0 + (c1 - c0) * (rows - k0) / (k1 - k0)
         k, c = below[-1] if below else above[0]
-        return c * (n + 1) / (k + 1)  # a round decodes n + 1 target rows
+        return c * rows / k
 
     def rates(self) -> list[float]:
         """Expected tokens per second for each length (0 where the cost is unknown)."""
@@ -124,7 +134,8 @@ class AdaptiveLength:
     def begin_request(self) -> None:
         self._new_request = True
 
-    def choose(self, pos0: int, limit: int) -> int:
+    def choose(self, pos0: int, limit: int, others: int = 0) -> int:
+        self.others = others
         planned, self._new_request = self._plan()
         n = min(planned, limit)
         self.history.append(n)
@@ -151,12 +162,11 @@ class AdaptiveLength:
             n = self.best_length()
         return n, False
 
-    def observe(self, n_block: int, n_drafted: int, n_accepted: int, seconds: float) -> None:
-        old = self.cost[n_block]
-        # Timing noise is mostly added time (another process, a first-time allocation): follow drops quickly and
-        # rises slowly, so the estimate tracks the cost of the work rather than its worst moments.
-        keep = self.cost_decay if old is None or seconds > old else 1 - self.cost_decay
-        self.cost[n_block] = seconds if old is None else keep * old + (1 - keep) * seconds
+    def observe(self, n_block: int, n_drafted: int, n_accepted: int, seconds: float,
+                rows: int | None = None) -> None:
+        self.cost[n_block] = self._follow(self.cost[n_block], seconds)
+        rows = n_block + 1 if rows is None else rows
+        self.row_cost[rows] = self._follow(self.row_cost.get(rows), seconds)
         fade = self.plain_decay if n_block == 0 else self.decay
         for j in range(1, self.n_max + 1):
             self.hits[j] *= fade
@@ -170,13 +180,19 @@ class AdaptiveLength:
             self.hits[j] += 1.0 if j <= n_accepted else 0.0
         # A probe, and the rounds that double its length while every draft is accepted, form one episode.
         exploring = self._probing or self._ramping
-        plain = self.cost[0]
+        plain = self.row_cost.get(rows - n_block)  # one row beside the same others
         self._episode_paid |= plain is not None and (n_accepted + 1) * plain > seconds  # beat a plain step?
         self._ramping = exploring and 0 < n_drafted == n_accepted and n_drafted < self.n_max
         if exploring and not self._ramping:
             # An episode that never beat plain decoding waits twice as long next time; one that did resets the wait.
             paid, self._episode_paid = self._episode_paid, False
             self.probe_interval = self.probe_base if paid else min(self.probe_max, self.probe_interval * 2)
+
+    def _follow(self, old: float | None, seconds: float) -> float:
+        # Timing noise is mostly added time (another process, a first-time allocation): follow drops quickly and
+        # rises slowly, so the estimate tracks the cost of the work rather than its worst moments.
+        keep = self.cost_decay if old is None or seconds > old else 1 - self.cost_decay
+        return seconds if old is None else keep * old + (1 - keep) * seconds
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -203,19 +219,33 @@ POLICIES_KEPT = 64  # adaptive policies per (owner, method, length), least recen
 
 class Policies:
     """The draft policies kept across requests, one per (owner, method, draft length): what "auto" measured about a
-    conversation carries over to its next request, and nobody else's (least recently used first out)."""
+    conversation carries over to its next request, and nobody else's (least recently used first out). A request that
+    runs while another of the same key holds its policy gets one of its own, not kept."""
 
     def __init__(self, verify_cap: int, kept: int = POLICIES_KEPT) -> None:
         self._verify_cap = verify_cap
         self._kept = kept
         self._policies: OrderedDict[tuple[Hashable, str, str], DraftPolicy] = OrderedDict()
+        self._in_use: set[int] = set()
+        self._lock = threading.Lock()
 
     def get(self, owner: Hashable, method: str, draft_length: int | str, capacity: int) -> DraftPolicy:
         key = (owner, method, str(draft_length))
-        policy = self._policies.pop(key, None)
-        if policy is None:
-            policy = make_policy(draft_length, capacity, verify_cap=self._verify_cap)
-        self._policies[key] = policy  # most recently used last
-        while len(self._policies) > self._kept:
-            self._policies.popitem(last=False)
-        return policy
+        with self._lock:
+            policy = self._policies.get(key)
+            if policy is not None and id(policy) in self._in_use:
+                policy = make_policy(draft_length, capacity, verify_cap=self._verify_cap)
+            else:
+                if policy is None:
+                    policy = make_policy(draft_length, capacity, verify_cap=self._verify_cap)
+                self._policies.pop(key, None)
+                self._policies[key] = policy  # most recently used last
+                while len(self._policies) > self._kept:
+                    self._policies.popitem(last=False)
+            self._in_use.add(id(policy))
+            return policy
+
+    def give_back(self, policy: DraftPolicy) -> None:
+        """The request that held `policy` ended."""
+        with self._lock:
+            self._in_use.discard(id(policy))

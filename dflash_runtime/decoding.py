@@ -1,19 +1,23 @@
-"""One request on the engine's parts, split as llama.cpp splits speculative decoding:
+"""One request on its sequence, split as llama.cpp splits speculative decoding, in the phases an engine step drives
+(steps.py) — every running request's phase shares the step's one target decode:
 
-- begin: make the caches the request owner's (sessions.py), reuse the cached prefix (rolling back, or restoring a
-  context checkpoint), prefill the rest in chunks, each drafter processing every chunk, checkpoints saved where a
-  later request can use them;
+- begin: make a sequence the request owner's (sessions.py), reuse its cached prefix (rolling back, or restoring a
+  context checkpoint);
+- prefill: the rest of the prompt in chunks, as the step's token budget allows, each drafter processing every
+  chunk, checkpoints saved where a later request can use them; then the first sample;
 - per step: choose a draft length (clamped to the room left), let the request's drafter draft, decode
   `[id_last, drafts]` on the target, let every drafter process it, walk the verifier over the rows (accept), cut the
-  caches to what was accepted.
+  sequence to what was accepted.
 
-Cancellation is checked between prefill chunks and between steps.
+Cancellation is checked between prefill chunks and between steps. A request's events wait in its own queue: a
+request whose consumer has not read its last event takes no part in the next step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -23,7 +27,7 @@ from .batches import TokenBatch
 from .cache import PairCache
 from .checkpoints import CheckpointCosts, prompt_marks
 from .controller import DraftPolicy
-from .drafting import Drafter
+from .drafting import DraftAsk, Drafter
 from .methods import Chain, split
 from .pair import LinkedPair
 from .proposal import DRAFT, TARGET, DraftSampling, Proposal
@@ -62,18 +66,22 @@ class Request:
 
 @dataclass
 class Parts:
-    """The engine's parts a request runs on."""
+    """The engine's parts the requests run on: one cache per sequence, the drafters and the batch all share."""
 
     pair: LinkedPair
-    cache: PairCache
+    caches: list[PairCache]
     batch: TokenBatch
     drafters: dict[str, Drafter]
     verifiers: Verifiers
     owners: CacheOwners
     controls: frozenset[int]  # control token ids: message boundaries, where checkpoints serve the next turn
 
+    @property
+    def cache(self) -> PairCache:
+        return self.caches[0]
 
-class _Clock:
+
+class Clock:
     """Accumulates time spent inside native calls."""
 
     def __init__(self) -> None:
@@ -87,12 +95,26 @@ class _Clock:
 
 
 @dataclass
-class _Step:
+class Emitted:
+    """What a phase emitted: tokens, their sources and text, and the finish when the request ends with them."""
+
     tokens: list[int]
     sources: list[str]
     delta: str
     finish: str | None = None
     detail: str = ""
+
+
+@dataclass
+class Planned:
+    """A request's part of the next target decode."""
+
+    tokens: list[int]
+    outputs: str  # "all", "last" or "none"
+    eager: bool  # drafters of the request's chain take the rows into their contexts now
+    proposal: Proposal | None = None  # a step's draft (None: a prefill chunk)
+    n_block: int = 0
+    row0: int = 0
 
 
 class Decoding:
@@ -103,45 +125,198 @@ class Decoding:
         self.req = req
         self.policy = policy
         self.cancelled = cancelled
-        self.drafter = Chain(parts.drafters, split(req.method)) if req.method is not None else None
-        self.stats = Stats(speculative=req.speculative, method=req.method,
-                           draft_capacity=self.drafter.capacity if self.drafter else 0,
+        self.members = split(req.method) if req.method is not None else ()
+        capacity = min(parts.drafters[m].capacity for m in self.members) if self.members else 0
+        self.stats = Stats(speculative=req.speculative, method=req.method, draft_capacity=capacity,
                            draft_length=req.draft_length if req.speculative else 0, verify_mode=req.verify_mode)
         self.costs = CheckpointCosts()
-        self.clock = _Clock()
+        self.clock = Clock()
         self.text = TextStream(parts.pair.vocabulary, req.stop)
+        self.events: deque[StreamEvent] = deque()  # emitted, not read yet
+        self.error: BaseException | None = None
+        self.done = False
+        self.cache: PairCache | None = None
+        self.chain: Chain | None = None
+        self.planned: Planned | None = None
+        self._resources = contextlib.ExitStack()
+        self._verifier: Verifier | None = None
+        self._draft_sampling: DraftSampling | None = None
         self._t_start = time.perf_counter()
         self._prefilled = False
+        self._pos = self._end = 0
+        self._kept = 0
+        self._marks: list[int] = []
+        self._public_base = 0
+        self._id_last = -1
         self._drafted_by: str | None = None  # the method that drafted the current step (a chain's member)
+        self.on_release: list[Callable[[], None]] = []
 
-    # -- the request ------------------------------------------------------------------------------------------
+    @property
+    def seq(self) -> int:
+        assert self.cache is not None
+        return self.cache.seq
 
-    def events(self) -> Iterator[StreamEvent]:
-        with contextlib.ExitStack() as resources:
-            verifier, draft_sampling = self._verifier(resources)
-            if self.policy is not None:
-                self.policy.begin_request()
-            last_rows = self._prefill()
-            if last_rows is None:
-                yield self.final_event([], [], "", "cancelled", "cancelled during the prompt")
-                return
-            if self.drafter is not None:
-                self.drafter.begin()
-            self._t_start, self.clock.s = time.perf_counter(), 0.0
-            step = self._accept(verifier.walk(Proposal(), first_row=last_rows - 1))  # the prefill's own sample
-            while step.finish is None:
-                if self.stats.n_generated >= self.req.max_tokens:
-                    step.finish, step.detail = "length", f"max_tokens={self.req.max_tokens} reached"
-                    break
-                if len(self.parts.cache) >= self.parts.pair.n_ctx:
-                    step.finish, step.detail = "length", f"the context is full ({self.parts.pair.n_ctx} tokens)"
-                    break
-                yield self._event(step)
-                if self.cancelled():
-                    step = _Step([], [], "", "cancelled", "cancelled by the caller")
-                    break
-                step = self._step(self._id_last, verifier, draft_sampling)
-            yield self.final_event(step.tokens, step.sources, step.delta, step.finish or "stop", step.detail)
+    @property
+    def ready(self) -> bool:
+        """Whether the request takes part in the next step: not ended, and its last event was read."""
+        return not self.done and not self.events and self.error is None
+
+    @property
+    def prefilling(self) -> bool:
+        return not self._prefilled
+
+    # -- begin: a sequence, prefix reuse ------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        parts, prompt, req, stats = self.parts, self.prompt, self.req, self.stats
+        self._verifier, self._draft_sampling = self._make_verifier()
+        if self.policy is not None:
+            self.policy.begin_request()
+        self.cache, limit = parts.owners.acquire(req.owner, prompt, req.public_prefix)
+        cache = self.cache
+        if self.members:
+            self.chain = Chain(parts.drafters, self.members, cache.seq)
+        self._t0 = time.perf_counter()
+        kept = cache.reuse(prompt, self.costs, limit)
+        end = len(prompt)
+        stats.n_prompt, stats.n_reused, stats.n_prefilled = end, kept, end - kept
+        marks = prompt_marks(prompt, parts.controls, req.public_prefix) if cache.checkpointing else []
+        # The first request that declares a public prefix keeps a copy of the caches right after it (sessions.py).
+        public_base = req.public_prefix if kept < req.public_prefix and parts.owners.needs_public_base(
+            prompt, req.public_prefix) else 0  # fmt: skip
+        self._marks = sorted({m for m in marks if m > kept} | ({public_base} if public_base else set()))
+        self._public_base, self._pos, self._end, self._kept = public_base, kept, end, kept
+
+    def release(self) -> None:
+        """The request is over (ended, failed or closed): its sequence and resources go back."""
+        if self.done:
+            return
+        if self.cache is not None:
+            self.parts.owners.release(self.cache)
+        self.done = True
+        self._resources.close()
+        for hook in self.on_release:
+            hook()
+
+    # -- prefill ------------------------------------------------------------------------------------------------
+
+    def plan_prefill(self, budget: int) -> Planned | None:
+        """The next prompt chunk, at most `budget` tokens, ending at the next checkpoint mark."""
+        if budget <= 0:
+            return None
+        stop = min(self._pos + budget, self._end, self._marks[0] if self._marks else self._end)
+        last = stop == self._end
+        self.planned = Planned(self.prompt[self._pos:stop], "last" if last else "none", self.req.speculative)
+        return self.planned
+
+    def after_prefill(self) -> None:
+        """The chunk was decoded: checkpoints, the public base, progress; then the first sample after the last."""
+        assert self.planned is not None and self.cache is not None
+        cache, parts, req = self.cache, self.parts, self.req
+        planned, self.planned = self.planned, None
+        self._pos += len(planned.tokens)
+        pos, end, marks = self._pos, self._end, self._marks
+        if req.on_prefill is not None:
+            req.on_prefill(pos - self._kept, end - self._kept)
+        if pos == self._public_base:
+            if marks and pos == marks[0]:
+                marks.pop(0)
+                cache.save_checkpoint(self.costs)
+            cache.public_len = pos
+            parts.owners.keep_public_base(cache)
+        if marks and pos == marks[0]:
+            marks.pop(0)
+            cache.save_checkpoint(self.costs)
+        elif pos < end and cache.interval_due():
+            cache.save_checkpoint(self.costs)
+        if pos < end:
+            return
+        if req.public_prefix > cache.public_len:
+            cache.public_len = min(req.public_prefix, end)
+        self.stats.prefill_ms = (time.perf_counter() - self._t0) * 1000.0
+        self._prefilled = True
+        if self.chain is not None:
+            self.chain.begin()
+        self._t_start, self.clock.s = time.perf_counter(), 0.0
+        assert self._verifier is not None
+        row = planned.row0 + len(planned.tokens) - 1
+        self._conclude(self._accept(self._verifier.walk(Proposal(), first_row=row)))  # the prefill's own sample
+
+    # -- one step: draft → verify → accept ----------------------------------------------------------------------
+
+    def plan_step(self, others: int) -> tuple[int, DraftAsk | None]:
+        """This step's draft length and what to ask the chain (None: a plain step); `others` is the rows already
+        planned for the step's target decode."""
+        assert self.cache is not None
+        self._t_round = time.perf_counter()
+        req, stats, policy = self.req, self.stats, self.policy
+        pos0 = len(self.cache)
+        # Like llama.cpp's server: leave room in the context, and draft nothing past max_tokens.
+        room = max(0, min(self.parts.pair.n_ctx - pos0 - 2, req.max_tokens - stats.n_generated - 1))
+        n_block = policy.choose(pos0, room, others) if policy is not None else 0
+        self._n_block, self._others = n_block, others
+        if n_block <= 0 or self.chain is None:
+            return n_block, None
+        return n_block, DraftAsk(self.seq, self._id_last, pos0, n_block, self.req.n_min, self.req.p_min,
+                                 self._draft_sampling)
+
+    def set_draft(self, proposal: Proposal, drafted_by: str | None, draft_ms: float) -> None:
+        self._drafted_by = drafted_by
+        self.stats.draft_ms += draft_ms
+        if self.policy is not None:
+            self.stats.draft_lengths.append(len(proposal.tokens))
+        self.planned = Planned([self._id_last, *proposal.tokens], "all", bool(proposal.tokens), proposal,
+                               self._n_block)
+
+    def plain_step(self) -> Planned:
+        if self.policy is not None:
+            self.stats.draft_lengths.append(0)
+        self.planned = Planned([self._id_last], "all", False, Proposal(), self._n_block)
+        return self.planned
+
+    def after_step(self, decode_ms: float, rows: int, step_s: float) -> None:
+        """The step's decode is done: walk the verifier over this request's rows, cut what was rejected."""
+        assert self.planned is not None and self.planned.proposal is not None and self.cache is not None
+        assert self._verifier is not None
+        planned, self.planned = self.planned, None
+        proposal, stats, policy = planned.proposal, self.stats, self.policy
+        t = time.perf_counter()
+        emitted = self._accept(self._verifier.walk(proposal, first_row=planned.row0))
+        step_ms = decode_ms + (time.perf_counter() - t) * 1000.0
+        stats.verify_ms += step_ms
+        n_accepted = emitted.sources.count(DRAFT)
+        pos0 = len(self.cache) - len(planned.tokens)
+        if self.chain is not None and proposal.tokens:
+            self.chain.accept(n_accepted)
+        self.cache.roll_back(pos0 + 1 + n_accepted)
+        if proposal.tokens:
+            stats.record_verify(len(proposal.tokens), n_accepted, len(emitted.tokens), self._drafted_by)
+        else:
+            stats.plain_steps += 1
+            stats.plain_ms += step_ms
+        if policy is not None:
+            policy.observe(planned.n_block, len(proposal.tokens), n_accepted,
+                           step_s + time.perf_counter() - t, rows=self._others + planned.n_block + 1)
+        if self.cache.interval_due():
+            self.cache.save_checkpoint(self.costs)
+        self._conclude(emitted)
+
+    # -- events -------------------------------------------------------------------------------------------------
+
+    def cancel_now(self) -> None:
+        """End here: the caller cancelled (between two steps, or during the prompt)."""
+        if self._prefilled:
+            self._finish(Emitted([], [], "", "cancelled", "cancelled by the caller"))
+        else:
+            self._finish(Emitted([], [], "", "cancelled", "cancelled during the prompt"))
+
+    def fail(self, error: BaseException) -> None:
+        """The step raised for this request: its sequence may hold a half-done step, so it starts over clean."""
+        self.error = error
+        if self.cache is not None:
+            with contextlib.suppress(Exception):
+                self.cache.clear()
+        self.release()
 
     def final_event(self, tokens: list[int], sources: list[str], delta: str, finish: str,
                     detail: str) -> StreamEvent:
@@ -151,149 +326,47 @@ class Decoding:
             self.stats.controller = self.policy.describe()
         return StreamEvent(delta, tokens, self.stats.snapshot(), finish, detail, sources, self.text.take_runs())
 
-    def _event(self, step: _Step) -> StreamEvent:
+    def _conclude(self, emitted: Emitted) -> None:
+        assert self.cache is not None
+        if emitted.finish is None:
+            if self.stats.n_generated >= self.req.max_tokens:
+                emitted.finish, emitted.detail = "length", f"max_tokens={self.req.max_tokens} reached"
+            elif len(self.cache) >= self.parts.pair.n_ctx:
+                emitted.finish, emitted.detail = "length", f"the context is full ({self.parts.pair.n_ctx} tokens)"
+        if emitted.finish is not None:
+            self._finish(emitted)
+            return
         self._time()
-        return StreamEvent(step.delta, step.tokens, self.stats.snapshot(), token_sources=step.sources,
-                           delta_sources=self.text.take_runs())
+        self.events.append(StreamEvent(emitted.delta, emitted.tokens, self.stats.snapshot(),
+                                       token_sources=emitted.sources, delta_sources=self.text.take_runs()))
+
+    def _finish(self, emitted: Emitted) -> None:
+        self.events.append(self.final_event(emitted.tokens, emitted.sources, emitted.delta,
+                                            emitted.finish or "stop", emitted.detail))
+        self.release()
 
     def _time(self) -> None:
         s = self.stats
-        s.decode_ms = (time.perf_counter() - self._t_start) * 1000.0
+        s.decode_ms = (time.perf_counter() - self._t_start) * 1000.0 if self._prefilled else 0.0
         s.native_ms = self.clock.s * 1000.0
         s.checkpoint_restored_at = self.costs.restored_at
         s.checkpoint_restore_ms = self.costs.restore_ms
         s.checkpoints_saved, s.checkpoint_bytes = self.costs.saved, self.costs.saved_bytes
         s.checkpoint_save_ms = self.costs.save_ms
 
-    def _verifier(self, resources: contextlib.ExitStack) -> tuple[Verifier, DraftSampling | None]:
+    def _make_verifier(self) -> tuple[Verifier, DraftSampling | None]:
         pair, sampling, verifiers = self.parts.pair, self.req.sampling, self.parts.verifiers
         if self.stats.verify_mode == "sample":
             rng = np.random.default_rng(sampling.seed)
             chain = ChainProbabilities(sampling, pair.n_vocab)
-            resources.callback(chain.free)
+            self._resources.callback(chain.free)
             return verifiers.sample(chain, rng, pair.target_ctx, pair.n_vocab), DraftSampling(chain, rng)
-        sampler = resources.enter_context(Sampler(sampling))
+        sampler = self._resources.enter_context(Sampler(sampling))
         return verifiers.match(sampler, pair.target_ctx), None
 
-    # -- begin: prefix reuse and prefill ------------------------------------------------------------------------
-
-    def _prefill(self) -> int | None:
-        """Bring the cache to the prompt; returns the row count of the last decode (its last row has the logits
-        of the prompt's last token), or None when cancelled."""
-        parts, prompt, stats, req = self.parts, self.prompt, self.stats, self.req
-        cache, n_batch = parts.cache, parts.pair.n_batch
-        limit = parts.owners.switch(req.owner, prompt, req.public_prefix)
-        t0 = time.perf_counter()
-        kept = cache.reuse(prompt, self.costs, limit)
-        end = len(prompt)
-        stats.n_prompt, stats.n_reused, stats.n_prefilled = end, kept, end - kept
-        marks = prompt_marks(prompt, parts.controls, req.public_prefix) if cache.checkpointing else []
-        # The first request that declares a public prefix keeps a copy of the caches right after it (sessions.py).
-        public_base = req.public_prefix if kept < req.public_prefix and parts.owners.needs_public_base(
-            prompt, req.public_prefix) else 0  # fmt: skip
-        marks = sorted({m for m in marks if m > kept} | ({public_base} if public_base else set()))
-        pos, rows = kept, 0
-        while pos < end:
-            if self.cancelled():
-                return None
-            if marks and pos == marks[0]:
-                marks.pop(0)
-                cache.save_checkpoint(self.costs)
-            stop = min(pos + n_batch, end, marks[0] if marks else end)
-            rows = self._decode(prompt[pos:stop], "last" if stop == end else "none", eager=req.speculative)
-            pos = stop
-            if req.on_prefill is not None:
-                req.on_prefill(pos - kept, end - kept)
-            if pos == public_base:
-                if marks and pos == marks[0]:
-                    marks.pop(0)
-                    cache.save_checkpoint(self.costs)
-                cache.public_len = pos
-                parts.owners.keep_public_base()
-            if pos < end and not (marks and pos == marks[0]) and cache.interval_due():
-                cache.save_checkpoint(self.costs)
-        if req.public_prefix > cache.public_len:
-            cache.public_len = min(req.public_prefix, end)
-        stats.prefill_ms = (time.perf_counter() - t0) * 1000.0
-        self._prefilled = True
-        return rows
-
-    def _decode(self, tokens: Sequence[int], outputs: str, *, eager: bool) -> int:
-        """Decode on the target, then let every drafter process the rows (eagerly only the request's own)."""
-        parts = self.parts
-        pos0 = len(parts.cache)
-        n = parts.batch.fill(tokens, pos0, outputs=outputs)
-        with self.clock:
-            parts.batch.decode(parts.pair.target_ctx, "target")
-        parts.cache.decoded(tokens)
-        t = time.perf_counter()
-        with self.clock:
-            for drafter in parts.drafters.values():
-                drafter.process(tokens, pos0, eager=eager and self.drafter is not None
-                                and drafter in self.drafter.members)
-        if self._prefilled:
-            self.stats.inject_ms += (time.perf_counter() - t) * 1000.0
-        return n
-
-    # -- one step: draft → verify → accept ----------------------------------------------------------------------
-
-    def _step(self, id_last: int, verifier: Verifier, draft_sampling: DraftSampling | None) -> _Step:
-        t_round = time.perf_counter()
-        parts, req, stats, policy = self.parts, self.req, self.stats, self.policy
-        pos0 = len(parts.cache)
-        # Like llama.cpp's server: leave room in the context, and draft nothing past max_tokens.
-        room = max(0, min(parts.pair.n_ctx - pos0 - 2, req.max_tokens - stats.n_generated - 1))
-        n_block = policy.choose(pos0, room) if policy is not None else 0
-        proposal = Proposal()
-        if n_block > 0:
-            # Rows left pending by plain rounds belong to those rounds' cost, not to this one's.
-            t_round += self._catch_up()
-            proposal = self._propose(id_last, pos0, n_block, draft_sampling)
-        if policy is not None:
-            stats.draft_lengths.append(len(proposal.tokens))
-        t = time.perf_counter()
-        inject_before = stats.inject_ms
-        self._decode([id_last, *proposal.tokens], "all", eager=bool(proposal.tokens))
-        step = self._accept(verifier.walk(proposal))
-        step_ms = (time.perf_counter() - t) * 1000.0 - (stats.inject_ms - inject_before)
-        stats.verify_ms += step_ms
-        n_accepted = step.sources.count(DRAFT)
-        if self.drafter is not None and proposal.tokens:
-            self.drafter.accept(n_accepted)
-        parts.cache.roll_back(pos0 + 1 + n_accepted)
-        if proposal.tokens:
-            stats.record_verify(len(proposal.tokens), n_accepted, len(step.tokens), self._drafted_by)
-        else:
-            stats.plain_steps += 1
-            stats.plain_ms += step_ms
-        if policy is not None:
-            policy.observe(n_block, len(proposal.tokens), n_accepted, time.perf_counter() - t_round)
-        if parts.cache.interval_due():
-            parts.cache.save_checkpoint(self.costs)
-        return step
-
-    def _propose(self, id_last: int, pos0: int, n_block: int, sampling: DraftSampling | None) -> Proposal:
-        assert self.drafter is not None
-        t = time.perf_counter()
-        with self.clock:
-            proposal, self._drafted_by = self.drafter.draft(id_last, pos0, n_block, n_min=self.req.n_min,
-                                                            p_min=self.req.p_min, sampling=sampling)
-        self.stats.draft_ms += (time.perf_counter() - t) * 1000.0
-        return proposal
-
-    def _catch_up(self) -> float:
-        """Bring the request's drafter up to date with the target; returns the seconds it took."""
-        assert self.drafter is not None
-        t = time.perf_counter()
-        with self.clock:
-            self.drafter.catch_up()
-        spent = time.perf_counter() - t
-        self.stats.inject_ms += spent * 1000.0
-        return spent
-
-    def _accept(self, walk: Iterator[tuple[int, str]]) -> _Step:
+    def _accept(self, walk: Iterator[tuple[int, str]]) -> Emitted:
         """Emit the verifier's tokens until the walk ends, the end of generation or a stop string."""
-        step = _Step([], [], "")
+        out = Emitted([], [], "")
         vocab = self.parts.pair.vocabulary
         while True:
             with self.clock:  # the walk samples the target's rows
@@ -302,18 +375,18 @@ class Decoding:
                 break
             token, source = item
             if vocab.is_eog(token):
-                step.finish, step.detail = "stop", "end of generation"
+                out.finish, out.detail = "stop", "end of generation"
                 break
-            step.tokens.append(token)
-            step.sources.append(source)
-            step.delta += self.text.feed(token, source)
+            out.tokens.append(token)
+            out.sources.append(source)
+            out.delta += self.text.feed(token, source)
             if self.text.stopped:
-                step.finish, step.detail = "stop", "stop string"
+                out.finish, out.detail = "stop", "stop string"
                 break
-        self.stats.n_generated += len(step.tokens)
-        if step.tokens:
-            self._id_last = step.tokens[-1]
-        return step
+        self.stats.n_generated += len(out.tokens)
+        if out.tokens:
+            self._id_last = out.tokens[-1]
+        return out
 
 
 __all__ = ["DRAFT", "TARGET", "Decoding", "Parts", "Request"]

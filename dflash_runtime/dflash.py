@@ -1,8 +1,9 @@
 """The DFlash method: target features injected into a linked draft context, one block drafted per round.
 
 `DFlashDrafter` is the method behind the drafter interface (drafting.py): it owns the feature bridge (target layer
-taps → draft KV) and decides when rows are injected. `BlockDrafter` drafts one block: `[id_last, mask × n]` decoded
-in a single pass.
+taps → draft KV, per sequence) and decides when rows are injected. `BlockDrafter` drafts one block per sequence:
+every drafting sequence's `[id_last, mask × n]` decoded in a single pass of the draft context (llama.cpp sizes the
+draft's outputs `n_parallel × (n_max + 1)` for the same reason).
 
 Greedy (temperature 0, and sample-and-match verification): DFlash 2 walks its candidate lattice greedily over the
 selector's transition scores, DFlash v1 takes the argmax of the draft logits at each mask position.
@@ -23,7 +24,7 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from .batches import TokenBatch
-from .drafting import DFLASH
+from .drafting import DFLASH, DraftAsk, Rows
 from .errors import DecodeError
 from .features import FeatureBridge
 from .memory import SequenceMemory
@@ -34,47 +35,63 @@ from .validation import DraftSpec
 
 
 class BlockDrafter:
-    def __init__(self, api: DFlashApi, draft_ctx: Any, spec: DraftSpec, n_embd_draft: int, n_vocab: int) -> None:
+    def __init__(self, api: DFlashApi, draft_ctx: Any, spec: DraftSpec, n_embd_draft: int, n_vocab: int,
+                 n_seq: int = 1) -> None:
         self._api = api
         self._ctx = draft_ctx
-        self._memory = SequenceMemory(draft_ctx, "draft")
+        self._memories = [SequenceMemory(draft_ctx, "draft", seq) for seq in range(n_seq)]
         self._spec = spec
         self._n_embd = n_embd_draft
         self._n_vocab = n_vocab
         self._k = spec.selector_top_k
-        self._batch = TokenBatch(spec.block_size)
+        self._batch = TokenBatch(spec.block_size * n_seq)
         self._block = np.full(spec.block_size, spec.mask_token_id, dtype=np.int32)
 
     def draft(self, id_last: int, pos0: int, n_max: int, *, n_min: int = 0, p_min: float = 0.0,
               sampling: DraftSampling | None = None) -> Proposal:
-        """Draft up to n_max tokens following id_last (decoded at pos0); the block's cells are removed afterwards."""
-        block = self._block[:n_max + 1]
-        block[0] = id_last
-        block[1:] = self._spec.mask_token_id
-        self._batch.fill(block, pos0, outputs="none" if self._spec.is_dflash2 else "all")
-        try:
-            self._batch.decode(self._ctx, "draft block")
-            if self._spec.is_dflash2:
-                proposal = self._walk_lattice(n_max, p_min, sampling)
-            else:
-                proposal = self._per_position(n_max, p_min, sampling)
-        finally:
-            # The block's K/V must go before the verify rows' features are injected at the same positions. A failed
-            # removal is raised here only when nothing else is being raised: it must not hide a decode error.
-            removed = self._memory.remove_from(pos0)
-        if not removed:
-            raise self._memory.refused(f"drop its block at position {pos0}")
-        return proposal.at_least(n_min, sampling)
+        """Draft up to n_max tokens following id_last (decoded at pos0 of sequence 0)."""
+        return self.draft_blocks([DraftAsk(0, id_last, pos0, n_max, n_min, p_min, sampling)])[0]
 
-    def _walk_lattice(self, n_max: int, p_min: float, sampling: DraftSampling | None) -> Proposal:
+    def draft_blocks(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
+        """Each ask's block in one decode; the blocks' cells are removed afterwards. The draft graph takes blocks of
+        one size (as llama.cpp drafts every slot with n_max): each is as long as the longest ask's, and an ask reads
+        the first n positions of its own."""
+        batch = self._batch
+        batch.clear()
+        rows = []
+        width = max(a.n for a in asks)
+        for ask in asks:
+            block = self._block[:width + 1]
+            block[0] = ask.id_last
+            block[1:] = self._spec.mask_token_id
+            rows.append(batch.add(block, ask.pos0, ask.seq, outputs="none" if self._spec.is_dflash2 else "all"))
+        refused = []
+        try:
+            batch.decode(self._ctx, "draft block")
+            if self._spec.is_dflash2:
+                lattice = self._lattice(batch.n_rows)
+                out = [self._walk_lattice(lattice[r + 1:r + 1 + a.n], a) for a, r in zip(asks, rows, strict=True)]
+            else:
+                out = [self._per_position(r, a) for a, r in zip(asks, rows, strict=True)]
+        finally:
+            # The blocks' K/V must go before the verify rows' features are injected at the same positions. A failed
+            # removal is raised here only when nothing else is being raised: it must not hide a decode error.
+            refused = [a for a in asks if not self._memories[a.seq].remove_from(a.pos0)]
+        if refused:
+            raise self._memories[refused[0].seq].refused(f"drop its block at position {refused[0].pos0}")
+        return [p.at_least(a.n_min, a.sampling) for p, a in zip(out, asks, strict=True)]
+
+    def _lattice(self, n_rows: int) -> np.ndarray:
         ptr = self._api.get_embeddings_nextn(self._ctx)
         if not ptr:
             raise DecodeError("the DFlash 2 selector produced no lattice (nextn embeddings are off?)")
-        k = self._k
-        rows = np.ctypeslib.as_array(ptr, shape=(n_max + 1, self._n_embd))
-        # Row i ≥ 1: [candidate ids (K) | transition scores K×K, predecessor-major].
-        cands = rows[1:, :k].astype(np.int64)
-        scores = rows[1:, k:k + k * k].reshape(n_max, k, k)
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, self._n_embd))
+
+    def _walk_lattice(self, rows: np.ndarray, ask: DraftAsk) -> Proposal:
+        """Rows of one block's mask positions: [candidate ids (K) | transition scores K×K, predecessor-major]."""
+        k, n_max, p_min, sampling = self._k, ask.n, ask.p_min, ask.sampling
+        cands = rows[:, :k].astype(np.int64)
+        scores = rows[:, k:k + k * k].reshape(n_max, k, k)
         out = Proposal.start(sampling)
         pred = 0
         for i in range(n_max):
@@ -96,13 +113,14 @@ class BlockDrafter:
             pred = int(np.flatnonzero(cands[i] == token)[0])
         return out
 
-    def _per_position(self, n_max: int, p_min: float, sampling: DraftSampling | None) -> Proposal:
-        out = Proposal.start(sampling)
-        for i in range(1, n_max + 1):
-            ptr = ll.llama_get_logits_ith(self._ctx, i)
+    def _per_position(self, row0: int, ask: DraftAsk) -> Proposal:
+        out = Proposal.start(ask.sampling)
+        for i in range(1, ask.n + 1):
+            ptr = ll.llama_get_logits_ith(self._ctx, row0 + i)
             if not ptr:
                 raise DecodeError(f"the draft produced no logits for block row {i}")
-            if out.add_from_logits(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)), p_min, sampling) is None:
+            logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+            if out.add_from_logits(logits, ask.p_min, ask.sampling) is None:
                 break
         return out
 
@@ -110,58 +128,58 @@ class BlockDrafter:
         self._batch.free()
 
 
-
 class DFlashDrafter:
-    """DFlash / DFlash 2 behind the drafter interface. Features of every target decode are copied at once (they are
-    valid until the next decode); they reach the draft cache at once when `eager`, else when drafting resumes or the
-    bridge is full."""
+    """DFlash / DFlash 2 behind the drafter interface, for every sequence. Features of every target decode are copied
+    at once (they are valid until the next decode); they reach the draft cache at once when `eager`, else when
+    drafting resumes or the sequence's pending buffer is full."""
 
     method = DFLASH
 
     def __init__(self, api: DFlashApi, target_ctx: Any, draft_ctx: Any, spec: DraftSpec, *, n_embd: int,
-                 n_embd_draft: int, n_vocab: int, n_ubatch: int, capacity: int) -> None:
+                 n_embd_draft: int, n_vocab: int, n_ubatch: int, capacity: int, n_seq: int = 1) -> None:
         self.capacity = capacity
         self.spec = spec
         self._ctx = draft_ctx
-        self._memory = SequenceMemory(draft_ctx, "draft")
-        self.bridge = FeatureBridge(api, target_ctx, draft_ctx, spec.target_layer_ids, n_embd, n_ubatch)
-        self._block = BlockDrafter(api, draft_ctx, spec, n_embd_draft, n_vocab)
+        self._memories = [SequenceMemory(draft_ctx, "draft", seq) for seq in range(n_seq)]
+        self.bridge = FeatureBridge(api, target_ctx, draft_ctx, spec.target_layer_ids, n_embd, n_ubatch, n_seq)
+        self._block = BlockDrafter(api, draft_ctx, spec, n_embd_draft, n_vocab, n_seq)
 
-    def process(self, tokens: Sequence[int], pos0: int, *, eager: bool) -> None:
+    def process(self, rows: Sequence[Rows]) -> None:
         bridge = self.bridge
-        bridge.capture(len(tokens), pos0)
-        if eager or bridge.n_pending >= bridge.capacity:
-            bridge.flush()
+        bridge.capture(rows)
+        due = [r.seq for r in rows if r.eager or bridge.n_pending(r.seq) >= bridge.capacity]
+        if due:
+            bridge.flush(due)
 
-    def catch_up(self) -> None:
-        self.bridge.flush()
+    def catch_up(self, seqs: Sequence[int]) -> None:
+        self.bridge.flush(seqs)
 
-    def begin(self) -> None:
+    def begin(self, seq: int) -> None:
         pass  # the features come with every decode (process)
 
-    def draft(self, id_last: int, pos0: int, n: int, *, n_min: int = 0, p_min: float = 0.0,
-              sampling: DraftSampling | None = None) -> Proposal:
-        return self._block.draft(id_last, pos0, n, n_min=n_min, p_min=p_min, sampling=sampling)
+    def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
+        return self._block.draft_blocks(asks)
 
-    def accept(self, n_accepted: int) -> None:
+    def accept(self, seq: int, n_accepted: int) -> None:
         pass  # the rejected rows go with keep()
 
-    def keep(self, n: int) -> None:
-        self.bridge.drop_from(n)
+    def keep(self, seq: int, n: int) -> None:
+        self.bridge.drop_from(seq, n)
         # Attention only: removing a suffix, even an empty one, always succeeds there; the result is still checked.
-        self._memory.cut(n)
+        self._memories[seq].cut(n)
 
-    def clear(self) -> None:
-        self.bridge.n_pending = 0
-        self._memory.clear()
+    def clear(self, seq: int) -> None:
+        self.bridge.forget(seq)
+        self._memories[seq].clear()
 
-    def save(self) -> np.ndarray:
-        self.bridge.flush()  # pending rows become draft cache cells, which the copy then holds
-        return save_seq(self._ctx, WHOLE)
+    def save(self, seq: int) -> np.ndarray:
+        self.bridge.flush([seq])  # pending rows become draft cache cells, which the copy then holds
+        return save_seq(self._ctx, WHOLE, seq=seq)
 
-    def restore(self, state: np.ndarray) -> None:
-        self.bridge.n_pending = 0
-        load_seq(self._ctx, state, WHOLE)
+    def restore(self, seq: int, state: np.ndarray) -> None:
+        self.bridge.forget(seq)
+        self._memories[seq].clear()
+        load_seq(self._ctx, state, WHOLE, seq)
 
     def state_bytes(self, state: np.ndarray) -> int:
         return int(state.nbytes)

@@ -1,21 +1,26 @@
 """The one interface every draft method implements, in the shape of llama.cpp's `common_speculative_impl`, and what
 a method declares to the registry (methods.py).
 
-A drafter owns what its method needs (DFlash: the draft context and the feature bridge; MTP: the MTP context and
-the target's hidden rows; n-gram: its tables) and decides when to bring it up to date. It reads the sequence's
-tokens (the target cache's, id_last excluded) through the read-only `TokenView` it was opened with, as llama.cpp
-hands its drafters the prompt. `Decoding` talks to drafters only through this protocol:
+A drafter serves every sequence of the engine, as llama.cpp's implementations are built with `n_seq`: it owns what
+its method needs (DFlash: the draft context and a feature bridge per sequence; MTP: the MTP context and the target's
+hidden rows per sequence; n-gram: a table per sequence) and decides when to bring it up to date. It reads each
+sequence's tokens (the target cache's, id_last excluded) through the read-only `TokenView`s it was opened with, one
+per sequence, as llama.cpp hands its drafters the prompt. The engine talks to drafters only through this protocol:
 
-- `process(tokens, pos0, eager=...)` after every target decode (prompt chunks and verify batches): what the method
-  reads from the target must be taken now, before the next decode overwrites it. `eager` says whether the rows go
-  into the drafter's own context now (a drafting request's prompt, a round that drafted — as llama.cpp does) or may
-  wait for the next draft (plain requests and plain rounds cost nothing extra).
-- `begin()` once the prompt of a request that drafts with this method is in the cache (llama.cpp's `begin`);
-- `catch_up()` brings the drafter's context up to the target's before a draft;
-- `draft(id_last, pos0, n, ...)` proposes up to n tokens after `id_last` decoded at `pos0`; a proposal without
-  distributions (`q` None) is deterministic, and the verifier treats each token as drawn from a point mass;
-- `accept(n_accepted)` after verification; `keep(n)` when the caches are cut to n tokens; `clear()`.
-- `save()` / `restore(state)` park the drafter's state beside the caches' (see sessions.py).
+- `process(rows)` after every target decode (prompt chunks and verify batches), with each sequence's `Rows` in that
+  decode: what the method reads from the target must be taken now, before the next decode overwrites it. `eager`
+  says whether a sequence's rows go into the drafter's own context now (a drafting request's prompt, a round that
+  drafted — as llama.cpp does) or may wait for the next draft (plain requests and rounds cost nothing extra).
+- `begin(seq)` once the prompt of a request that drafts with this method is in the sequence (llama.cpp's `begin`);
+- `catch_up(seqs)` brings the drafter's context up to the target's for these sequences before they draft;
+- `draft(asks)` proposes, for each `DraftAsk`, up to n tokens after `id_last` decoded at `pos0` of its sequence, in
+  one pass for all of them where the method can; a proposal without distributions (`q` None) is deterministic, and
+  the verifier treats each token as drawn from a point mass;
+- `accept(seq, n_accepted)` after verification; `keep(seq, n)` when a sequence is cut to n tokens; `clear(seq)`.
+- `save(seq)` / `restore(seq, state)` park a sequence's drafter state beside its caches' (see sessions.py).
+
+A method whose state is per sequence and whose drafting has no pass to share (n-grams) writes a `SequenceDrafter`
+for one sequence and opens it through `PerSequence`.
 """
 
 from __future__ import annotations
@@ -50,32 +55,115 @@ class TokenView(Sequence[int]):
         return self._source()[i]
 
 
+@dataclass(frozen=True)
+class Rows:
+    """One sequence's rows in the last target decode: its tokens at positions pos0.., from batch index row0 on."""
+
+    seq: int
+    tokens: Sequence[int]
+    pos0: int
+    row0: int
+    eager: bool = False
+
+
+@dataclass(frozen=True)
+class DraftAsk:
+    """What one sequence asks of a drafter this step."""
+
+    seq: int
+    id_last: int
+    pos0: int
+    n: int
+    n_min: int = 0
+    p_min: float = 0.0
+    sampling: DraftSampling | None = None
+
+
 class Drafter(Protocol):
     method: str
     capacity: int  # the longest draft this drafter was opened for
 
-    def process(self, tokens: Sequence[int], pos0: int, *, eager: bool) -> None: ...
+    def process(self, rows: Sequence[Rows]) -> None: ...
+
+    def begin(self, seq: int) -> None: ...
+
+    def catch_up(self, seqs: Sequence[int]) -> None: ...
+
+    def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]: ...
+
+    def accept(self, seq: int, n_accepted: int) -> None: ...
+
+    def keep(self, seq: int, n: int) -> None: ...
+
+    def clear(self, seq: int) -> None: ...
+
+    def save(self, seq: int) -> Any: ...
+
+    def restore(self, seq: int, state: Any) -> None: ...
+
+    def state_bytes(self, state: Any) -> int: ...
+
+    def free(self) -> None: ...
+
+
+class SequenceDrafter(Protocol):
+    """A drafter of one sequence (the multi-sequence protocol without `seq`), for `PerSequence`."""
+
+    method: str
+    capacity: int
 
     def begin(self) -> None: ...
-
-    def catch_up(self) -> None: ...
 
     def draft(self, id_last: int, pos0: int, n: int, *, n_min: int = 0, p_min: float = 0.0,
               sampling: DraftSampling | None = None) -> Proposal: ...
 
     def accept(self, n_accepted: int) -> None: ...
 
-    def keep(self, n: int) -> None: ...
-
     def clear(self) -> None: ...
 
-    def save(self) -> Any: ...
 
-    def restore(self, state: Any) -> None: ...
+class PerSequence:
+    """A `Drafter` made of one `SequenceDrafter` per sequence: what the method keeps is the sequence's own, and each
+    sequence drafts by itself (a method with nothing to read from the target and no pass to share)."""
 
-    def state_bytes(self, state: Any) -> int: ...
+    def __init__(self, drafters: Sequence[SequenceDrafter]) -> None:
+        self.drafters = list(drafters)
+        self.method = self.drafters[0].method
+        self.capacity = self.drafters[0].capacity
 
-    def free(self) -> None: ...
+    def process(self, rows: Sequence[Rows]) -> None:
+        pass  # drafts read the sequence's tokens, not the target's rows
+
+    def begin(self, seq: int) -> None:
+        self.drafters[seq].begin()
+
+    def catch_up(self, seqs: Sequence[int]) -> None:
+        pass
+
+    def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
+        return [self.drafters[a.seq].draft(a.id_last, a.pos0, a.n, n_min=a.n_min, p_min=a.p_min,
+                                           sampling=a.sampling) for a in asks]
+
+    def accept(self, seq: int, n_accepted: int) -> None:
+        self.drafters[seq].accept(n_accepted)
+
+    def keep(self, seq: int, n: int) -> None:
+        pass  # a request only ever cuts its own rejected drafts, which were never added; begin rebuilds the rest
+
+    def clear(self, seq: int) -> None:
+        self.drafters[seq].clear()
+
+    def save(self, seq: int) -> None:
+        return None  # begin rebuilds the state from the sequence: nothing to park
+
+    def restore(self, seq: int, state: None) -> None:
+        pass
+
+    def state_bytes(self, state: None) -> int:
+        return 0
+
+    def free(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -83,7 +171,7 @@ class Method:
     name: str
     label: str  # how a person reads it (the Space's menus and tables)
     needs: str  # "draft" (a DFlash draft GGUF), "nextn" (the target's MTP layers) or "" (nothing)
-    open: Callable[..., Drafter]  # (the opened pair, the cache's tokens, **its options) → its drafter
+    open: Callable[..., Drafter]  # (the opened pair, each sequence's tokens, **its options) → its drafter
     auto: bool = True  # a candidate for the pair's default method (a request that names none)
 
     def wanted(self, pair: LinkedPair) -> bool:

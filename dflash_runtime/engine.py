@@ -1,4 +1,4 @@
-"""The speculative engine: a linked pair, the caches' bookkeeping, and requests streamed one at a time.
+"""The speculative engine: a linked pair, the caches' bookkeeping, and requests streamed on its sequences.
 
 Every emitted token is a target sample given the accepted prefix, so the output is the target's own: token for
 token at temperature 0, and in distribution above it (see verify.py). The caches are kept between requests: a new
@@ -9,6 +9,7 @@ back, and checkpoints.py for hybrid targets). Lifetime, cancellation and busy ru
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -32,6 +33,7 @@ from .results import Result, StreamEvent
 from .sampling import SamplingParams
 from .sessions import CacheOwners, SessionPolicy
 from .stats import Stats
+from .steps import Steps
 from .streams import CLOSED_MESSAGE, Occupancy, RequestStream
 from .verify import Verifiers
 
@@ -40,10 +42,11 @@ DEFAULT_BUSY_TIMEOUT_S = 300.0
 
 class Engine:
     """Generates with a target and its draft methods: a linked DFlash draft, the target's own MTP head, or the target
-    alone. One request at a time.
+    alone. Up to `parallel` requests run at once (a keyword of `LinkedPair`), batched into one target decode per
+    step.
 
     Keyword arguments: those of `LinkedPair` (n_ctx, n_gpu_layers, draft_capacity, mtp, n_batch, n_threads,
-    n_rs_seq, verbose), plus `draft_length` (a request's default: "auto" or a fixed length), `checkpoints` (a
+    n_rs_seq, parallel, verbose), plus `draft_length` (a request's default: "auto" or a fixed length), `checkpoints` (a
     `CheckpointPolicy` for hybrid targets; `CheckpointPolicy(max_count=0)` turns them off), `sessions` (a
     `SessionPolicy`: how many other owners' caches are kept aside), `verifiers` (how drafts are checked: see
     verify.py), `busy_timeout_s` (how long another thread's request waits for the engine; None waits as long as
@@ -72,28 +75,29 @@ class Engine:
               verifiers: Verifiers, busy_timeout_s: float | None,
               method_options: dict[str, Mapping[str, Any]]) -> None:
         pair = self.pair
-        self._occupancy = Occupancy(self._free, busy_timeout_s)
         batch = TokenBatch(pair.n_batch)
         drafters: dict[str, Drafter] = {}
-        caches: list[PairCache] = []  # the cache is made with its drafters; they read its tokens through this view
-        tokens = TokenView(lambda: caches[0].tokens)
+        caches: list[PairCache] = []  # made with the drafters; they read each sequence's tokens through these views
+        views = [TokenView(functools.partial(lambda seq: caches[seq].tokens, seq)) for seq in range(pair.parallel)]
         try:
             for method in methods.REGISTRY:
                 if method.ready(pair):
-                    drafters[method.name] = method.open(pair, tokens, **method_options.get(method.name, {}))
+                    drafters[method.name] = method.open(pair, views, **method_options.get(method.name, {}))
         except BaseException:
             for drafter in drafters.values():
                 drafter.free()
             batch.free()
             raise
-        store = CheckpointStore(pair.target_ctx, checkpoints) if pair.is_recurrent else None
-        cache = PairCache(pair.target_ctx, list(drafters.values()), recurrent=pair.is_recurrent,
-                          n_rs_seq=pair.n_rs_seq, checkpoints=store)
-        caches.append(cache)
+        for seq in range(pair.parallel):
+            store = CheckpointStore(pair.target_ctx, checkpoints, seq) if pair.is_recurrent else None
+            caches.append(PairCache(pair.target_ctx, list(drafters.values()), recurrent=pair.is_recurrent,
+                                    n_rs_seq=pair.n_rs_seq, checkpoints=store, seq=seq))
         # Control tokens are read once, here: chat prompts and checkpoint positions need them on every request.
         self._controls: list[ControlToken] = control_tokens(pair.vocabulary)
-        self._parts = Parts(pair, cache, batch, drafters, verifiers, CacheOwners(cache, sessions),
+        self._parts = Parts(pair, caches, batch, drafters, verifiers, CacheOwners(caches, sessions),
                             frozenset(t.id for t in self._controls))
+        self._steps = Steps(self._parts)
+        self._occupancy = Occupancy(self._free, busy_timeout_s, pair.parallel, self._steps.run)
         self.default_draft_length = check_length(draft_length, max(map(pair.capacity, pair.methods),
                                                                             default=0))
         self._policies = Policies(pair.verify_cap)
@@ -124,6 +128,11 @@ class Engine:
     @property
     def n_batch(self) -> int:
         return self.pair.n_batch
+
+    @property
+    def parallel(self) -> int:
+        """How many requests run at once, each on a sequence of its own (`load_pair(..., parallel=N)`)."""
+        return self.pair.parallel
 
     @property
     def draft_capacity(self) -> int:
@@ -261,17 +270,25 @@ class Engine:
     # -- state --------------------------------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget the cached prefix (both caches and the checkpoints)."""
+        """Forget every cached prefix (every sequence's caches and checkpoints, the parked states); waits until no
+        request runs."""
         with self._occupancy.exclusive():
-            self._parts.cache.clear()
+            for cache in self._parts.caches:
+                cache.clear()
             self._parts.owners.forget()
 
-    def park(self) -> None:
-        """Copy the current cache owner's state aside now (host memory), so that it comes back at its owner's next
-        request and no other owner's request pays for the copy. Owners that never park are not kept when
-        `SessionPolicy(park_on_switch=False)`; see sessions.py."""
-        with self._occupancy.exclusive():
-            self._parts.owners.park()
+    def park(self, owner: Hashable | None = None) -> None:
+        """Copy `owner`'s live state aside now (host memory), so that it comes back at its owner's next request even
+        after its sequence went to another owner, and no other owner's request pays for the copy. With one sequence,
+        `park()` parks its current owner's. Owners that never park are not kept when
+        `SessionPolicy(park_on_switch=False)`; see sessions.py. Runs between two steps: other requests go on."""
+        with self._occupancy.native():
+            self._parts.owners.park(owner, current=owner is None)
+
+    def step_counters(self) -> dict[str, float | int]:
+        """Engine-wide totals since it opened (for benchmarks): target decodes, the rows they held, time in steps."""
+        with self._occupancy.cond:
+            return self._steps.counters.to_dict()
 
     def info(self) -> dict[str, Any]:
         with self._open_native():
@@ -296,6 +313,9 @@ class Engine:
                 "n_vocab": pair.n_vocab,
                 "n_embd": pair.n_embd,
                 "n_cached": len(self._parts.cache),
+                "parallel": pair.parallel,
+                "running": self._parts.owners.running,
+                "n_cached_by_sequence": [len(cache) for cache in self._parts.caches],
                 "batch_invariant": pair.batch_invariant,
                 "checkpoints": store.describe() if store is not None else None,
                 "sessions": self._parts.owners.describe(),
@@ -349,11 +369,13 @@ class Engine:
     def _start(self, tokens: list[int], req: Request) -> RequestStream:
         holder: dict[str, Decoding] = {}
 
-        def decoding(stream: RequestStream) -> Iterator[StreamEvent]:
+        def decoding(stream: RequestStream) -> Decoding:
             policy = None if req.method is None else self._policies.get(req.owner, req.method, req.draft_length,
                                                                          self.pair.capacity(req.method))
             holder["run"] = run = Decoding(self._parts, tokens, req, policy, stream.cancelled.is_set)
-            return run.events()
+            if policy is not None:
+                run.on_release.append(functools.partial(self._policies.give_back, policy))
+            return run
 
         def final(detail: str) -> StreamEvent:
             run = holder.get("run")
@@ -363,4 +385,4 @@ class Engine:
                           draft_capacity=self.pair.capacity(req.method) if req.method else 0)
             return StreamEvent("", [], stats, "cancelled", detail)
 
-        return RequestStream(self._occupancy, decoding, final, self._parts.cache.clear)
+        return RequestStream(self._occupancy, decoding, final)

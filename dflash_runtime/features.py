@@ -1,62 +1,97 @@
-"""Target layer taps → draft KV injection.
+"""Target layer taps → draft KV injection, for every sequence of the engine.
 
 After every target decode the tapped layer inputs are valid only until the next decode, so they are copied at once,
-one memcpy per layer, into a host buffer of rows `[layer_0 | layer_1 | ...]`. Rows are injected into the draft right
-away, or kept pending (rounds that do not draft) and injected in one batch when drafting resumes.
+one memcpy per layer and sequence, into that sequence's host buffer of rows `[layer_0 | layer_1 | ...]` (libllama
+hands them back in the batch's own row order). Rows are injected into the draft right away, or kept pending (rounds
+that do not draft) and injected when drafting resumes: the pending rows of every sequence that drafts go in one
+draft decode.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from .batches import FeatureBatch
+from .drafting import Rows
 from .errors import DecodeError
 from .native import DFlashApi
 
 
+class _Pending:
+    """One sequence's feature rows not yet in the draft cache, in position order."""
+
+    def __init__(self, capacity: int, row_width: int) -> None:
+        self.rows = np.empty((capacity, row_width), dtype=np.float32)
+        self.positions = np.empty(capacity, dtype=np.int32)
+        self.n = 0
+
+
 class FeatureBridge:
     def __init__(self, api: DFlashApi, target_ctx: Any, draft_ctx: Any, layer_ids: tuple[int, ...], n_embd: int,
-                 capacity: int) -> None:
+                 capacity: int, n_seq: int = 1) -> None:
         self._api = api
         self._target_ctx = target_ctx
         self._layer_ids = layer_ids
         self._n_embd = n_embd
         self.row_width = len(layer_ids) * n_embd
-        self.capacity = capacity
+        self.capacity = capacity  # pending rows per sequence, and rows per injection decode
         self._batch = FeatureBatch(draft_ctx, self.row_width, capacity)
-        self._rows = np.empty((capacity, self.row_width), dtype=np.float32)
-        self._positions = np.empty(capacity, dtype=np.int32)
-        self.n_pending = 0
+        self._pending = [_Pending(capacity, self.row_width) for _ in range(n_seq)]
 
-    def capture(self, n_rows: int, pos0: int) -> None:
-        """Copy the features of the last target decode (rows 0..n_rows-1 at pos0..) into the pending buffer."""
-        if self.n_pending + n_rows > self.capacity:
-            self.flush()
-        start = self.n_pending
-        dst = self._rows[start:start + n_rows]
+    def n_pending(self, seq: int) -> int:
+        return self._pending[seq].n
+
+    def capture(self, rows: Sequence[Rows]) -> None:
+        """Copy the features of the last target decode, each sequence's rows into its pending buffer."""
+        if not rows:
+            return
+        n_batch_rows = max(r.row0 + len(r.tokens) for r in rows)
         w = self._n_embd
-        for k, lid in enumerate(self._layer_ids):
+        layers = []
+        for lid in self._layer_ids:
             ptr = self._api.get_embeddings_layer_inp(self._target_ctx, lid)
             if not ptr:
                 raise DecodeError(f"target layer {lid} features were not extracted (taps not enabled?)")
-            src = np.ctypeslib.as_array(ptr, shape=(n_rows, w))
-            dst[:, k * w:(k + 1) * w] = src
-        self._positions[start:start + n_rows] = np.arange(pos0, pos0 + n_rows, dtype=np.int32)
-        self.n_pending += n_rows
+            layers.append(np.ctypeslib.as_array(ptr, shape=(n_batch_rows, w)))
+        for r in rows:
+            n = len(r.tokens)
+            pending = self._pending[r.seq]
+            if pending.n + n > self.capacity:
+                self.flush([r.seq])
+            dst = pending.rows[pending.n:pending.n + n]
+            for k, src in enumerate(layers):
+                dst[:, k * w:(k + 1) * w] = src[r.row0:r.row0 + n]
+            pending.positions[pending.n:pending.n + n] = np.arange(r.pos0, r.pos0 + n, dtype=np.int32)
+            pending.n += n
 
-    def flush(self) -> None:
-        """Inject every pending row into the draft cache in one decode."""
-        if self.n_pending:
-            n, self.n_pending = self.n_pending, 0
-            self._batch.decode(self._rows[:n], self._positions[:n])
+    def flush(self, seqs: Sequence[int]) -> None:
+        """Inject the pending rows of these sequences into the draft cache, together (as few decodes as fit)."""
+        parts = [(seq, self._pending[seq]) for seq in seqs if self._pending[seq].n]
+        while parts:
+            take, used = [], 0
+            while parts and used + parts[0][1].n <= self.capacity:
+                take.append(parts.pop(0))
+                used += take[-1][1].n
+            if not take:  # cannot happen: a buffer never holds more than one decode's rows
+                take = [parts.pop(0)]
+            rows = np.concatenate([p.rows[:p.n] for _, p in take]) if len(take) > 1 else take[0][1].rows[:take[0][1].n]
+            positions = np.concatenate([p.positions[:p.n] for _, p in take])
+            seq_ids = np.concatenate([np.full(p.n, seq, dtype=np.int32) for seq, p in take])
+            for _, p in take:
+                p.n = 0
+            self._batch.decode(np.ascontiguousarray(rows), positions, seq_ids)
 
-    def drop_from(self, pos: int) -> None:
-        """Forget pending rows at positions ≥ pos (they were rolled back on the target)."""
-        if self.n_pending:
-            keep = int(np.searchsorted(self._positions[:self.n_pending], pos))
-            self.n_pending = keep
+    def drop_from(self, seq: int, pos: int) -> None:
+        """Forget a sequence's pending rows at positions ≥ pos (they were rolled back on the target)."""
+        pending = self._pending[seq]
+        if pending.n:
+            pending.n = int(np.searchsorted(pending.positions[:pending.n], pos))
+
+    def forget(self, seq: int) -> None:
+        self._pending[seq].n = 0
 
     def free(self) -> None:
         self._batch.free()

@@ -1,5 +1,6 @@
-"""One sequence's cache in a context (libllama's `llama_memory_*`), with the error a refused cut raises: the target,
-each drafter and the checkpoints cut through this, never through libllama."""
+"""One sequence's cache in a context (libllama's `llama_memory_*`; a context holds `parallel` sequences, by id), with
+the error a refused cut raises: the target, each drafter and the checkpoints cut through this, never through
+libllama."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from .errors import RollbackError
 
 
 class SequenceMemory:
-    def __init__(self, ctx: Any, name: str) -> None:
+    def __init__(self, ctx: Any, name: str, seq: int = 0) -> None:
         self._mem = ll.llama_get_memory(ctx)
         self.name = name  # "target", "draft", "MTP": how errors name this cache
+        self.seq = seq
 
     def remove_from(self, pos: int) -> bool:
         """Remove positions ≥ pos; False when libllama refuses (a hybrid state beyond its snapshots)."""
-        return bool(ll.llama_memory_seq_rm(self._mem, 0, pos, -1))
+        return bool(ll.llama_memory_seq_rm(self._mem, self.seq, pos, -1))
 
     def refused(self, doing: str) -> RollbackError:
         return RollbackError(f"the {self.name} cache refused to {doing}")
@@ -28,4 +30,6 @@ class SequenceMemory:
             raise self.refused(f"roll back to {n} tokens")
 
     def clear(self) -> None:
-        ll.llama_memory_clear(self._mem, True)
+        """Remove every position of this sequence (the other sequences of the context keep theirs)."""
+        if not ll.llama_memory_seq_rm(self._mem, self.seq, -1, -1):
+            raise self.refused("clear")

@@ -18,29 +18,29 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-from .drafting import DFLASH, MTP, Drafter, Method, TokenView, holds
+from .drafting import DFLASH, MTP, DraftAsk, Drafter, Method, TokenView, holds
 from .errors import RequestError
 
 if TYPE_CHECKING:
     from .pair import LinkedPair
-    from .proposal import DraftSampling, Proposal
+    from .proposal import Proposal
 
 CHAIN_SEPARATOR = ","
 
 
-def _open_dflash(pair: LinkedPair, tokens: TokenView) -> Drafter:
+def _open_dflash(pair: LinkedPair, views: Sequence[TokenView]) -> Drafter:
     from .dflash import DFlashDrafter
 
     assert pair.api is not None and pair.spec is not None
     return DFlashDrafter(pair.api, pair.target_ctx, pair.draft_ctx, pair.spec, n_embd=pair.n_embd,
                          n_embd_draft=pair.n_embd_draft, n_vocab=pair.n_vocab, n_ubatch=pair.n_ubatch,
-                         capacity=pair.capacity(DFLASH))
+                         capacity=pair.capacity(DFLASH), n_seq=len(views))
 
 
-def _open_mtp(pair: LinkedPair, tokens: TokenView) -> Drafter:
+def _open_mtp(pair: LinkedPair, views: Sequence[TokenView]) -> Drafter:
     from .mtp import MTPDrafter
 
-    return MTPDrafter(pair.target_ctx, pair.mtp_ctx, tokens, n_embd=pair.n_embd_out, n_vocab=pair.n_vocab,
+    return MTPDrafter(pair.target_ctx, pair.mtp_ctx, views, n_embd=pair.n_embd_out, n_vocab=pair.n_vocab,
                       n_batch=pair.n_ubatch, capacity=pair.capacity(MTP))
 
 
@@ -112,39 +112,62 @@ def check(name: str, runs: Sequence[str]) -> tuple[str, ...]:
 
 
 class Chain:
-    """The request's drafter: its methods in order of preference, each step drafted by the first that proposes
-    something (as llama.cpp's common_speculative_draft walks its implementations). `last` is the method that drafted
-    the last step; it alone hears how many of its tokens were accepted."""
+    """A request's methods in order of preference: a step is drafted by the first that proposes something (as
+    llama.cpp's common_speculative_draft walks its implementations). The engine drafts every sequence of a step
+    through the chains' members together (see `draft_all`); `last` is the member that drafted the sequence's last
+    step, which alone hears how many of its tokens were accepted."""
 
-    def __init__(self, drafters: Mapping[str, Drafter], members: Sequence[str]) -> None:
+    def __init__(self, drafters: Mapping[str, Drafter], members: Sequence[str], seq: int = 0) -> None:
         self.members = [drafters[m] for m in members]
         self.method = CHAIN_SEPARATOR.join(members)
         self.capacity = min(d.capacity for d in self.members)
+        self.seq = seq
         self.last: Drafter | None = None
 
     def begin(self) -> None:
         for drafter in self.members:
-            drafter.begin()
-
-    def catch_up(self) -> None:
-        for drafter in self.members:
-            drafter.catch_up()
-
-    def draft(self, id_last: int, pos0: int, n: int, *, n_min: int = 0, p_min: float = 0.0,
-              sampling: DraftSampling | None = None) -> tuple[Proposal, str | None]:
-        """The first member's non-empty proposal and that member's method; (the last one's empty proposal, None)
-        when nobody drafted."""
-        self.last = None
-        for drafter in self.members:
-            proposal = drafter.draft(id_last, pos0, n, n_min=n_min, p_min=p_min, sampling=sampling)
-            if proposal.tokens:
-                self.last = drafter
-                return proposal, drafter.method
-        return proposal, None
+            drafter.begin(self.seq)
 
     def accept(self, n_accepted: int) -> None:
         if self.last is not None:
-            self.last.accept(n_accepted)
+            self.last.accept(self.seq, n_accepted)
 
 
-__all__ = ["CHAIN_SEPARATOR", "REGISTRY", "Chain", "Method", "available", "check", "default", "label", "names"]
+def draft_all(asks: Sequence[tuple[Chain, DraftAsk]]) -> list[tuple[Proposal, str | None]]:
+    """Draft every ask through its chain: each method drafts, in one call, the asks whose chain reaches it (the first
+    member of each chain, then the next member for the asks still without a draft). Returns each ask's proposal (the
+    last member's empty one when nobody drafted) and the method that drafted it (None)."""
+    results: list[tuple[Proposal, str | None] | None] = [None] * len(asks)
+    empty: dict[int, Proposal] = {}
+    waiting = list(range(len(asks)))
+    depth = 0
+    while waiting:
+        by_drafter: dict[int, tuple[Drafter, list[int]]] = {}
+        later = []
+        for i in waiting:
+            chain = asks[i][0]
+            if depth >= len(chain.members):
+                chain.last = None
+                results[i] = (empty[i], None)
+                continue
+            drafter = chain.members[depth]
+            by_drafter.setdefault(id(drafter), (drafter, []))[1].append(i)
+            later.append(i)
+        waiting = []
+        for drafter, members in by_drafter.values():
+            drafter.catch_up([asks[i][1].seq for i in members])
+            proposals = drafter.draft([asks[i][1] for i in members])
+            for i, proposal in zip(members, proposals, strict=True):
+                if proposal.tokens:
+                    asks[i][0].last = drafter
+                    results[i] = (proposal, drafter.method)
+                else:
+                    empty[i] = proposal
+                    waiting.append(i)
+        waiting = [i for i in later if i in set(waiting)]
+        depth += 1
+    return [r for r in results if r is not None]
+
+
+__all__ = ["CHAIN_SEPARATOR", "REGISTRY", "Chain", "Method", "available", "check", "default", "draft_all", "label",
+           "names"]

@@ -6,10 +6,11 @@ the nextn layer only. Its input at position p is the pair (token_p, h_{p-1}), h 
 h_{pos0-1}, takes the head's best token and its own hidden row, and chains: n drafts cost n small decodes. The
 drafted cells are removed afterwards; the verify batch's rows then come in through `process`, as in llama.cpp.
 
-The target's hidden rows are kept per position in host memory (n_embd floats per cached token), so that after any
-cut of the caches — a rejected draft, a new request sharing a prefix — the row before the cut is at hand, and rows
-of plain decoding can reach the MTP context later, in one batch, only when a request drafts with MTP. Their tokens
-are read from the target cache's own list, through the view the drafter is opened with.
+Every sequence of the engine drafts in the same chained decodes: step i holds row i of each drafting sequence.
+The target's hidden rows are kept per sequence and position in host memory (n_embd floats per cached token), so
+that after any cut of the caches — a rejected draft, a new request sharing a prefix — the row before the cut is at
+hand, and rows of plain decoding can reach the MTP context later, in one batch, only when a request drafts with MTP.
+Their tokens are read from each sequence's target cache, through the views the drafter is opened with.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from llama_cpp import llama_cpp as ll
 from llama_cpp import llama_cpp_ext as lx
 
 from .batches import decode_error
-from .drafting import MTP
+from .drafting import MTP, DraftAsk, Rows
 from .errors import ContextCreationError, DecodeError
 from .memory import SequenceMemory
-from .proposal import DraftSampling, Proposal
+from .proposal import Proposal
 from .states import WHOLE, load_seq, save_seq
 
 
@@ -37,25 +38,38 @@ class _Parked:
     hidden: np.ndarray
 
 
+class _Sequence:
+    """What the drafter keeps of one sequence: the target's row per position, and how far the MTP context got."""
+
+    def __init__(self, ctx: Any, seq: int, n_embd: int) -> None:
+        self.memory = SequenceMemory(ctx, "MTP", seq)
+        self.hidden = np.zeros((256, n_embd), dtype=np.float32)  # target row per position, grown on demand
+        self.n_known = 0  # positions whose token and target row are held (the target cache's length)
+        self.n_fed = 0    # positions decoded into the MTP context
+
+    def grow(self, n: int) -> None:
+        if n > len(self.hidden):
+            hidden = np.zeros((max(n, 2 * len(self.hidden)), self.hidden.shape[1]), dtype=np.float32)
+            hidden[:len(self.hidden)] = self.hidden
+            self.hidden = hidden
+
+
 class MTPDrafter:
     method = MTP
 
-    def __init__(self, target_ctx: Any, mtp_ctx: Any, tokens: Sequence[int], *, n_embd: int, n_vocab: int,
+    def __init__(self, target_ctx: Any, mtp_ctx: Any, views: Sequence[Sequence[int]], *, n_embd: int, n_vocab: int,
                  n_batch: int, capacity: int) -> None:
         self.capacity = capacity
-        self._tokens = tokens  # the target cache's tokens (read only)
+        self._views = views  # each sequence's target-cache tokens (read only)
         self._target = target_ctx
         self._ctx = mtp_ctx
-        self._memory = SequenceMemory(mtp_ctx, "MTP")
+        self._seqs = [_Sequence(mtp_ctx, seq, n_embd) for seq in range(len(views))]
         self._n_embd = n_embd
         self._n_vocab = n_vocab
         self._n_batch = n_batch
-        self._hidden = np.zeros((256, n_embd), dtype=np.float32)  # target row per position, grown on demand
         self._zero = np.zeros(n_embd, dtype=np.float32)  # h_{-1}: what llama.cpp pairs with the first token
-        self._chain = np.zeros((capacity + 1, n_embd), dtype=np.float32)
+        self._chain = np.zeros((len(views), capacity + 1, n_embd), dtype=np.float32)
         self._pos = (ll.llama_pos * 4)()
-        self.n_known = 0  # positions whose token and target row are held (the target cache's length)
-        self.n_fed = 0    # positions decoded into the MTP context
         batch = ll.llama_batch_ext_init(mtp_ctx)
         if not batch:
             raise ContextCreationError("libllama could not create a batch for the MTP context")
@@ -63,87 +77,124 @@ class MTPDrafter:
 
     # -- the target's rows --------------------------------------------------------------------------------------
 
-    def process(self, tokens: Sequence[int], pos0: int, *, eager: bool) -> None:
-        n = len(tokens)
+    def process(self, rows: Sequence[Rows]) -> None:
+        if not rows:
+            return
         ptr = lx.llama_get_embeddings_nextn(self._target)
         if not ptr:
             raise DecodeError("the target produced no nextn hidden rows (MTP needs them for every decoded row)")
-        self._grow(pos0 + n)
-        self._hidden[pos0:pos0 + n] = np.ctypeslib.as_array(ptr, shape=(n, self._n_embd))
-        self.keep(pos0)
-        self.n_known = pos0 + n
+        n_batch_rows = max(r.row0 + len(r.tokens) for r in rows)
+        hidden = np.ctypeslib.as_array(ptr, shape=(n_batch_rows, self._n_embd))
+        for r in rows:
+            n, state = len(r.tokens), self._seqs[r.seq]
+            state.grow(r.pos0 + n)
+            state.hidden[r.pos0:r.pos0 + n] = hidden[r.row0:r.row0 + n]
+            self.keep(r.seq, r.pos0)
+            state.n_known = r.pos0 + n
+        eager = [r.seq for r in rows if r.eager]
         if eager:
-            self.catch_up()
+            self.catch_up(eager)
 
-    def catch_up(self) -> None:
-        """Decode the positions the MTP context lacks, in batches: (token_p, h_{p-1})."""
-        while self.n_fed < self.n_known:
-            stop = min(self.n_known, self.n_fed + self._n_batch)
+    def catch_up(self, seqs: Sequence[int]) -> None:
+        """Decode the positions the MTP context lacks, for these sequences together, in batches: (token_p, h_{p-1})."""
+        while True:
             ll.llama_batch_ext_clear(self._batch)
-            for p in range(self.n_fed, stop):
-                self._add(int(self._tokens[p]), p, self._row(p - 1), output=False)
-            self._process(f"MTP catch-up at {self.n_fed}")
-            self.n_fed = stop
+            room, fed = self._n_batch, []
+            for seq in seqs:
+                state = self._seqs[seq]
+                stop = min(state.n_known, state.n_fed + room)
+                if stop <= state.n_fed:
+                    continue
+                tokens = self._views[seq]
+                for p in range(state.n_fed, stop):
+                    self._add(seq, int(tokens[p]), p, self._row(state, p - 1), output=False)
+                room -= stop - state.n_fed
+                fed.append((state, stop))
+                if room == 0:
+                    break
+            if not fed:
+                return
+            self._process(f"MTP catch-up at {fed[0][0].n_fed}")
+            for state, stop in fed:
+                state.n_fed = stop
 
-    def begin(self) -> None:
+    def begin(self, seq: int) -> None:
         pass  # the rows come with every decode (process)
 
     # -- drafting -----------------------------------------------------------------------------------------------
 
-    def draft(self, id_last: int, pos0: int, n: int, *, n_min: int = 0, p_min: float = 0.0,
-              sampling: DraftSampling | None = None) -> Proposal:
-        self.catch_up()
-        out = Proposal.start(sampling)
-        token, h = id_last, self._row(pos0 - 1)
+    def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
+        """Every ask's chain in the same decodes: step i decodes the i-th row of each ask still drafting."""
+        self.catch_up([a.seq for a in asks])
+        out = [Proposal.start(a.sampling) for a in asks]
+        current = [(a.id_last, self._row(self._seqs[a.seq], a.pos0 - 1)) for a in asks]
+        going = [i for i, a in enumerate(asks) if a.n > 0]
         try:
-            for i in range(n):
+            step = 0
+            while going:
                 ll.llama_batch_ext_clear(self._batch)
-                self._add(token, pos0 + i, h, output=True)
+                for i in going:
+                    token, h = current[i]
+                    self._add(asks[i].seq, token, asks[i].pos0 + step, h, output=True)
                 self._process("MTP draft step")
-                ptr = ll.llama_get_logits_ith(self._ctx, -1)
-                if not ptr:
-                    raise DecodeError("the MTP head produced no logits")
-                token = out.add_from_logits(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)), p_min, sampling)
-                if token is None:
-                    break
-                h_ptr = lx.llama_get_embeddings_nextn_ith(self._ctx, -1)
-                if not h_ptr:
-                    raise DecodeError("the MTP head produced no hidden row")
-                self._chain[i + 1] = np.ctypeslib.as_array(h_ptr, shape=(self._n_embd,))
-                h = self._chain[i + 1]
+                still = []
+                for row, i in enumerate(going):
+                    ask = asks[i]
+                    ptr = ll.llama_get_logits_ith(self._ctx, row)
+                    if not ptr:
+                        raise DecodeError("the MTP head produced no logits")
+                    logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+                    token = out[i].add_from_logits(logits, ask.p_min, ask.sampling)
+                    if token is None:
+                        continue
+                    h_ptr = lx.llama_get_embeddings_nextn_ith(self._ctx, row)
+                    if not h_ptr:
+                        raise DecodeError("the MTP head produced no hidden row")
+                    chain = self._chain[ask.seq]
+                    chain[step + 1] = np.ctypeslib.as_array(h_ptr, shape=(self._n_embd,))
+                    current[i] = (token, chain[step + 1])
+                    if step + 1 < ask.n:
+                        still.append(i)
+                going = still
+                step += 1
         finally:
-            removed = self._memory.remove_from(pos0)  # the drafted cells; verify rows come next
-        if not removed:
-            raise self._memory.refused(f"drop its drafts at position {pos0}")
-        self.n_fed = min(self.n_fed, pos0)
-        return out.at_least(n_min, sampling)
+            refused = [a for a in asks if not self._seqs[a.seq].memory.remove_from(a.pos0)]  # verify rows come next
+        if refused:
+            raise self._seqs[refused[0].seq].memory.refused(f"drop its drafts at position {refused[0].pos0}")
+        for ask in asks:
+            state = self._seqs[ask.seq]
+            state.n_fed = min(state.n_fed, ask.pos0)
+        return [p.at_least(a.n_min, a.sampling) for p, a in zip(out, asks, strict=True)]
 
-    def accept(self, n_accepted: int) -> None:
+    def accept(self, seq: int, n_accepted: int) -> None:
         pass  # the target row of every kept position is held; keep() drops the rest
 
     # -- the cache ----------------------------------------------------------------------------------------------
 
-    def keep(self, n: int) -> None:
-        self.n_known = min(self.n_known, n)
-        if self.n_fed > n:
-            self._memory.cut(n)
-            self.n_fed = n
+    def keep(self, seq: int, n: int) -> None:
+        state = self._seqs[seq]
+        state.n_known = min(state.n_known, n)
+        if state.n_fed > n:
+            state.memory.cut(n)
+            state.n_fed = n
 
-    def clear(self) -> None:
-        self._memory.clear()
-        self.n_known = self.n_fed = 0
+    def clear(self, seq: int) -> None:
+        state = self._seqs[seq]
+        state.memory.clear()
+        state.n_known = state.n_fed = 0
 
-    def save(self) -> _Parked:
-        self.catch_up()
-        n = self.n_known
-        return _Parked(save_seq(self._ctx, WHOLE), self._hidden[:n].copy())
+    def save(self, seq: int) -> _Parked:
+        self.catch_up([seq])
+        state = self._seqs[seq]
+        return _Parked(save_seq(self._ctx, WHOLE, seq=seq), state.hidden[:state.n_known].copy())
 
-    def restore(self, state: _Parked) -> None:
-        load_seq(self._ctx, state.kv, WHOLE)
-        n = len(state.hidden)
-        self._grow(n)
-        self._hidden[:n] = state.hidden
-        self.n_known = self.n_fed = n
+    def restore(self, seq: int, parked: _Parked) -> None:
+        state = self._seqs[seq]
+        load_seq(self._ctx, parked.kv, WHOLE, seq)
+        n = len(parked.hidden)
+        state.grow(n)
+        state.hidden[:n] = parked.hidden
+        state.n_known = state.n_fed = n
 
     def state_bytes(self, state: _Parked) -> int:
         return int(state.kv.nbytes + state.hidden.nbytes)
@@ -155,18 +206,12 @@ class MTPDrafter:
 
     # -- internals ----------------------------------------------------------------------------------------------
 
-    def _row(self, p: int) -> np.ndarray:
-        return self._hidden[p] if p >= 0 else self._zero
+    def _row(self, state: _Sequence, p: int) -> np.ndarray:
+        return state.hidden[p] if p >= 0 else self._zero
 
-    def _grow(self, n: int) -> None:
-        if n > len(self._hidden):
-            hidden = np.zeros((max(n, 2 * len(self._hidden)), self._n_embd), dtype=np.float32)
-            hidden[:len(self._hidden)] = self._hidden
-            self._hidden = hidden
-
-    def _add(self, token: int, pos: int, h: np.ndarray, *, output: bool) -> None:
+    def _add(self, seq: int, token: int, pos: int, h: np.ndarray, *, output: bool) -> None:
         batch = self._batch
-        idx = ll.llama_batch_ext_add_token(batch, 0, token)
+        idx = ll.llama_batch_ext_add_token(batch, seq, token)
         if idx < 0:
             raise DecodeError(f"the MTP batch refused token {token} (error {idx})")
         self._pos[0] = pos

@@ -17,8 +17,9 @@ match llama-server's:
 
 One difference from llama-server, where the tables live as long as the server: here they are the sequence's own,
 rebuilt by `begin` from the request's tokens (the prompt in the cache), so one owner's text never drafts for another
-and nothing needs parking. Options (`Engine(method_options={"ngram-mod": {...}})`): ngram-mod `n_match` (24),
-`n_max` (the pair's draft capacity), `n_min` (0); ngram-map-k `size_n` (12), `size_m` (the pair's capacity).
+and nothing needs parking; each sequence of the engine has tables of its own. Options
+(`Engine(method_options={"ngram-mod": {...}})`): ngram-mod `n_match` (24), `n_max` (the pair's draft capacity),
+`n_min` (0); ngram-map-k `size_n` (12), `size_m` (the pair's capacity).
 A step drafts at most the request's draft length: longer drafts are cut, as llama.cpp cuts them to the room left.
 """
 
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .drafting import Method, TokenView
+from .drafting import Method, PerSequence, TokenView
 from .proposal import DraftSampling, Proposal
 
 if TYPE_CHECKING:
@@ -88,34 +89,14 @@ class ModTable:
 
 
 class _Tables:
-    """What both n-gram drafters share: the token view, the capacity, nothing to feed, cut or park."""
+    """What both n-gram drafters share: the sequence's token view and the capacity (one sequence's drafter, opened
+    per sequence through `PerSequence`: nothing to feed, cut or park)."""
 
     method: str
 
     def __init__(self, tokens: TokenView, capacity: int) -> None:
         self._tokens = tokens
         self.capacity = capacity
-
-    def process(self, tokens: Sequence[int], pos0: int, *, eager: bool) -> None:
-        pass  # the drafts read the sequence's tokens, not the target's rows
-
-    def catch_up(self) -> None:
-        pass
-
-    def keep(self, n: int) -> None:
-        pass  # a request only ever cuts its own rejected drafts, which were never added; begin rebuilds the rest
-
-    def save(self) -> None:
-        return None  # begin rebuilds the tables from the sequence: nothing to park
-
-    def restore(self, state: None) -> None:
-        pass
-
-    def state_bytes(self, state: None) -> int:
-        return 0
-
-    def free(self) -> None:
-        pass
 
 
 class NgramModDrafter(_Tables):
@@ -270,12 +251,12 @@ class NgramMapKDrafter(_Tables):
             self.key_map.setdefault(slots[j - floor - 1], j)
 
 
-def _open_mod(pair: LinkedPair, tokens: TokenView, **options: int) -> NgramModDrafter:
-    return NgramModDrafter(tokens, pair.capacity(NGRAM_MOD), **options)
+def _open_mod(pair: LinkedPair, views: Sequence[TokenView], **options: int) -> PerSequence:
+    return PerSequence([NgramModDrafter(view, pair.capacity(NGRAM_MOD), **options) for view in views])
 
 
-def _open_map_k(pair: LinkedPair, tokens: TokenView, **options: int) -> NgramMapKDrafter:
-    return NgramMapKDrafter(tokens, pair.capacity(NGRAM_MAP_K), **options)
+def _open_map_k(pair: LinkedPair, views: Sequence[TokenView], **options: int) -> PerSequence:
+    return PerSequence([NgramMapKDrafter(view, pair.capacity(NGRAM_MAP_K), **options) for view in views])
 
 
 METHODS = (

@@ -25,6 +25,7 @@ from .native import DFlashApi, dflash_api
 from .validation import DraftSpec, validate_pair
 from .vocab import Vocabulary
 
+MAX_PARALLEL = 64  # sequences per context (llama.cpp allows 256): 64 verify batches of 8 rows fill n_batch 512
 CUDA_VERIFY_ROWS = 8  # CUDA's small-batch matrix-vector kernels take up to this many rows: verify batches stay there
 DEFAULT_DRAFT_CAPACITY = CUDA_VERIFY_ROWS - 1  # a verify batch is id_last + the draft
 _backend_ready = False
@@ -149,7 +150,8 @@ class LinkedPair:
     `n_rs_seq` to override; 0 disables rollback, and speculative requests then fail loudly). A request may draft
     less (its `draft_length`), never more. `draft_max=` is the deprecated spelling of `draft_capacity`.
     `mtp`: None opens the MTP context when the target has an MTP head (a failure is kept in `mtp_error`), True
-    requires it, False skips it.
+    requires it, False skips it. `parallel` is the number of sequences every context holds (requests that run at
+    once); `n_ctx` is each sequence's context.
     Raw pointers are exposed as `.target_model`, `.target_ctx`, `.draft_model`, `.draft_ctx` for callers that
     drive libllama themselves. Free with `close()` or a `with` block; the draft goes before the target.
     """
@@ -168,6 +170,7 @@ class LinkedPair:
         verbose: bool = False,
         mtp: bool | None = None,
         draft_max: int | None = None,
+        parallel: int = 1,
     ) -> None:
         capacity = renamed_keyword("draft_max", "draft_capacity", draft_max, draft_capacity, DEFAULT_DRAFT_CAPACITY,
                                    stacklevel=4)
@@ -186,6 +189,9 @@ class LinkedPair:
             )
         if n_ctx < 16 or n_batch < 1:
             raise ValueError(f"n_ctx must be ≥ 16 and n_batch ≥ 1 (got n_ctx={n_ctx}, n_batch={n_batch})")
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= MAX_PARALLEL:
+            raise ValueError(f"parallel must be an integer in 1..{MAX_PARALLEL} (got {parallel!r})")
+        self.parallel = parallel
         # The MTP head: one nextn layer after the trunk (a failure to open it is kept when it is optional).
         n_nextn = int(self.target_info.keys.get(f"{self.target_info.arch}.nextn_predict_layers", 0) or 0)
         if mtp and n_nextn == 0:
@@ -228,13 +234,18 @@ class LinkedPair:
         model = self.target_model
         self.is_recurrent = bool(ll.llama_model_is_recurrent(model) or ll.llama_model_is_hybrid(model))
         params = ll.llama_context_default_params()
-        params.n_ctx = n_ctx
         params.n_batch = n_batch
-        # The whole verify batch must fit in one ubatch so that a hybrid target can roll it back.
+        # A sequence's whole verify batch must fit in one ubatch so that a hybrid target can roll it back (libllama
+        # keeps a sequence's last n_rs_seq + 1 rows in one ubatch when it splits a batch of several sequences).
         capacity = self._capacity if any(m.wanted(self) for m in methods.REGISTRY) else 0
         params.n_ubatch = max(n_batch, capacity + 2)
-        params.n_batch = params.n_ubatch
-        params.n_seq_max = 1
+        # One step's decode holds every sequence's verify rows, whatever the prefill budget.
+        params.n_batch = max(params.n_ubatch, self.parallel * (capacity + 1))
+        # One KV stream per sequence (kv_unified off), n_ctx cells each: a sequence's cells, and so its attention
+        # sums, depend on its own history only, whatever the other sequences hold (see batch_invariant).
+        params.n_seq_max = self.parallel
+        params.kv_unified = False
+        params.n_ctx = n_ctx * self.parallel
         params.n_threads = params.n_threads_batch = threads
         if n_gpu_layers == 0:
             # Exactness across requests needs a row's numbers not to depend on the rows decoded beside it: the CPU
@@ -245,7 +256,7 @@ class LinkedPair:
         wanted = capacity if self._n_rs_seq_request is None else self._n_rs_seq_request
         params.n_rs_seq = wanted if (capacity and self.is_recurrent) else 0
         self.target_ctx = self._owned.push(_new_context(self.target_model, params, "target"), ll.llama_free)
-        self.n_ctx = int(ll.llama_n_ctx(self.target_ctx))
+        self.n_ctx = int(ll.llama_n_ctx_seq(self.target_ctx))  # per sequence
         self.n_batch = int(ll.llama_n_batch(self.target_ctx))
         self.n_ubatch = int(ll.llama_n_ubatch(self.target_ctx))
         self.n_rs_seq = int(ll.llama_n_rs_seq(self.target_ctx))
@@ -264,9 +275,13 @@ class LinkedPair:
         assert self.spec is not None and self.draft_info is not None and self.api is not None
         self.draft_model = self._owned.push(_load_model(self.draft_info.path, n_gpu_layers), ll.llama_model_free)
         params = ll.llama_context_default_params()
-        params.n_ctx = self.n_ctx
-        params.n_batch = params.n_ubatch = self.n_ubatch  # one injection chunk per target ubatch
-        params.n_seq_max = 1
+        # One injection chunk per target ubatch, and every sequence's block in one ubatch.
+        params.n_batch = params.n_ubatch = max(self.n_ubatch, self.parallel * (self.draft_capacity + 1))
+        # One buffer for every sequence: the drafting sequences' blocks go in one ubatch (the draft's numbers need
+        # not be batch-invariant: they choose drafts, the target decides the text).
+        params.n_seq_max = self.parallel
+        params.kv_unified = True
+        params.n_ctx = self.n_ctx * self.parallel
         params.n_rs_seq = 0
         params.n_threads = params.n_threads_batch = threads
         params.ctx_other = self.target_ctx
@@ -291,9 +306,10 @@ class LinkedPair:
 
         params = ll.llama_context_default_params()
         params.ctx_type = ll.LLAMA_CONTEXT_TYPE_MTP
-        params.n_ctx = self.n_ctx
         params.n_batch = params.n_ubatch = self.n_ubatch
-        params.n_seq_max = 1
+        params.n_seq_max = self.parallel
+        params.kv_unified = True
+        params.n_ctx = self.n_ctx * self.parallel
         params.n_rs_seq = 0
         params.n_threads = params.n_threads_batch = threads
         try:

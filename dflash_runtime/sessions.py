@@ -13,9 +13,12 @@ whatever the previous owner left:
   by the first request that declared them (or by `Engine.keep_public`) and never evicted by other owners' requests;
 - else the caches start empty.
 The previous owner's state is parked (tokens, the target's and each drafter's state, its checkpoints) either when it
-asks (`Engine.park()`, inside its own request's time) or, with `SessionPolicy(park_on_switch=True)` (a library
+asks (`Engine.park(owner)`, inside its own request's time) or, with `SessionPolicy(park_on_switch=True)` (a library
 user's default), lazily at the switch, where the copy's cost lands in the next owner's request. Parked states are
 bounded in count and bytes, least recently used first out.
+
+An engine of several sequences (`parallel`) gives each running request its own sequence, and an owner keeps its
+sequence between requests while others are free: a switch happens only when sequences run out (see `CacheOwners`).
 """
 
 from __future__ import annotations
@@ -56,27 +59,76 @@ class SessionPolicy:
 
 
 class CacheOwners:
-    def __init__(self, cache: PairCache, policy: SessionPolicy) -> None:
-        self.cache = cache
+    """The owners of the engine's sequences (one `PairCache` each): which owner's tokens a sequence holds, which
+    sequences run a request now, and the states kept aside (parked states, public bases).
+
+    A request gets an idle sequence: the one holding its owner's tokens when there is one (the sequence it shares
+    the most with, then the most recent), else an empty one, else the least recently used; only that last case
+    switches a sequence from one owner to another. With one sequence this is the owner switch of the module doc at
+    every change of owner; with several, a visitor keeps its own sequence while there are enough of them, and its
+    state goes to host memory only when sequences run out."""
+
+    def __init__(self, caches: PairCache | Sequence[PairCache], policy: SessionPolicy) -> None:
+        self.caches = [caches] if isinstance(caches, PairCache) else list(caches)
         self.policy = policy
-        self.owner: Hashable | None = None
-        self._dirty = False  # the live caches hold more of the owner's than its parked copy (if any)
+        n = len(self.caches)
+        self._owners: list[Hashable | None] = [None] * n
+        self._dirty = [False] * n  # the live sequence holds more of its owner's than its parked copy (if any)
+        self._busy = [False] * n
+        self._released = [0] * n  # when each sequence was last released (a counter): least recently used first
+        self._clock = 0
         self._parked: OrderedDict[Hashable | None, ParkedCache] = OrderedDict()
         self._parked_at: dict[Hashable | None, float] = {}  # when each was parked (time.monotonic)
         self._public: OrderedDict[tuple[int, ...], ParkedCache] = OrderedDict()
 
+    @property
+    def cache(self) -> PairCache:
+        """The first sequence (an engine of one sequence has only this one)."""
+        return self.caches[0]
+
+    @property
+    def owner(self) -> Hashable | None:
+        return self._owners[0]
+
+    @property
+    def running(self) -> int:
+        return sum(self._busy)
+
+    def acquire(self, owner: Hashable | None, prompt: Sequence[int],
+                public_prefix: int) -> tuple[PairCache, int | None]:
+        """An idle sequence for `owner`'s request, made its owner's. Returns it and how many cached tokens the request
+        may reuse (None: all it shares with it)."""
+        idle = [s for s, busy in enumerate(self._busy) if not busy]
+        if not idle:
+            raise RuntimeError("no idle sequence: the engine admits at most as many requests as it has sequences")
+        own = [s for s in idle if self._owners[s] == owner and self.caches[s].tokens]
+        if own:
+            seq = max(own, key=lambda s: (self.caches[s].shared(prompt), self._released[s]))
+            self._busy[seq], self._dirty[seq] = True, True
+            return self.caches[seq], None
+        seq = min(idle, key=lambda s: (bool(self.caches[s].tokens), self._released[s]))
+        self._busy[seq] = True
+        return self.caches[seq], self._switch(seq, owner, prompt, public_prefix)
+
+    def release(self, cache: PairCache) -> None:
+        """The sequence's request ended: it stays its owner's until another owner needs it."""
+        self._clock += 1
+        self._busy[cache.seq], self._released[cache.seq] = False, self._clock
+
     def switch(self, owner: Hashable | None, prompt: Sequence[int], public_prefix: int) -> int | None:
-        """Make the caches `owner`'s before its request. Returns how many cached tokens the request may reuse
-        (None: all it shares with them)."""
-        if owner == self.owner:
-            self._dirty = True
+        """Make the first sequence `owner`'s (an engine of one sequence, outside a request's acquire)."""
+        if owner == self._owners[0]:
+            self._dirty[0] = True
             return None
-        cache = self.cache
+        return self._switch(0, owner, prompt, public_prefix)
+
+    def _switch(self, seq: int, owner: Hashable | None, prompt: Sequence[int], public_prefix: int) -> int | None:
+        cache = self.caches[seq]
         parked = self._parked.pop(owner, None)  # before parking the current owner: it must not be evicted for it
         self._parked_at.pop(owner, None)
-        if self._dirty and self.policy.park_on_switch and len(cache.tokens) > cache.public_len:
-            self._park(self.owner, cache.park())
-        self.owner, self._dirty = owner, True
+        if self._dirty[seq] and self.policy.park_on_switch and len(cache.tokens) > cache.public_len:
+            self._park(self._owners[seq], cache.park())
+        self._owners[seq], self._dirty[seq] = owner, True
         base = self._public.get(tuple(prompt[:public_prefix])) if public_prefix else None
         public = len(base.tokens) if base is not None else min(cache.public_len, public_prefix)
         if parked is not None and reusable_prefix(parked.tokens, prompt) > min(cache.shared(prompt), public):
@@ -94,27 +146,30 @@ class CacheOwners:
         """Whether no copy of the caches after this prompt's public prefix is kept yet."""
         return 0 < public_prefix <= len(prompt) and tuple(prompt[:public_prefix]) not in self._public
 
-    def keep_public_base(self) -> None:
-        """Keep a copy of the caches as they are now — right after a public prefix — as that prefix's base."""
-        cache = self.cache
-        base = cache.park()
+    def keep_public_base(self, cache: PairCache | None = None) -> None:
+        """Keep a copy of a sequence as it is now — right after a public prefix — as that prefix's base."""
+        base = (cache or self.cache).park()
         base = replace(base, public_len=len(base.tokens))
         self._public[tuple(base.tokens)] = base
         while len(self._public) > MAX_PUBLIC_BASES:
             self._public.popitem(last=False)
 
-    def park(self) -> None:
-        """Park the current owner's state now (see the module doc)."""
-        if self._dirty and len(self.cache.tokens) > self.cache.public_len:
-            self._park(self.owner, self.cache.park())
-        self._dirty = False
+    def park(self, owner: Hashable | None = None, *, current: bool = True) -> None:
+        """Park `owner`'s live state now (see the module doc); with one sequence and no owner named, its current
+        owner's. A sequence that is running a request is parked as it stands between two steps."""
+        for seq, cache in enumerate(self.caches):
+            mine = self._owners[seq] == owner or (current and owner is None and len(self.caches) == 1)
+            if mine and self._dirty[seq] and len(cache.tokens) > cache.public_len:
+                self._park(self._owners[seq], cache.park())
+                self._dirty[seq] = False
 
     def forget(self) -> None:
         """Drop every parked state and public base (the live caches are cleared by their owner)."""
         self._parked.clear()
         self._parked_at.clear()
         self._public.clear()
-        self.owner, self._dirty = None, False
+        n = len(self.caches)
+        self._owners, self._dirty = [None] * n, [False] * n
 
     def describe(self) -> dict[str, Any]:
         return {

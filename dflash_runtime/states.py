@@ -18,25 +18,26 @@ WHOLE = 0
 PARTIAL_ONLY = ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
 
-def state_size(ctx: Any, flags: int) -> int:
-    return int(ll.llama_state_seq_get_size_ext(ctx, 0, flags))
+def state_size(ctx: Any, flags: int, seq: int = 0) -> int:
+    return int(ll.llama_state_seq_get_size_ext(ctx, seq, flags))
 
 
-def save_seq(ctx: Any, flags: int, size: int | None = None) -> np.ndarray:
-    """A host copy of sequence 0's state."""
-    size = state_size(ctx, flags) if size is None else size
+def save_seq(ctx: Any, flags: int, size: int | None = None, seq: int = 0) -> np.ndarray:
+    """A host copy of one sequence's state."""
+    size = state_size(ctx, flags, seq) if size is None else size
     data = np.empty(size, dtype=np.uint8)
-    written = int(ll.llama_state_seq_get_data_ext(ctx, _u8(data), size, 0, flags)) if size else 0
+    written = int(ll.llama_state_seq_get_data_ext(ctx, _u8(data), size, seq, flags)) if size else 0
     if written != size:
         raise RollbackError(f"saving a sequence state wrote {written} of {size} bytes")
     return data
 
 
-def load_seq(ctx: Any, data: np.ndarray, flags: int) -> None:
-    """Replace sequence 0's state with a copy made by `save_seq` on the same context."""
+def load_seq(ctx: Any, data: np.ndarray, flags: int, seq: int = 0) -> None:
+    """Replace one sequence's state with a copy made by `save_seq` on the same context (from any of its sequences:
+    a state carries no sequence id)."""
     if data.nbytes == 0:
         return
-    read = int(ll.llama_state_seq_set_data_ext(ctx, _u8(data), data.nbytes, 0, flags))
+    read = int(ll.llama_state_seq_set_data_ext(ctx, _u8(data), data.nbytes, seq, flags))
     if read != data.nbytes:
         raise RollbackError(f"restoring a sequence state read {read} of {data.nbytes} bytes")
 

@@ -1,25 +1,32 @@
-"""A request's stream and the engine's occupancy: who may decode now, and what cancel and close mean.
+"""Requests' streams and the engine's occupancy: who may run now, who steps the engine, and what cancel and close mean.
 
 The contract, which cannot deadlock:
-- A request holds the engine from its first `next()` until its last event (released before that event is
-  returned), an error, `close()`, or garbage collection.
+- The engine has `parallel` sequences. A request holds one from its first `next()` until its last event (released
+  before that event is returned), an error, `close()`, or garbage collection. A request that finds every sequence
+  held waits, in order of arrival, up to the engine's busy timeout; a thread whose own suspended streams hold every
+  sequence raises `EngineBusyError` at once (waiting would wait for itself).
+- The engine steps every running request at once (steps.py), on the thread of whichever consumer asks for an event
+  while no step runs; the others wait for that step's end and find their events queued. A request whose last
+  event has not been read takes no part in a step (a suspended stream costs nothing, and keeps its sequence).
 - A cancel belongs to one request: `RequestStream.cancel()` to that stream; `Engine.cancel()` to every stream that
   exists when it is called (started or not), never to one created later. A stream cancelled before its first step
   ends at once with finish_reason "cancelled", without decoding.
-- Starting a request while the same thread holds a suspended stream of the engine raises `EngineBusyError` at once
-  (waiting would wait for itself); another thread waits for the engine, up to the engine's busy timeout.
 - `Engine.close()` returns at once. The native handles are freed when no step is running: right away if the engine
-  is idle or its stream is suspended, else by the running step as it ends. A started stream then ends with one
+  is idle or its streams are suspended, else by the running step as it ends. A started stream then ends with one
   final "cancelled" event; a stream that never started raises `EngineClosedError`.
+- Native work outside requests (`park`, `reset`) takes the stepping role (`native()`), or the whole engine
+  (`exclusive()`: no request holds a sequence), under the same timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import EngineBusyError, EngineClosedError
 from .results import StreamEvent
@@ -27,54 +34,174 @@ from .results import StreamEvent
 CLOSED_MESSAGE = "this engine was closed; open a new one with load_pair(...)"
 
 
-class Occupancy:
-    """Which stream holds the engine, and whether the engine is closing. One lock (`cond`) guards this object and
-    the flags of every stream; `free` runs once, when the engine is closing and no step is running."""
+class Run(Protocol):
+    """What the occupancy needs of a request's decoding (decoding.Decoding)."""
 
-    def __init__(self, free: Callable[[], None], busy_timeout_s: float | None) -> None:
+    events: Any  # a deque of StreamEvent
+    error: BaseException | None
+    done: bool
+
+    @property
+    def ready(self) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+class Occupancy:
+    """Which streams hold the engine's sequences, who steps, and whether the engine is closing. One lock (`cond`)
+    guards this object and the flags of every stream; `free` runs once, when the engine is closing and no step is
+    running; `step(runs)` runs one engine step for the ready runs, outside the lock."""
+
+    def __init__(self, free: Callable[[], None], busy_timeout_s: float | None, slots: int = 1,
+                 step: Callable[[list[Any]], None] | None = None) -> None:
         self.cond = threading.Condition()
-        self.holder: RequestStream | None = None
+        self.holders: list[RequestStream | _Exclusive] = []
+        self.slots = slots
+        self.stepping = False
         self.closing = False
         self._freed = False
         self._free = free
+        self._step = step
+        self._arrivals: deque[object] = deque()
         self.busy_timeout_s = busy_timeout_s
         self.streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
 
-    def enter(self, stream: RequestStream) -> None:
+    @property
+    def holder(self) -> RequestStream | _Exclusive | None:
+        """The first holder (an engine of one sequence has at most this one)."""
+        return self.holders[0] if self.holders else None
+
+    def enter(self, stream: RequestStream | _Exclusive, *, whole: bool = False) -> None:
+        """Take a sequence for `stream` (all of them and no step running for `whole`), in order of arrival."""
         with self.cond:
             if self.closing:
                 raise EngineClosedError(CLOSED_MESSAGE)
-            holder = self.holder
-            if holder is not None and holder.thread == threading.get_ident():
+            me = threading.get_ident()
+            if self._full(whole) and self.holders and all(h.thread == me for h in self.holders):
                 raise EngineBusyError(
                     "this thread holds a suspended stream of this engine: read it to the end or close() it before "
                     "starting another request"
                 )
-            if not self.cond.wait_for(lambda: self.holder is None or self.closing, self.busy_timeout_s):
-                raise EngineBusyError(f"the engine stayed busy for {self.busy_timeout_s:g} s with another request")
+            ticket = object()
+            self._arrivals.append(ticket)
+            try:
+                admitted = self.cond.wait_for(
+                    lambda: self.closing or (self._arrivals[0] is ticket and not self._full(whole)),
+                    self.busy_timeout_s)
+            finally:
+                self._arrivals.remove(ticket)
+                self.cond.notify_all()
+            if not admitted:
+                raise EngineBusyError(f"the engine stayed busy for {self.busy_timeout_s:g} s with other requests")
             if self.closing:
                 raise EngineClosedError(CLOSED_MESSAGE)
-            self.holder = stream
+            self.holders.append(stream)
             stream.holding = True
+
+    def _full(self, whole: bool) -> bool:
+        if whole:
+            return bool(self.holders) or self.stepping
+        return len(self.holders) >= self.slots or any(isinstance(h, _Exclusive) for h in self.holders)
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
-        """Hold the engine for work outside a request (e.g. a reset), under the same rules as a request."""
+        """Hold the whole engine for work outside a request (e.g. a reset): no request holds a sequence meanwhile."""
         holder = _Exclusive()
-        self.enter(holder)  # type: ignore[arg-type]
+        self.enter(holder, whole=True)
         try:
             yield
         finally:
             with self.cond:
-                self.leave(holder)  # type: ignore[arg-type]
+                self.leave(holder)
 
-    def leave(self, stream: RequestStream) -> None:
+    @contextlib.contextmanager
+    def native(self) -> Iterator[None]:
+        """Hold the stepping role for native work outside a request (e.g. parking a state): no step runs meanwhile,
+        the requests keep their sequences."""
+        with self.cond:
+            if self.closing:
+                raise EngineClosedError(CLOSED_MESSAGE)
+            if not self.cond.wait_for(lambda: not self.stepping or self.closing, self.busy_timeout_s):
+                raise EngineBusyError(f"an engine step ran for more than {self.busy_timeout_s:g} s")
+            if self.closing:
+                raise EngineClosedError(CLOSED_MESSAGE)
+            self.stepping = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self._end_step()
+
+    def leave(self, stream: RequestStream | _Exclusive) -> None:
         """Called with `cond` held."""
-        if self.holder is stream:
-            self.holder = None
+        if stream in self.holders:
+            self.holders.remove(stream)
             self.cond.notify_all()
         stream.holding = False
-        if self.closing and self.holder is None:
+        if self.closing and not self.stepping:
+            self._close_holders()
+
+    def next_event(self, stream: RequestStream) -> StreamEvent:
+        """The stream's next event: queued by an earlier step, or made by a step this thread runs. Called without
+        `cond` held; the stream holds a sequence and its run exists."""
+        run = stream.run
+        assert run is not None and self._step is not None
+        cond = self.cond
+        while True:  # a step may leave this run waiting (no token budget left for its prompt this step)
+            with cond:
+                while True:
+                    if run.events or run.error is not None:
+                        return self._take(stream)
+                    if self.closing or stream.closed_by_engine:
+                        raise _Closed
+                    if not self.stepping:
+                        self.stepping = True
+                        runs = [h.run for h in self.holders if isinstance(h, RequestStream) and h.run is not None
+                                and h.run.ready and not h.close_requested]
+                        break
+                    if not cond.wait(self.busy_timeout_s):
+                        raise EngineBusyError(f"an engine step ran for more than {self.busy_timeout_s:g} s")
+            try:
+                self._step(runs)
+            finally:
+                with cond:
+                    self._end_step()
+
+    def _take(self, stream: RequestStream) -> StreamEvent:
+        """Called with `cond` held: the run's next event (or its error), the sequence released after the last."""
+        run = stream.run
+        assert run is not None
+        if run.error is not None:
+            error, run.error = run.error, None
+            stream.done = True
+            self.leave(stream)
+            raise error
+        event = run.events.popleft()
+        if event.finish_reason is not None:
+            stream.done = True
+            self.leave(stream)  # before the caller sees the last event
+        return event
+
+    def _end_step(self) -> None:
+        """Called with `cond` held, by the thread that stepped."""
+        self.stepping = False
+        for holder in list(self.holders):
+            if isinstance(holder, RequestStream) and holder.close_requested:
+                holder.stop_decoding()
+                self.leave(holder)
+        if self.closing:
+            self._close_holders()
+        self.cond.notify_all()
+
+    def _close_holders(self) -> None:
+        """Called with `cond` held, no step running: end every holder's decoding, free the native handles."""
+        for holder in list(self.holders):
+            if isinstance(holder, RequestStream):
+                holder.stop_decoding()
+                holder.closed_by_engine = True
+                self.holders.remove(holder)
+                holder.holding = False
+        if not any(isinstance(h, _Exclusive) for h in self.holders):
             self._free_once()
 
     def close(self) -> None:
@@ -83,13 +210,8 @@ class Occupancy:
             self.closing = True
             for stream in list(self.streams):
                 stream.cancelled.set()
-            holder = self.holder
-            if holder is not None and not holder.running:
-                holder.stop_decoding()  # suspended: nothing runs inside its decoding, so close it here
-                holder.closed_by_engine = True
-                self.leave(holder)
-            if self.holder is None:
-                self._free_once()
+            if not self.stepping:
+                self._close_holders()
             self.cond.notify_all()
 
     def cancel_all(self) -> None:
@@ -103,27 +225,30 @@ class Occupancy:
             self._free()
 
 
+class _Closed(Exception):
+    """The engine closed under a started stream: it ends with one final event."""
+
+
 class RequestStream(Iterator[StreamEvent]):
     """An iterator of `StreamEvent`s for one request, with `cancel()` and `close()`.
 
-    `decoding` builds the request's decoding generator (run while the stream holds the engine); `final(detail)`
+    `decoding(stream)` builds the request's run (decoding.Decoding) once the stream holds a sequence; `final(detail)`
     builds the last event of a request that ends without decoding further (cancelled before it started, or the
-    engine closed under it); `on_error()` runs when the decoding raised."""
+    engine closed under it)."""
 
-    def __init__(self, occupancy: Occupancy, decoding: Callable[[RequestStream], Iterator[StreamEvent]],
-                 final: Callable[[str], StreamEvent], on_error: Callable[[], None]) -> None:
+    def __init__(self, occupancy: Occupancy, decoding: Callable[[RequestStream], Any],
+                 final: Callable[[str], StreamEvent]) -> None:
         self._occupancy = occupancy
         self._decoding_factory = decoding
         self._final = final
-        self._on_error = on_error
-        self._decoding: Iterator[StreamEvent] | None = None
+        self.run: Any = None
         self.cancelled = threading.Event()
         self.thread: int | None = None  # the thread that last advanced this stream
-        self.running = False
         self.holding = False
         self.closed_by_engine = False
-        self._done = False
-        self._close_requested = False
+        self.close_requested = False
+        self.done = False
+        self.started_at: float | None = None
         with occupancy.cond:
             occupancy.streams.add(self)
 
@@ -135,65 +260,56 @@ class RequestStream(Iterator[StreamEvent]):
         return self
 
     def __next__(self) -> StreamEvent:
-        cond = self._occupancy.cond
+        occupancy = self._occupancy
+        cond = occupancy.cond
         with cond:
-            if self._done:
+            if self.done:
                 raise StopIteration
             if self.closed_by_engine:
-                self._done = True
+                self.done = True
                 return self._final("the engine was closed")
             start = not self.holding
+            self.thread = threading.get_ident()
         if start:
             if self.cancelled.is_set():
                 with cond:
-                    self._done = True
+                    self.done = True
                 return self._final("cancelled before it started")
-            self._occupancy.enter(self)
-        with cond:
-            if self.closed_by_engine:  # closed between enter() and here
-                self._done = True
-                return self._final("the engine was closed")
-            self.running, self.thread = True, threading.get_ident()
-            if self._decoding is None:
-                self._decoding = self._decoding_factory(self)
-        try:
-            event = next(self._decoding)
-        except BaseException as error:
+            occupancy.enter(self)
             with cond:
-                self.running = False
-                self._done = True
-                if not isinstance(error, StopIteration):
-                    self._on_error()  # the caches may hold a half-done step: start the next request clean
-                self._occupancy.leave(self)
-            raise
-        with cond:
-            self.running = False
-            if event.finish_reason is not None or self._close_requested:
-                self._done = True
-                if self._close_requested:
-                    self.stop_decoding()
-                self._occupancy.leave(self)  # before the caller sees the last event
-        return event
+                if self.closed_by_engine:  # closed between enter() and here
+                    self.done = True
+                    return self._final("the engine was closed")
+                self.started_at = time.perf_counter()
+                self.run = self._decoding_factory(self)
+        try:
+            return occupancy.next_event(self)
+        except _Closed:
+            with cond:
+                self.done = True
+                occupancy.leave(self)
+            return self._final("the engine was closed")
 
     def close(self) -> None:
-        """Stop the request between steps and release the engine; idempotent, callable from any thread."""
-        with self._occupancy.cond:
-            if self._done:
+        """Stop the request between steps and release its sequence; idempotent, callable from any thread."""
+        occupancy = self._occupancy
+        with occupancy.cond:
+            if self.done:
                 return
             self.cancelled.set()
-            if self.running:  # another thread is inside a step: it closes when the step ends
-                self._close_requested = True
+            self.done = True
+            if occupancy.stepping and self.holding:
+                self.close_requested = True  # a step may be inside this request: it ends when the step ends
                 return
-            self._done = True
             self.stop_decoding()
             if self.holding:
-                self._occupancy.leave(self)
+                occupancy.leave(self)
 
     def stop_decoding(self) -> None:
-        """Close the decoding generator (its cleanup runs here); only while no step is running."""
-        decoding, self._decoding = self._decoding, None
-        if decoding is not None and hasattr(decoding, "close"):
-            decoding.close()
+        """End the run (its sequence and resources go back); only while no step is inside it."""
+        run, self.run = self.run, None
+        if run is not None:
+            run.release()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # a finalizer must not raise
@@ -211,5 +327,4 @@ class _Exclusive:
 
     def __init__(self) -> None:
         self.thread = threading.get_ident()
-        self.running = True
         self.holding = False

@@ -1,0 +1,154 @@
+"""One engine step for every running request, as llama.cpp's server steps its slots: the requests that join begin,
+each drafting request plans its draft length, every method drafts for all its requests in one pass, and one target
+decode holds every request's rows — verify rows, a plain request's single row, and prefill chunks under the step's
+token budget (the shortest prompts first, so that a long prompt never stalls a short one) — after which every
+drafter processes the decode and each request accepts what its verifier keeps.
+
+A failure that belongs to one request (its owner switch, its verifier, its rollback) ends that request alone; a
+failure of a shared pass (a draft or target decode) ends every request in it, each sequence cleared.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .decoding import Decoding, Parts, Planned
+from .drafting import DraftAsk, Rows
+from .methods import Chain, draft_all
+
+
+@dataclass
+class StepCounters:
+    """Engine-wide totals, for benchmarks: target decodes, the rows they held, and the time steps took."""
+
+    decodes: int = 0
+    rows: int = 0
+    step_ms: float = 0.0
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"decodes": self.decodes, "rows": self.rows, "step_ms": round(self.step_ms, 3)}
+
+
+class Steps:
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+        self.counters = StepCounters()
+
+    def run(self, runs: Sequence[Decoding]) -> None:
+        """One step for these requests (each one ready: not ended, its last event read)."""
+        t_step = time.perf_counter()
+        live = [r for r in runs if self._guard(r, self._admit)]
+        generating = [r for r in live if not r.prefilling]
+        prefilling = sorted((r for r in live if r.prefilling), key=lambda r: (r._end - r._pos, r.seq))
+        asks: list[tuple[Chain, DraftAsk, Decoding]] = []
+        rows = 0
+        for run in sorted(generating, key=lambda r: r.seq):
+            try:
+                n_block, ask = run.plan_step(rows)
+            except Exception as error:
+                run.fail(error)
+                continue
+            if ask is not None and run.chain is not None:
+                asks.append((run.chain, ask, run))
+            else:
+                run.plain_step()
+            rows += 1 + n_block
+        if asks:
+            self._draft(asks)
+        budget = self.parts.pair.n_batch - sum(len(r.planned.tokens) for r in generating if r.planned)
+        for run in prefilling:
+            planned = run.plan_prefill(budget)
+            if planned is not None:
+                budget -= len(planned.tokens)
+        batch = [r for r in live if r.planned is not None and not r.done]  # a failed draft ended its requests
+        if not batch:
+            return
+        t = time.perf_counter()
+        if not self._decode(batch):
+            return
+        decode_ms = (time.perf_counter() - t) * 1000.0
+        n_rows = sum(len(r.planned.tokens) for r in batch if r.planned)
+        step_s = time.perf_counter() - t_step
+        for run in batch:
+            self._guard(run, lambda r: r.after_prefill() if r.prefilling else r.after_step(decode_ms, n_rows, step_s))
+        self.counters.decodes += 1
+        self.counters.rows += n_rows
+        self.counters.step_ms += (time.perf_counter() - t_step) * 1000.0
+
+    # -- the shared passes --------------------------------------------------------------------------------------
+
+    def _draft(self, asks: list[tuple[Chain, DraftAsk, Decoding]]) -> None:
+        """Every drafting request's draft, each method in one pass; a failed pass ends the requests in it."""
+        t = time.perf_counter()
+        try:
+            results = draft_all([(chain, ask) for chain, ask, _ in asks])
+        except Exception as error:
+            for _, _, run in asks:
+                run.fail(error)
+            return
+        ms = (time.perf_counter() - t) * 1000.0
+        for (_, _, run), (proposal, by) in zip(asks, results, strict=True):
+            run.clock.s += ms / 1000.0
+            run.set_draft(proposal, by, ms)
+
+    def _decode(self, batch: list[Decoding]) -> bool:
+        """The target decode of every request's planned rows, then every drafter's processing of it."""
+        parts = self.parts
+        tokens = parts.batch
+        tokens.clear()
+        ordered = sorted(batch, key=lambda r: r.seq)  # consecutive sequence ids share a ubatch in libllama's split
+        try:
+            for run in ordered:
+                planned = run.planned
+                assert planned is not None and run.cache is not None
+                planned.row0 = tokens.add(planned.tokens, len(run.cache), run.seq, outputs=planned.outputs)
+            t = time.perf_counter()
+            tokens.decode(parts.pair.target_ctx, "target")
+            decode_s = time.perf_counter() - t
+            for run in ordered:
+                assert run.planned is not None and run.cache is not None
+                run.cache.decoded(run.planned.tokens)
+            t = time.perf_counter()
+            for drafter in parts.drafters.values():
+                drafter.process([self._rows(run, run.planned, drafter in self._members(run))
+                                 for run in ordered if run.planned is not None])
+            inject_ms = (time.perf_counter() - t) * 1000.0
+        except Exception as error:
+            for run in ordered:
+                run.fail(error)
+            return False
+        for run in ordered:
+            run.clock.s += decode_s + inject_ms / 1000.0
+            if not run.prefilling:
+                run.stats.inject_ms += inject_ms
+        return True
+
+    @staticmethod
+    def _rows(run: Decoding, planned: Planned, member: bool) -> Rows:
+        assert run.cache is not None
+        pos0 = len(run.cache) - len(planned.tokens)
+        return Rows(run.seq, planned.tokens, pos0, planned.row0, eager=planned.eager and member)
+
+    @staticmethod
+    def _members(run: Decoding) -> list[object]:
+        return list(run.chain.members) if run.chain is not None else []
+
+    # -- per request --------------------------------------------------------------------------------------------
+
+    def _admit(self, run: Decoding) -> None:
+        if run.cache is None:
+            run.begin()
+        if run.cancelled():
+            run.cancel_now()
+
+    @staticmethod
+    def _guard(run: Decoding, phase: object) -> bool:
+        """Run one request's own phase; a failure ends that request alone. Whether it is still running."""
+        try:
+            phase(run)  # type: ignore[operator]
+        except Exception as error:
+            run.fail(error)
+            return False
+        return not run.done

@@ -123,7 +123,12 @@ def check_distribution(engine: Engine, reference: Reference, chain: Chain, verif
     """z-scores of the per-position marginals and of the joint, for `n` three-token samples."""
     length = 3
     expected = reference.joint(chain, length)
-    drawn = list(samples(engine, reference, chain, verify, n, length))
+    return z_scores(list(samples(engine, reference, chain, verify, n, length)), expected, length)
+
+
+def z_scores(drawn: list[tuple[int, ...]], expected: dict[tuple[int, ...], float], length: int) -> list[float]:
+    """z-scores of the joint and of each position's marginal of `drawn` against `expected`."""
+    n = len(drawn)
     zs = [chi_square_z(Counter(drawn), expected, n)[0]]
     for position in range(length):
         marginal: dict = {}
@@ -237,3 +242,55 @@ def test_rejection_sampling_keeps_more_drafts_than_sample_and_match(target: str,
     sample, match = float(np.mean(rates["sample"])), float(np.mean(rates["match"]))
     assert sample > 0.8, rates
     assert sample > match + 0.2, rates
+
+
+def samples_beside_neighbours(engine: Engine, reference: Reference, chain: Chain, verify: str, n: int,
+                              length: int) -> Iterator[tuple[int, ...]]:
+    """The same samples, three at a time on an engine of several sequences, beside a neighbour that decodes a long
+    greedy answer to another prompt: every step of a sample shares its target decode with other requests' rows."""
+    seeds = iter(range(n))
+    neighbour = engine.stream("the quick brown fox", max_tokens=10**6, speculative=True)
+    try:
+        while True:
+            batch = [s for _, s in zip(range(engine.parallel - 1), seeds, strict=False)]
+            if not batch:
+                return
+            streams = [engine.stream(reference.text, max_tokens=length, draft_length=3, verify=verify, seed=seed,
+                                     method=reference.method, **chain.kwargs()) for seed in batch]
+            drawn: list[list[int]] = [[] for _ in streams]
+            running = list(range(len(streams)))
+            while running:
+                for i in list(running):
+                    event = next(streams[i])
+                    drawn[i] += event.tokens
+                    if event.finish_reason is not None:
+                        running.remove(i)
+                if next(neighbour).finish_reason is not None:  # the context is full: start it again
+                    neighbour = engine.stream("the quick brown fox", max_tokens=10**6)
+            yield from (tuple(d) for d in drawn)
+    finally:
+        neighbour.close()
+
+
+@pytest.mark.parametrize(("target", "draft", "verify", "chain"), [
+    ("dense", "dflash2", "sample", VARIANTS[0]), ("hybrid", "dflash2", "sample", VARIANTS[1]),
+    ("hybrid", "mtp", "sample", VARIANTS[2]), ("hybrid", "dflash2", "match", VARIANTS[3]),
+    ("dense", "ngram-mod", "sample", VARIANTS[1]),
+], ids=lambda v: str(v))
+def test_samples_beside_busy_neighbours_follow_the_target_distribution(target, draft, verify, chain) -> None:
+    if draft in NGRAMS:
+        pair = tiny_pair(target, None, head="markov")
+    else:
+        pair = tiny_pair(target, None, head="markov", mtp_layers=1) if draft == "mtp" else tiny_pair(
+            target, draft, head="markov")
+    options = {"method_options": NGRAM_KEYS} if draft in NGRAMS else {}
+    with load_pair(pair.target, pair.draft, n_ctx=256, draft_capacity=3, parallel=4, **options) as engine:
+        reference = Reference(pair, engine, ngram_prompt(engine) if draft in NGRAMS else PROMPT,
+                              draft if draft in NGRAMS else None)
+        length, n = 3, 1200
+        expected = reference.joint(chain, length)
+        drawn = list(samples_beside_neighbours(engine, reference, chain, verify, n, length))
+        reference.close()
+    assert len(drawn) == n
+    zs = z_scores(drawn, expected, length)
+    assert max(zs) < Z_LIMIT, zs

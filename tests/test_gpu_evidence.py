@@ -75,7 +75,8 @@ def test_cpu_mode_writes_every_section_and_finds_no_mismatch(tmp_path: Path) -> 
     assert speed["large-dense-const"]["plain_bandwidth_gb_s"] > 0
     assert all(0 <= r["host_share"] <= 1 for r in result["host_overhead"]["rows"])
     streams = result["streams"]["rows"]
-    assert [r["streams"] for r in streams] == [1, 2, 4, 8] and all(r["parallel"] == 1 for r in streams)
+    assert [r["streams"] for r in streams] == [1, 2, 4, 8] and all(r["parallel"] == 8 for r in streams)
+    assert streams[-1]["rows_per_decode"] > streams[0]["rows_per_decode"]  # the 8 streams shared their decodes
     assert all(r["tokens"] > 0 and r["aggregate_tok_s"] > 0 for r in streams)
 
     table = (out / "gpu-evidence.md").read_text()

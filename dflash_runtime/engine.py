@@ -219,7 +219,8 @@ class Engine:
         temperature 0. `cache_owner` (any hashable key, e.g. a visitor's session) limits prefix reuse to what the
         same owner put in the cache, plus the first `public_prefix` tokens of the prompt when they are cached (see
         sessions.py). `on_prefill(done, total)` is called after each prompt chunk the engine decodes (progress of a
-        long prompt); it runs on the decoding thread, between chunks, and may cancel the request.
+        long prompt); it runs inside the engine step (on whichever request's thread steps the engine), so it must be
+        quick and must not start or read requests of this engine; it may cancel the request.
         `draft_max=` is the deprecated spelling of `draft_length=`."""
         self.check_open()
         length = renamed_keyword("draft_max", "draft_length", draft_max, draft_length, None)

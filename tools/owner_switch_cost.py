@@ -4,9 +4,10 @@ The engine opened as the Space opens it (`SessionPolicy(park_on_switch=False)`, 
 comes, every owner parked at the end of its own request). A victim chats for 1 to N turns, with or without the
 public system prompt; then a newcomer sends a short chat. The newcomer's whole request (wall time, owner switch
 included) and its figures are recorded per victim history, alternating histories over several trials; a timing
-oracle would show as a time that grows with the victim's context. Prints a table and writes JSON.
+oracle would show as a time that grows with the victim's context. With `--parallel N` the engine has N sequences
+and N victims fill them all, so the newcomer's sequence is one a victim held. Prints a table and writes JSON.
 
-    python tools/owner_switch_cost.py --pair demo --trials 5 --out bench-results/owner-switch.json
+    python tools/owner_switch_cost.py --pair demo --trials 5 [--parallel 4] --out bench-results/owner-switch.json
 """
 
 from __future__ import annotations
@@ -37,17 +38,19 @@ def public_len(engine) -> int:
     return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
 
 
-def one_trial(pair, victim_turns: int, victim_public: bool, answer_tokens: int) -> dict:
-    with load_pair(pair.target, pair.draft, n_ctx=4096, sessions=SessionPolicy(park_on_switch=False)) as engine:
+def one_trial(pair, victim_turns: int, victim_public: bool, answer_tokens: int, parallel: int = 1) -> dict:
+    with load_pair(pair.target, pair.draft, n_ctx=4096, sessions=SessionPolicy(park_on_switch=False),
+                   parallel=parallel) as engine:
         public = public_len(engine)
         engine.generate(chat(engine, "x")[:public], max_tokens=1, speculative=False, cache_owner="nobody",
                         public_prefix=public)
-        prompt = chat(engine, "tell me a story") if victim_public else engine.tokenize("tell me a story, no system")
-        for turn in range(victim_turns):
-            answer = engine.generate(prompt, max_tokens=answer_tokens, cache_owner="victim",
-                                     public_prefix=public if victim_public else 0)
-            engine.park()
-            prompt = prompt + answer.tokens + engine.tokenize(f" go on, part {turn}", add_special=False)
+        for victim in range(parallel):
+            prompt = chat(engine, "tell me a story") if victim_public else engine.tokenize("tell me a story, no system")
+            for turn in range(victim_turns):
+                answer = engine.generate(prompt, max_tokens=answer_tokens, cache_owner=f"victim-{victim}",
+                                         public_prefix=public if victim_public else 0)
+                engine.park(f"victim-{victim}")
+                prompt = prompt + answer.tokens + engine.tokenize(f" go on, part {turn}", add_special=False)
         victim_context = len(prompt)
         t0 = time.perf_counter()
         mine = engine.generate(chat(engine, "hello, tell me a story"), max_tokens=8, cache_owner="newcomer",
@@ -64,6 +67,7 @@ def main() -> None:
     parser.add_argument("--pair", choices=sorted(PAIRS), default="demo")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--answer-tokens", type=int, default=400)
+    parser.add_argument("--parallel", type=int, default=1, help="the engine's sequences (each held by a victim)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     pair = tiny_pair(**PAIRS[args.pair])
@@ -71,8 +75,9 @@ def main() -> None:
     rows: list[dict] = []
     for _ in range(args.trials):
         for turns, public in histories:
-            rows.append(one_trial(pair, turns, public, args.answer_tokens))
-    print(f"pair {args.pair}: newcomer's request after a victim's chat ({args.trials} trials each, median)")
+            rows.append(one_trial(pair, turns, public, args.answer_tokens, args.parallel))
+    print(f"pair {args.pair}, {args.parallel} sequence(s): newcomer's request after the victims' chats "
+          f"({args.trials} trials each, median)")
     print("| victim turns | system prompt | victim context | wall ms | outside decoding ms | reused | prefilled |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     summary = []
@@ -85,7 +90,8 @@ def main() -> None:
               f"{med['outside_decoding_ms']:.2f} | {med['n_reused']:.0f} | {med['n_prefilled']:.0f} |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"pair": args.pair, "rows": rows, "summary": summary}, indent=1))
+        args.out.write_text(json.dumps({"pair": args.pair, "parallel": args.parallel, "rows": rows,
+                                        "summary": summary}, indent=1))
 
 
 if __name__ == "__main__":

@@ -165,6 +165,11 @@ class Decoding:
     def prefilling(self) -> bool:
         return not self._prefilled
 
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens still to prefill."""
+        return self._end - self._pos
+
     # -- begin: a sequence, prefix reuse ------------------------------------------------------------------------
 
     def begin(self) -> None:

@@ -41,7 +41,7 @@ class Steps:
         t_step = time.perf_counter()
         live = [r for r in runs if self._guard(r, self._admit)]
         generating = [r for r in live if not r.prefilling]
-        prefilling = sorted((r for r in live if r.prefilling), key=lambda r: (r._end - r._pos, r.seq))
+        prefilling = sorted((r for r in live if r.prefilling), key=lambda r: (r.prompt_left, r.seq))
         asks: list[tuple[Chain, DraftAsk, Decoding]] = []
         rows = 0
         for run in sorted(generating, key=lambda r: r.seq):

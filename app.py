@@ -31,10 +31,11 @@ from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT
 from dflash_runtime.space.service import SpaceService
 from dflash_runtime.space.session import ChatSession
 from dflash_runtime.space.startup import run_startup_check
-from dflash_runtime.space.views import EMPTY_STATS, mode_banner
+from dflash_runtime.space.views import EMPTY_STATS, mode_banner, sharing_note
 
 log = logging.getLogger("dflash_space")
-ENGINE_QUEUE = "engine"  # every generating event shares one queue slot: one request at a time per engine
+# Every generating event shares one queue whose concurrency is the engine's parallel sequences (DFLASH_PARALLEL).
+ENGINE_QUEUE = "engine"
 # Waiting visitors and API calls (ZeroGPU Spaces would otherwise keep one waiting event and refuse the rest).
 QUEUE_SIZE = int(os.environ.get("DFLASH_QUEUE_SIZE", "64"))
 MAX_FILE_SIZE = "1kb"  # the page takes no files (the HTTP gate refuses every upload; this is Gradio's own bound)
@@ -94,6 +95,7 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
             "target has its own multi-token-prediction (MTP) head, compare the two draft methods with the A/B button."
         )
         gr.Markdown(mode_banner(service.mode), visible=service.mode.tiny, elem_id="mode-banner")
+        gr.Markdown(sharing_note(service.parallel), elem_id="engine-sharing")
         download_box = gr.Markdown("", visible=False, elem_id="download-status")
         session = gr.State(ChatSession(), delete_callback=ChatSession.stop)
         with gr.Row(equal_height=False):
@@ -145,7 +147,7 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
                 with gr.Accordion("Settings", open=True):
                     system_prompt = gr.Textbox(label="System prompt", value=DEFAULT_SYSTEM_PROMPT, lines=2)
                     max_tokens = gr.Slider(1, limits.max_new_tokens, value=defaults["max_tokens"], step=1,
-                                           precision=0, label="Max new tokens")  # fmt: skip
+                                           precision=0, label="Max new tokens", elem_id="max-tokens")  # fmt: skip
                     temperature = gr.Slider(0.0, 2.0, value=defaults["temperature"], step=0.05, label="Temperature",
                                             elem_id="temperature")  # fmt: skip
                     top_p = gr.Slider(0.01, 1.0, value=defaults["top_p"], step=0.01, label="Top-p", elem_id="top-p")
@@ -167,7 +169,8 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
         timer = gr.Timer(1.0, active=service.download.status().state != "done")
         settings = [system_prompt, max_tokens, temperature, top_p, top_k, min_p, method, draft_length, speculative,
                     thinking]  # fmt: skip
-        engine = {"concurrency_limit": 1, "concurrency_id": ENGINE_QUEUE, "api_visibility": "private"}
+        answers_at_once = service.parallel  # the engine's sequences: so many answers run at once, the rest wait
+        engine = {"concurrency_limit": answers_at_once, "concurrency_id": ENGINE_QUEUE, "api_visibility": "private"}
         # A message is shown at once (outside the queue), then answered in the engine's queue (see PageHandlers).
         shown_event = gr.on(
             [message_box.submit, send_button.click],
@@ -204,8 +207,9 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
         timer.tick(handlers.download_tick, None, [download_box, timer], api_visibility="private")
 
         chat_api, generate_api, info_api, wait_api = make_api(service)
-        chat_event = gr.api(chat_api, api_name="chat", concurrency_limit=1, concurrency_id=ENGINE_QUEUE)
-        generate_event = gr.api(generate_api, api_name="generate", concurrency_limit=1, concurrency_id=ENGINE_QUEUE)
+        chat_event = gr.api(chat_api, api_name="chat", concurrency_limit=answers_at_once, concurrency_id=ENGINE_QUEUE)
+        generate_event = gr.api(generate_api, api_name="generate", concurrency_limit=answers_at_once,
+                                concurrency_id=ENGINE_QUEUE)  # fmt: skip
         gr.api(info_api, api_name="info", queue=False)  # never waits behind an answer
         gr.api(wait_api, api_name="wait", queue=False)  # waits on the engine slot, not in the queue
 

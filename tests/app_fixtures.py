@@ -168,10 +168,13 @@ def launch_app(
         text=True,
         start_new_session=True,  # a group of its own: stop_app ends the GPU worker `spaces` forks with it
     )
-    ready = threading.Event()  # set when Gradio says it is serving, or when the process's output ends
-    threading.Thread(target=_copy_output, args=(process, log_path, ready), daemon=True).start()
+    ready, serving = threading.Event(), threading.Event()  # ready: serving, or the process's output ended
+    threading.Thread(target=_copy_output, args=(process, log_path, ready, serving), daemon=True).start()
     url = f"http://127.0.0.1:{port}/"
-    if ready.wait(timeout_s) and process.poll() is None:
+    if ready.wait(timeout_s) and not serving.is_set():
+        with suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=30)  # its output ended without serving: it is exiting
+    if serving.is_set() and process.poll() is None:
         with urllib.request.urlopen(url, timeout=30) as response:
             if response.status == 200:
                 return RunningApp(process, url, log_path)
@@ -193,14 +196,17 @@ def running_app(env_overrides: dict[str, str], log_path: Path, **options: Any) -
         stop_app(app.process)
 
 
-def _copy_output(process: subprocess.Popen[str], log_path: Path, ready: threading.Event) -> None:
-    """The server's output into its log file, line by line; `ready` once Gradio prints where it serves."""
+def _copy_output(process: subprocess.Popen[str], log_path: Path, ready: threading.Event,
+                 serving: threading.Event) -> None:  # fmt: skip
+    """The server's output into its log file, line by line; `serving` (and `ready`) once Gradio prints where it
+    serves, `ready` alone when the output ends before."""
     with log_path.open("w") as log_file:
         assert process.stdout is not None
         for line in process.stdout:
             log_file.write(line)
             log_file.flush()
             if "Running on local URL" in line:
+                serving.set()
                 ready.set()
     ready.set()
 

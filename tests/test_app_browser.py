@@ -1,7 +1,8 @@
 """The Space in a real browser: headless Debian Chromium driven over the DevTools protocol (websocket-client).
 
 The page loads, a message goes out, the answer and the live statistics appear, Stop interrupts a long answer and
-the next turn still completes, the A/B button reports a speed-up; screenshots land in test-artifacts/."""
+the next turn still completes, the A/B button reports a speed-up, two tabs are answered at the same time on an engine
+of two sequences; screenshots land in test-artifacts/."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -138,8 +140,8 @@ def server() -> Iterator[RunningApp]:
 
 
 @contextmanager
-def open_page(url: str) -> Iterator[DevTools]:
-    """Headless Chromium on `url`, driven over DevTools."""
+def open_pages(url: str, count: int = 1) -> Iterator[list[DevTools]]:
+    """Headless Chromium with `count` tabs on `url`, each driven over DevTools."""
     if CHROMIUM is None:
         pytest.fail("Chromium is required for the browser test: apt-get install -y chromium")
     port = free_port()
@@ -151,16 +153,28 @@ def open_page(url: str) -> Iterator[DevTools]:
         text=True,
     )
     try:
-        devtools = DevTools(_new_page_socket_url(browser, port))
-        devtools.call("Page.enable")
-        devtools.call("Runtime.enable")
-        devtools.navigate(url)
-        yield devtools
-        devtools.close()
+        pages = []
+        listening = _devtools_listening(browser)
+        for _ in range(count):
+            devtools = DevTools(_new_page_socket_url(browser, port, listening))
+            devtools.call("Page.enable")
+            devtools.call("Runtime.enable")
+            devtools.navigate(url)
+            pages.append(devtools)
+        yield pages
+        for devtools in pages:
+            devtools.close()
     finally:
         browser.terminate()
         browser.wait(timeout=20)
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@contextmanager
+def open_page(url: str) -> Iterator[DevTools]:
+    """Headless Chromium on `url`, driven over DevTools."""
+    with open_pages(url) as pages:
+        yield pages[0]
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +183,8 @@ def page(server: RunningApp) -> Iterator[DevTools]:
         yield devtools
 
 
-def _new_page_socket_url(browser: subprocess.Popen[str], port: int, timeout_s: float = 60.0) -> str:
-    """Once Chromium says its DevTools endpoint listens (a line on its stderr), open a new blank page target."""
+def _devtools_listening(browser: subprocess.Popen[str]) -> threading.Event:
+    """Set once Chromium says its DevTools endpoint listens (a line on its stderr), or once it exited."""
     listening = threading.Event()
 
     def watch() -> None:
@@ -181,6 +195,12 @@ def _new_page_socket_url(browser: subprocess.Popen[str], port: int, timeout_s: f
         listening.set()  # the stream ended: Chromium exited
 
     threading.Thread(target=watch, daemon=True).start()
+    return listening
+
+
+def _new_page_socket_url(browser: subprocess.Popen[str], port: int, listening: threading.Event,
+                         timeout_s: float = 60.0) -> str:  # fmt: skip
+    """Once Chromium's DevTools endpoint listens, open a new blank page target."""
     if not listening.wait(timeout_s) or browser.poll() is not None:
         raise TimeoutError("Chromium did not expose DevTools")
     request = urllib.request.Request(f"http://127.0.0.1:{port}/json/new?about:blank", method="PUT")
@@ -385,7 +405,10 @@ def test_the_highlight_switch_removes_the_marks_and_brings_them_back(page: DevTo
 def test_stop_interrupts_and_the_next_turn_completes(page: DevTools, server: RunningApp) -> None:
     before = len(bot_texts(page))
     send(page, "the quick brown fox")
-    page.wait_for(f"{STATS}.includes('Decode speed') && !{STATS}.includes('Finished')", 30, "a running answer")
+    # Running, and far enough for the speed chart's first point (Stop then adds its last one: a line to draw).
+    chart_drawn = f"document.querySelectorAll({json.dumps(CHARTS[0] + ' svg .mark-line path')}).length === 1"
+    page.wait_for(f"{STATS}.includes('Decode speed') && !{STATS}.includes('Finished') && {chart_drawn}", 30,
+                  "a running answer with a point on its chart")  # fmt: skip
     page.click("#stop")
     wait_idle(server)
     stats = page.wait_for(f"{STATS}.includes('stopped (by you)') && {STATS}", 20, "the stopped row")
@@ -556,18 +579,26 @@ def test_a_think_tag_typed_by_a_visitor_stays_text(page: DevTools) -> None:
     assert folded == 0, "the visitor's own message is folded as reasoning"
 
 
-def test_a_queued_message_shows_while_another_visitor_is_answered(page: DevTools, server: RunningApp) -> None:
-    other = Client(server.url, verbose=False)
-    job = other.submit(message="hello there", preset="tiny-random", max_tokens=512, api_name="/chat")
+def test_a_queued_message_shows_while_other_visitors_are_answered(page: DevTools, server: RunningApp) -> None:
+    """Other visitors' answers fill every sequence of the engine (the page says how many): a message sent now shows
+    in the chat at once, waits its turn, and is answered once they are stopped."""
+    monitor = Client(server.url, verbose=False)
+    parallel = monitor.predict(api_name="/info")["parallel"]
+    assert f"{parallel} answers can run at once on this engine" in page.evaluate(text_of("#engine-sharing"))
+    jobs = [Client(server.url, verbose=False).submit(message="hello there", preset="tiny-random", max_tokens=2000,
+                                                     api_name="/chat") for _ in range(parallel)]  # fmt: skip
     try:
-        info_when(other, "busy")
+        deadline = time.monotonic() + 60
+        while monitor.predict(api_name="/info")["running"] < parallel:  # polled to a deadline
+            assert time.monotonic() < deadline, "the other visitors' answers did not all start"
         send(page, "my message waits its turn")
         page.wait_for(f"Array.from(document.querySelectorAll({json.dumps(USER_MESSAGES)})).some("
                       "e => e.innerText.includes('my message waits its turn'))", 10, "the queued message")  # fmt: skip
-        assert Client(server.url, verbose=False).predict(api_name="/info")["busy"], "still the other visitor's turn"
+        assert monitor.predict(api_name="/info")["running"] == parallel, "still the other visitors' turn"
         page.screenshot(ARTIFACTS / "app_browser_queued.png")
     finally:
-        job.cancel()
+        for job in jobs:
+            job.cancel()
     stats = page.wait_for(f"{STATS}.includes('Finished') && {STATS}", 120, "the queued message's answer")
     assert "max_tokens=512 reached" in stats
 
@@ -596,3 +627,66 @@ def test_on_zero_gpu_the_page_shows_the_gpu_time_and_keeps_its_worker(tmp_path: 
         stop_app(app.process)
         device_api.stop()
     assert worker["loads"] == 1 and worker["requests"] == 2 and len(device_api.of("/allow")) == 1
+
+
+def set_slider(page: DevTools, elem_id: str, value: float) -> None:
+    """Type the value into a slider's number box, as a visitor would, and leave the box."""
+    box = f"#{elem_id} input[type='number']"
+    page.evaluate(f"document.querySelector({json.dumps(box)}).select()")
+    page.type_into(box, str(value))
+    page.evaluate(f"document.querySelector({json.dumps(box)}).blur()")
+    page.wait_for(f"document.querySelector(\"#{elem_id} input[type='range']\").value === '{value}'", 10,
+                  f"the slider {elem_id} at {value}")  # fmt: skip
+
+
+# Installed in a tab: the times (the browser's clock, which its tabs share) at which the tab's last answer grew.
+GROWTH_RECORDER = f"""(() => {{
+    window.dflashGrowth = [];
+    let last = '';
+    new MutationObserver(() => {{
+        const bots = document.querySelectorAll({json.dumps(BOT_MESSAGES)});
+        const text = bots.length ? bots[bots.length - 1].innerText : '';
+        if (text.trim() && text !== last) window.dflashGrowth.push(performance.timeOrigin + performance.now());
+        last = text;
+    }}).observe(document.querySelector('#chatbot'), {{subtree: true, childList: true, characterData: true}});
+    return true;
+}})()"""
+RUNNING = f"{STATS}.includes('Decode speed') && !{STATS}.includes('Finished')"
+
+
+def test_two_tabs_are_answered_at_the_same_time(tmp_path: Path) -> None:
+    """Two visitors' tabs on an engine of two sequences (DFLASH_PARALLEL=2): the page says two answers can run at
+    once; the second tab's answer streams while the first's does (each tab's answer grows before the other's ends,
+    many times), and each tab shows its own answer and its own statistics."""
+    env = {"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX), "DFLASH_PARALLEL": "2"}
+    app = launch_app(env, ARTIFACTS / "app_browser_parallel_server.log")
+    asks = {"hello world": 1200, "the quick brown fox": 300}
+    try:
+        with open_pages(app.url, 2) as tabs:
+            for tab, max_tokens in zip(tabs, asks.values(), strict=True):
+                wait_for_page(tab)
+                sharing = tab.wait_for(f"{text_of('#engine-sharing')}.includes('answers') && "
+                                       f"{text_of('#engine-sharing')}", 20, "the sharing note")  # fmt: skip
+                assert "2 answers can run at once on this engine" in sharing
+                assert tab.evaluate(GROWTH_RECORDER)
+                set_slider(tab, "max-tokens", max_tokens)
+            first, second = tabs
+            send(first, "hello world")
+            first.wait_for(RUNNING, 60, "the first tab's answer")
+            send(second, "the quick brown fox")
+            second.wait_for(RUNNING, 60, "the second tab's answer, while the first one runs")
+            assert first.evaluate(RUNNING), "the first tab's answer ended before the second one began"
+            first.screenshot(ARTIFACTS / "app_browser_parallel_first_tab.png")
+            second.screenshot(ARTIFACTS / "app_browser_parallel_second_tab.png")
+            stats = [wait_for_answer(tab, answers=1, timeout_s=240) for tab in tabs]
+            growth = [tab.evaluate("window.dflashGrowth") for tab in tabs]
+            answers = [bot_texts(tab) for tab in tabs]
+    finally:
+        stop_app(app.process)
+    one, two = growth
+    assert two[0] < one[-1] and one[0] < two[-1], "the answers did not stream at the same time"
+    during = [sum(1 for t in a if b[0] < t < b[-1]) for a, b in ((one, two), (two, one))]
+    assert min(during) >= 5, f"each answer grew while the other streamed: {during}"
+    for (message, max_tokens), shown, panel in zip(asks.items(), answers, stats, strict=True):
+        assert generated_tokens(panel) == max_tokens and f"max_tokens={max_tokens} reached" in panel
+        assert len(shown) == 1 and same_text(shown[0], expected_reply(message, max_tokens)), message

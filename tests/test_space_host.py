@@ -1,17 +1,20 @@
 """The engine host on the real tiny pair: errors end the stream as data, request errors keep the engine, engine
-failures close it for the next request to reload, and a closed reply stops the engine between two steps."""
+failures close it for the next request to reload, and a closed reply stops the engine between two steps; with
+parallel sequences, two visitors' requests stream at once and one visitor's take turns."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import replace
+from threading import Event, Thread
 from typing import Any
 
 import pytest
 from space_client import demo_pair, expected_answer, reference_engine
 
 from dflash_runtime import load_pair
-from dflash_runtime.space.host import EngineHost, GpuJob, ReplyChunk, info_digest
+from dflash_runtime.space.host import PRIVATE_ENGINE_KEYS, EngineHost, GpuJob, ReplyChunk, info_digest
 from dflash_runtime.space.presets import ResolvedPair, configured_preset
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT, Limits, build_request
 from dflash_runtime.testing.tiny_models import pair_paths
@@ -141,7 +144,7 @@ def test_chunks_carry_what_each_step_added(host: tuple[EngineHost, RecordingLoad
     chunks = list(engine_host.run(job("hello there", max_tokens=64)))
     assert len(chunks) > 3
     assert chunks[0].engine_info and all(c.engine_info is None for c in chunks[1:])
-    assert "n_cached" not in chunks[0].engine_info and "checkpoints" not in chunks[0].engine_info
+    assert not set(PRIVATE_ENGINE_KEYS) & set(chunks[0].engine_info), "nothing of the cache's state, no counts"
     assert [bool(c.worker) for c in chunks] == [True] + [False] * (len(chunks) - 2) + [True]
     assert all(sum(n for n, _ in c.source_runs) == len(c.delta) for c in chunks)
     assert "draft_lengths" not in chunks[-1].stats
@@ -189,3 +192,100 @@ def test_the_methods_demo_pair_drafts_with_both_methods(host: tuple[EngineHost, 
     assert len(texts) == 1  # temperature 0: both methods give the target's own answer
     with pytest.raises(ValueError, match="DFLASH_DEMO_PAIR"):
         configured_preset(True, {"DFLASH_DEMO_PAIR": "nope"}, pair_paths)
+
+
+def parallel_job(message: str, owner: str, max_tokens: int, parallel: int = 2, **fields: Any) -> GpuJob:
+    base = replace(job(message, max_tokens=max_tokens, **fields), cache_owner=owner)
+    return replace(base, preset=replace(base.preset, parallel=parallel))
+
+
+def timed_reply(engine_host: EngineHost, spec: GpuJob, times: list[float], out: list[ReplyChunk]) -> Thread:
+    """Run `spec` on the host in a thread of its own, noting when each chunk came."""
+
+    def pump() -> None:
+        for chunk in engine_host.run(spec):
+            times.append(time.monotonic())
+            out.append(chunk)
+
+    thread = Thread(target=pump, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_two_owners_run_on_one_engine_at_once_each_with_its_own_reply() -> None:
+    """parallel=2: two visitors' requests stream at the same time from two threads (each gets chunks while the other
+    streams), on one engine loaded once; each reply is what an engine of its own would answer, with its own figures;
+    and a visitor's next turn still reuses its own parked prompt."""
+    loader = RecordingLoader()
+    engine_host = EngineHost(loader)
+    try:
+        asks = {"first": ("hello there", 160), "second": ("the quick brown fox", 120)}
+        times: dict[str, list[float]] = {name: [] for name in asks}
+        chunks: dict[str, list[ReplyChunk]] = {name: [] for name in asks}
+        threads = [timed_reply(engine_host, parallel_job(message, name, max_tokens), times[name], chunks[name])
+                   for name, (message, max_tokens) in asks.items()]  # fmt: skip
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads)
+        one, two = times["first"], times["second"]
+        assert sum(1 for t in one if two[0] < t < two[-1]) >= 5 and sum(1 for t in two if one[0] < t < one[-1]) >= 5
+        assert len(loader.engines) == 1 and loader.engines[0].parallel == 2
+        with reference_engine(N_CTX) as reference:
+            for name, (message, max_tokens) in asks.items():
+                whole = chunks[name][0]
+                for chunk in chunks[name][1:]:
+                    whole = whole.then(chunk)
+                assert whole.error is None and whole.finish_reason == "length"
+                assert whole.stats["n_generated"] == max_tokens
+                assert whole.delta == expected_answer(reference, [{"role": "user", "content": message}], max_tokens)
+        history = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "x"}]
+        again = final(engine_host.run(parallel_job("and now?", "first", 8, history=history)))
+        assert again.stats["n_reused"] > template_start(), "the owner's parked prompt is reused"
+    finally:
+        engine_host.close()
+
+
+class Holder:
+    """A request that takes its first chunk in a thread of its own, then holds its sequence until `release`."""
+
+    def __init__(self, engine_host: EngineHost, spec: GpuJob) -> None:
+        self.holding, self.released, self.closed = Event(), Event(), Event()
+        self.thread = Thread(target=self._hold, args=(engine_host, spec), daemon=True)
+        self.thread.start()
+        assert self.holding.wait(60), "the request did not start"
+
+    def _hold(self, engine_host: EngineHost, spec: GpuJob) -> None:
+        stream = engine_host.run(spec)
+        try:
+            next(stream)
+            self.holding.set()
+            self.released.wait(60)
+        finally:
+            stream.close()
+            self.closed.set()
+
+    def release(self) -> None:
+        self.released.set()
+        self.thread.join(60)
+        assert self.closed.is_set()
+
+
+def test_one_owner_runs_one_request_at_a_time_and_waits_are_bounded() -> None:
+    """A second request of an owner whose first still runs waits for it, up to the busy timeout, then gets the busy
+    error as data; so does a request beyond the engine's sequences. Once the first is closed, both run."""
+    engine_host = EngineHost(RecordingLoader(), busy_timeout_s=0.5)
+    try:
+        running = Holder(engine_host, parallel_job("hello there", "visitor", 400))  # holds its sequence
+        same = final(engine_host.run(parallel_job("one two three", "visitor", 8)))
+        assert same.error_type == "RequestError" and "the engine stayed busy" in (same.error or "")
+        other = final(engine_host.run(parallel_job("one two three", "other visitor", 8)))
+        assert other.error is None and other.stats["n_generated"] == 8, "another owner takes the free sequence"
+        full = Holder(engine_host, parallel_job("hello there", "third visitor", 400))  # both sequences taken
+        beyond = final(engine_host.run(parallel_job("one two three", "fourth visitor", 8)))
+        assert beyond.error_type == "RequestError" and "the engine stayed busy" in (beyond.error or "")
+        running.release()
+        full.release()
+        after = final(engine_host.run(parallel_job("one two three", "visitor", 8)))
+        assert after.error is None and after.stats["n_generated"] == 8
+    finally:
+        engine_host.close()

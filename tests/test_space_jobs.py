@@ -1,5 +1,6 @@
 """ReplyJob: a blocking chunk stream handed to an async consumer, stopped when the consumer leaves or stops reading;
-the HTTP gate's rules for when a call is abandoned and how many may wait (callers.Callers, on a clock of its own)."""
+the engine slot's seats (as many jobs at once as the engine runs answers, one per cache owner); the HTTP gate's
+rules for when a call is abandoned and how many may wait (callers.Callers, on a clock of its own)."""
 
 from __future__ import annotations
 
@@ -291,3 +292,80 @@ def test_a_job_nobody_reads_stops_itself() -> None:
     taken = run(read_until(3))
     assert taken[:3] == [1, 2, 3] and job.wait_done(TIMEOUT_S) and stream.closed.is_set()
     assert stream.produced < stream.count
+
+
+def test_the_slot_seats_up_to_its_capacity_and_one_job_per_owner() -> None:
+    """Two seats: two owners run at once; a third job waits (and is refused once its wait is up), as does a second
+    job of an owner already running, with a message that says why; a freed seat goes to the next job at once."""
+    slot = EngineSlot(timeout_s=0.2, capacity=2)
+    first, second = slot.acquire("a"), slot.acquire("b")
+    assert slot.running() == 2 and slot.busy()
+    with pytest.raises(RequestError, match=r"the engine stayed busy for 0 s; retry"):
+        slot.acquire("c")
+    slot.release(second)
+    with pytest.raises(RequestError, match="this session's previous answer was still running"):
+        slot.acquire("a")
+    fresh = slot.acquire(None)  # nobody's (a session-less call): a fresh owner, it waits for nobody's turn
+    slot.release(first)
+    again = slot.acquire("a")
+    assert slot.running() == 2
+    slot.release(fresh)
+    slot.release(again)
+    assert not slot.busy() and slot.wait(False, 0.0)
+    with pytest.raises(ValueError, match="capacity must be at least 1"):
+        EngineSlot(capacity=0)
+
+
+def test_a_waiting_job_of_a_running_owner_lets_later_owners_pass() -> None:
+    """Jobs take seats in the order they came, except that one held back by its own owner's running job does not
+    hold back a later owner's."""
+    slot = EngineSlot(timeout_s=TIMEOUT_S, capacity=2)
+    running = slot.acquire("a")
+    waiting_started, seated = threading.Event(), threading.Event()
+
+    def second_of_a() -> None:
+        waiting_started.set()
+        seat = slot.acquire("a")  # waits for a's first job
+        seated.set()
+        slot.release(seat)
+
+    thread = threading.Thread(target=second_of_a, daemon=True)
+    thread.start()
+    assert waiting_started.wait(TIMEOUT_S)
+    other = slot.acquire("b")  # the free seat goes to b at once, though a's second job came first
+    assert not seated.is_set()
+    slot.release(running)
+    thread.join(TIMEOUT_S)
+    assert seated.is_set() and not thread.is_alive()
+    slot.release(other)
+
+
+def test_two_seats_stream_two_jobs_at_once() -> None:
+    """With two seats, each of two jobs hands over a chunk while the other is still running: the first job goes on
+    only once the second has sent its first chunk, and the second ends only after the first's second chunk."""
+    slot = EngineSlot(capacity=2)
+    second_started, first_went_on = threading.Event(), threading.Event()
+
+    def first() -> Iterator[str]:
+        yield "first 1"
+        if not second_started.wait(TIMEOUT_S):
+            raise TimeoutError("the second job never ran beside the first")
+        yield "first 2"
+        first_went_on.set()
+
+    def second() -> Iterator[str]:
+        yield "second 1"
+        second_started.set()
+        if not first_went_on.wait(TIMEOUT_S):
+            raise TimeoutError("the first job never went on beside the second")
+        yield "second 2"
+
+    async def both() -> tuple[list[str], list[str]]:
+        async def consume(job: ReplyJob[str]) -> list[str]:
+            return [chunk async for chunk in job.chunks()]
+
+        return tuple(await asyncio.gather(consume(ReplyJob(first, slot, owner="a")),  # type: ignore[return-value]
+                                          consume(ReplyJob(second, slot, owner="b"))))  # fmt: skip
+
+    assert run(both()) == (["first 1", "first 2"], ["second 1", "second 2"])
+    assert not slot.busy()

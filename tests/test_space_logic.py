@@ -8,6 +8,7 @@ import pickle
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from dflash_runtime.errors import PromptTooLongError, RequestError
 from dflash_runtime.space.fitting import fit_conversation, prompt_tokens
 from dflash_runtime.space.gpu_time import GpuTimeEstimator, GpuTimeSettings
 from dflash_runtime.space.host import GpuJob, ReplyChunk
-from dflash_runtime.space.presets import ResolvedPair, preset_from_env
+from dflash_runtime.space.presets import AUTO_PARALLEL, ResolvedPair, parallel_from_env, preset_from_env
 from dflash_runtime.space.requests import (
     ChatRequest,
     Limits,
@@ -47,6 +48,7 @@ from dflash_runtime.space.views import (
     info_markdown,
     mode_banner,
     scrub_paths,
+    sharing_note,
 )
 from dflash_runtime.space.views import stats_markdown as panel
 from dflash_runtime.stats import Stats
@@ -503,6 +505,40 @@ def test_info_box_names_the_pair_and_the_build() -> None:
     assert "utautako/Qwen3.8-27B-NVFP4-MTP-Q8attn-GGUF" in text and "incoai/Qwen3.8-27B-DFlash2-GGUF" in text
     assert "target NVFP4, draft Q4_K_M" in text and "16384 tokens" in text and "0.3.36" in text
     assert "/opt/x" not in text
+
+
+@pytest.mark.parametrize(
+    ("value", "zero_gpu", "parallel"),
+    [(None, False, AUTO_PARALLEL), ("auto", False, AUTO_PARALLEL), (" AUTO ", False, AUTO_PARALLEL), ("1", False, 1),
+     ("3", False, 3), (None, True, 1), ("auto", True, 1), ("1", True, 1)],
+)  # fmt: skip
+def test_dflash_parallel_is_read_with_auto_one_on_zero_gpu(value: str | None, zero_gpu: bool, parallel: int) -> None:
+    env = {} if value is None else {"DFLASH_PARALLEL": value}
+    assert parallel_from_env(env, zero_gpu) == parallel
+    assert AUTO_PARALLEL > 1, "off ZeroGPU a few answers share the engine by default"
+
+
+@pytest.mark.parametrize(
+    ("value", "zero_gpu", "message"),
+    [("0", False, "DFLASH_PARALLEL must be an integer >= 1 or 'auto', got 0"),
+     ("-2", False, "DFLASH_PARALLEL must be an integer >= 1 or 'auto', got -2"),
+     ("two", False, "DFLASH_PARALLEL must be an integer >= 1 or 'auto', got 'two'"),
+     ("1.5", False, "DFLASH_PARALLEL must be an integer >= 1 or 'auto', got '1.5'"),
+     ("2", True, "DFLASH_PARALLEL=2 cannot take effect on ZeroGPU: `spaces` runs each concurrent GPU call in a "
+                 "worker process of its own")],
+)  # fmt: skip
+def test_a_bad_dflash_parallel_is_a_clear_error(value: str, zero_gpu: bool, message: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        parallel_from_env({"DFLASH_PARALLEL": value}, zero_gpu)
+    assert str(refused.value).startswith(message), refused.value
+
+
+def test_the_page_says_how_many_answers_share_the_engine() -> None:
+    assert "4 answers can run at once on this engine" in sharing_note(4)
+    assert "One answer runs at a time on this engine" in sharing_note(1)
+    preset = preset_from_env({})
+    assert preset.parallel == 1 and preset.describe()["parallel"] == 1
+    assert "Answers at once: 3" in info_markdown(replace(preset, parallel=3), LIMITS, {}, None)
 
 
 def test_everything_crossing_the_zero_gpu_process_line_pickles() -> None:

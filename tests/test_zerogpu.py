@@ -1,6 +1,7 @@
 """ZeroGPU as it really runs, on a CPU: app.py with SPACES_ZERO_GPU=true and the real `spaces` package, which forks a
 GPU worker from the web process and schedules it through a local fake of the ZeroGPU device API; the offline demo's
-tiny models stand in for the pair. Plus the fail-fast path: a CPU-only build on ZeroGPU does not download the pair."""
+tiny models stand in for the pair. Plus the fail-fast path: a CPU-only build on ZeroGPU does not download the pair;
+and what `spaces` does with two GPU calls at once (two worker processes: why ZeroGPU serves one answer at a time)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import math
 import os
 import re
 import signal
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,6 +97,7 @@ def test_three_chats_in_a_row_build_the_engine_once_and_ask_for_the_estimated_ti
     start = info(client)
     assert start["worker"] == {} and start["gpu_time"]["zero_gpu"] is True
     assert start["gpu_time"]["worker_may_be_new"] is True
+    assert start["parallel"] == 1, "DFLASH_PARALLEL=auto on ZeroGPU: one answer at a time (see the test below)"
     workers, asked = [], []
     for number, message in enumerate(["hello world", "the quick brown fox", "one two three four"], start=1):
         before = info(client)["gpu_time"]
@@ -223,3 +227,81 @@ def test_a_cpu_build_on_zero_gpu_does_not_download_the_pair_and_says_how_to_fix_
     assert text and stats["n_generated"] == 16 and stats["preset"] == "tiny-random", "the offline demo still answers"
     assert [r.path for r in hub.requests if "/resolve/" in r.path] == [], "the pair must not be downloaded"
     assert state["download"]["state"] in ("idle", "done") and "big-target" not in state["download"]["summary"]
+
+
+# -- several calls at once ---------------------------------------------------------------------------------------
+
+CONCURRENT_CALLS = """
+import json, os, sys, threading
+import spaces  # the real package, on ZeroGPU (SPACES_ZERO_GPU=true) against the fake device API
+
+
+@spaces.GPU(duration=10)
+def worker_pid(release: str | None):
+    yield os.getpid()  # where the call runs
+    if release is not None:
+        with open(release) as fifo:  # blocks, in the worker, until this process opens the FIFO for writing
+            fifo.read()
+
+
+pids, started = [0, 0], [threading.Event(), threading.Event()]
+
+
+def call(index: int) -> None:
+    calls = worker_pid(sys.argv[1 + index])
+    pids[index] = next(calls)
+    started[index].set()
+    list(calls)
+
+
+threads = [threading.Thread(target=call, args=(index,), daemon=True) for index in range(2)]
+for thread, running in zip(threads, started):
+    thread.start()
+    assert running.wait(60), "a call did not start"  # the second starts while the first still runs in its worker
+for release in sys.argv[1:3]:
+    with open(release, "w") as fifo:
+        fifo.write("end")
+for thread in threads:
+    thread.join(60)
+assert not any(thread.is_alive() for thread in threads), "a call did not end"
+print(json.dumps({"web": os.getpid(), "concurrent": pids, "after": next(worker_pid(None))}))
+"""
+
+
+def test_two_gpu_calls_at_once_run_in_two_worker_processes(tmp_path: Path) -> None:
+    """What the real `spaces` does with a second call of a GPU generator while the first still runs: it forks a
+    second worker (its `workers` cache holds one idle worker per GPU, taken out for the call), so the calls never
+    share a process, let alone an engine; a later call reuses one of them. Hence DFLASH_PARALLEL=1 on ZeroGPU."""
+    device_api = FakeDeviceApi().start()
+    script, releases = tmp_path / "concurrent_calls.py", [tmp_path / "release-a", tmp_path / "release-b"]
+    script.write_text(CONCURRENT_CALLS)
+    for release in releases:
+        os.mkfifo(release)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPACES_", "ZEROGPU_"))}
+    env.update(device_api.env(tmp_path / "cgroup"))
+    process = subprocess.Popen([sys.executable, str(script), *map(str, releases)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    try:
+        output, _ = process.communicate(timeout=120)
+    finally:
+        stop_app(process)  # its process group: the workers `spaces` forked
+        device_api.stop()
+    assert process.returncode == 0, output
+    seen = json.loads(output.strip().splitlines()[-1])
+    first, second = seen["concurrent"]
+    assert first != second and seen["web"] not in (first, second), f"the calls ran in one process: {seen}"
+    assert seen["after"] in (first, second), "a later call reuses a worker"
+    assert len(device_api.of("/allow")) == 2, "two workers, each allowed once"
+    assert [call.params["fail"] for call in device_api.of("/release")] == ["false"] * 3
+
+
+def test_more_than_one_answer_at_once_on_zero_gpu_stops_the_app_at_start(tmp_path: Path) -> None:
+    device_api = FakeDeviceApi().start()
+    env = {"DFLASH_DEMO": "tiny", "DFLASH_PARALLEL": "2", **device_api.env(tmp_path / "cgroup")}
+    try:
+        with pytest.raises(RuntimeError, match=re.escape("app.py exited")) as stopped:
+            launch_app(env, tmp_path / "server.log")
+    finally:
+        device_api.stop()
+    assert "DFLASH_PARALLEL=2 cannot take effect on ZeroGPU" in str(stopped.value)
+    assert "set DFLASH_PARALLEL=1 or auto" in str(stopped.value)

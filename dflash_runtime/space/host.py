@@ -1,13 +1,14 @@
 """The engine host: the engine of the process where generation runs (the GPU worker on ZeroGPU), built on first use,
-one request at a time, streaming replies as plain data that crosses the ZeroGPU process line.
+up to its parallel sequences' worth of requests at once (one per cache owner), streaming replies as plain data that
+crosses the ZeroGPU process line.
 
 On ZeroGPU the worker is a fork of the web process, and `spaces` throws a worker away after *any* exception raised
 in the GPU function (with it the loaded model). So `EngineHost.run` never raises the runtime's own errors: it ends the
 stream with a chunk that carries the error, and the web process raises it there. A request error (bad input the web
 process could not see, such as a prompt too long in tokens) leaves the engine as it is; an engine failure (a failed
-decode) closes the engine, which the next request rebuilds in the same worker. Anything else (a bug, a CUDA fault)
-does raise: then a fresh worker is the right cure. Every chunk says whether the engine is loaded, so the web process
-knows when the next request must plan a load.
+decode) closes the engine once no other request runs on it, and the next request rebuilds it in the same worker.
+Anything else (a bug, a CUDA fault) does raise: then a fresh worker is the right cure. Every chunk says whether the
+engine is loaded, so the web process knows when the next request must plan a load.
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ class ReplyChunk:
         )
 
 
-# What the cache holds now (tokens, checkpoints, the owners' parked states): the state of somebody's requests.
-PRIVATE_ENGINE_KEYS = ("n_cached", "checkpoints", "sessions")
+# What the cache holds now (tokens, checkpoints, the owners' parked states) and how many answers run: the state of
+# somebody's requests.
+PRIVATE_ENGINE_KEYS = ("n_cached", "n_cached_by_sequence", "checkpoints", "sessions", "running")
 PUBLIC_OWNER = "public prefix"  # the owner of the requests that put the public prefix back in the cache
 # A visitor's parked state is not evicted for a newer owner's within this many seconds: one caller opening many
 # sessions cannot push recent visitors' states out (a newcomer's state is then not kept instead).
@@ -149,6 +151,7 @@ class EngineFacts:
     public_tokens: dict[bool, list[int]] = field(default_factory=dict)
     thinking_prefix: dict[bool, str] = field(default_factory=dict)
     public_kept: set[bool] = field(default_factory=set)  # thinking switches whose public prefix the engine keeps
+    keeping: threading.Lock = field(default_factory=threading.Lock)  # one request puts a public prefix in the cache
 
     def public(self, engine: Any, thinking: bool) -> list[int]:
         """The prompt tokens every visitor can send: the page's system prompt up to where the visitor's own message
@@ -171,8 +174,9 @@ class EngineFacts:
 
 
 class EngineHost:
-    """Owns this process's engine: built on first use, rebuilt when the preset or files change, one request at a
-    time, with counters that tell a warm worker from a new one (`loads`, `requests`, the process id).
+    """Owns this process's engine: built on first use, rebuilt when the preset or files change (once no request runs
+    on it), up to the preset's `parallel` requests at once and never two of one cache owner (they share its parked
+    state), with counters that tell a warm worker from a new one (`loads`, `requests`, the process id).
 
     Visitors' cached prompts are kept apart: a request reuses cached tokens only if its own `cache_owner` put them
     there, beyond the public prefix of its prompt (the page's system prompt): the engine parks and restores each
@@ -182,7 +186,13 @@ class EngineHost:
     def __init__(self, loader: Callable[..., Any], busy_timeout_s: float = 120.0) -> None:
         self._loader = loader
         self._busy_timeout_s = busy_timeout_s
-        self._lock = threading.Lock()
+        # Which requests run on the engine (their cache owners, "" for nobody's), whether it is being (re)built and
+        # whether a failure condemned it: held for this bookkeeping only; a load runs outside it, with newcomers
+        # waiting on it (each wait bounded by busy_timeout_s).
+        self._state = threading.Condition()
+        self._owners: list[str] = []
+        self._loading = False
+        self._condemned = False
         self._engine: Any = None
         self._key: tuple[Any, ...] | None = None
         self._facts: EngineFacts | None = None
@@ -193,7 +203,9 @@ class EngineHost:
         self.draft_problem: str | None = None  # why the loaded engine runs without its DFlash draft
 
     def close(self) -> None:
-        with self._lock:
+        """Close the engine once no request runs on it (or after busy_timeout_s)."""
+        with self._state:
+            self._state.wait_for(lambda: not self._owners and not self._loading, self._busy_timeout_s)
             self._close()
 
     def _close(self) -> None:
@@ -201,17 +213,68 @@ class EngineHost:
             self._engine.close()
             self._engine, self._key, self._facts = None, None, None
 
+    def _ready(self, job: GpuJob) -> bool:
+        return self._engine is not None and self._key == (job.preset, job.files) and not self._condemned
+
+    def _admits(self, job: GpuJob) -> bool:
+        """Whether `job` may start now: a sequence is free, its owner runs nothing, and the engine is the job's (or
+        nothing runs, so that the job may build it). Call with the condition held."""
+        if self._loading or len(self._owners) >= max(1, job.preset.parallel):
+            return False
+        if job.cache_owner and job.cache_owner in self._owners:
+            return False
+        return self._ready(job) or not self._owners
+
+    def _enter(self, job: GpuJob) -> bool:
+        """Take a place on the engine for `job`; False when none came within busy_timeout_s."""
+        with self._state:
+            if not self._state.wait_for(lambda: self._admits(job), self._busy_timeout_s):
+                return False
+            self._owners.append(job.cache_owner)
+            self.requests += 1
+            return True
+
+    def _leave(self, job: GpuJob) -> None:
+        with self._state:
+            self._owners.remove(job.cache_owner)
+            if self._condemned and not self._owners:
+                self._close()
+            self._state.notify_all()
+
+    def _condemn(self) -> None:
+        """The engine failed: closed now when this request is the only one on it, else by the last one to leave
+        (closing it would end the others' answers); either way the next request loads it again."""
+        with self._state:
+            if len(self._owners) <= 1:
+                self._close()
+            else:
+                self._condemned = True
+
+    def _engine_for(self, job: GpuJob) -> tuple[Any, bool]:
+        """The engine for the job's preset and files, and whether it was loaded now. A (re)build happens only with
+        this job alone on the host (see _admits); newcomers wait until it is done."""
+        with self._state:
+            if self._ready(job):
+                return self._engine, False
+            self._loading = True
+        try:
+            return self._ensure(job.preset, job.files)
+        finally:
+            with self._state:
+                self._loading = False
+                self._state.notify_all()
+
     def _ensure(self, preset: PairPreset, files: ResolvedPair) -> tuple[Any, bool]:
-        """The engine for this preset and files, and whether it was loaded now. Call with the lock held."""
+        """Load the engine for this preset and files (closing the one before); (engine, True)."""
         key = (preset, files)
-        if self._engine is not None and self._key == key:
-            return self._engine, False
         self._close()
         started = time.monotonic()
         from ..sessions import SessionPolicy  # the core's cache modules import libllama: only where engines run
 
         # Only a visitor's own request parks its state (see run): nobody's request pays for, or times, another's.
+        # `parallel` sequences of n_ctx tokens each: the requests that run at once (see presets.parallel_from_env).
         options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
+                   "parallel": preset.parallel,
                    "sessions": SessionPolicy(park_on_switch=False, protect_s=PARKED_PROTECT_S)}  # fmt: skip
         self.draft_problem = files.draft_problem
         if files.draft_path is None:
@@ -226,7 +289,7 @@ class EngineHost:
                     raise
                 self._engine = self._loader(files.target_path, None, **options)
                 self.draft_problem = str(error)
-        self._key = key
+        self._key, self._condemned = key, False
         self._facts = EngineFacts()
         self.loads += 1
         self.last_load_s = round(time.monotonic() - started, 3)
@@ -237,24 +300,25 @@ class EngineHost:
         started = time.monotonic()
         report: dict[str, Any] = {"pid": os.getpid(), "previous_request": dict(self.previous_request)}
         outcome: dict[str, Any] = {"finish_reason": "closed before the first token", "n_generated": 0}
-        if not self._lock.acquire(timeout=self._busy_timeout_s):
+        if not self._enter(job):
             yield self._error_chunk(RequestError(f"the engine stayed busy for {self._busy_timeout_s:.0f} s; retry"))
             return
         try:
-            self.requests += 1
-            engine, loaded_now = self._ensure(job.preset, job.files)
+            engine, loaded_now = self._engine_for(job)
+            facts = self._facts
+            assert facts is not None
             report.update(loaded_now=loaded_now, load_s=self.last_load_s if loaded_now else None)
             thinking = job.request.enable_thinking
             fitted = fit_conversation(job.request, partial(prompt_tokens, engine, enable_thinking=thinking),
                                       engine.n_ctx)  # fmt: skip
-            owner = self._owner_arguments(engine, job.cache_owner, fitted.tokens, thinking)
+            owner = self._owner_arguments(engine, facts, job.cache_owner, fitted.tokens, thinking)
             info = _public_info(engine.info())
             if self.draft_problem:
                 info["draft_problem"] = scrub_paths(draft_unavailable(self.draft_problem))
             info_known = info_digest(info) == job.engine_info_seen
             first = True
             for phase in job.phases:
-                for chunk in self._stream(engine, job.request, fitted, phase, owner):
+                for chunk in self._stream(engine, facts, job.request, fitted, phase, owner):
                     outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
                                "n_generated": chunk.stats["n_generated"], "phase": phase}  # fmt: skip
                     if not info_known:
@@ -267,11 +331,11 @@ class EngineHost:
                     if last and job.cache_owner:
                         # A visitor's state is copied aside inside its own request (after its figures), so the
                         # next visitor's request costs the same whatever this one left.
-                        engine.park()
+                        engine.park(job.cache_owner)  # by its key: with several sequences, no one is "current"
                     yield chunk
         except DFlashError as error:
             if isinstance(error, ENGINE_FAILURES):
-                self._close()
+                self._condemn()
             outcome = {"finish_reason": "error", "error_type": type(error).__name__, "n_generated": 0}
             chunk = self._error_chunk(error)
             chunk.worker = self._report(report, started)
@@ -279,29 +343,32 @@ class EngineHost:
             yield chunk
         finally:
             self.previous_request = outcome
-            self._lock.release()
+            self._leave(job)
 
-    def _owner_arguments(self, engine: Any, owner: str, tokens: list[int], thinking: bool) -> dict[str, Any]:
-        """The engine's keyword arguments that keep this request's cache to its owner (see the class doc). Call
-        with the lock held.
+    @staticmethod
+    def _owner_arguments(engine: Any, facts: EngineFacts, owner: str, tokens: list[int],
+                         thinking: bool) -> dict[str, Any]:  # fmt: skip
+        """The engine's keyword arguments that keep this request's cache to its owner (see the class doc).
 
         The public prefix is all or nothing: the page's whole system prompt up to where the visitor's text begins,
         or none of it (a part of it would tell how far another visitor's prompt followed it). And it is in the cache
         before every request that declares it: an engine reuses a public prefix only if it is cached, so whether it
         is would tell whether the previous visitor used the page's system prompt; when the previous request did not
         leave it there, a one-token request of nobody's puts it back first."""
-        assert self._facts is not None
         owner = owner or secrets.token_hex(16)  # nobody's session: a fresh owner, nothing to reuse, never parked
-        public = self._facts.public(engine, thinking)
+        public = facts.public(engine, thinking)
         declared = len(public) if len(tokens) > len(public) and tokens[: len(public)] == public else 0
-        if declared and thinking not in self._facts.public_kept:
+        if declared and thinking not in facts.public_kept:
             # The engine keeps a copy of the caches after the public prefix, made by the first request that declares
-            # it: made here by nobody's request, so that no visitor's figures say whether it was already there.
-            with engine.stream(public, max_tokens=1, speculative=False, cache_owner=PUBLIC_OWNER,
-                               public_prefix=declared) as events:  # fmt: skip
-                for _ in events:
-                    pass
-            self._facts.public_kept.add(thinking)
+            # it: made here by nobody's request, so that no visitor's figures say whether it was already there. One
+            # request makes it; others that declare it meanwhile wait for it (it is one token long).
+            with facts.keeping:
+                if thinking not in facts.public_kept:
+                    with engine.stream(public, max_tokens=1, speculative=False, cache_owner=PUBLIC_OWNER,
+                                       public_prefix=declared) as events:  # fmt: skip
+                        for _ in events:
+                            pass
+                    facts.public_kept.add(thinking)
         return {"cache_owner": owner, "public_prefix": declared}
 
     def _report(self, report: dict[str, Any], started: float) -> dict[str, Any]:
@@ -313,16 +380,16 @@ class EngineHost:
     def _error_chunk(error: DFlashError) -> ReplyChunk:
         return ReplyChunk(delta="", stats={}, finish_reason="error", error_type=type(error).__name__, error=str(error))
 
+    @staticmethod
     def _stream(
-        self,
         engine: Any,
+        facts: EngineFacts,
         request: ChatRequest,
         fitted: FittedConversation,
         phase: str,
         owner: dict[str, Any],
     ) -> Iterator[ReplyChunk]:
-        assert self._facts is not None
-        prefix = self._facts.prefix(engine, request.enable_thinking)
+        prefix = facts.prefix(engine, request.enable_thinking)
         speculative, method = phase_decoding(request, phase)
         events = engine.stream(fitted.tokens, **request.generation_kwargs(speculative, method), **owner)
         runs: list[tuple[int, str]] = [(len(prefix), "target")] if prefix else []

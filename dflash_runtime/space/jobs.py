@@ -4,10 +4,12 @@ asyncio consumer (a Gradio event handler), and the consumer leaving cancels it.
 Gradio cancels an async handler at once (Stop, Clear, a closed tab or a dropped client), where a blocking handler
 would run on in its thread to the end of the answer for nobody. When the consumer leaves, the thread closes the stream
 at the next chunk: the engine stops between two steps (on ZeroGPU `spaces` tells the worker to stop, and keeps it).
-The web process's engine slot is held until that close returns, so the next job starts on a worker that has finished
-(on ZeroGPU: one that is back in `spaces`' pool, with its engine loaded). A consumer that stops reading without
-leaving is treated as gone after `orphan_timeout_s`, so no work outlives its reader by long; and `alive` (asked at
-every chunk) says whether anybody still reads the answer at all (see callers.py): when not, the job stops itself.
+The web process's engine slot admits as many jobs at once as the engine runs sequences (`DFLASH_PARALLEL`; 1 on
+ZeroGPU), one per cache owner at a time, and a job's seat is held until its close returns, so a job starts on a
+worker that has finished (on ZeroGPU: one that is back in `spaces`' pool, with its engine loaded). A consumer that
+stops reading without leaving is treated as gone after `orphan_timeout_s`, so no work outlives its reader by long;
+and `alive` (asked at every chunk) says whether anybody still reads the answer at all (see callers.py): when not, the
+job stops itself.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextvars
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ..errors import RequestError
@@ -25,33 +28,78 @@ T = TypeVar("T")
 CHUNK, ERROR, END = "chunk", "error", "end"
 
 
+@dataclass(eq=False)
+class Seat:
+    """One job's place in the slot (compared by identity): the cache owner it runs for, or None for nobody's."""
+
+    owner: str | None = None
+
+
 class EngineSlot:
-    """The web process's one-job-at-a-time lock around GPU calls; others may wait for it to be idle or busy."""
+    """The web process's gate to the engine: up to `capacity` GPU jobs at once (the engine's parallel sequences), in
+    the order they came, never two of one cache owner at once (a conversation's turns and its A/B run share one
+    parked cache, so they take turns); others may wait for it to be idle or busy."""
 
-    def __init__(self, timeout_s: float = 120.0) -> None:
+    def __init__(self, timeout_s: float = 120.0, capacity: int = 1) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
         self.timeout_s = timeout_s
+        self.capacity = capacity
         self._state = threading.Condition()
-        self._held = False
+        self._running: list[Seat] = []
+        self._waiting: list[Seat] = []
 
-    def acquire(self) -> None:
+    def acquire(self, owner: str | None = None) -> Seat:
+        """A seat for a job of `owner` (None or "": a fresh owner, that waits for nobody's turn), once one is free,
+        or RequestError after `timeout_s`."""
+        seat = Seat(owner or None)
         with self._state:
-            if not self._state.wait_for(lambda: not self._held, self.timeout_s):
-                raise RequestError(f"the engine stayed busy for {self.timeout_s:.0f} s; retry")
-            self._held = True
+            self._waiting.append(seat)
+            try:
+                if not self._state.wait_for(lambda: self._admits(seat), self.timeout_s):
+                    own = " (this session's previous answer was still running)" if self._owner_runs(seat.owner) else ""
+                    raise RequestError(f"the engine stayed busy for {self.timeout_s:.0f} s{own}; retry")
+                self._running.append(seat)
+            finally:
+                self._waiting.remove(seat)
+                self._state.notify_all()  # a later waiter may go now (or could all along, were it not for this one)
+        return seat
+
+    def release(self, seat: Seat | None = None) -> None:
+        """Free `seat` (None: the oldest one taken)."""
+        with self._state:
+            if seat is None and self._running:
+                seat = self._running[0]
+            if seat in self._running:
+                self._running.remove(seat)
             self._state.notify_all()
 
-    def release(self) -> None:
-        with self._state:
-            self._held = False
-            self._state.notify_all()
+    def _owner_runs(self, owner: str | None) -> bool:
+        return owner is not None and any(seat.owner == owner for seat in self._running)
+
+    def _admits(self, seat: Seat) -> bool:
+        """Whether `seat` may go: a place is free, its owner runs nothing, and no earlier waiter could go instead.
+        Call with the condition held."""
+        if len(self._running) >= self.capacity or self._owner_runs(seat.owner):
+            return False
+        for earlier in self._waiting:
+            if earlier is seat:
+                return True
+            if not self._owner_runs(earlier.owner):
+                return False
+        return True
 
     def busy(self) -> bool:
-        return self._held
+        return bool(self._running)
+
+    def running(self) -> int:
+        """How many jobs hold a seat now (answers running, or being stopped)."""
+        return len(self._running)
 
     def wait(self, busy: bool, timeout_s: float) -> bool:
-        """Wait until the slot is busy (or idle); False when `timeout_s` passed first."""
+        """Wait until the slot is busy (some job runs) or idle (none does); False when `timeout_s` passed first."""
         with self._state:
-            return self._state.wait_for(lambda: self._held == busy, timeout_s)
+            return self._state.wait_for(lambda: bool(self._running) == busy, timeout_s)
 
 
 class ReplyJob(Generic[T]):
@@ -66,8 +114,10 @@ class ReplyJob(Generic[T]):
         fold: Callable[[T, T], T] | None = None,
         orphan_timeout_s: float = 120.0,
         alive: Callable[[], bool] = lambda: True,
+        owner: str | None = None,
     ) -> None:
         self._open_stream = open_stream
+        self._owner = owner  # the cache owner the job runs for (see EngineSlot)
         self._alive = alive
         self._slot = slot
         self._is_final = is_final
@@ -148,7 +198,7 @@ class ReplyJob(Generic[T]):
 
     def _pump(self, hand_over: Callable[[str, Any], None]) -> None:
         try:
-            self._slot.acquire()
+            seat = self._slot.acquire(self._owner)
             try:
                 if not self._alive():
                     return
@@ -168,7 +218,7 @@ class ReplyJob(Generic[T]):
                     if close is not None:
                         close()  # stops the engine; on ZeroGPU returns once the worker has stopped
             finally:
-                self._slot.release()
+                self._slot.release(seat)
         except BaseException as error:  # the consumer raises it in the web request
             hand_over(ERROR, error)
         finally:

@@ -12,6 +12,7 @@
 | `DFLASH_DRAFT_CAPACITY` | longest draft the pair is opened for (old name `DFLASH_DRAFT_MAX` still read) | 7 |
 | `DFLASH_DEMO` | `tiny` = offline demo, `off` = the configured pair, unset = decide | unset |
 | `DFLASH_DEMO_PAIR` | the offline demo's pair: `dense`, or `methods` (hybrid, MTP head + DFlash 2) | `dense` |
+| `DFLASH_PARALLEL` | answers the engine runs at once (an integer >= 1, or `auto`: 1 on ZeroGPU, else 4) | `auto` |
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class PairPreset:
     n_gpu_layers: int = DEFAULT_GPU_LAYERS
     draft_capacity: int = DEFAULT_DRAFT_CAPACITY  # the longest draft the pair is opened for
     random_weights: bool = False
+    parallel: int = 1  # the engine's parallel sequences: answers that run at once (see parallel_from_env)
 
     @property
     def quantisation(self) -> str:
@@ -68,6 +70,7 @@ class PairPreset:
             "n_gpu_layers": self.n_gpu_layers,
             "draft_capacity": self.draft_capacity,
             "random_weights": self.random_weights,
+            "parallel": self.parallel,
         }
 
 
@@ -116,6 +119,34 @@ def env_int(env: Mapping[str, str], name: str, default: int, minimum: int) -> in
         raise ValueError(f"{name} must be an integer, got {text!r}") from None
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+# DFLASH_PARALLEL=auto off ZeroGPU: a few answers share the engine, batched into one target decode per step, so a
+# visitor does not wait for another's whole answer; more would make each answer slower for little more throughput.
+AUTO_PARALLEL = 4
+# On ZeroGPU `spaces` runs each concurrent call of the GPU function in a worker process of its own (its
+# generator_function_wrapper forks a new Worker when the cached one is taken), so no two answers can share one engine.
+ZERO_GPU_PARALLEL = 1
+
+
+def parallel_from_env(env: Mapping[str, str], zero_gpu: bool) -> int:
+    """DFLASH_PARALLEL: how many answers the engine runs at once, an integer >= 1 or `auto` (1 on ZeroGPU, else
+    AUTO_PARALLEL). On ZeroGPU only 1 can take effect (see ZERO_GPU_PARALLEL): another value is an error at start."""
+    text = (env_text(env, "DFLASH_PARALLEL") or "auto").lower()
+    if text == "auto":
+        return ZERO_GPU_PARALLEL if zero_gpu else AUTO_PARALLEL
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"DFLASH_PARALLEL must be an integer >= 1 or 'auto', got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"DFLASH_PARALLEL must be an integer >= 1 or 'auto', got {value}")
+    if zero_gpu and value != ZERO_GPU_PARALLEL:
+        raise ValueError(
+            f"DFLASH_PARALLEL={value} cannot take effect on ZeroGPU: `spaces` runs each concurrent GPU call in a "
+            "worker process of its own, so answers cannot share one engine there; set DFLASH_PARALLEL=1 or auto"
+        )
     return value
 
 

@@ -36,6 +36,7 @@ from .presets import (
     has_mtp_head,
     header_sampling_defaults,
     overrides_in_env,
+    parallel_from_env,
 )
 from .provenance import SourceRuns
 from .requests import AUTO, ChatRequest, Limits, build_request
@@ -178,7 +179,8 @@ class SpaceService:
         self.estimator = GpuTimeEstimator(gpu_time)
         self.zero_gpu = zero_gpu
         self.gpu_size = gpu_size
-        self.slot = EngineSlot((gate or GateSettings()).busy_timeout_s)
+        # Up to `parallel` jobs at once: the engine batches their steps (one per cache owner at a time, see jobs.py).
+        self.slot = EngineSlot((gate or GateSettings()).busy_timeout_s, capacity=preset.parallel)
         self.engine_info: dict[str, Any] = {}
         self.worker_info: dict[str, Any] = {}
         self._run_gpu = run_gpu
@@ -212,7 +214,7 @@ class SpaceService:
         mode = choose_run_mode(env, overrides_in_env(env), has_cuda)
         mode = settle_run_mode(mode, build, zero_gpu=zero_gpu, has_cuda=has_cuda,
                                n_gpu_layers=configured_preset(False, env).n_gpu_layers)  # fmt: skip
-        preset = configured_preset(mode.tiny, env, demo_files)
+        preset = replace(configured_preset(mode.tiny, env, demo_files), parallel=parallel_from_env(env, zero_gpu))
         return cls(
             mode=mode,
             preset=preset,
@@ -228,6 +230,11 @@ class SpaceService:
             show_diagnostics=env.get("DFLASH_DIAGNOSTICS", "").strip() in ("1", "true", "yes"),
             gate=GateSettings.from_env(env),
         )
+
+    @property
+    def parallel(self) -> int:
+        """How many answers run at once on the engine (DFLASH_PARALLEL; 1 on ZeroGPU)."""
+        return self.preset.parallel
 
     # -- requests -------------------------------------------------------------------------------------------------
 
@@ -318,6 +325,7 @@ class SpaceService:
         job: ReplyJob[ReplyChunk] = ReplyJob(
             partial(self._run_gpu, job_spec), self.slot, is_final=lambda chunk: chunk.finish_reason is not None,
             fold=ReplyChunk.then, alive=partial(self.callers.alive, call), orphan_timeout_s=self.slot.timeout_s,
+            owner=owner or None,
         )
         if session is not None:
             session.attach(job)
@@ -404,6 +412,8 @@ class SpaceService:
             "limits": self.limits.describe(),
             "download": {"state": download.state, "summary": scrub_paths(download.summary())},
             "busy": self.slot.busy(),  # an answer is running (or being stopped)
+            "parallel": self.parallel,  # answers that can run at once on the engine
+            "running": self.slot.running(),  # answers running now (a count, nothing of what they are)
             "engine": dict(self.engine_info),
             "gpu_time": {"zero_gpu": self.zero_gpu, "gpu_size": self.gpu_size, **self.estimator.describe()},
             "queue": self.callers.describe(),

@@ -262,6 +262,16 @@ def ab_verdict(identical: bool, temperature: float, seed: int | None) -> str:
             "are not a fault: what DFlash keeps is the distribution, not the draw.")
 
 
+def sharing_note(parallel: int) -> str:
+    """How many answers share the engine (under the page's title): what a visitor may wait for, nothing of what
+    others ask."""
+    if parallel <= 1:
+        return ("*One answer runs at a time on this engine: a message sent while another answer runs waits for it "
+                "in the queue.*")  # fmt: skip
+    return (f"*{parallel} answers can run at once on this engine (their steps share one target decode); more wait in "
+            "the queue.*")
+
+
 def mode_banner(mode: RunMode) -> str:
     """Shown on top of the page in the offline demo: why it runs, and how to run the real pair."""
     if not mode.tiny:
@@ -296,6 +306,7 @@ def info_markdown(
         f"- Quantisation: {preset.quantisation}",
         f"- Context: {preset.n_ctx} tokens; draft length up to {preset.draft_capacity}; "
         f"answers up to {limits.max_new_tokens} tokens",
+        f"- Answers at once: {preset.parallel} (DFLASH_PARALLEL)",
     ]
     for key, value in build.items():
         lines.append(f"- {key}: {scrub_paths(str(value))}")

@@ -5,6 +5,10 @@ verification ("dflash 3 sample", "mtp auto match").
 Each request's prompt is new to the cache (the engine is reset between requests, so every mode pays the
 same prefill); a hybrid target's context-checkpoint cost per request (ms, bytes) is reported with it, and each
 pair's open time (header validation, both models, both contexts) with the pair.
+
+With concurrencies (`run_concurrency`), each mode runs c streams at once instead, one thread each, on one engine
+opened with `parallel=max(concurrencies)`: aggregate and per-stream tok/s, time to first token, and the engine's
+rows per target decode and step time (bench_concurrency.py).
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ class BenchConfig:
         return names
 
 
-def _run_request(engine: Any, prompt: str, mode: str, cfg: BenchConfig, seed: int) -> Any:
+def request_options(mode: str, cfg: BenchConfig, seed: int) -> dict[str, Any]:
+    """A mode name ("plain", "dflash 3", "mtp auto match") as the keyword arguments of a request."""
     method, length, verify = [*mode.split(" "), "", ""][:3]
     options: dict[str, Any] = dict(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=seed)
     if method == "plain":
@@ -61,8 +66,12 @@ def _run_request(engine: Any, prompt: str, mode: str, cfg: BenchConfig, seed: in
         options["method"] = method
         options["draft_length"] = "auto" if length == "auto" else int(length)
         options["verify"] = verify or "sample"
+    return options
+
+
+def _run_request(engine: Any, prompt: str, mode: str, cfg: BenchConfig, seed: int) -> Any:
     engine.reset()  # every mode prefills the same prompt from scratch
-    return engine.generate(prompt, **options).stats
+    return engine.generate(prompt, **request_options(mode, cfg, seed)).stats
 
 
 _SUMS = ("gen", "decode_ms", "host_ms", "drafted", "accepted", "emitted", "verify", "steps", "requests",
@@ -120,9 +129,8 @@ def bench_pair(engine: Any, cfg: BenchConfig, progress: Callable[[], None]) -> d
     return result
 
 
-def run_bench(pairs: Sequence[tuple[str, str, str]], cfg: BenchConfig, opener: Callable[[str, str], Any]
-              ) -> dict[str, Any]:
-    total = len(pairs) * cfg.runs
+def progress_bar(total: int) -> Callable[[], None]:
+    """A callable that advances a progress bar of `total` steps on stderr."""
     done = 0
 
     def progress() -> None:
@@ -131,6 +139,12 @@ def run_bench(pairs: Sequence[tuple[str, str, str]], cfg: BenchConfig, opener: C
         bar = "#" * (30 * done // total)
         print(f"\r[{bar:<30}] {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
+    return progress
+
+
+def run_bench(pairs: Sequence[tuple[str, str, str]], cfg: BenchConfig, opener: Callable[[str, str], Any]
+              ) -> dict[str, Any]:
+    progress = progress_bar(len(pairs) * cfg.runs)
     out: dict[str, Any] = {"config": {"modes": cfg.mode_names(), "runs": cfg.runs, "max_tokens": cfg.max_tokens,
                                       "temperature": cfg.temperature, "prompts": cfg.prompt_list}, "pairs": {}}
     for name, target, draft in pairs:

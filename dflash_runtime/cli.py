@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-spec", action="store_true", help="plain decoding (A/B baseline)")
     g.add_argument("--json", action="store_true", help="print the statistics as JSON")
 
-    b = sub.add_parser("bench", help="speculative vs plain decoding, per draft length")
+    b = sub.add_parser("bench", help="speculative vs plain decoding, per draft length (or per concurrency)")
     _add_pair_args(b, required=True)
     add_bench_args(b)
     return ap
@@ -60,8 +60,19 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
                    help=f"draft methods to compare with plain ({', '.join(names())}; a chain: 'a,b')")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--verify", default="sample", help="above temperature 0: comma list of 'sample' and/or 'match'")
-    b.add_argument("--runs", type=int, default=3, help="alternating runs per mode; the median is reported")
+    b.add_argument("--runs", type=int, default=None,
+                   help="alternating runs per mode, the median reported (default 3; 1 with --concurrency)")
+    b.add_argument("--concurrency", type=_counts, default=None,
+                   help="comma list of concurrent streams, e.g. 1,2,4,8: each mode runs that many requests at once "
+                        "on one engine opened with parallel=max (default draft length: auto)")
     b.add_argument("--json", type=Path, help="write the results here")
+
+
+def _counts(value: str) -> list[int]:
+    counts = [int(x) for x in value.split(",") if x.strip()]
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--concurrency takes counts ≥ 1 (got {value!r})")
+    return counts
 
 
 def _draft_arg(value: str) -> int | str:
@@ -75,7 +86,7 @@ def _lengths(args: argparse.Namespace, default: str) -> str:
     return args.draft_length if args.draft_length is not None else default
 
 
-def _open(args: argparse.Namespace, target: str, draft: str | None):
+def _open(args: argparse.Namespace, target: str, draft: str | None, parallel: int = 1):
     from . import load_pair
     from .gguf_meta import read_gguf
 
@@ -85,7 +96,7 @@ def _open(args: argparse.Namespace, target: str, draft: str | None):
         capacity = max(1, min(15, block - 1))
     return load_pair(target, draft, n_ctx=args.n_ctx, n_gpu_layers=args.gpu_layers,
                      draft_capacity=capacity if capacity is not None else 7, n_threads=args.threads,
-                     mtp=False if getattr(args, "no_mtp", False) else None)
+                     mtp=False if getattr(args, "no_mtp", False) else None, parallel=parallel)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -116,16 +127,23 @@ def _bench(args: argparse.Namespace) -> int:
 
 def run_bench_cli(args: argparse.Namespace, pairs: list[tuple[str, str, str]]) -> int:
     from .bench import BenchConfig, run_bench
+    from .bench_concurrency import run_concurrency
 
-    modes = [_draft_arg(x.strip()) for x in _lengths(args, "3,7,auto").split(",") if x.strip()]
-    methods = [m.strip() for m in args.methods if m.strip()]
+    concurrency = getattr(args, "concurrency", None)
+    modes = [_draft_arg(x.strip()) for x in _lengths(args, "auto" if concurrency else "3,7,auto").split(",")
+             if x.strip()]
+    methods = [m.strip() for m in args.methods if m.strip() and m.strip() != "plain"]  # plain always runs
     prompts = None
     if args.prompts:
         prompts = [ln for ln in args.prompts.read_text().splitlines() if ln.strip()]
     verify = [v.strip() for v in args.verify.split(",") if v.strip()]
-    cfg = BenchConfig(modes=modes, runs=args.runs, max_tokens=args.max_tokens, prompts=prompts,
+    runs = args.runs if args.runs is not None else (1 if concurrency else 3)
+    cfg = BenchConfig(modes=modes, runs=runs, max_tokens=args.max_tokens, prompts=prompts,
                       temperature=args.temperature, verify=verify, methods=methods)
-    results = run_bench(pairs, cfg, lambda t, d: _open(args, t, d))
+    if concurrency:
+        results = run_concurrency(pairs, cfg, concurrency, lambda t, d: _open(args, t, d, max(concurrency)))
+    else:
+        results = run_bench(pairs, cfg, lambda t, d: _open(args, t, d))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

@@ -10,7 +10,8 @@
   sequence to what was accepted.
 
 Cancellation is checked between prefill chunks and between steps. A request's events wait in its own queue: a
-request whose consumer has not read its last event takes no part in the next step.
+request whose reader is EVENTS_AHEAD events behind takes no part in the next step, so that readers a little slower
+than the one that steps the engine still share its steps, and a suspended stream soon costs nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from .sessions import CacheOwners
 from .stats import Stats
 from .textstream import TextStream
 from .verify import Verifier, Verifiers
+
+EVENTS_AHEAD = 4  # events a request may make before its reader has taken them
 
 
 @dataclass(frozen=True)
@@ -158,8 +161,9 @@ class Decoding:
 
     @property
     def ready(self) -> bool:
-        """Whether the request takes part in the next step: not ended, and its last event was read."""
-        return not self.done and not self.events and self.error is None
+        """Whether the request takes part in the next step: not ended, and fewer than EVENTS_AHEAD of its events wait
+        unread (a reader a little behind the others keeps its place in their steps; a suspended one soon stops)."""
+        return not self.done and len(self.events) < EVENTS_AHEAD and self.error is None
 
     @property
     def prefilling(self) -> bool:

@@ -277,10 +277,10 @@ class LinkedPair:
         params = ll.llama_context_default_params()
         # One injection chunk per target ubatch, and every sequence's block in one ubatch.
         params.n_batch = params.n_ubatch = max(self.n_ubatch, self.parallel * (self.draft_capacity + 1))
-        # One buffer for every sequence: the drafting sequences' blocks go in one ubatch (the draft's numbers need
-        # not be batch-invariant: they choose drafts, the target decides the text).
+        # A KV stream per sequence, as the target's (and llama-server's with -np N): a block attends to its own
+        # sequence's cells only. Blocks of one size from consecutive sequences share a ubatch.
         params.n_seq_max = self.parallel
-        params.kv_unified = True
+        params.kv_unified = False
         params.n_ctx = self.n_ctx * self.parallel
         params.n_rs_seq = 0
         params.n_threads = params.n_threads_batch = threads
@@ -308,7 +308,7 @@ class LinkedPair:
         params.ctx_type = ll.LLAMA_CONTEXT_TYPE_MTP
         params.n_batch = params.n_ubatch = self.n_ubatch
         params.n_seq_max = self.parallel
-        params.kv_unified = True
+        params.kv_unified = False
         params.n_ctx = self.n_ctx * self.parallel
         params.n_rs_seq = 0
         params.n_threads = params.n_threads_batch = threads

@@ -6,8 +6,10 @@ The contract, which cannot deadlock:
   held waits, in order of arrival, up to the engine's busy timeout; a thread whose own suspended streams hold every
   sequence raises `EngineBusyError` at once (waiting would wait for itself).
 - The engine steps every running request at once (steps.py), on the thread of whichever consumer asks for an event
-  while no step runs; the others wait for that step's end and find their events queued. A request whose last
-  event has not been read takes no part in a step (a suspended stream costs nothing, and keeps its sequence).
+  while no step runs; the others wait for that step's end and find their events queued. A request whose reader is
+  a few events behind (decoding.EVENTS_AHEAD) takes no part in a step: a suspended stream soon costs nothing, and
+  keeps its sequence. So a cancel lands at the next step the request takes part in; with other requests running,
+  events it made ahead of its reader still come first.
 - A cancel belongs to one request: `RequestStream.cancel()` to that stream; `Engine.cancel()` to every stream that
   exists when it is called (started or not), never to one created later. A stream cancelled before its first step
   ends at once with finish_reason "cancelled", without decoding.

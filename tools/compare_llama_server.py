@@ -15,16 +15,28 @@ Both must emit the same tokens and text, and count the same drafted tokens, acce
 (the server's `timings.draft_n`, `timings.draft_n_accepted` and its `spec_decode_num_drafts_total` metric).
 Each row also checks that the engine's output equals its own target-only decoding.
 
+`--parallel N` compares parallel sequences: `llama-server -np N` (each slot n_ctx cells) gets N requests at once,
+one thread each, and one engine opened with `load_pair(..., parallel=N)` runs the same N prompts as N concurrent
+streams; every stream's tokens must equal the server's for that prompt and the engine's own plain decoding. With
+`--scaling 1,2,4,8` (N defaults to the largest) it does so for each number of concurrent streams and reports the
+aggregate tok/s of both (all streams' tokens / the wall time from the first request sent to the last answer; the
+median of `--rounds` rounds, the engine's and the server's alternating) as a markdown table; `--json PATH` keeps
+every figure, the server's own per-request `timings` (prompt_ms, predicted_ms, predicted_per_second, per slot) and
+its `n_decode_total` included. DFlash and MTP drafts only.
+
 Requests must end before the context does: there llama-server stops one cell early (it keeps room for a context
 shift) and drops the accepted tokens of a step that reaches that cell, while the engine fills the context.
 
     python tools/compare_llama_server.py --server-bin /path/to/llama-server [--targets dense,hybrid]
         [--drafts dflash2,dflash1,mtp,ngram-mod,ngram-map-k] [--heads shaped,regime] [--n-max 3,7]
-        [--max-tokens 48] [--n-ctx 512] [--ngram-n 3] [--server-only]
+        [--max-tokens 48] [--n-embd 128] [--n-ctx 512] [--ngram-n 3] [--server-only] [--parallel N] [--scaling 1,2,4,8]
+        [--rounds 3] [--json PATH]
 
 Exits 1 on any mismatch, 2 on a usage error or when llama-server fails.
 
-Building llama-server from the vendored tree (V = the llama.cpp the wheel was built from; -j as the machine allows):
+Building llama-server from the vendored tree (V = the llama.cpp the wheel was built from, e.g. the sdist's
+`tar -xzf llama_cpp_python-0.3.36.tar.gz --strip-components=3 llama_cpp_python-0.3.36/vendor/llama.cpp`, since the
+wheel recipe removes its build tree; -j as the machine allows):
 
     cmake -S $V -B build-server -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
@@ -43,6 +55,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -54,8 +67,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout
 
 from dflash_runtime import load_pair
+from dflash_runtime.bench_concurrency import distinct_prompts, run_streams
 from dflash_runtime.engine import Engine
-from dflash_runtime.testing.tiny_models import tiny_pair
+from dflash_runtime.pair import LinkedPair
+from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
 
 PROMPTS = (
     "Hello world",
@@ -65,6 +80,7 @@ PROMPTS = (
     "In the beginning there was a small",
 )
 VERIFY_METRIC = "llamacpp:spec_decode_num_drafts_total"
+DECODE_METRIC = "llamacpp:n_decode_total"  # the server's llama_decode calls (its speculative ones not counted)
 DFLASH_DRAFTS = ("dflash2", "dflash1")
 MTP = "mtp"  # the target's own nextn block
 NGRAMS = ("ngram-mod", "ngram-map-k")  # no draft file: the sequence drafts itself
@@ -105,7 +121,7 @@ class UsageError(ValueError):
 
 
 class LlamaServer:
-    """One llama-server process on 127.0.0.1 with a single slot; stopped on exit."""
+    """One llama-server process on 127.0.0.1 (one slot, or -np slots); stopped on exit."""
 
     def __init__(self, binary: Path, argv: Sequence[str], log: Path, timeout: float) -> None:
         self.port = _free_port()
@@ -144,6 +160,13 @@ class LlamaServer:
             accepted=int(timings.get("draft_n_accepted", 0)),
             verify_steps=round(self.metric(VERIFY_METRIC) - before),
         )
+
+    def generate(self, tokens: Sequence[int], n_predict: int) -> dict[str, Any]:
+        """One /completion at temperature 0 on a fresh cache: its tokens, the slot and the server's timings."""
+        body = {"prompt": list(tokens), "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False,
+                "return_tokens": True}
+        res = self._post("/completion", body)
+        return {"tokens": list(res["tokens"]), "id_slot": res.get("id_slot"), "timings": res.get("timings", {})}
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._post("/tokenize", {"content": text, "add_special": True, "parse_special": True})["tokens"])
@@ -202,14 +225,15 @@ def spec_args(args: argparse.Namespace, kind: str, draft: Path | None, n_max: in
 
 @contextlib.contextmanager
 def running_server(
-    args: argparse.Namespace, target: Path, kind: str, draft: Path | None, n_max: int, log: Path
+    args: argparse.Namespace, target: Path, kind: str, draft: Path | None, n_max: int, log: Path, n_parallel: int = 1
 ) -> Iterator[LlamaServer]:
     spec = spec_args(args, kind, draft, n_max)
     argv = [
         "-m", str(target), *spec,
         "--spec-draft-n-max", str(n_max), "--spec-draft-n-min", str(args.n_min), "--spec-draft-p-min", str(args.p_min),
-        "-c", str(args.n_ctx), "-np", "1", "-t", str(args.threads), "-ngl", "0", "--spec-draft-ngl", "0",
-        "--metrics", "--no-warmup", "--no-webui",
+        # -c is shared by the slots (a cache split per slot): each gets n_ctx cells, as each engine sequence does
+        "-c", str(args.n_ctx * n_parallel), "-np", str(n_parallel), "-t", str(args.threads), "-ngl", "0",
+        "--spec-draft-ngl", "0", "--metrics", "--no-warmup", "--no-webui",
     ]
     server = LlamaServer(args.server_bin, argv, log, args.timeout)
     try:
@@ -217,6 +241,12 @@ def running_server(
         yield server
     finally:
         server.stop()
+
+
+def generated_pair(args: argparse.Namespace, target: str, draft: str | None, head: str, **extra: int) -> TinyPair:
+    """The generated pair of a row: the tiny sizes, or from --n-embd 256 up the benchmarks' Qwen-like scaled ones."""
+    return tiny_pair(target, draft, head=head, n_embd=args.n_embd, dims="scaled" if args.n_embd >= 256 else "tiny",
+                     **extra)
 
 
 def engine_has_mtp() -> bool:
@@ -243,11 +273,11 @@ def compare_pair(args: argparse.Namespace, target: str, draft: str, head: str, l
     if draft == MTP:
         if target != "hybrid":
             raise UsageError(f"draft {MTP} needs the hybrid target (only qwen35 targets carry an MTP block)")
-        pair = tiny_pair(target, None, head=head, mtp_layers=1)
+        pair = generated_pair(args, target, None, head, mtp_layers=1)
     elif draft in NGRAMS:
         return compare_ngram(args, target, draft, head, logs)
     else:
-        pair = tiny_pair(target, draft, head=head)
+        pair = generated_pair(args, target, draft, head)
     opened = load_pair(pair.target, pair.draft, n_ctx=args.n_ctx, draft_capacity=max(args.n_max),
                        n_threads=args.threads)
     name = f"{target}/{draft}/{head}"
@@ -281,7 +311,7 @@ def prompt_row(args: argparse.Namespace, eng: Engine, server: LlamaServer, name:
 def compare_ngram(args: argparse.Namespace, target: str, draft: str, head: str, logs: Path) -> list[Row]:
     """An n-gram draft on the target alone: one engine per draft length (the method drafts up to it, as the server's
     n_max), one server per prompt (its tables outlive requests, the engine's do not)."""
-    pair = tiny_pair(target, None, head=head)
+    pair = generated_pair(args, target, None, head)
     name = f"{target}/{draft}/{head}"
     rows: list[Row] = []
     options = {NGRAM_KEY[draft]: args.ngram_n, **({"n_min": args.n_min} if draft == "ngram-mod" else {})}
@@ -341,6 +371,191 @@ def print_acceptance(rows: Sequence[Row]) -> None:
         print(f"{pair:<24} {n_max:>2} {drafted:>8} {accepted:>8} {rate:>7} {steps:>6} {per_step:>8}  {engine}")
 
 
+# -- parallel sequences: llama-server -np N against load_pair(..., parallel=N) --------------------------------------
+
+
+@dataclass(frozen=True)
+class Level:
+    """One number of concurrent streams on one pair and draft length: both sides' round."""
+
+    pair: str
+    n_max: int
+    streams: int
+    ours: dict[str, Any]  # tokens (one list per stream), tok_s, wall_s, decodes, rows_per_decode, ttft_ms
+    server: dict[str, Any]  # tokens, tok_s, wall_s, decodes, timings (the server's own, one per request)
+    plain: tuple[tuple[int, ...], ...]  # the engine's plain decoding of each prompt
+    stable: bool = True  # every round gave each side the same tokens as its median round
+
+    @property
+    def same(self) -> int:
+        """Streams whose tokens equal the server's for the same prompt."""
+        return sum(a == b for a, b in zip(self.ours["tokens"], self.server["tokens"], strict=True))
+
+    @property
+    def lossless(self) -> int:
+        """Streams whose tokens equal the engine's plain decoding of the prompt."""
+        return sum(tuple(a) == b for a, b in zip(self.ours["tokens"], self.plain, strict=True))
+
+    @property
+    def ok(self) -> bool:
+        return self.same == self.lossless == self.streams and self.stable
+
+    def to_dict(self) -> dict[str, Any]:
+        drop = ("tokens",)
+        return {"pair": self.pair, "n_max": self.n_max, "streams": self.streams, "same_as_server": self.same,
+                "same_as_plain": self.lossless, "stable": self.stable,
+                "ours": {k: v for k, v in self.ours.items() if k not in drop},
+                "server": {k: v for k, v in self.server.items() if k not in drop}}
+
+
+def engine_has_parallel() -> bool:
+    """Whether this checkout's engine opens parallel sequences (`load_pair(..., parallel=N)`)."""
+    return any("parallel" in inspect.signature(f).parameters for f in (LinkedPair.__init__, Engine.__init__))
+
+
+def _together(jobs: Sequence[Callable[[], Any]], timeout: float) -> list[tuple[float, float, Any]]:
+    """Run the jobs at once, one thread each (a barrier starts them): (start, end, result) per job."""
+    barrier = threading.Barrier(len(jobs), timeout=timeout)
+    out: list[Any] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait()
+            start = time.perf_counter()
+            result = jobs[i]()
+            out[i] = (start, time.perf_counter(), result)
+        except BaseException as exc:  # re-raised below, on the caller's thread
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if errors:
+        raise errors[0]
+    if any(t.is_alive() for t in threads):
+        raise ServerError(f"{len(jobs)} concurrent requests did not end within {timeout:.0f} s")
+    return out
+
+
+def server_round(server: LlamaServer, prompts: Sequence[list[int]], n_predict: int, timeout: float) -> dict[str, Any]:
+    before = server.metric(DECODE_METRIC)
+    done = _together([lambda ids=ids: server.generate(ids, n_predict) for ids in prompts], timeout)
+    wall = max(d[1] for d in done) - min(d[0] for d in done)
+    tokens = [d[2]["tokens"] for d in done]
+    return {"tokens": tokens, "tok_s": sum(map(len, tokens)) / wall, "wall_s": wall,
+            "decodes": round(server.metric(DECODE_METRIC) - before),
+            "timings": [{"id_slot": d[2]["id_slot"], **d[2]["timings"]} for d in done]}
+
+
+def engine_round(eng: Engine, prompts: Sequence[list[int]], options: dict[str, Any], timeout: float
+                 ) -> dict[str, Any]:
+    runs, delta = run_streams(eng, prompts, [options] * len(prompts), timeout)
+    wall = max(r.end for r in runs) - min(r.start for r in runs)
+    decodes = int(delta["decodes"])
+    return {"tokens": [r.ids for r in runs], "tok_s": sum(r.tokens for r in runs) / wall, "wall_s": wall,
+            "decodes": decodes, "rows_per_decode": delta["rows"] / decodes if decodes else 0.0,
+            "ttft_ms": [1000.0 * ((r.first or r.end) - r.start) for r in runs]}
+
+
+def compare_parallel(args: argparse.Namespace, target: str, draft: str, head: str, logs: Path) -> list[Level]:
+    """Every level of --scaling on one server (-np N) and one engine (parallel=N), for each draft length."""
+    if draft in NGRAMS:
+        raise UsageError("--parallel compares the model drafts (dflash2, dflash1, mtp), not the n-gram ones")
+    if draft == MTP and target != "hybrid":
+        raise UsageError(f"draft {MTP} needs the hybrid target (only qwen35 targets carry an MTP block)")
+    if draft == MTP:
+        pair = generated_pair(args, target, None, head, mtp_layers=1)
+    else:
+        pair = generated_pair(args, target, draft, head)
+    n_par = args.parallel
+    name = f"{target}/{draft}/{head}"
+    levels: list[Level] = []
+    with load_pair(pair.target, pair.draft, n_ctx=args.n_ctx, draft_capacity=max(args.n_max), n_threads=args.threads,
+                   parallel=n_par) as eng:
+        ids = [eng.tokenize(p) for p in distinct_prompts(args.prompts, max(args.scaling))]
+        if max(map(len, ids)) + args.max_tokens >= eng.n_ctx - 1:
+            raise UsageError(f"prompt + --max-tokens {args.max_tokens} reach the context end ({eng.n_ctx})")
+        plain = tuple(plain_tokens(eng, x, args.max_tokens) for x in ids)
+        for n_max in args.n_max:
+            options = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=args.p_min, draft_length=n_max,
+                           method=MTP if draft == MTP else "dflash")
+            log = logs / f"{target}-{draft}-{head}-n{n_max}-np{n_par}.log"
+            with running_server(args, pair.target, draft, pair.draft, n_max, log, n_parallel=n_par) as server:
+                server.generate(ids[0], 8)  # warm-up, both sides: first-touch of the weights
+                eng.generate(ids[0], max_tokens=8)
+                for c in args.scaling:
+                    rounds: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
+                    for _ in range(args.rounds):  # alternating, so that drifts of the machine hit both alike
+                        rounds[0].append(engine_round(eng, ids[:c], options, args.timeout))
+                        rounds[1].append(server_round(server, ids[:c], args.max_tokens, args.timeout))
+                    ours, srv = (_median_round(r) for r in rounds)
+                    stable = all(r["tokens"] == m["tokens"] for rs, m in zip(rounds, (ours, srv), strict=True)
+                                 for r in rs)
+                    levels.append(Level(name, n_max, c, ours, srv, plain[:c], stable))
+    return levels
+
+
+def _median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round of median aggregate tok/s, with every round's tok/s."""
+    ordered = sorted(rounds, key=lambda r: r["tok_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "rounds_tok_s": [r["tok_s"] for r in rounds]}
+
+
+def scaling_table(levels: Sequence[Level]) -> str:
+    """Markdown, one table per pair and draft length: streams | ours tok/s | ours ×1 | server tok/s | server ×1, then
+    each side's target decodes (the server's `n_decode_total`), the engine's rows per decode and the token check."""
+    groups: dict[tuple[str, int], list[Level]] = {}
+    for lv in levels:
+        groups.setdefault((lv.pair, lv.n_max), []).append(lv)
+    out = []
+    for (pair, n_max), group in groups.items():
+        one = next((lv for lv in group if lv.streams == 1), None)
+        base_ours = one.ours["tok_s"] if one else 0.0
+        base_srv = one.server["tok_s"] if one else 0.0
+        out += [f"{pair}, draft length {n_max}:", "",
+                "| streams | ours tok/s | ours ×1 | server tok/s | server ×1 | decodes ours / server "
+                "| ours rows/decode | same tokens |", "|---:|---:|---:|---:|---:|---:|---:|:---|"]
+        for lv in group:
+            ours, srv = lv.ours["tok_s"], lv.server["tok_s"]
+            rel_ours = f"{ours / base_ours:.2f}" if base_ours else "-"
+            rel_srv = f"{srv / base_srv:.2f}" if base_srv else "-"
+            verdict = "yes" if lv.ok else f"server {lv.same}/{lv.streams}, plain {lv.lossless}/{lv.streams}"
+            decodes = f"{lv.ours['decodes']} / {lv.server['decodes']}"
+            out.append(f"| {lv.streams} | {ours:.1f} | {rel_ours} | {srv:.1f} | {rel_srv} | {decodes} | "
+                       f"{lv.ours['rows_per_decode']:.2f} | {verdict} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main_parallel(args: argparse.Namespace, logs: Path) -> int:
+    levels: list[Level] = []
+    try:
+        for target in args.targets:
+            for draft in args.drafts:
+                for head in args.heads:
+                    levels += compare_parallel(args, target, draft, head, logs)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except ServerError as e:
+        print(scaling_table(levels))
+        print(f"\nllama-server failed: {e}", file=sys.stderr)
+        return 2
+    print(scaling_table(levels))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([lv.to_dict() for lv in levels], indent=2))
+        print(f"wrote {args.json}")
+    bad = sum(not lv.ok for lv in levels)
+    print(f"{len(levels) - bad}/{len(levels)} levels identical (every stream = the server's = plain decoding)")
+    return 1 if bad else 0
+
+
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     return lambda s: [kind(x) for x in s.split(",") if x]
 
@@ -355,6 +570,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", type=_csv(str), default=["shaped", "regime"])
     p.add_argument("--n-max", type=_csv(int), default=[3, 7], help="fixed draft lengths")
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--n-embd", type=int, default=128,
+                   help="the generated models' width (256 and up: the benchmarks' scaled sizes)")
     p.add_argument("--n-min", type=int, default=0, help="drop drafts shorter than this")
     p.add_argument("--p-min", type=float, default=0.0, help="stop a draft at a less confident position")
     p.add_argument("--n-ctx", type=int, default=512)
@@ -367,7 +584,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--logs", type=Path, default=None, help="keep the server logs here")
     p.add_argument("--server-only", action="store_true",
                    help="run llama-server alone (checked against plain decoding) and print its acceptance")
-    return p.parse_args(argv)
+    p.add_argument("--parallel", type=int, default=None,
+                   help="parallel sequences: llama-server -np N against load_pair(..., parallel=N), N requests at once")
+    p.add_argument("--scaling", type=_csv(int), default=None,
+                   help="with --parallel (default N = the largest): concurrent streams per level, e.g. 1,2,4,8")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--parallel: rounds per level, alternating the engine and the server; the median is reported")
+    p.add_argument("--json", type=Path, default=None, help="--parallel: write every level's figures here")
+    args = p.parse_args(argv)
+    if args.scaling and args.parallel is None:
+        args.parallel = max(args.scaling)
+    if args.parallel is not None:
+        args.scaling = args.scaling or [args.parallel]
+        if min(args.scaling) < 1 or max(args.scaling) > args.parallel:
+            p.error(f"--scaling levels must lie in 1..--parallel ({args.parallel})")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -384,9 +615,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"this engine has no MTP drafting (no method= on requests): use --server-only for draft {MTP}",
               file=sys.stderr)
         return 2
+    if args.parallel is not None and not engine_has_parallel():
+        print("this engine has no parallel sequences (load_pair(..., parallel=N))", file=sys.stderr)
+        return 2
     with contextlib.ExitStack() as stack:
         logs = args.logs or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llama-server-")))
         logs.mkdir(parents=True, exist_ok=True)
+        if args.parallel is not None:
+            return main_parallel(args, logs)
         rows: list[Row] = []
         try:
             for target in args.targets:

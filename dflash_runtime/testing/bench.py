@@ -4,13 +4,15 @@
     python -m dflash_runtime.testing.bench --pairs hybrid:soft:512 --temperature 0.6 --verify sample,match
     python -m dflash_runtime.testing.bench --pairs real --runs 1 --max-tokens 32
     python -m dflash_runtime.testing.bench --pairs methods --draft-length 3,auto --methods dflash mtp ngram-mod,dflash
+    python -m dflash_runtime.testing.bench --pairs hybrid:shaped:128:mtp --methods dflash mtp --concurrency 1,2,4,8
 
 `--pairs`: a comma list of 'matrix' (widths 512 and 1024 × random/const heads × dense/hybrid targets),
 'methods' (hybrid targets with an MTP head and a DFlash 2 draft, width 512, random/phrase/const heads: both methods
 on one target), target:head:width[:mtp] (DFlash 2 drafts; ':mtp' gives the hybrid target an MTP head) and 'real'
 (the pair in the real files' layout: NVFP4 + Q8_0 hybrid target with an MTP layer, Q4_K_M draft, the full Qwen3.5
 vocabulary; see real_layout.py, built on first use). Every other option is the bench's (see
-`python -m dflash_runtime bench -h`); the table reports each pair's open time.
+`python -m dflash_runtime bench -h`; `--concurrency` opens each pair with parallel sequences); the table reports
+each pair's open time.
 """
 
 from __future__ import annotations

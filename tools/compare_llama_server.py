@@ -40,8 +40,12 @@ wheel recipe removes its build tree; -j as the machine allows):
 
     cmake -S $V -B build-server -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
-        -DCMAKE_BUILD_TYPE=Release
+        -DGGML_LLAMAFILE=OFF -DCMAKE_BUILD_TYPE=Release
     cmake --build build-server --target llama-server -j2      # -> build-server/bin/llama-server
+
+`-DGGML_LLAMAFILE=OFF` gives the server the CPU matrix kernels of the wheel recipe's CPU build (see README,
+"Exactness"): with llamafile's sgemm a many-row decode is cheaper than with the batch-invariant path, which makes the
+server's scaling with slots incomparable with the engine's on the same machine.
 """
 
 from __future__ import annotations

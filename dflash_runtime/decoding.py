@@ -283,7 +283,7 @@ class Decoding:
         self.planned = Planned([self._id_last], "all", False, Proposal(), self._n_block)
         return self.planned
 
-    def after_step(self, decode_ms: float, rows: int, step_s: float) -> None:
+    def after_step(self, decode_ms: float, step_s: float) -> None:
         """The step's decode is done: walk the verifier over this request's rows, cut what was rejected."""
         assert self.planned is not None and self.planned.proposal is not None and self.cache is not None
         assert self._verifier is not None

@@ -164,7 +164,8 @@ def draft_all(asks: Sequence[tuple[Chain, DraftAsk]]) -> list[tuple[Proposal, st
                 else:
                     empty[i] = proposal
                     waiting.append(i)
-        waiting = [i for i in later if i in set(waiting)]
+        still = set(waiting)
+        waiting = [i for i in later if i in still]
         depth += 1
     return [r for r in results if r is not None]
 

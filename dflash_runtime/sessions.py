@@ -68,8 +68,8 @@ class CacheOwners:
     every change of owner; with several, a visitor keeps its own sequence while there are enough of them, and its
     state goes to host memory only when sequences run out."""
 
-    def __init__(self, caches: PairCache | Sequence[PairCache], policy: SessionPolicy) -> None:
-        self.caches = [caches] if isinstance(caches, PairCache) else list(caches)
+    def __init__(self, caches: Sequence[PairCache], policy: SessionPolicy) -> None:
+        self.caches = list(caches)
         self.policy = policy
         n = len(self.caches)
         self._owners: list[Hashable | None] = [None] * n
@@ -80,15 +80,6 @@ class CacheOwners:
         self._parked: OrderedDict[Hashable | None, ParkedCache] = OrderedDict()
         self._parked_at: dict[Hashable | None, float] = {}  # when each was parked (time.monotonic)
         self._public: OrderedDict[tuple[int, ...], ParkedCache] = OrderedDict()
-
-    @property
-    def cache(self) -> PairCache:
-        """The first sequence (an engine of one sequence has only this one)."""
-        return self.caches[0]
-
-    @property
-    def owner(self) -> Hashable | None:
-        return self._owners[0]
 
     @property
     def running(self) -> int:
@@ -115,13 +106,6 @@ class CacheOwners:
         self._clock += 1
         self._busy[cache.seq], self._released[cache.seq] = False, self._clock
 
-    def switch(self, owner: Hashable | None, prompt: Sequence[int], public_prefix: int) -> int | None:
-        """Make the first sequence `owner`'s (an engine of one sequence, outside a request's acquire)."""
-        if owner == self._owners[0]:
-            self._dirty[0] = True
-            return None
-        return self._switch(0, owner, prompt, public_prefix)
-
     def _switch(self, seq: int, owner: Hashable | None, prompt: Sequence[int], public_prefix: int) -> int | None:
         cache = self.caches[seq]
         parked = self._parked.pop(owner, None)  # before parking the current owner: it must not be evicted for it
@@ -146,9 +130,9 @@ class CacheOwners:
         """Whether no copy of the caches after this prompt's public prefix is kept yet."""
         return 0 < public_prefix <= len(prompt) and tuple(prompt[:public_prefix]) not in self._public
 
-    def keep_public_base(self, cache: PairCache | None = None) -> None:
+    def keep_public_base(self, cache: PairCache) -> None:
         """Keep a copy of a sequence as it is now — right after a public prefix — as that prefix's base."""
-        base = (cache or self.cache).park()
+        base = cache.park()
         base = replace(base, public_len=len(base.tokens))
         self._public[tuple(base.tokens)] = base
         while len(self._public) > MAX_PUBLIC_BASES:

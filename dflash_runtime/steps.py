@@ -72,7 +72,7 @@ class Steps:
         n_rows = sum(len(r.planned.tokens) for r in batch if r.planned)
         step_s = time.perf_counter() - t_step
         for run in batch:
-            self._guard(run, lambda r: r.after_prefill() if r.prefilling else r.after_step(decode_ms, n_rows, step_s))
+            self._guard(run, lambda r: r.after_prefill() if r.prefilling else r.after_step(decode_ms, step_s))
         self.counters.decodes += 1
         self.counters.rows += n_rows
         self.counters.step_ms += (time.perf_counter() - t_step) * 1000.0

@@ -24,29 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from .errors import EngineBusyError, EngineClosedError
 from .results import StreamEvent
 
 CLOSED_MESSAGE = "this engine was closed; open a new one with load_pair(...)"
-
-
-class Run(Protocol):
-    """What the occupancy needs of a request's decoding (decoding.Decoding)."""
-
-    events: Any  # a deque of StreamEvent
-    error: BaseException | None
-    done: bool
-
-    @property
-    def ready(self) -> bool: ...
-
-    def release(self) -> None: ...
 
 
 class Occupancy:
@@ -67,11 +53,6 @@ class Occupancy:
         self._arrivals: deque[object] = deque()
         self.busy_timeout_s = busy_timeout_s
         self.streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
-
-    @property
-    def holder(self) -> RequestStream | _Exclusive | None:
-        """The first holder (an engine of one sequence has at most this one)."""
-        return self.holders[0] if self.holders else None
 
     def enter(self, stream: RequestStream | _Exclusive, *, whole: bool = False) -> None:
         """Take a sequence for `stream` (all of them and no step running for `whole`), in order of arrival."""
@@ -250,7 +231,6 @@ class RequestStream(Iterator[StreamEvent]):
         self.closed_by_engine = False
         self.close_requested = False
         self.done = False
-        self.started_at: float | None = None
         with occupancy.cond:
             occupancy.streams.add(self)
 
@@ -282,7 +262,6 @@ class RequestStream(Iterator[StreamEvent]):
                 if self.closed_by_engine:  # closed between enter() and here
                     self.done = True
                     return self._final("the engine was closed")
-                self.started_at = time.perf_counter()
                 self.run = self._decoding_factory(self)
         try:
             return occupancy.next_event(self)

@@ -536,19 +536,29 @@ def scaling_table(levels: Sequence[Level]) -> str:
     return "\n".join(out)
 
 
-def main_parallel(args: argparse.Namespace, logs: Path) -> int:
-    levels: list[Level] = []
+def each_pair(args: argparse.Namespace, logs: Path, compare: Callable[..., list[Any]],
+              report: Callable[[list[Any]], None]) -> list[Any] | None:
+    """`compare(args, target, draft, head, logs)` for every pair asked for, its results in one list; None (after
+    saying why, and reporting what was compared) on a usage error or when llama-server fails."""
+    results: list[Any] = []
     try:
         for target in args.targets:
             for draft in args.drafts:
                 for head in args.heads:
-                    levels += compare_parallel(args, target, draft, head, logs)
+                    results += compare(args, target, draft, head, logs)
     except UsageError as e:
         print(e, file=sys.stderr)
-        return 2
+        return None
     except ServerError as e:
-        print(scaling_table(levels))
+        report(results)
         print(f"\nllama-server failed: {e}", file=sys.stderr)
+        return None
+    return results
+
+
+def main_parallel(args: argparse.Namespace, logs: Path) -> int:
+    levels = each_pair(args, logs, compare_parallel, lambda done: print(scaling_table(done)))
+    if levels is None:
         return 2
     print(scaling_table(levels))
     if args.json:
@@ -627,18 +637,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logs.mkdir(parents=True, exist_ok=True)
         if args.parallel is not None:
             return main_parallel(args, logs)
-        rows: list[Row] = []
-        try:
-            for target in args.targets:
-                for draft in args.drafts:
-                    for head in args.heads:
-                        rows += compare_pair(args, target, draft, head, logs)
-        except UsageError as e:
-            print(e, file=sys.stderr)
-            return 2
-        except ServerError as e:
-            print_table(rows)
-            print(f"\nllama-server failed: {e}", file=sys.stderr)
+        rows = each_pair(args, logs, compare_pair, print_table)
+        if rows is None:
             return 2
     print_table(rows)
     print()

@@ -21,6 +21,7 @@ from dflash_runtime.space.endpoints import (
     API_PARAMETERS,
     PageHandlers,
     draft_length_choices,
+    engine_sharing,
     make_api,
     method_choices,
     plot_frame,
@@ -31,7 +32,7 @@ from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT
 from dflash_runtime.space.service import SpaceService
 from dflash_runtime.space.session import ChatSession
 from dflash_runtime.space.startup import run_startup_check
-from dflash_runtime.space.views import EMPTY_STATS, mode_banner, sharing_note
+from dflash_runtime.space.views import EMPTY_STATS, mode_banner
 
 log = logging.getLogger("dflash_space")
 # Every generating event shares one queue whose concurrency is the engine's parallel sequences (DFLASH_PARALLEL).
@@ -95,7 +96,7 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
             "target has its own multi-token-prediction (MTP) head, compare the two draft methods with the A/B button."
         )
         gr.Markdown(mode_banner(service.mode), visible=service.mode.tiny, elem_id="mode-banner")
-        gr.Markdown(sharing_note(service.parallel), elem_id="engine-sharing")
+        sharing = gr.Markdown(engine_sharing(service), elem_id="engine-sharing")
         download_box = gr.Markdown("", visible=False, elem_id="download-status")
         session = gr.State(ChatSession(), delete_callback=ChatSession.stop)
         with gr.Row(equal_height=False):
@@ -169,7 +170,9 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
         timer = gr.Timer(1.0, active=service.download.status().state != "done")
         settings = [system_prompt, max_tokens, temperature, top_p, top_k, min_p, method, draft_length, speculative,
                     thinking]  # fmt: skip
-        answers_at_once = service.parallel  # the engine's sequences: so many answers run at once, the rest wait
+        # The engine's sequences (with DFLASH_PARALLEL=auto the most: the engine slot admits what the loaded engine
+        # holds, see SpaceService.parallel): so many answers run at once, the rest wait.
+        answers_at_once = service.parallel
         engine = {"concurrency_limit": answers_at_once, "concurrency_id": ENGINE_QUEUE, "api_visibility": "private"}
         # A message is shown at once (outside the queue), then answered in the engine's queue (see PageHandlers).
         shown_event = gr.on(
@@ -202,7 +205,7 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
         highlight.change(lambda on: gr.update(visible=bool(on)), [highlight], [legend], queue=False,
                          api_visibility="private")  # fmt: skip
         demo.load(handlers.page_load, None,
-                  [thinking, info_box, temperature, top_p, top_k, min_p, sampling_source, method],
+                  [thinking, info_box, temperature, top_p, top_k, min_p, sampling_source, method, sharing],
                   api_visibility="private")  # fmt: skip
         timer.tick(handlers.download_tick, None, [download_box, timer], api_visibility="private")
 

@@ -17,6 +17,7 @@ web process it is forked from: nothing else in this package calls `load_backends
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -118,6 +119,85 @@ def registered_backends() -> list[str]:
     lib.ggml_backend_reg_name.argtypes, lib.ggml_backend_reg_name.restype = [ctypes.c_void_p], ctypes.c_char_p
     regs = (lib.ggml_backend_reg_get(i) for i in range(lib.ggml_backend_reg_count()))
     return [(lib.ggml_backend_reg_name(reg) or b"?").decode(errors="replace") for reg in regs]
+
+
+# ggml_backend_dev_type, in ggml-backend.h's order
+DEVICE_KINDS = ("cpu", "gpu", "igpu", "accel", "meta")
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One ggml device and its memory as the backend reports it (for a GPU: the driver's free and total)."""
+
+    name: str  # "CUDA0", "CPU"
+    description: str  # e.g. "NVIDIA H200"
+    kind: str  # one of DEVICE_KINDS
+    free: int
+    total: int
+
+
+def device_memory() -> list[DeviceMemory]:
+    """Every device ggml registered in this process and its free / total memory, after loading the backends (see
+    `load_backends`: call it only where a model may run). ggml reports the CPU's memory as all free; the host's
+    free memory is `host_memory_available()`."""
+    load_backends()
+    lib = ggml_library()
+    lib.ggml_backend_dev_count.argtypes, lib.ggml_backend_dev_count.restype = [], ctypes.c_size_t
+    lib.ggml_backend_dev_get.argtypes, lib.ggml_backend_dev_get.restype = [ctypes.c_size_t], ctypes.c_void_p
+    for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [ctypes.c_void_p], ctypes.c_char_p
+    lib.ggml_backend_dev_type.argtypes, lib.ggml_backend_dev_type.restype = [ctypes.c_void_p], ctypes.c_int
+    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.POINTER(ctypes.c_size_t)]
+    lib.ggml_backend_dev_memory.restype = None
+    devices = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        if not dev:
+            continue
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        kind = lib.ggml_backend_dev_type(dev)
+        devices.append(DeviceMemory(
+            name=(lib.ggml_backend_dev_name(dev) or b"?").decode(errors="replace"),
+            description=(lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
+            kind=DEVICE_KINDS[kind] if 0 <= kind < len(DEVICE_KINDS) else "unknown",
+            free=int(free.value), total=int(total.value)))
+    return devices
+
+
+def host_memory_available(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """Bytes of host memory available to new allocations without swapping (Linux's MemAvailable; elsewhere the
+    physical pages the system calls available)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(frozen=True)
+class FreeMemory:
+    """Where a pair's caches go and what is free there before it is opened: the GPUs' memory when layers are
+    offloaded to a GPU (`on_gpu`; host memory then holds the context checkpoints), else the host's."""
+
+    where: str
+    free: int
+    on_gpu: bool
+    host_free: int
+
+
+def free_memory(n_gpu_layers: int) -> FreeMemory:
+    """The memory a pair opened with `n_gpu_layers` would use, and how much of it is free now (loads the backends:
+    call it only where a model may run)."""
+    host = host_memory_available()
+    gpus = [d for d in device_memory() if d.kind == "gpu"] if n_gpu_layers != 0 else []
+    if not gpus:
+        return FreeMemory("host memory", host, False, host)
+    where = " + ".join(f"{d.name} ({d.description})" if d.description else d.name for d in gpus)
+    return FreeMemory(where, sum(d.free for d in gpus), True, host)
 
 
 @dataclass

@@ -14,6 +14,7 @@ llama-memory-recurrent.cpp, llama-hparams.cpp, models/qwen35.cpp):
 Compute buffers and weights are shared by all sequences and are not counted here.
 
     python -m dflash_runtime.footprint TARGET.gguf [DRAFT.gguf] [--n-ctx 8192,32768] [--draft-capacity 7]
+        [--fit MOST [--n-gpu-layers N]]
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .backends import FreeMemory
 from .gguf_meta import GGUFInfo, read_gguf
 
 F16, F32 = 2, 4
@@ -137,6 +140,79 @@ def fit_parallel(free_bytes: int, footprint: Mapping[str, int], *, reserve_bytes
     return int(min(n, limit))
 
 
+# Left free beside the caches and weights: the target's, draft's and MTP contexts' compute buffers (about 1 GiB for a
+# 27B target at n_ubatch 512 on CUDA, growing a little with the rows a step holds) and the 1 GiB margin that
+# llama.cpp's own fit (common/fit.cpp, `fit_params_target`) leaves on every device.
+DEFAULT_RESERVE_BYTES = 2 << 30
+NO_LIMIT = 1 << 20
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How many sequences a pair is opened with on this machine: as many as fit in the free memory where its caches
+    go, after its weights and a reserve, at most `limit` and at least 1 (a pair that does not fit even once is still
+    opened once: libllama's allocation then says what is missing)."""
+
+    parallel: int
+    fits: int  # sequences that fit (0: not even one), before the limit
+    limit: int
+    where: str  # the memory the caches go to: a GPU's name, or "host memory"
+    free_bytes: int  # free there before the pair is opened
+    weights_bytes: int  # the pair's weights that go there
+    reserve_bytes: int
+    sequence: Mapping[str, int]  # what one sequence costs (sequence_footprint)
+    free_host_bytes: int | None = None  # for the checkpoints, when the caches are on a GPU
+
+    def describe(self) -> str:
+        """One line for logs and the Space's About box."""
+        gib = 2**30
+        one = self.sequence["device"] + (self.sequence["host"] if self.free_host_bytes is None else 0)
+        text = (f"{self.fits} sequence{'s' if self.fits != 1 else ''} fit in {self.where} "
+                f"({self.free_bytes / gib:,.1f} GiB free − {self.weights_bytes / gib:,.1f} GiB weights − "
+                f"{self.reserve_bytes / gib:,.1f} GiB reserve, {one / 2**20:,.0f} MiB each)")
+        if self.free_host_bytes is not None and self.sequence["host"]:
+            text += f", checkpoints {self.sequence['host'] / 2**20:,.0f} MiB each in host memory"
+        if self.fits > self.limit:
+            return f"{self.parallel} (at most {self.limit}): {text}"
+        return f"{self.parallel}: {text}" if self.fits else f"1, though {text}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"parallel": self.parallel, "fits": self.fits, "limit": self.limit, "where": self.where,
+                "free_bytes": self.free_bytes, "weights_bytes": self.weights_bytes,
+                "reserve_bytes": self.reserve_bytes, "sequence_bytes": dict(self.sequence),
+                "free_host_bytes": self.free_host_bytes}
+
+
+def offloaded_bytes(info: GGUFInfo, n_gpu_layers: int) -> int:
+    """The bytes of a model file that go to the GPU with `n_gpu_layers` (-1: all; libllama counts the output layer as
+    one more), proportional to the layers offloaded."""
+    size = info.path.stat().st_size
+    if n_gpu_layers < 0 or n_gpu_layers > info.n_layer:
+        return size
+    return size * n_gpu_layers // (info.n_layer + 1)
+
+
+def plan_parallel(target_info: GGUFInfo, draft_info: GGUFInfo | None, memory: FreeMemory, *, n_ctx: int,
+                  draft_capacity: int, limit: int, n_gpu_layers: int = -1,
+                  reserve_bytes: int = DEFAULT_RESERVE_BYTES, mtp: bool | None = None) -> ParallelPlan:
+    """How many sequences of n_ctx tokens to open the pair with, in the memory that is free before it is opened
+    (`backends.free_memory(n_gpu_layers)`): on a GPU its weights and caches, the checkpoints in host memory; on the
+    host all of them."""
+    sequence = sequence_footprint(target_info, draft_info, n_ctx=n_ctx, draft_capacity=draft_capacity, mtp=mtp)
+    infos = [i for i in (target_info, draft_info) if i is not None]
+    if memory.on_gpu:
+        weights = sum(offloaded_bytes(i, n_gpu_layers) for i in infos)
+        fits = fit_parallel(memory.free, sequence, reserve_bytes=reserve_bytes + weights,
+                            free_host_bytes=memory.host_free, limit=NO_LIMIT)
+    else:
+        weights = sum(i.path.stat().st_size for i in infos)
+        fits = fit_parallel(memory.free, {"device": sequence["total"]}, reserve_bytes=reserve_bytes + weights,
+                            limit=NO_LIMIT)
+    return ParallelPlan(parallel=max(1, min(fits, limit)), fits=fits, limit=limit, where=memory.where,
+                        free_bytes=memory.free, weights_bytes=weights, reserve_bytes=reserve_bytes,
+                        sequence=sequence, free_host_bytes=memory.host_free if memory.on_gpu else None)
+
+
 def info_from_keys(arch: str, keys: Mapping[str, Any], path: str = "<keys>") -> GGUFInfo:
     """A GGUFInfo from header keys alone (without `arch.` prefixes), for planning without the file."""
     full = {"general.architecture": arch, **{f"{arch}.{k}": v for k, v in keys.items()}}
@@ -158,6 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--n-ctx", default="8192,32768", help="comma list of context lengths per sequence")
     p.add_argument("--draft-capacity", type=int, default=7)
     p.add_argument("--no-mtp", action="store_true")
+    p.add_argument("--fit", type=int, metavar="MOST",
+                   help="also say how many sequences (at most MOST) fit in this machine's free memory now")
+    p.add_argument("--n-gpu-layers", type=int, default=-1, help="with --fit: the layers offloaded to a GPU")
     args = p.parse_args(argv)
     target = read_gguf(args.target)
     draft = read_gguf(args.draft) if args.draft else None
@@ -166,6 +245,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  mtp=False if args.no_mtp else None) for n in sizes]
     rows = [(part, *(_mib(f[part]) for f in prints)) for part in (*DEVICE_PARTS, *HOST_PARTS, "device", "total")]
     print(table(("MiB per sequence", *(f"n_ctx {n}" for n in sizes)), rows))
+    if args.fit is not None:
+        from .backends import free_memory
+
+        memory = free_memory(args.n_gpu_layers)
+        for n in sizes:
+            plan = plan_parallel(target, draft, memory, n_ctx=n, draft_capacity=args.draft_capacity, limit=args.fit,
+                                 n_gpu_layers=args.n_gpu_layers, mtp=False if args.no_mtp else None)  # fmt: skip
+            print(f"n_ctx {n}: parallel={plan.describe()}")
     return 0
 
 

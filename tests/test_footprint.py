@@ -4,14 +4,18 @@ and recurrent states libllama logs as it opens each context, and the recurrent s
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
 from dflash_runtime import load_pair
+from dflash_runtime.backends import FreeMemory, device_memory, free_memory
 from dflash_runtime.footprint import (
+    ParallelPlan,
     fit_parallel,
     info_from_keys,
     padded_ctx,
+    plan_parallel,
     recurrent_cell_bytes,
     sequence_footprint,
 )
@@ -112,3 +116,47 @@ def test_a_header_given_as_keys_reads_like_a_file() -> None:
     assert fp["target_kv"] == 512 * MIB and fp["mtp_kv"] == 32 * MIB
     assert fp["recurrent_state"] == 48 * (3 * (6144 + 2 * 16 * 128) + 128 * 6144) * 4
     assert fp["rollback_snapshots"] == 7 * fp["recurrent_state"]
+
+
+def test_a_pair_is_planned_to_the_memory_that_is_free() -> None:
+    """plan_parallel: on a GPU the weights and the reserve come first, then whole sequences of device memory, their
+    checkpoints in host memory; on the host all of it shares one memory; at most `limit`, at least 1."""
+    pair = _hybrid_pair()
+    assert pair.draft is not None
+    target, draft = read_gguf(pair.target), read_gguf(pair.draft)
+    one = sequence_footprint(target, draft, n_ctx=N_CTX, draft_capacity=CAPACITY)
+    weights = pair.target.stat().st_size + pair.draft.stat().st_size
+    reserve = 3 * MIB
+
+    def plan(memory: FreeMemory, limit: int = 8, **options: int) -> ParallelPlan:
+        return plan_parallel(target, draft, memory, n_ctx=N_CTX, draft_capacity=CAPACITY, limit=limit,
+                             reserve_bytes=reserve, **options)  # fmt: skip
+
+    gpu = FreeMemory("CUDA0 (a test GPU)", weights + reserve + 3 * one["device"] - 1, True, 1 << 40)
+    two = plan(gpu)
+    assert (two.fits, two.parallel, two.weights_bytes) == (2, 2, weights)
+    assert two.describe().startswith("2: 2 sequences fit in CUDA0 (a test GPU)")
+    capped = plan(gpu, limit=1)
+    assert (capped.fits, capped.parallel) == (2, 1) and capped.describe().startswith("1 (at most 1): 2 sequences")
+    assert plan(replace(gpu, host_free=one["host"])).fits == 1, "host memory holds one sequence's checkpoints"
+    assert plan(replace(gpu, free=gpu.free + one["device"])).fits == 3
+    none = plan(replace(gpu, free=weights))
+    assert (none.fits, none.parallel) == (0, 1) and none.describe().startswith("1, though 0 sequences fit")
+    half = plan(gpu, n_gpu_layers=target.n_layer // 2)  # fewer layers offloaded: fewer weights on the GPU
+    assert half.weights_bytes < weights and half.fits >= two.fits
+    host = FreeMemory("host memory", weights + reserve + 3 * one["total"], False, weights + reserve + 3 * one["total"])
+    on_host = plan(host)
+    assert (on_host.fits, on_host.free_host_bytes) == (3, None), "on the host the checkpoints count with the caches"
+    assert plan(replace(host, free=host.free - 1)).fits == 2
+    assert on_host.to_dict()["sequence_bytes"] == one
+
+
+def test_the_free_memory_is_read_from_the_machine() -> None:
+    """On this machine (no GPU): the caches go to host memory, whatever n_gpu_layers says, and what is free is
+    Linux's MemAvailable, no more than the CPU device's total."""
+    cpu = [d for d in device_memory() if d.kind == "cpu"]
+    assert cpu and cpu[0].total > 0
+    for n_gpu_layers in (0, -1):
+        memory = free_memory(n_gpu_layers)
+        assert memory.where == "host memory" and not memory.on_gpu
+        assert 0 < memory.free <= cpu[0].total and memory.host_free == memory.free

@@ -14,6 +14,9 @@ import pytest
 from space_client import demo_pair, expected_answer, reference_engine
 
 from dflash_runtime import load_pair
+from dflash_runtime.backends import FreeMemory
+from dflash_runtime.footprint import DEFAULT_RESERVE_BYTES, sequence_footprint
+from dflash_runtime.gguf_meta import read_gguf
 from dflash_runtime.space.host import PRIVATE_ENGINE_KEYS, EngineHost, GpuJob, ReplyChunk, info_digest
 from dflash_runtime.space.presets import ResolvedPair, configured_preset
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT, Limits, build_request
@@ -287,5 +290,45 @@ def test_one_owner_runs_one_request_at_a_time_and_waits_are_bounded() -> None:
         full.release()
         after = final(engine_host.run(parallel_job("one two three", "visitor", 8)))
         assert after.error is None and after.stats["n_generated"] == 8
+    finally:
+        engine_host.close()
+
+
+def test_auto_opens_as_many_sequences_as_fit_in_the_free_memory() -> None:
+    """DFLASH_PARALLEL=auto: the host reads the memory free before the load (for the preset's n_gpu_layers) and opens
+    as many sequences as it holds, at most the preset's (here 2 of 4); it admits that many requests at once, a third
+    waits, and the engine's description says how the sequences were sized."""
+    base = job("hello there")
+    preset = replace(base.preset, parallel=4, parallel_fit=True)
+    assert base.files.draft_path is not None
+    target, draft = read_gguf(base.files.target_path), read_gguf(base.files.draft_path)
+    one = sequence_footprint(target, draft, n_ctx=preset.n_ctx, draft_capacity=preset.draft_capacity)
+    weights = base.files.target_path.stat().st_size + base.files.draft_path.stat().st_size
+    free = weights + DEFAULT_RESERVE_BYTES + 2 * one["total"] + one["total"] // 2
+    asked: list[int] = []
+
+    def memory(n_gpu_layers: int) -> FreeMemory:
+        asked.append(n_gpu_layers)
+        return FreeMemory("host memory", free, False, free)
+
+    def sized_job(message: str, owner: str, max_tokens: int) -> GpuJob:
+        spec = parallel_job(message, owner, max_tokens)
+        return replace(spec, preset=preset)
+
+    loader = RecordingLoader()
+    engine_host = EngineHost(loader, busy_timeout_s=0.5, memory=memory)
+    try:
+        first = Holder(engine_host, sized_job("hello there", "first", 400))
+        second = Holder(engine_host, sized_job("the quick brown fox", "second", 400))
+        beyond = final(engine_host.run(sized_job("one two three", "third", 8)))
+        assert beyond.error_type == "RequestError" and "the engine stayed busy" in (beyond.error or "")
+        assert [engine.parallel for engine in loader.engines] == [2] and asked == [preset.n_gpu_layers]
+        first.release()
+        second.release()
+        after = final(engine_host.run(sized_job("one two three", "third", 8)))
+        assert after.error is None and after.stats["n_generated"] == 8
+        assert after.engine_info is not None and after.engine_info["parallel"] == 2
+        assert str(after.engine_info["parallel_plan"]).startswith("2: 2 sequences fit in host memory")
+        assert engine_host.parallel_plan is not None and engine_host.parallel_plan.limit == 4
     finally:
         engine_host.close()

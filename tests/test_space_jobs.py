@@ -316,6 +316,36 @@ def test_the_slot_seats_up_to_its_capacity_and_one_job_per_owner() -> None:
         EngineSlot(capacity=0)
 
 
+def test_a_resized_slot_seats_what_the_loaded_engine_holds() -> None:
+    """The slot starts at the most the queue lets through and is resized to the loaded engine's sequences: a job
+    beyond them waits, and one waiting goes at once when the slot grows; a running job keeps its seat when it
+    shrinks."""
+    slot = EngineSlot(timeout_s=TIMEOUT_S, capacity=1)
+    first = slot.acquire("a")
+    waiting, seated = threading.Event(), threading.Event()
+
+    def second() -> None:
+        waiting.set()
+        slot.release(slot.acquire("b"))
+        seated.set()
+
+    thread = threading.Thread(target=second, daemon=True)
+    thread.start()
+    assert waiting.wait(TIMEOUT_S) and not seated.is_set()
+    slot.resize(2)  # the waiting job goes now, beside the first
+    assert seated.wait(TIMEOUT_S)
+    thread.join(TIMEOUT_S)
+    slot.resize(1)
+    assert slot.running() == 1, "the running job keeps its seat"
+    slot.timeout_s = 0.0
+    with pytest.raises(RequestError, match="the engine stayed busy"):
+        slot.acquire("c")
+    slot.release(first)
+    slot.release(slot.acquire("c"))
+    with pytest.raises(ValueError, match="capacity must be at least 1"):
+        slot.resize(0)
+
+
 def test_a_waiting_job_of_a_running_owner_lets_later_owners_pass() -> None:
     """Jobs take seats in the order they came, except that one held back by its own owner's running job does not
     hold back a later owner's."""

@@ -508,13 +508,16 @@ def test_info_box_names_the_pair_and_the_build() -> None:
 
 
 @pytest.mark.parametrize(
-    ("value", "zero_gpu", "parallel"),
-    [(None, False, AUTO_PARALLEL), ("auto", False, AUTO_PARALLEL), (" AUTO ", False, AUTO_PARALLEL), ("1", False, 1),
-     ("3", False, 3), (None, True, 1), ("auto", True, 1), ("1", True, 1)],
+    ("value", "zero_gpu", "parallel", "fit"),
+    [(None, False, AUTO_PARALLEL, True), ("auto", False, AUTO_PARALLEL, True), (" AUTO ", False, AUTO_PARALLEL, True),
+     ("1", False, 1, False), ("3", False, 3, False), (None, True, 1, False), ("auto", True, 1, False),
+     ("1", True, 1, False)],
 )  # fmt: skip
-def test_dflash_parallel_is_read_with_auto_one_on_zero_gpu(value: str | None, zero_gpu: bool, parallel: int) -> None:
+def test_dflash_parallel_is_read_with_auto_one_on_zero_gpu(value: str | None, zero_gpu: bool, parallel: int,
+                                                           fit: bool) -> None:
+    """`auto` off ZeroGPU is a most (the engine opens as many as fit in memory); a number is what it says."""
     env = {} if value is None else {"DFLASH_PARALLEL": value}
-    assert parallel_from_env(env, zero_gpu) == parallel
+    assert parallel_from_env(env, zero_gpu) == (parallel, fit)
     assert AUTO_PARALLEL > 1, "off ZeroGPU a few answers share the engine by default"
 
 
@@ -536,9 +539,16 @@ def test_a_bad_dflash_parallel_is_a_clear_error(value: str, zero_gpu: bool, mess
 def test_the_page_says_how_many_answers_share_the_engine() -> None:
     assert "4 answers can run at once on this engine" in sharing_note(4)
     assert "One answer runs at a time on this engine" in sharing_note(1)
+    assert "Up to 4 answers can run at once on this engine (as many as fit in memory" in sharing_note(4, True)
     preset = preset_from_env({})
-    assert preset.parallel == 1 and preset.describe()["parallel"] == 1
-    assert "Answers at once: 3" in info_markdown(replace(preset, parallel=3), LIMITS, {}, None)
+    assert preset.parallel == 1 and preset.describe()["parallel"] == 1 and not preset.parallel_fit
+    assert "Answers at once: 3 (DFLASH_PARALLEL)" in info_markdown(replace(preset, parallel=3), LIMITS, {}, None)
+    auto = replace(preset, parallel=4, parallel_fit=True)
+    assert "Answers at once: up to 4, as many as fit in memory when the engine loads" in info_markdown(
+        auto, LIMITS, {}, None)
+    sized = {"parallel": 2, "parallel_plan": "2: 2 sequences fit in CUDA0 (...)"}
+    assert "Answers at once: 2: 2 sequences fit in CUDA0 (...) (DFLASH_PARALLEL=auto)" in info_markdown(
+        auto, LIMITS, {}, sized)
 
 
 def test_everything_crossing_the_zero_gpu_process_line_pickles() -> None:

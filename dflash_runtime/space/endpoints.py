@@ -32,6 +32,7 @@ from .views import (
     info_markdown,
     method_label,
     scrub_paths,
+    sharing_note,
     stats_markdown,
 )
 
@@ -288,6 +289,11 @@ def method_choices(service: SpaceService) -> list[tuple[str, str]]:
     return [(default, AUTO), *((method_label(m, kind), m) for m in shown)]
 
 
+def engine_sharing(service: SpaceService) -> str:
+    """The note under the page's title: how many answers run at once (a most until `auto` has sized the engine)."""
+    return sharing_note(service.parallel, until_loaded=service.preset.parallel_fit and not service.engine_info)
+
+
 def sampling_note(service: SpaceService) -> str:
     """Where the sampling controls' starting values come from."""
     return f"*Sampling defaults: from {service.sampling_source}.*"
@@ -477,8 +483,8 @@ class PageHandlers:
         return [], "", EMPTY_STATS, *HIDDEN_CHARTS, gr.update(value="", visible=False), ""
 
     def page_load(self) -> tuple[Any, ...]:
-        """Outputs: thinking switch, info box, temperature, top-p, top-k, min-p, sampling note, method. The sampling
-        controls start from the server's current defaults (the model's own once its header is read)."""
+        """Outputs: thinking switch, info box, temperature, top-p, top-k, min-p, sampling note, method, sharing note.
+        The sampling controls start from the server's current defaults (the model's own once its header is read)."""
         service = self.service
         supports = service.engine_info.get("supports_thinking", True)
         # Only defaults learnt since the page was built are sent: an unchanged control is left to the visitor, who
@@ -487,7 +493,7 @@ class PageHandlers:
                     else gr.update(value=service.defaults[name])
                     for name in ("temperature", "top_p", "top_k", "min_p")]  # fmt: skip
         return (gr.update(visible=bool(supports)), self.about(), *sampling, sampling_note(service),
-                gr.update(choices=method_choices(service)))  # fmt: skip
+                gr.update(choices=method_choices(service)), engine_sharing(service))  # fmt: skip
 
     def download_tick(self) -> tuple[Any, ...]:
         """Outputs: download box, timer."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import secrets
 import threading
@@ -26,7 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import methods as draft_methods
+from ..backends import FreeMemory, free_memory
 from ..errors import DecodeError, DFlashError, EngineClosedError, ModelFileError, PairMismatchError, RequestError
+from ..footprint import ParallelPlan, plan_parallel
+from ..gguf_meta import read_gguf
 from .fitting import FittedConversation, fit_conversation, prompt_tokens
 from .presets import PairPreset, ResolvedPair, draft_unavailable, has_mtp_head
 from .requests import DEFAULT_SYSTEM_PROMPT, ChatRequest, thinking_prefix
@@ -36,6 +40,7 @@ from .views import scrub_paths
 # method; False for plain decoding; a method name for speculative decoding with that method (an A/B comparison).
 PHASES: dict[str, bool | str | None] = {"chat": None, "speculative": True, "plain": False,
                                         **{m: m for m in draft_methods.runnable(lambda needs: True)}}  # fmt: skip
+log = logging.getLogger(__name__)
 # Errors after which the engine's state is not to be trusted: it is closed, and the next request loads it again.
 # Any other runtime error (a bad request, a prompt too long, a busy engine) leaves it as it is.
 ENGINE_FAILURES = (DecodeError, EngineClosedError)
@@ -183,9 +188,13 @@ class EngineHost:
     owner's state itself (`cache_owner`), so a visitor's own next turn still reuses it and nobody else's request
     can."""
 
-    def __init__(self, loader: Callable[..., Any], busy_timeout_s: float = 120.0) -> None:
+    def __init__(self, loader: Callable[..., Any], busy_timeout_s: float = 120.0,
+                 memory: Callable[[int], FreeMemory] | None = None) -> None:
         self._loader = loader
         self._busy_timeout_s = busy_timeout_s
+        # What is free where the caches go, given n_gpu_layers (backends.free_memory): read just before a load, with
+        # the previous engine closed, when the preset sizes its sequences to memory (DFLASH_PARALLEL=auto).
+        self._memory = memory or free_memory
         # Which requests run on the engine (their cache owners, "" for nobody's), whether it is being (re)built and
         # whether a failure condemned it: held for this bookkeeping only; a load runs outside it, with newcomers
         # waiting on it (each wait bounded by busy_timeout_s).
@@ -196,6 +205,8 @@ class EngineHost:
         self._engine: Any = None
         self._key: tuple[Any, ...] | None = None
         self._facts: EngineFacts | None = None
+        self._parallel = 1  # the loaded engine's sequences
+        self.parallel_plan: ParallelPlan | None = None  # how they were sized to memory (DFLASH_PARALLEL=auto)
         self.loads = 0
         self.requests = 0
         self.last_load_s: float | None = None
@@ -219,7 +230,7 @@ class EngineHost:
     def _admits(self, job: GpuJob) -> bool:
         """Whether `job` may start now: a sequence is free, its owner runs nothing, and the engine is the job's (or
         nothing runs, so that the job may build it). Call with the condition held."""
-        if self._loading or len(self._owners) >= max(1, job.preset.parallel):
+        if self._loading or len(self._owners) >= (self._parallel if self._ready(job) else 1):
             return False
         if job.cache_owner and job.cache_owner in self._owners:
             return False
@@ -273,8 +284,9 @@ class EngineHost:
 
         # Only a visitor's own request parks its state (see run): nobody's request pays for, or times, another's.
         # `parallel` sequences of n_ctx tokens each: the requests that run at once (see presets.parallel_from_env).
+        self._parallel = self._sequences(preset, files)
         options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
-                   "parallel": preset.parallel,
+                   "parallel": self._parallel,
                    "sessions": SessionPolicy(park_on_switch=False, protect_s=PARKED_PROTECT_S)}  # fmt: skip
         self.draft_problem = files.draft_problem
         if files.draft_path is None:
@@ -295,6 +307,23 @@ class EngineHost:
         self.last_load_s = round(time.monotonic() - started, 3)
         return self._engine, True
 
+    def _sequences(self, preset: PairPreset, files: ResolvedPair) -> int:
+        """How many sequences to open: the preset's, or with `parallel_fit` as many as fit in the memory free now (at
+        least 1, at most the preset's), from the files' headers."""
+        self.parallel_plan = None
+        if not preset.parallel_fit:
+            return preset.parallel
+        memory = self._memory(preset.n_gpu_layers)
+        try:
+            draft = read_gguf(files.draft_path) if files.draft_path is not None else None
+        except ModelFileError:
+            draft = None  # the load says what is wrong with it, and may run the target alone (see _ensure)
+        self.parallel_plan = plan_parallel(read_gguf(files.target_path), draft, memory, n_ctx=preset.n_ctx,
+                                           draft_capacity=preset.draft_capacity, limit=preset.parallel,
+                                           n_gpu_layers=preset.n_gpu_layers)  # fmt: skip
+        log.info("answers at once (DFLASH_PARALLEL=auto): %s", self.parallel_plan.describe())
+        return self.parallel_plan.parallel
+
     def run(self, job: GpuJob) -> Iterator[ReplyChunk]:
         """Stream the job's phases; every runtime error ends the stream as an error chunk (see the module doc)."""
         started = time.monotonic()
@@ -313,6 +342,8 @@ class EngineHost:
                                       engine.n_ctx)  # fmt: skip
             owner = self._owner_arguments(engine, facts, job.cache_owner, fitted.tokens, thinking)
             info = _public_info(engine.info())
+            if self.parallel_plan is not None:
+                info["parallel_plan"] = self.parallel_plan.describe()
             if self.draft_problem:
                 info["draft_problem"] = scrub_paths(draft_unavailable(self.draft_problem))
             info_known = info_digest(info) == job.engine_info_seen

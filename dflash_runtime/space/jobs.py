@@ -65,6 +65,14 @@ class EngineSlot:
                 self._state.notify_all()  # a later waiter may go now (or could all along, were it not for this one)
         return seat
 
+    def resize(self, capacity: int) -> None:
+        """Admit up to `capacity` jobs from now on (the loaded engine's sequences); jobs running stay."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        with self._state:
+            self.capacity = capacity
+            self._state.notify_all()
+
     def release(self, seat: Seat | None = None) -> None:
         """Free `seat` (None: the oldest one taken)."""
         with self._state:

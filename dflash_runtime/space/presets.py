@@ -12,7 +12,7 @@
 | `DFLASH_DRAFT_CAPACITY` | longest draft the pair is opened for (old name `DFLASH_DRAFT_MAX` still read) | 7 |
 | `DFLASH_DEMO` | `tiny` = offline demo, `off` = the configured pair, unset = decide | unset |
 | `DFLASH_DEMO_PAIR` | the offline demo's pair: `dense`, or `methods` (hybrid, MTP head + DFlash 2) | `dense` |
-| `DFLASH_PARALLEL` | answers the engine runs at once (an integer >= 1, or `auto`: 1 on ZeroGPU, else 4) | `auto` |
+| `DFLASH_PARALLEL` | answers the engine runs at once (>= 1, or `auto`: 1 on ZeroGPU, else what fits, <= 4) | `auto` |
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class PairPreset:
     draft_capacity: int = DEFAULT_DRAFT_CAPACITY  # the longest draft the pair is opened for
     random_weights: bool = False
     parallel: int = 1  # the engine's parallel sequences: answers that run at once (see parallel_from_env)
+    parallel_fit: bool = False  # `parallel` is a most: the engine opens as many sequences as fit in memory, up to it
 
     @property
     def quantisation(self) -> str:
@@ -71,6 +72,7 @@ class PairPreset:
             "draft_capacity": self.draft_capacity,
             "random_weights": self.random_weights,
             "parallel": self.parallel,
+            "parallel_fit": self.parallel_fit,
         }
 
 
@@ -124,18 +126,20 @@ def env_int(env: Mapping[str, str], name: str, default: int, minimum: int) -> in
 
 # DFLASH_PARALLEL=auto off ZeroGPU: a few answers share the engine, batched into one target decode per step, so a
 # visitor does not wait for another's whole answer; more would make each answer slower for little more throughput.
+# Fewer when fewer sequences fit in the memory that is free when the engine loads (footprint.plan_parallel).
 AUTO_PARALLEL = 4
 # On ZeroGPU `spaces` runs each concurrent call of the GPU function in a worker process of its own (its
 # generator_function_wrapper forks a new Worker when the cached one is taken), so no two answers can share one engine.
 ZERO_GPU_PARALLEL = 1
 
 
-def parallel_from_env(env: Mapping[str, str], zero_gpu: bool) -> int:
-    """DFLASH_PARALLEL: how many answers the engine runs at once, an integer >= 1 or `auto` (1 on ZeroGPU, else
-    AUTO_PARALLEL). On ZeroGPU only 1 can take effect (see ZERO_GPU_PARALLEL): another value is an error at start."""
+def parallel_from_env(env: Mapping[str, str], zero_gpu: bool) -> tuple[int, bool]:
+    """DFLASH_PARALLEL: how many answers the engine runs at once, an integer >= 1 or `auto`, and whether that is a
+    most that the free memory may lower (`auto` off ZeroGPU: up to AUTO_PARALLEL, as many as fit). On ZeroGPU only 1
+    can take effect (see ZERO_GPU_PARALLEL): another value is an error at start."""
     text = (env_text(env, "DFLASH_PARALLEL") or "auto").lower()
     if text == "auto":
-        return ZERO_GPU_PARALLEL if zero_gpu else AUTO_PARALLEL
+        return (ZERO_GPU_PARALLEL, False) if zero_gpu else (AUTO_PARALLEL, True)
     try:
         value = int(text)
     except ValueError:
@@ -147,7 +151,7 @@ def parallel_from_env(env: Mapping[str, str], zero_gpu: bool) -> int:
             f"DFLASH_PARALLEL={value} cannot take effect on ZeroGPU: `spaces` runs each concurrent GPU call in a "
             "worker process of its own, so answers cannot share one engine there; set DFLASH_PARALLEL=1 or auto"
         )
-    return value
+    return value, False
 
 
 def source_from_env(env: Mapping[str, str], role: str, default: ModelSource) -> ModelSource:

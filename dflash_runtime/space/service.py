@@ -214,7 +214,8 @@ class SpaceService:
         mode = choose_run_mode(env, overrides_in_env(env), has_cuda)
         mode = settle_run_mode(mode, build, zero_gpu=zero_gpu, has_cuda=has_cuda,
                                n_gpu_layers=configured_preset(False, env).n_gpu_layers)  # fmt: skip
-        preset = replace(configured_preset(mode.tiny, env, demo_files), parallel=parallel_from_env(env, zero_gpu))
+        parallel, parallel_fit = parallel_from_env(env, zero_gpu)
+        preset = replace(configured_preset(mode.tiny, env, demo_files), parallel=parallel, parallel_fit=parallel_fit)
         return cls(
             mode=mode,
             preset=preset,
@@ -233,8 +234,9 @@ class SpaceService:
 
     @property
     def parallel(self) -> int:
-        """How many answers run at once on the engine (DFLASH_PARALLEL; 1 on ZeroGPU)."""
-        return self.preset.parallel
+        """How many answers run at once on the engine: the loaded engine's sequences, else DFLASH_PARALLEL (with
+        `auto` the most: the engine opens as many as fit in memory; 1 on ZeroGPU)."""
+        return int(self.engine_info.get("parallel") or self.preset.parallel)
 
     # -- requests -------------------------------------------------------------------------------------------------
 
@@ -380,6 +382,9 @@ class SpaceService:
     def _remember(self, chunk: ReplyChunk) -> None:
         if chunk.engine_info:
             self.engine_info = chunk.engine_info
+            # The engine may hold fewer sequences than the most the queue lets through (DFLASH_PARALLEL=auto sizes
+            # them to memory): jobs beyond them wait for a seat, in order.
+            self.slot.resize(self.parallel)
         if chunk.worker:
             self.worker_info = {**self.worker_info, **chunk.worker}
 

@@ -262,9 +262,12 @@ def ab_verdict(identical: bool, temperature: float, seed: int | None) -> str:
             "are not a fault: what DFlash keeps is the distribution, not the draw.")
 
 
-def sharing_note(parallel: int) -> str:
+def sharing_note(parallel: int, until_loaded: bool = False) -> str:
     """How many answers share the engine (under the page's title): what a visitor may wait for, nothing of what
-    others ask."""
+    others ask. `until_loaded`: `parallel` is a most, and the engine, not loaded yet, opens as many as fit."""
+    if until_loaded and parallel > 1:
+        return (f"*Up to {parallel} answers can run at once on this engine (as many as fit in memory when it loads; "
+                "their steps share one target decode); more wait in the queue.*")
     if parallel <= 1:
         return ("*One answer runs at a time on this engine: a message sent while another answer runs waits for it "
                 "in the queue.*")  # fmt: skip
@@ -291,6 +294,16 @@ def mode_banner(mode: RunMode) -> str:
     )
 
 
+def answers_at_once(preset: PairPreset, engine_info: Mapping[str, Any] | None) -> str:
+    """DFLASH_PARALLEL as it took effect: the loaded engine's sequences, and how `auto` sized them to memory."""
+    if engine_info and engine_info.get("parallel"):
+        plan = engine_info.get("parallel_plan")
+        return f"{plan} (DFLASH_PARALLEL=auto)" if plan else f"{engine_info['parallel']} (DFLASH_PARALLEL)"
+    if preset.parallel_fit:
+        return f"up to {preset.parallel}, as many as fit in memory when the engine loads (DFLASH_PARALLEL=auto)"
+    return f"{preset.parallel} (DFLASH_PARALLEL)"
+
+
 def info_markdown(
     preset: PairPreset,
     limits: Limits,
@@ -306,7 +319,7 @@ def info_markdown(
         f"- Quantisation: {preset.quantisation}",
         f"- Context: {preset.n_ctx} tokens; draft length up to {preset.draft_capacity}; "
         f"answers up to {limits.max_new_tokens} tokens",
-        f"- Answers at once: {preset.parallel} (DFLASH_PARALLEL)",
+        f"- Answers at once: {answers_at_once(preset, engine_info)}",
     ]
     for key, value in build.items():
         lines.append(f"- {key}: {scrub_paths(str(value))}")

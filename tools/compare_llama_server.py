@@ -39,13 +39,17 @@ Building llama-server from the vendored tree (V = the llama.cpp the wheel was bu
 wheel recipe removes its build tree; -j as the machine allows):
 
     cmake -S $V -B build-server -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
-        -DGGML_LLAMAFILE=OFF -DCMAKE_BUILD_TYPE=Release
+        -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_LLAMAFILE=OFF -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+        -DGGML_F16C=ON -DGGML_BMI2=ON
     cmake --build build-server --target llama-server -j2      # -> build-server/bin/llama-server
 
-`-DGGML_LLAMAFILE=OFF` gives the server the CPU matrix kernels of the wheel recipe's CPU build (see README,
-"Exactness"): with llamafile's sgemm a many-row decode is cheaper than with the batch-invariant path, which makes the
-server's scaling with slots incomparable with the engine's on the same machine.
+These give the server the CPU kernels of the wheel recipe's CPU build (prebuilt_wheels/build_wheel.py, see README,
+"Exactness"), and the server runs with `-fa off` as the engine opens a CPU target, so that both sides compute the
+same graphs with the same kernels: `-DGGML_LLAMAFILE=OFF` (llamafile's sgemm makes a many-row decode cheaper than
+the batch-invariant path), and x86-64-v3 instead of `-DGGML_NATIVE=ON` (on a CPU with AVX-512 or AMX, a native
+build's wider kernels make many-row decodes cheaper still). With other kernels the server's scaling with slots says
+more about the kernels than about the speculative loop, and is incomparable with the engine's on the same machine.
 """
 
 from __future__ import annotations
@@ -238,6 +242,9 @@ def running_server(
         # -c is shared by the slots (a cache split per slot): each gets n_ctx cells, as each engine sequence does
         "-c", str(args.n_ctx * n_parallel), "-np", str(n_parallel), "-t", str(args.threads), "-ngl", "0",
         "--spec-draft-ngl", "0", "--metrics", "--no-warmup", "--no-webui",
+        # the engine opens a CPU target without FlashAttention (pair.py: batch_invariant): the server's attention
+        # the same kernels, so that both sides compute the same graph
+        "-fa", "off",
     ]
     server = LlamaServer(args.server_bin, argv, log, args.timeout)
     try:

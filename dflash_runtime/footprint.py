@@ -164,23 +164,17 @@ class ParallelPlan:
     free_host_bytes: int | None = None  # for the checkpoints, when the caches are on a GPU
 
     def describe(self) -> str:
-        """One line for logs and the Space's About box."""
+        """Why `parallel`, in one line for logs and the Space's About box."""
         gib = 2**30
         one = self.sequence["device"] + (self.sequence["host"] if self.free_host_bytes is None else 0)
-        text = (f"{self.fits} sequence{'s' if self.fits != 1 else ''} fit in {self.where} "
-                f"({self.free_bytes / gib:,.1f} GiB free − {self.weights_bytes / gib:,.1f} GiB weights − "
-                f"{self.reserve_bytes / gib:,.1f} GiB reserve, {one / 2**20:,.0f} MiB each)")
+        room = (f"{self.where} ({self.free_bytes / gib:,.1f} GiB free − {self.weights_bytes / gib:,.1f} GiB weights "
+                f"− {self.reserve_bytes / gib:,.1f} GiB reserve, {one / 2**20:,.0f} MiB a sequence")
         if self.free_host_bytes is not None and self.sequence["host"]:
-            text += f", checkpoints {self.sequence['host'] / 2**20:,.0f} MiB each in host memory"
-        if self.fits > self.limit:
-            return f"{self.parallel} (at most {self.limit}): {text}"
-        return f"{self.parallel}: {text}" if self.fits else f"1, though {text}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"parallel": self.parallel, "fits": self.fits, "limit": self.limit, "where": self.where,
-                "free_bytes": self.free_bytes, "weights_bytes": self.weights_bytes,
-                "reserve_bytes": self.reserve_bytes, "sequence_bytes": dict(self.sequence),
-                "free_host_bytes": self.free_host_bytes}
+            room += f", its checkpoints {self.sequence['host'] / 2**20:,.0f} MiB of host memory"
+        if not self.fits:
+            return f"not one sequence fits in {room}): opened with 1"
+        text = f"{self.fits} sequence{'s' if self.fits != 1 else ''} fit in {room})"
+        return f"{text}, at most {self.limit} asked" if self.fits > self.limit else text
 
 
 def offloaded_bytes(info: GGUFInfo, n_gpu_layers: int) -> int:
@@ -252,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for n in sizes:
             plan = plan_parallel(target, draft, memory, n_ctx=n, draft_capacity=args.draft_capacity, limit=args.fit,
                                  n_gpu_layers=args.n_gpu_layers, mtp=False if args.no_mtp else None)  # fmt: skip
-            print(f"n_ctx {n}: parallel={plan.describe()}")
+            print(f"n_ctx {n}: parallel={plan.parallel} ({plan.describe()})")
     return 0
 
 

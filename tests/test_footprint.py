@@ -135,20 +135,21 @@ def test_a_pair_is_planned_to_the_memory_that_is_free() -> None:
     gpu = FreeMemory("CUDA0 (a test GPU)", weights + reserve + 3 * one["device"] - 1, True, 1 << 40)
     two = plan(gpu)
     assert (two.fits, two.parallel, two.weights_bytes) == (2, 2, weights)
-    assert two.describe().startswith("2: 2 sequences fit in CUDA0 (a test GPU)")
+    assert two.describe().startswith("2 sequences fit in CUDA0 (a test GPU) (")
     capped = plan(gpu, limit=1)
-    assert (capped.fits, capped.parallel) == (2, 1) and capped.describe().startswith("1 (at most 1): 2 sequences")
+    assert (capped.fits, capped.parallel) == (2, 1) and capped.describe().endswith("), at most 1 asked")
     assert plan(replace(gpu, host_free=one["host"])).fits == 1, "host memory holds one sequence's checkpoints"
     assert plan(replace(gpu, free=gpu.free + one["device"])).fits == 3
     none = plan(replace(gpu, free=weights))
-    assert (none.fits, none.parallel) == (0, 1) and none.describe().startswith("1, though 0 sequences fit")
+    assert (none.fits, none.parallel) == (0, 1) and none.describe().startswith("not one sequence fits in CUDA0")
+    assert none.describe().endswith("): opened with 1")
     half = plan(gpu, n_gpu_layers=target.n_layer // 2)  # fewer layers offloaded: fewer weights on the GPU
     assert half.weights_bytes < weights and half.fits >= two.fits
     host = FreeMemory("host memory", weights + reserve + 3 * one["total"], False, weights + reserve + 3 * one["total"])
     on_host = plan(host)
     assert (on_host.fits, on_host.free_host_bytes) == (3, None), "on the host the checkpoints count with the caches"
     assert plan(replace(host, free=host.free - 1)).fits == 2
-    assert on_host.to_dict()["sequence_bytes"] == one
+    assert on_host.sequence == one
 
 
 def test_the_free_memory_is_read_from_the_machine() -> None:

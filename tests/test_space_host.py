@@ -328,7 +328,7 @@ def test_auto_opens_as_many_sequences_as_fit_in_the_free_memory() -> None:
         after = final(engine_host.run(sized_job("one two three", "third", 8)))
         assert after.error is None and after.stats["n_generated"] == 8
         assert after.engine_info is not None and after.engine_info["parallel"] == 2
-        assert str(after.engine_info["parallel_plan"]).startswith("2: 2 sequences fit in host memory")
+        assert str(after.engine_info["parallel_plan"]).startswith("2 sequences fit in host memory (")
         assert engine_host.parallel_plan is not None and engine_host.parallel_plan.limit == 4
     finally:
         engine_host.close()

@@ -546,8 +546,8 @@ def test_the_page_says_how_many_answers_share_the_engine() -> None:
     auto = replace(preset, parallel=4, parallel_fit=True)
     assert "Answers at once: up to 4, as many as fit in memory when the engine loads" in info_markdown(
         auto, LIMITS, {}, None)
-    sized = {"parallel": 2, "parallel_plan": "2: 2 sequences fit in CUDA0 (...)"}
-    assert "Answers at once: 2: 2 sequences fit in CUDA0 (...) (DFLASH_PARALLEL=auto)" in info_markdown(
+    sized = {"parallel": 2, "parallel_plan": "2 sequences fit in CUDA0 (...)"}
+    assert "Answers at once: 2 (DFLASH_PARALLEL=auto: 2 sequences fit in CUDA0 (...))" in info_markdown(
         auto, LIMITS, {}, sized)
 
 

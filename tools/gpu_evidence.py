@@ -568,7 +568,7 @@ def sizing(pair: Any, plan: Plan, before: Any, after: Any) -> dict[str, Any]:
     predicted = sized.weights_bytes + max(STREAMS) * sized.sequence["device" if before.on_gpu else "total"]
     return {"where": before.where, "free_before_mib": before.free >> 20, "free_after_mib": after.free >> 20,
             "taken_mib": (before.free - after.free) >> 20, "weights_plus_caches_mib": predicted >> 20,
-            "reserve_mib": DEFAULT_RESERVE_BYTES >> 20, "plan": sized.describe()}
+            "reserve_mib": DEFAULT_RESERVE_BYTES >> 20, "plan": f"{sized.parallel} ({sized.describe()})"}
 
 
 def streams(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any]:

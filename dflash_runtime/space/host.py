@@ -321,7 +321,8 @@ class EngineHost:
         self.parallel_plan = plan_parallel(read_gguf(files.target_path), draft, memory, n_ctx=preset.n_ctx,
                                            draft_capacity=preset.draft_capacity, limit=preset.parallel,
                                            n_gpu_layers=preset.n_gpu_layers)  # fmt: skip
-        log.info("answers at once (DFLASH_PARALLEL=auto): %s", self.parallel_plan.describe())
+        log.info("answers at once: %d (DFLASH_PARALLEL=auto: %s)", self.parallel_plan.parallel,
+                 self.parallel_plan.describe())
         return self.parallel_plan.parallel
 
     def run(self, job: GpuJob) -> Iterator[ReplyChunk]:

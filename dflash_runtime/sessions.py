@@ -63,8 +63,9 @@ class CacheOwners:
     sequences run a request now, and the states kept aside (parked states, public bases).
 
     A request gets an idle sequence: the one holding its owner's tokens when there is one (the sequence it shares
-    the most with, then the most recent), else an empty one, else the least recently used; only that last case
-    switches a sequence from one owner to another. With one sequence this is the owner switch of the module doc at
+    the most with, then the most recent), else an empty one, else the least recently used — among equals, one next
+    to the running sequences, so that a step's sequences stay consecutive (see `_busy_neighbours`); only the last
+    case switches a sequence from one owner to another. With one sequence this is the owner switch of the module doc at
     every change of owner; with several, a visitor keeps its own sequence while there are enough of them, and its
     state goes to host memory only when sequences run out."""
 
@@ -97,9 +98,16 @@ class CacheOwners:
             seq = max(own, key=lambda s: (self.caches[s].shared(prompt), self._released[s]))
             self._busy[seq], self._dirty[seq] = True, True
             return self.caches[seq], None
-        seq = min(idle, key=lambda s: (bool(self.caches[s].tokens), self._released[s]))
+        seq = min(idle, key=lambda s: (bool(self.caches[s].tokens), -self._busy_neighbours(s), self._released[s]))
         self._busy[seq] = True
         return self.caches[seq], self._switch(seq, owner, prompt, public_prefix)
+
+    def _busy_neighbours(self, seq: int) -> int:
+        """Running sequences next to `seq`. libllama decodes a batch of per-sequence KV streams in ubatches of
+        consecutive sequence ids (llama_batch_allocr::split_equal, `sequential`): a step whose running sequences
+        leave gaps runs one pass of the model per run of consecutive ids, so a request takes a sequence next to
+        the running ones."""
+        return sum(1 for s in (seq - 1, seq + 1) if 0 <= s < len(self._busy) and self._busy[s])
 
     def release(self, cache: PairCache) -> None:
         """The sequence's request ended: it stays its owner's until another owner needs it."""

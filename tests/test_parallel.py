@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from dflash_runtime import DecodeError, EngineBusyError, load_pair
+from dflash_runtime.bench_concurrency import run_streams
 from dflash_runtime.engine import Engine
 from dflash_runtime.memory import SequenceMemory
 from dflash_runtime.results import StreamEvent
@@ -268,6 +269,24 @@ def test_owners_keep_their_own_sequences_without_parking() -> None:
                 prompts[owner] = prompts[owner] + result.tokens + engine.tokenize(" and", add_special=False)
         assert engine.info()["sessions"]["parked"] == 0
         assert engine.info()["parallel"] == 2 and engine.info()["running"] == 0
+
+
+def test_requests_that_run_together_take_consecutive_sequences() -> None:
+    """libllama decodes per-sequence KV streams in ubatches of consecutive sequence ids, one pass of the model per
+    run of them: requests that run together get a block of neighbouring sequences, round after round, where taking
+    the least recently used one alone would scatter them ({0, 5, 6, 7} after a round on {1, 2, 3, 4})."""
+    pair = tiny_pair("hybrid", "dflash2", head="random")
+    with load_pair(pair.target, pair.draft, n_ctx=256, parallel=8) as engine:
+        prompts = [engine.tokenize(f"round robin {word}") for word in ("one", "two", "three", "four")]
+        engine.generate(prompts[0], max_tokens=2)  # one sequence used before the rounds
+        blocks = []
+        for _ in range(4):
+            engine.reset()
+            run_streams(engine, prompts, [{"max_tokens": 12, "draft_length": 3}] * 4, TIMEOUT_S)
+            used = [seq for seq, n in enumerate(engine.info()["n_cached_by_sequence"]) if n]
+            assert len(used) == 4 and used == list(range(used[0], used[0] + 4)), used
+            blocks.append(used[0])
+        assert len(set(blocks)) > 1, "the rounds move over the sequences (least recently used first)"
 
 
 def test_a_third_request_waits_for_a_sequence_and_the_same_thread_is_told_at_once() -> None:

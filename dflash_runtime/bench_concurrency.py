@@ -7,8 +7,9 @@ so each stream prefills its whole prompt. Reported per mode and c, from the roun
 - `tok_s`: all streams' tokens / the wall time from the first stream's start to the last one's end;
 - `stream_tok_s_median`: each stream's tokens / its own wall time, the median over the streams;
 - `ttft_ms_median`, `ttft_ms_max`: from a stream's start to its first event that carries tokens;
-- `rows_per_decode`, `step_ms`: from `engine.step_counters()` deltas, rows decoded / target decodes and the time in
-  engine steps / target decodes; `stream_steps` sums the streams' own target steps (verify + plain), so
+- `rows_per_decode`, `pad_rows_per_decode`, `step_ms`: from `engine.step_counters()` deltas, rows decoded (filler
+  rows that even out the requests' rows included, and apart) / target decodes and the time in engine steps / target
+  decodes; `stream_steps` sums the streams' own target steps (verify + plain), so
   `decodes < stream_steps + prefill decodes` means decodes were shared;
 - `scaling`: `tok_s` over the same mode's at one stream (when 1 is among the concurrencies).
 """
@@ -26,7 +27,7 @@ from .bench import BenchConfig, progress_bar, request_options
 from .report import table
 
 DEFAULT_TIMEOUT_S = 600.0
-COUNTERS = ("decodes", "rows", "step_ms")
+COUNTERS = ("decodes", "rows", "pad_rows", "step_ms")
 
 
 def distinct_prompts(base: Sequence[str], n: int) -> list[str]:
@@ -117,6 +118,7 @@ def run_round(engine: Any, prompts: Sequence[str], options: Sequence[dict[str, A
         "stream_tok_s_median": statistics.median(s["tok_s"] for s in streams),
         "ttft_ms_median": statistics.median(ttft), "ttft_ms_max": max(ttft),
         "decodes": decodes, "rows": int(delta["rows"]), "rows_per_decode": delta["rows"] / decodes if decodes else 0.0,
+        "pad_rows_per_decode": delta["pad_rows"] / decodes if decodes else 0.0,
         "step_ms": delta["step_ms"] / decodes if decodes else 0.0,
         "stream_steps": sum(s["target_steps"] for s in streams),
         "acceptance_rate": accepted / drafted if drafted else 0.0, "per_stream": streams,

@@ -118,6 +118,12 @@ class Planned:
     proposal: Proposal | None = None  # a step's draft (None: a prefill chunk)
     n_block: int = 0
     row0: int = 0
+    pad: int = 0  # filler rows after `tokens` in the decode, cut with the rejected ones (see steps.Steps._pad)
+
+    @property
+    def rows(self) -> int:
+        """The rows this request takes in the target decode."""
+        return len(self.tokens) + self.pad
 
 
 class Decoding:
@@ -294,7 +300,7 @@ class Decoding:
         step_ms = decode_ms + (time.perf_counter() - t) * 1000.0
         stats.verify_ms += step_ms
         n_accepted = emitted.sources.count(DRAFT)
-        pos0 = len(self.cache) - len(planned.tokens)
+        pos0 = len(self.cache) - planned.rows
         if self.chain is not None and proposal.tokens:
             self.chain.accept(n_accepted)
         self.cache.roll_back(pos0 + 1 + n_accepted)

@@ -25,10 +25,12 @@ class StepCounters:
 
     decodes: int = 0
     rows: int = 0
+    pad_rows: int = 0  # of `rows`: filler rows that evened out the requests' rows (see Steps._pad)
     step_ms: float = 0.0
 
     def to_dict(self) -> dict[str, float | int]:
-        return {"decodes": self.decodes, "rows": self.rows, "step_ms": round(self.step_ms, 3)}
+        return {"decodes": self.decodes, "rows": self.rows, "pad_rows": self.pad_rows,
+                "step_ms": round(self.step_ms, 3)}
 
 
 class Steps:
@@ -57,7 +59,8 @@ class Steps:
             rows += 1 + n_block
         if asks:
             self._draft(asks)
-        budget = self.parts.pair.n_batch - sum(len(r.planned.tokens) for r in generating if r.planned)
+        self._pad([r for r in generating if r.planned is not None and not r.done])
+        budget = self.parts.pair.n_batch - sum(r.planned.rows for r in generating if r.planned)
         for run in prefilling:
             planned = run.plan_prefill(budget)
             if planned is not None:
@@ -69,12 +72,14 @@ class Steps:
         if not self._decode(batch):
             return
         decode_ms = (time.perf_counter() - t) * 1000.0
-        n_rows = sum(len(r.planned.tokens) for r in batch if r.planned)
+        n_rows = sum(r.planned.rows for r in batch if r.planned)
+        n_pad = sum(r.planned.pad for r in batch if r.planned)
         step_s = time.perf_counter() - t_step
         for run in batch:
             self._guard(run, lambda r: r.after_prefill() if r.prefilling else r.after_step(decode_ms, step_s))
         self.counters.decodes += 1
         self.counters.rows += n_rows
+        self.counters.pad_rows += n_pad
         self.counters.step_ms += (time.perf_counter() - t_step) * 1000.0
 
     # -- the shared passes --------------------------------------------------------------------------------------
@@ -93,6 +98,27 @@ class Steps:
             run.clock.s += ms / 1000.0
             run.set_draft(proposal, by, ms)
 
+    def _pad(self, runs: list[Decoding]) -> None:
+        """Give every generating request of the step as many rows as the widest one, with filler rows after its own.
+
+        libllama splits a decode of several sequences into ubatches that hold an equal number of rows of each
+        sequence (llama_batch_allocr::split_equal): requests of 1, 4 and 8 rows cost three passes of the model, where
+        8 rows each cost one. The filler rows ask for no outputs, and go with the rejected drafts when the request
+        cuts its cache after verifying (a row depends only on the rows before it in its own sequence, so they change
+        nothing of the others). A hybrid target can take back at most n_rs_seq tokens of its last decode, and no row
+        goes past the context's end: a request that cannot take the filler keeps its own rows."""
+        if len(runs) < 2:
+            return
+        pair = self.parts.pair
+        width = max(len(r.planned.tokens) for r in runs if r.planned)
+        if pair.is_recurrent:
+            width = min(width, pair.n_rs_seq + 1)
+        for run in runs:
+            planned = run.planned
+            assert planned is not None and run.cache is not None
+            if len(planned.tokens) < width and len(run.cache) + width <= pair.n_ctx:
+                planned.pad = width - len(planned.tokens)
+
     def _decode(self, batch: list[Decoding]) -> bool:
         """The target decode of every request's planned rows, then every drafter's processing of it."""
         parts = self.parts
@@ -103,13 +129,16 @@ class Steps:
             for run in ordered:
                 planned = run.planned
                 assert planned is not None and run.cache is not None
-                planned.row0 = tokens.add(planned.tokens, len(run.cache), run.seq, outputs=planned.outputs)
+                pos0 = len(run.cache)
+                planned.row0 = tokens.add(planned.tokens, pos0, run.seq, outputs=planned.outputs)
+                if planned.pad:
+                    tokens.add(self._filler(planned), pos0 + len(planned.tokens), run.seq, outputs="none")
             t = time.perf_counter()
             tokens.decode(parts.pair.target_ctx, "target")
             decode_s = time.perf_counter() - t
             for run in ordered:
                 assert run.planned is not None and run.cache is not None
-                run.cache.decoded(run.planned.tokens)
+                run.cache.decoded([*run.planned.tokens, *self._filler(run.planned)])
             t = time.perf_counter()
             for drafter in parts.drafters.values():
                 drafter.process([self._rows(run, run.planned, drafter in self._members(run))
@@ -126,9 +155,15 @@ class Steps:
         return True
 
     @staticmethod
+    def _filler(planned: Planned) -> list[int]:
+        """The filler rows' tokens: the request's last one again (any token does: nothing reads their outputs)."""
+        return [planned.tokens[-1]] * planned.pad
+
+    @staticmethod
     def _rows(run: Decoding, planned: Planned, member: bool) -> Rows:
+        """The request's own rows of the decode, for the drafters (the filler rows are none of theirs)."""
         assert run.cache is not None
-        pos0 = len(run.cache) - len(planned.tokens)
+        pos0 = len(run.cache) - planned.rows
         return Rows(run.seq, planned.tokens, pos0, planned.row0, eager=planned.eager and member)
 
     @staticmethod

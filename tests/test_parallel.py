@@ -289,6 +289,24 @@ def test_requests_that_run_together_take_consecutive_sequences() -> None:
         assert len(set(blocks)) > 1, "the rounds move over the sequences (least recently used first)"
 
 
+@pytest.mark.parametrize("target", ["dense", "hybrid"])
+def test_requests_of_different_lengths_share_one_width_and_answer_as_alone(target: str) -> None:
+    """A plain request (1 row a step) beside draft lengths 1 and 7 (2 and 8 rows): each takes the widest request's
+    rows, the rest filler (libllama runs one ubatch of 8 rows a sequence, not three), the filler goes with the
+    rejected drafts, and every answer is the same request's alone on a fresh engine."""
+    pair = tiny_pair(target, "dflash2", head="random")
+    options = [{"max_tokens": 40, "speculative": False}, {"max_tokens": 40, "draft_length": 1},
+               {"max_tokens": 40, "draft_length": 7}]  # fmt: skip
+    with load_pair(pair.target, pair.draft, n_ctx=512, draft_capacity=7, parallel=3) as engine:
+        prompts = [engine.tokenize(text) for text in ("the quick brown fox", "hello world", "what is the capital")]
+        runs, counted = run_streams(engine, prompts, options, TIMEOUT_S)
+        assert counted["pad_rows"] >= 10 * 13, counted  # 7 + 6 filler rows a step while all three run
+    with load_pair(pair.target, pair.draft, n_ctx=512, draft_capacity=7) as alone:
+        for prompt, option, run in zip(prompts, options, runs, strict=True):
+            alone.reset()
+            assert run.ids == alone.generate(prompt, **option).tokens, option
+
+
 def test_a_third_request_waits_for_a_sequence_and_the_same_thread_is_told_at_once() -> None:
     pair = tiny_pair("dense", "dflash2", head="random")
     with load_pair(pair.target, pair.draft, n_ctx=512, parallel=2, busy_timeout_s=0.5) as engine:

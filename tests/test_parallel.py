@@ -364,8 +364,8 @@ def test_a_newcomers_figures_say_nothing_of_other_visitors_chats(target: str) ->
 @pytest.mark.parametrize("target", ["dense", "hybrid"])
 def test_long_concurrent_answers_on_a_flat_model_answer_as_alone(target: str) -> None:
     """Near-ties show up after hundreds of tokens on flat distributions: four 800-token answers sharing their steps
-    (speculative beside plain, on the offline demo's pair, where a history-dependent near-tie once flipped token
-    672) each equal the same request alone on a fresh engine."""
+    (speculative beside plain, their rows evened out with filler rows, on the offline demo's pair, where a
+    history-dependent near-tie once flipped token 672) each equal the same request alone on a fresh engine."""
     pair = tiny_pair(target, "dflash2", head="phrase", n_embd=512, dims="scaled")
     reference = Reference(pair, n_ctx=2048)
     rng = random.Random(f"long-{target}")
@@ -373,6 +373,8 @@ def test_long_concurrent_answers_on_a_flat_model_answer_as_alone(target: str) ->
         jobs = [Job(engine.tokenize(_text(rng)), {"max_tokens": 800, "speculative": i % 2 == 0,
                                                   "cache_owner": f"v{i}"}, arrive=3 * i) for i in range(4)]
         peak = interleave(engine, jobs, rng)
+        padded = engine.step_counters()["pad_rows"]
     assert check_against_reference(jobs, reference) == 4 and peak == 4
     assert all(len(j.tokens) == 800 for j in jobs)
+    assert padded > 800, "the plain answers' single rows were evened out to the drafts' (filler rows)"
     reference.engine.close()

@@ -121,6 +121,11 @@ class Planned:
     pad: int = 0  # filler rows after `tokens` in the decode, cut with the rejected ones (see steps.Steps._pad)
 
     @property
+    def filler(self) -> list[int]:
+        """The filler rows' tokens: the last token again (any does: nothing reads their outputs)."""
+        return [self.tokens[-1]] * self.pad
+
+    @property
     def rows(self) -> int:
         """The rows this request takes in the target decode."""
         return len(self.tokens) + self.pad

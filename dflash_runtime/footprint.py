@@ -163,12 +163,17 @@ class ParallelPlan:
     sequence: Mapping[str, int]  # what one sequence costs (sequence_footprint)
     free_host_bytes: int | None = None  # for the checkpoints, when the caches are on a GPU
 
+    @property
+    def sequence_bytes(self) -> int:
+        """What one sequence takes of the memory planned: its device part on a GPU (the checkpoints go to host
+        memory), all of it on the host."""
+        return self.sequence["device" if self.free_host_bytes is not None else "total"]
+
     def describe(self) -> str:
         """Why `parallel`, in one line for logs and the Space's About box."""
         gib = 2**30
-        one = self.sequence["device"] + (self.sequence["host"] if self.free_host_bytes is None else 0)
         room = (f"{self.where} ({self.free_bytes / gib:,.1f} GiB free − {self.weights_bytes / gib:,.1f} GiB weights "
-                f"− {self.reserve_bytes / gib:,.1f} GiB reserve, {one / 2**20:,.0f} MiB a sequence")
+                f"− {self.reserve_bytes / gib:,.1f} GiB reserve, {self.sequence_bytes / 2**20:,.0f} MiB a sequence")
         if self.free_host_bytes is not None and self.sequence["host"]:
             room += f", its checkpoints {self.sequence['host'] / 2**20:,.0f} MiB of host memory"
         if not self.fits:
@@ -177,9 +182,9 @@ class ParallelPlan:
         return f"{text}, at most {self.limit} asked" if self.fits > self.limit else text
 
 
-def offloaded_bytes(info: GGUFInfo, n_gpu_layers: int) -> int:
-    """The bytes of a model file that go to the GPU with `n_gpu_layers` (-1: all; libllama counts the output layer as
-    one more), proportional to the layers offloaded."""
+def weights_bytes(info: GGUFInfo, n_gpu_layers: int = -1) -> int:
+    """The bytes of a model file that go to the GPU with `n_gpu_layers` (-1: all of them, as on the host; libllama
+    counts the output layer as one more), proportional to the layers offloaded."""
     size = info.path.stat().st_size
     if n_gpu_layers < 0 or n_gpu_layers > info.n_layer:
         return size
@@ -194,12 +199,11 @@ def plan_parallel(target_info: GGUFInfo, draft_info: GGUFInfo | None, memory: Fr
     host all of them."""
     sequence = sequence_footprint(target_info, draft_info, n_ctx=n_ctx, draft_capacity=draft_capacity, mtp=mtp)
     infos = [i for i in (target_info, draft_info) if i is not None]
+    weights = sum(weights_bytes(i, n_gpu_layers if memory.on_gpu else -1) for i in infos)
     if memory.on_gpu:
-        weights = sum(offloaded_bytes(i, n_gpu_layers) for i in infos)
         fits = fit_parallel(memory.free, sequence, reserve_bytes=reserve_bytes + weights,
                             free_host_bytes=memory.host_free, limit=NO_LIMIT)
     else:
-        weights = sum(i.path.stat().st_size for i in infos)
         fits = fit_parallel(memory.free, {"device": sequence["total"]}, reserve_bytes=reserve_bytes + weights,
                             limit=NO_LIMIT)
     return ParallelPlan(parallel=max(1, min(fits, limit)), fits=fits, limit=limit, where=memory.where,

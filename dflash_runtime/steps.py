@@ -132,13 +132,13 @@ class Steps:
                 pos0 = len(run.cache)
                 planned.row0 = tokens.add(planned.tokens, pos0, run.seq, outputs=planned.outputs)
                 if planned.pad:
-                    tokens.add(self._filler(planned), pos0 + len(planned.tokens), run.seq, outputs="none")
+                    tokens.add(planned.filler, pos0 + len(planned.tokens), run.seq, outputs="none")
             t = time.perf_counter()
             tokens.decode(parts.pair.target_ctx, "target")
             decode_s = time.perf_counter() - t
             for run in ordered:
                 assert run.planned is not None and run.cache is not None
-                run.cache.decoded([*run.planned.tokens, *self._filler(run.planned)])
+                run.cache.decoded([*run.planned.tokens, *run.planned.filler])
             t = time.perf_counter()
             for drafter in parts.drafters.values():
                 drafter.process([self._rows(run, run.planned, drafter in self._members(run))
@@ -153,11 +153,6 @@ class Steps:
             if not run.prefilling:
                 run.stats.inject_ms += inject_ms
         return True
-
-    @staticmethod
-    def _filler(planned: Planned) -> list[int]:
-        """The filler rows' tokens: the request's last one again (any token does: nothing reads their outputs)."""
-        return [planned.tokens[-1]] * planned.pad
 
     @staticmethod
     def _rows(run: Decoding, planned: Planned, member: bool) -> Rows:

@@ -565,7 +565,7 @@ def sizing(pair: Any, plan: Plan, before: Any, after: Any) -> dict[str, Any]:
     draft = read_gguf(pair.draft) if pair.draft else None
     sized = plan_parallel(read_gguf(pair.target), draft, before, n_ctx=4096, draft_capacity=7, limit=max(STREAMS),
                           n_gpu_layers=plan.gpu_layers)  # fmt: skip
-    predicted = sized.weights_bytes + max(STREAMS) * sized.sequence["device" if before.on_gpu else "total"]
+    predicted = sized.weights_bytes + max(STREAMS) * sized.sequence_bytes
     return {"where": before.where, "free_before_mib": before.free >> 20, "free_after_mib": after.free >> 20,
             "taken_mib": (before.free - after.free) >> 20, "weights_plus_caches_mib": predicted >> 20,
             "reserve_mib": DEFAULT_RESERVE_BYTES >> 20, "plan": f"{sized.parallel} ({sized.describe()})"}

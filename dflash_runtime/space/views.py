@@ -298,7 +298,8 @@ def answers_at_once(preset: PairPreset, engine_info: Mapping[str, Any] | None) -
     """DFLASH_PARALLEL as it took effect: the loaded engine's sequences, and how `auto` sized them to memory."""
     if engine_info and engine_info.get("parallel"):
         plan = engine_info.get("parallel_plan")
-        return f"{engine_info['parallel']} (DFLASH_PARALLEL" + (f"=auto: {plan})" if plan else ")")
+        setting = f"DFLASH_PARALLEL=auto: {plan}" if plan else "DFLASH_PARALLEL"
+        return f"{engine_info['parallel']} ({setting})"
     if preset.parallel_fit:
         return f"up to {preset.parallel}, as many as fit in memory when the engine loads (DFLASH_PARALLEL=auto)"
     return f"{preset.parallel} (DFLASH_PARALLEL)"

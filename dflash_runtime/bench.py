@@ -151,7 +151,7 @@ def run_bench(pairs: Sequence[tuple[str, str, str]], cfg: BenchConfig, opener: C
         started = time.perf_counter()
         with opener(target, draft) as engine:
             open_s = time.perf_counter() - started
-            methods = [m for m in cfg.methods if engine.pair.capacity(m) > 0]  # those the pair runs
+            methods = [m for m in cfg.methods if engine.capacity(m) > 0]  # those the pair runs
             pair_cfg = BenchConfig(**{**cfg.__dict__, "methods": methods})
             out["pairs"][name] = {"target": target, "draft": draft, "methods": methods, "open_s": open_s,
                                   "modes": bench_pair(engine, pair_cfg, progress)}

@@ -161,7 +161,7 @@ def run_concurrency(pairs: Sequence[tuple[str, str, str]], cfg: BenchConfig, con
         started = time.perf_counter()
         with opener(target, draft) as engine:
             open_s = time.perf_counter() - started
-            methods = [m for m in cfg.methods if m != "plain" and engine.pair.capacity(m) > 0]
+            methods = [m for m in cfg.methods if m != "plain" and engine.capacity(m) > 0]
             pair_cfg = BenchConfig(**{**cfg.__dict__, "methods": methods})
             # a short pair's progress bar still ends: count the modes it skips as done
             for _ in range((len(cfg.mode_names()) - len(pair_cfg.mode_names())) * len(concurrencies) * cfg.runs):

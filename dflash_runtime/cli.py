@@ -8,14 +8,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .drafting import DFLASH, MTP
 from .errors import DFlashError
-from .methods import names
+from .methods import REGISTRY, names
 
 
 def _add_pair_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--target", required=required, help="target GGUF")
-    p.add_argument("--draft", help="DFlash / DFlash 2 draft GGUF (omit for target-only decoding)")
+    p.add_argument("--draft", help="draft GGUF: a DFlash / DFlash 2 draft, or a model of the target's vocabulary "
+                                   "(draft-simple); omit for target-only decoding")
     p.add_argument("--n-ctx", type=int, default=4096)
     p.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
     p.add_argument("--threads", type=int, default=None)
@@ -56,7 +56,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--draft-length", default=None, help="comma list of lengths and/or 'auto' (default 3,7,auto)")
     b.add_argument("--draft-max", default=None, help=argparse.SUPPRESS)  # deprecated spelling of --draft-length
-    b.add_argument("--methods", nargs="+", default=[DFLASH, MTP],
+    # By default the methods with a model (a draft file or the target's MTP head): those the pair runs are compared.
+    b.add_argument("--methods", nargs="+", default=[m.name for m in REGISTRY if m.needs],
                    help=f"draft methods to compare with plain ({', '.join(names())}; a chain: 'a,b')")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--verify", default="sample", help="above temperature 0: comma list of 'sample' and/or 'match'")

@@ -14,7 +14,8 @@ from typing import Any, Protocol
 class DraftPolicy(Protocol):
     def choose(self, pos0: int, limit: int, others: int = 0) -> int:
         """The draft length for the round at `pos0`, at most `limit` (the room left in the context and the request);
-        `others` is how many rows of other sequences the same target decode holds."""
+        `others` is how many rows the same target decode holds beside the round's n + 1 (the other sequences', the
+        filler rows that even them out, prefill chunks: steps.py passes what the last decode held)."""
         ...
 
     def observe(self, n_block: int, n_drafted: int, n_accepted: int, seconds: float,
@@ -54,8 +55,9 @@ class AdaptiveLength:
     reached, shrunk towards a_{j-1} (position 1: towards `prior`) so that positions not reached lately follow the
     ones that were instead of keeping stale values. Evidence fades per drafting round (`decay`) and, more slowly,
     per plain round (`plain_decay`), so a probe after a long plain stretch weighs enough to bring drafting back.
-    cost(n) is a decayed mean of measured round times by the rows the round's target decode holds (n + 1, plus the
-    rows of the other sequences sharing the decode: the cost model knows the batch), quick to fall and slow to rise;
+    cost(n) is a decayed mean of measured round times by the rows the round's target decode holds (n + 1, plus every
+    row beside them: the other sequences', the filler rows, prefill chunks — the decode it pays for), quick to fall
+    and slow to rise;
     unmeasured row counts are interpolated between measured ones, or scaled by the number of rows.
     While plain (n = 0) it re-plans only at probes: at the start of each request and every `probe_interval`
     plain rounds. A probe whose drafts are all accepted doubles its length each round while that lasts, so drafting
@@ -79,7 +81,7 @@ class AdaptiveLength:
         self.reached = [0.0] * (n_max + 1)     # decayed times position j was verified with 1..j-1 accepted
         self.cost: list[float | None] = [None] * (n_max + 1)  # by own length, whatever shared the decode
         self.row_cost: dict[int, float] = {}  # by the rows of the whole target decode
-        self.others = 0  # rows of other sequences in the decode being planned
+        self.others = 0  # rows beside the round's own n + 1 in the decode being planned
         self.history: list[int] = []
         self._probing = False
         self._ramping = False

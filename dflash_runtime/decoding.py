@@ -79,10 +79,6 @@ class Parts:
     owners: CacheOwners
     controls: frozenset[int]  # control token ids: message boundaries, where checkpoints serve the next turn
 
-    @property
-    def cache(self) -> PairCache:
-        return self.caches[0]
-
 
 class Clock:
     """Accumulates time spent inside native calls."""
@@ -140,6 +136,7 @@ class Decoding:
         self.policy = policy
         self.cancelled = cancelled
         self.members = split(req.method) if req.method is not None else ()
+        self.rows_beside: int | None = None  # the last decode's rows beside this request's own n + 1
         capacity = min(parts.drafters[m].capacity for m in self.members) if self.members else 0
         self.stats = Stats(speculative=req.speculative, method=req.method, draft_capacity=capacity,
                            draft_length=req.draft_length if req.speculative else 0, verify_mode=req.verify_mode)
@@ -265,8 +262,8 @@ class Decoding:
     # -- one step: draft → verify → accept ----------------------------------------------------------------------
 
     def plan_step(self, others: int) -> tuple[int, DraftAsk | None]:
-        """This step's draft length and what to ask the chain (None: a plain step); `others` is the rows already
-        planned for the step's target decode."""
+        """This step's draft length and what to ask the chain (None: a plain step); `others` is the rows the step's
+        target decode holds beside this request's n + 1 (see Steps.run: as the last decode held them)."""
         assert self.cache is not None
         self._t_round = time.perf_counter()
         req, stats, policy = self.req, self.stats, self.policy
@@ -274,7 +271,7 @@ class Decoding:
         # Like llama.cpp's server: leave room in the context, and draft nothing past max_tokens.
         room = max(0, min(self.parts.pair.n_ctx - pos0 - 2, req.max_tokens - stats.n_generated - 1))
         n_block = policy.choose(pos0, room, others) if policy is not None else 0
-        self._n_block, self._others = n_block, others
+        self._n_block = n_block
         if n_block <= 0 or self.chain is None:
             return n_block, None
         return n_block, DraftAsk(self.seq, self._id_last, pos0, n_block, self.req.n_min, self.req.p_min,
@@ -294,8 +291,9 @@ class Decoding:
         self.planned = Planned([self._id_last], "all", False, Proposal(), self._n_block)
         return self.planned
 
-    def after_step(self, decode_ms: float, step_s: float) -> None:
-        """The step's decode is done: walk the verifier over this request's rows, cut what was rejected."""
+    def after_step(self, decode_ms: float, step_s: float, decode_rows: int) -> None:
+        """The step's decode is done: walk the verifier over this request's rows, cut what was rejected.
+        `decode_rows`: every row of that decode (every request's, their filler rows and prefill chunks)."""
         assert self.planned is not None and self.planned.proposal is not None and self.cache is not None
         assert self._verifier is not None
         planned, self.planned = self.planned, None
@@ -314,9 +312,11 @@ class Decoding:
         else:
             stats.plain_steps += 1
             stats.plain_ms += step_ms
+        # The cost model's key is the whole decode, as it ran: this request's n + 1 rows and everything beside them.
+        self.rows_beside = decode_rows - planned.n_block - 1
         if policy is not None:
             policy.observe(planned.n_block, len(proposal.tokens), n_accepted,
-                           step_s + time.perf_counter() - t, rows=self._others + planned.n_block + 1)
+                           step_s + time.perf_counter() - t, rows=decode_rows)
         if self.cache.interval_due():
             self.cache.save_checkpoint(self.costs)
         self._conclude(emitted)

@@ -13,6 +13,10 @@ q that is recorded with it, because the verifier's guarantee rests on exactly th
 its lattice walk: at position i, q(· | previous) is the request's chain (top-k, top-p, min-p, temperature) over the
 K candidates scored from the candidate actually sampled at i − 1. DFlash v1 samples each mask position from the
 request's chain over the draft logits.
+
+`DFLASH_FILE` is what the method declares to the pair: a draft of architecture `dflash` (validation.py checks it
+against its target), the target's layer taps turned on before its first decode, and a draft context linked to the
+target's through `ctx_other`.
 """
 
 from __future__ import annotations
@@ -24,14 +28,16 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from .batches import TokenBatch
-from .drafting import DFLASH, DraftAsk, Rows
-from .errors import DecodeError
+from .drafting import DFLASH, DraftAsk, Implementation, Rows, TokenView
+from .errors import ContextCreationError, DecodeError, PairMismatchError
 from .features import FeatureBridge
+from .gguf_meta import GGUFInfo
 from .memory import SequenceMemory
-from .native import DFlashApi
+from .native import DFlashApi, dflash_api
+from .pair import LinkedPair, new_context
 from .proposal import DraftSampling, Proposal, draw
 from .states import WHOLE, load_seq, save_seq
-from .validation import DraftSpec
+from .validation import DraftSpec, validate_pair
 
 
 class BlockDrafter:
@@ -187,3 +193,65 @@ class DFlashDrafter:
     def free(self) -> None:
         self._block.free()
         self.bridge.free()
+
+
+class DFlashFile:
+    """A DFlash / DFlash 2 draft, as the pair opens it (pair.DraftFile)."""
+
+    needs = "draft"
+    kind = "a DFlash draft (architecture 'dflash')"
+
+    def claims(self, draft: GGUFInfo) -> bool:
+        return draft.arch == "dflash"
+
+    def validate(self, target: GGUFInfo, draft: GGUFInfo, capacity: int) -> DraftSpec:
+        return validate_pair(target, draft, capacity)
+
+    def prepare_target(self, pair: LinkedPair) -> None:
+        # Taps must be on before the first decode: enabling them re-reserves the compute graph.
+        for lid in pair.spec.target_layer_ids:
+            dflash_api().set_embeddings_layer_inp(pair.target_ctx, lid, True)
+
+    def open_context(self, pair: LinkedPair, threads: int) -> Any:
+        spec, api, model = pair.spec, dflash_api(), pair.draft_model
+        params = ll.llama_context_default_params()
+        # One injection chunk per target ubatch, and every sequence's block in one ubatch.
+        params.n_batch = params.n_ubatch = max(pair.n_ubatch, pair.parallel * (pair.draft_capacity + 1))
+        # A KV stream per sequence, as the target's (and llama-server's with -np N): a block attends to its own
+        # sequence's cells only. Blocks of one size from consecutive sequences share a ubatch.
+        params.n_seq_max = pair.parallel
+        params.kv_unified = False
+        params.n_ctx = pair.n_ctx * pair.parallel
+        params.n_rs_seq = 0
+        params.n_threads = params.n_threads_batch = threads
+        params.ctx_other = pair.target_ctx
+        ctx = new_context(model, params, "draft")
+        try:
+            if api.get_ctx_other(ctx) != pair.target_ctx:
+                raise ContextCreationError("the draft context is not linked to the target context (ctx_other)")
+            top_k = int(api.model_dflash_selector_top_k(model))
+            if top_k != spec.selector_top_k:
+                raise PairMismatchError(f"libllama reads selector_top_k={top_k}, the header {spec.selector_top_k}")
+            layer_ids = tuple(api.target_layer_ids(model))
+            if layer_ids != spec.target_layer_ids:
+                raise PairMismatchError(f"libllama reads layer ids {layer_ids}, the header {spec.target_layer_ids}")
+        except BaseException:
+            ll.llama_free(ctx)
+            raise
+        # DFlash 2 reads its candidate lattice from the nextn rows; v1 reads logits (masked nextn).
+        api.set_embeddings_nextn(ctx, True, not spec.is_dflash2)
+        ll.llama_set_causal_attn(ctx, spec.causal)
+        return ctx
+
+    def describe(self, spec: DraftSpec) -> dict[str, Any]:
+        return {"draft_kind": "dflash2" if spec.is_dflash2 else "dflash1", "block_size": spec.block_size,
+                "target_layer_ids": list(spec.target_layer_ids)}
+
+
+def open_drafter(pair: LinkedPair, views: Sequence[TokenView], capacity: int) -> DFlashDrafter:
+    return DFlashDrafter(dflash_api(), pair.target_ctx, pair.draft_ctx, pair.spec, n_embd=pair.n_embd,
+                         n_embd_draft=pair.n_embd_draft, n_vocab=pair.n_vocab,
+                         n_ubatch=pair.n_ubatch, capacity=capacity, n_seq=len(views))
+
+
+IMPLEMENTATION = Implementation(open_drafter, draft_file=DFlashFile())

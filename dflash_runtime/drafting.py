@@ -21,16 +21,20 @@ per sequence, as llama.cpp hands its drafters the prompt. The engine talks to dr
 
 A method whose state is per sequence and whose drafting has no pass to share (n-grams) writes a `SequenceDrafter`
 for one sequence and opens it through `PerSequence`.
+
+A method's module declares what it opens in one `Implementation`: how its drafter opens, the options it takes, and,
+for a method with a model of its own, its `DraftFile` (which files are its drafts, their checks, their context),
+which the pair opens (pair.py). The registry (methods.py) names each method and where its implementation is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, overload
 
 if TYPE_CHECKING:
-    from .pair import LinkedPair
+    from .pair import DraftFile
     from .proposal import DraftSampling, Proposal
 
 DFLASH, MTP = "dflash", "mtp"
@@ -167,22 +171,12 @@ class PerSequence:
 
 
 @dataclass(frozen=True)
-class Method:
-    name: str
-    label: str  # how a person reads it (the Space's menus and tables)
-    needs: str  # "draft" (a DFlash draft GGUF), "nextn" (the target's MTP layers) or "" (nothing)
-    open: Callable[..., Drafter]  # (the opened pair, each sequence's tokens, **its options) → its drafter
-    auto: bool = True  # a candidate for the pair's default method (a request that names none)
+class Implementation:
+    """What a method's module declares: how its drafter opens — (the opened pair, each sequence's `TokenView`, the
+    longest draft, **its options) → a `Drafter` —, the names of the options it takes and their defaults (for
+    `Engine(method_options=...)`), and its draft file when it has a model of its own (None: it drafts from the
+    target or from the tokens alone)."""
 
-    def wanted(self, pair: LinkedPair) -> bool:
-        """From the headers, before any context opens: whether the pair is sized for this method."""
-        return {"draft": pair.spec is not None, "nextn": pair.wants_mtp, "": True}[self.needs]
-
-    def ready(self, pair: LinkedPair) -> bool:
-        """Once the contexts are open: whether the pair can run this method."""
-        return holds(pair, self.needs)
-
-
-def holds(pair: LinkedPair, needs: str) -> bool:
-    """Whether the opened pair holds what a method needs: a draft context, an MTP context, or nothing."""
-    return {"draft": pair.draft_ctx is not None, "nextn": pair.mtp_ctx is not None, "": True}[needs]
+    open: Callable[..., Drafter]
+    options: Mapping[str, Any] = field(default_factory=dict)
+    draft_file: DraftFile | None = None

@@ -25,7 +25,7 @@ from .checkpoints import CheckpointPolicy, CheckpointStore
 from .controller import Policies
 from .decoding import Decoding, Parts, Request
 from .deprecated import renamed, renamed_keyword
-from .drafting import Drafter, TokenView
+from .drafting import TokenView
 from .errors import EngineClosedError, RequestError
 from .pair import LinkedPair
 from .request_checks import check_length, checked_owner, checked_request, prompt_tokens
@@ -60,10 +60,8 @@ class Engine:
                  busy_timeout_s: float | None = DEFAULT_BUSY_TIMEOUT_S, draft_policy: str | int | None = None,
                  method_options: Mapping[str, Mapping[str, Any]] | None = None, **pair_options: Any) -> None:
         length = renamed_keyword("draft_policy", "draft_length", draft_policy, draft_length, "auto")
-        unknown = sorted(set(method_options or {}) - set(methods.names()))
-        if unknown:
-            raise ValueError(f"method_options names unknown methods {unknown} (known: {', '.join(methods.names())})")
-        self.pair = LinkedPair(target_path, draft_path, **pair_options)
+        methods.check_options(method_options or {})
+        self.pair = LinkedPair(target_path, draft_path, draft_files=methods.draft_files(), **pair_options)
         try:
             self._open(length, checkpoints or CheckpointPolicy(), sessions or SessionPolicy(),
                        verifiers or Verifiers(), busy_timeout_s, dict(method_options or {}))
@@ -76,16 +74,11 @@ class Engine:
               method_options: dict[str, Mapping[str, Any]]) -> None:
         pair = self.pair
         batch = TokenBatch(pair.n_batch)
-        drafters: dict[str, Drafter] = {}
         caches: list[PairCache] = []  # made with the drafters; they read each sequence's tokens through these views
         views = [TokenView(functools.partial(lambda seq: caches[seq].tokens, seq)) for seq in range(pair.parallel)]
         try:
-            for method in methods.REGISTRY:
-                if method.ready(pair):
-                    drafters[method.name] = method.open(pair, views, **method_options.get(method.name, {}))
+            drafters = methods.open_drafters(pair, views, method_options)
         except BaseException:
-            for drafter in drafters.values():
-                drafter.free()
             batch.free()
             raise
         for seq in range(pair.parallel):
@@ -98,8 +91,7 @@ class Engine:
                             frozenset(t.id for t in self._controls))
         self._steps = Steps(self._parts)
         self._occupancy = Occupancy(self._free, busy_timeout_s, pair.parallel, self._steps.run)
-        self.default_draft_length = check_length(draft_length, max(map(pair.capacity, pair.methods),
-                                                                            default=0))
+        self.default_draft_length = check_length(draft_length, max(map(self.capacity, self.methods), default=0))
         self._policies = Policies(pair.verify_cap)
         self.template = model_template(pair.chat_template_source(), pair.vocabulary)
 
@@ -149,12 +141,16 @@ class Engine:
     def methods(self) -> tuple[str, ...]:
         """The draft methods this engine can run, in the registry's order (methods.py): "dflash" with a DFlash draft,
         "mtp" with the target's MTP head, the n-gram methods on every pair, then the listed chains."""
-        return self.pair.methods
+        return methods.available(self.pair)
 
     @property
     def default_method(self) -> str | None:
         """The method a speculative request uses when it names none: DFlash when loaded, else MTP, else None."""
-        return self.pair.default_method
+        return methods.default(self.pair)
+
+    def capacity(self, method: str) -> int:
+        """The longest draft of a method or chain this engine runs (0 for one it does not)."""
+        return methods.capacity(self.pair, method)
 
     def sampling_defaults(self) -> dict[str, float | int]:
         """The target's recommended sampling (`general.sampling.*`), as llama.cpp applies it: only keys present."""
@@ -293,32 +289,34 @@ class Engine:
 
     def info(self) -> dict[str, Any]:
         with self._open_native():
-            pair, spec, store = self.pair, self.pair.spec, self._parts.cache.checkpoints
+            pair, caches = self.pair, self._parts.caches
+            draft = {"draft_kind": None, "block_size": None, "target_layer_ids": []}
+            if pair.draft_file is not None:
+                draft.update(pair.draft_file.describe(pair.spec))
+            stores = [c.checkpoints.describe() if c.checkpoints is not None else None for c in caches]
             return {
                 "target": str(pair.target_info.path),
                 "draft": str(pair.draft_info.path) if pair.draft_info else None,
                 "target_arch": pair.target_info.arch,
                 "hybrid": pair.is_recurrent,
-                "methods": list(pair.methods),
+                "methods": list(self.methods),
                 "default_method": self.default_method,
                 "mtp_capacity": pair.mtp_capacity,
                 "mtp_error": pair.mtp_error,
                 "sampling_defaults": pair.sampling_defaults(),
-                "draft_kind": None if spec is None else ("dflash2" if spec.is_dflash2 else "dflash1"),
-                "block_size": spec.block_size if spec else None,
+                **draft,
                 "draft_capacity": pair.draft_capacity,
-                "target_layer_ids": list(spec.target_layer_ids) if spec else [],
                 "n_ctx": pair.n_ctx,
                 "n_batch": pair.n_batch,
                 "n_rs_seq": pair.n_rs_seq,
                 "n_vocab": pair.n_vocab,
                 "n_embd": pair.n_embd,
-                "n_cached": len(self._parts.cache),
+                "n_cached": sum(len(c) for c in caches),  # every sequence's (n_cached_by_sequence: each one's)
                 "parallel": pair.parallel,
                 "running": self._parts.owners.running,
                 "n_cached_by_sequence": [len(cache) for cache in self._parts.caches],
                 "batch_invariant": pair.batch_invariant,
-                "checkpoints": store.describe() if store is not None else None,
+                "checkpoints": _all_checkpoints(stores),
                 "sessions": self._parts.owners.describe(),
                 "chat_template": self.template is not None,
                 "supports_thinking": bool(self.template and self.template.supports_thinking),
@@ -372,7 +370,7 @@ class Engine:
 
         def decoding(stream: RequestStream) -> Decoding:
             policy = None if req.method is None else self._policies.get(req.owner, req.method, req.draft_length,
-                                                                         self.pair.capacity(req.method))
+                                                                         self.capacity(req.method))
             holder["run"] = run = Decoding(self._parts, tokens, req, policy, stream.cancelled.is_set)
             if policy is not None:
                 run.on_release.append(functools.partial(self._policies.give_back, policy))
@@ -383,7 +381,18 @@ class Engine:
             if run is not None:
                 return run.final_event([], [], "", "cancelled", detail)
             stats = Stats(speculative=req.speculative, method=req.method, n_prompt=len(tokens),
-                          draft_capacity=self.pair.capacity(req.method) if req.method else 0)
+                          draft_capacity=self.capacity(req.method) if req.method else 0)
             return StreamEvent("", [], stats, "cancelled", detail)
 
         return RequestStream(self._occupancy, decoding, final)
+
+
+def _all_checkpoints(stores: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Every sequence's checkpoints in one description: the policy (the same for all), count and bytes summed over
+    the sequences, sequence 0's positions (as with one sequence), and each sequence's own under "by_sequence" (None
+    on a target without checkpoints)."""
+    kept = [s for s in stores if s is not None]
+    if not kept:
+        return None
+    return {**kept[0], "count": sum(s["count"] for s in kept), "bytes": sum(s["bytes"] for s in kept),
+            "by_sequence": kept}

@@ -1,62 +1,72 @@
-"""The draft methods, one registry: what each is called, what the pair must hold for it, and how its drafter opens.
+"""The draft methods, one registry: what each is called, what the pair must hold for it, and where its implementation
+is — the registry sits above the pair and the drafters, and nothing below it names a method.
 
-A method is detected from the pair: a DFlash draft GGUF (`needs="draft"`), the target's own nextn (MTP) layers
-(`needs="nextn"`), or nothing at all (`needs=""`, the n-gram methods, which draft from the sequence's own tokens).
-Every method drafts at most the pair's `draft_capacity` tokens, so its verify batch is that many rows plus one; the
-pair sizes the target's ubatch and recurrent snapshots for the methods it may run (`wanted`, read from the headers
-before any context opens) and the engine opens a drafter for each one it can run (`ready`, once the contexts are
-open). A drafter reads the sequence's tokens through the read-only view it is opened with.
+A method is detected from the pair: a draft file that its module claims (`needs` is then the `DraftFile.needs` of
+its module: "draft" for a DFlash draft), the target's own nextn (MTP) layers (`needs="nextn"`), or nothing at all
+(`needs=""`, the n-gram methods, which draft from the sequence's own tokens). Every method drafts at most the
+pair's longest draft (`draft_capacity`), so its verify batch is that many rows plus one. The engine hands the pair
+the draft files the methods declare (`draft_files`) and opens a drafter for each method the open pair runs
+(`open_drafters`), each with its own options; a drafter reads the sequence's tokens through the read-only view it
+is opened with.
 
 A request names one method or a chain, "a,b" in order of preference (llama.cpp's `--spec-type a,b`): each step
 drafts with the first member that proposes something (see `Chain`). Adding a method is one module with its
-`Method(...)` and one line in `REGISTRY`.
+`Implementation` (drafting.py) and one line in `REGISTRY`. A method's implementation is loaded when a pair opens,
+never by listing the methods: the Space's web process lists them without loading libllama.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from importlib import import_module
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from .drafting import DFLASH, MTP, DraftAsk, Drafter, Method, TokenView, holds
+from . import ngram
+from .drafting import DFLASH, MTP, DraftAsk, Drafter, Implementation, TokenView
 from .errors import RequestError
 
 if TYPE_CHECKING:
-    from .pair import LinkedPair
+    from .pair import DraftFile, LinkedPair
     from .proposal import Proposal
 
 CHAIN_SEPARATOR = ","
+NOTHING, NEXTN = "", "nextn"  # what a method without a file of its own needs
 
 
-def _open_dflash(pair: LinkedPair, views: Sequence[TokenView]) -> Drafter:
-    from .dflash import DFlashDrafter
+@dataclass(frozen=True)
+class Method:
+    name: str
+    label: str  # how a person reads it (the Space's menus and tables)
+    needs: str  # NOTHING, NEXTN (the target's MTP layers), or the `needs` of the draft file its module declares
+    implementation: Callable[[], Implementation]  # its module's (loaded with libllama for the methods with a model)
+    auto: bool = True  # a candidate for the pair's default method (a request that names none)
 
-    assert pair.api is not None and pair.spec is not None
-    return DFlashDrafter(pair.api, pair.target_ctx, pair.draft_ctx, pair.spec, n_embd=pair.n_embd,
-                         n_embd_draft=pair.n_embd_draft, n_vocab=pair.n_vocab, n_ubatch=pair.n_ubatch,
-                         capacity=pair.capacity(DFLASH), n_seq=len(views))
-
-
-def _open_mtp(pair: LinkedPair, views: Sequence[TokenView]) -> Drafter:
-    from .mtp import MTPDrafter
-
-    return MTPDrafter(pair.target_ctx, pair.mtp_ctx, views, n_embd=pair.n_embd_out, n_vocab=pair.n_vocab,
-                      n_batch=pair.n_ubatch, capacity=pair.capacity(MTP))
+    def ready(self, pair: LinkedPair) -> bool:
+        """Once the contexts are open: whether the pair can run this method."""
+        return holds(pair, self.needs)
 
 
-def _methods_of(module: str) -> tuple[Method, ...]:
-    """The `METHODS` a method's own module declares (its one line in REGISTRY)."""
-    return tuple(import_module(f"{__package__}.{module}").METHODS)
+def _dflash() -> Implementation:
+    from . import dflash  # libllama comes with it: loaded when a pair opens, not where methods are listed
+
+    return dflash.IMPLEMENTATION
+
+
+def _mtp() -> Implementation:
+    from . import mtp  # as _dflash
+
+    return mtp.IMPLEMENTATION
 
 
 REGISTRY: tuple[Method, ...] = (
-    Method(DFLASH, "DFlash 2", "draft", _open_dflash),
-    Method(MTP, "MTP", "nextn", _open_mtp),
-    *_methods_of("ngram"),
+    Method(DFLASH, "DFlash 2", "draft", _dflash),
+    Method(MTP, "MTP", NEXTN, _mtp),
+    Method(ngram.NGRAM_MOD, "ngram-mod", NOTHING, lambda: ngram.MOD, auto=False),
+    Method(ngram.NGRAM_MAP_K, "ngram-map-k", NOTHING, lambda: ngram.MAP_K, auto=False),
 )
 # Chains the pair lists beside its methods when all their members run (any other chain may still be asked for):
 # the n-gram draft where the answer copies its prompt, DFlash everywhere else.
-LISTED_CHAINS: tuple[tuple[str, ...], ...] = (("ngram-mod", DFLASH),)
+LISTED_CHAINS: tuple[tuple[str, ...], ...] = ((ngram.NGRAM_MOD, DFLASH),)
 
 
 def registry() -> dict[str, Method]:
@@ -77,14 +87,23 @@ def split(name: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in name.split(CHAIN_SEPARATOR))
 
 
+def holds(pair: LinkedPair, needs: str) -> bool:
+    """Whether the opened pair holds what a method needs: nothing, an MTP context, or a draft of that file kind."""
+    if needs == NOTHING:
+        return True
+    if needs == NEXTN:
+        return pair.mtp_ctx is not None
+    return pair.draft_ctx is not None and pair.draft_file is not None and pair.draft_file.needs == needs
+
+
 def available(pair: LinkedPair) -> tuple[str, ...]:
     """The methods the opened pair runs, in registry order, then the listed chains whose members all run."""
     return runnable(lambda needs: holds(pair, needs))
 
 
 def runnable(holds: Callable[[str], bool]) -> tuple[str, ...]:
-    """The methods of a pair that holds what `holds(needs)` says ("draft", "nextn"; "" always), in registry order,
-    then the listed chains whose members all run: for a pair not opened yet, from its files."""
+    """The methods of a pair that holds what `holds(needs)` says ("" always), in registry order, then the listed
+    chains whose members all run: for a pair not opened yet, from its files."""
     singles = tuple(m.name for m in REGISTRY if not m.needs or holds(m.needs))
     chains = tuple(CHAIN_SEPARATOR.join(c) for c in LISTED_CHAINS if all(m in singles for m in c))
     return singles + chains
@@ -93,6 +112,13 @@ def runnable(holds: Callable[[str], bool]) -> tuple[str, ...]:
 def default(pair: LinkedPair) -> str | None:
     """The method a request that names none drafts with: the first one the pair runs that may be a default."""
     return next((m.name for m in REGISTRY if m.auto and m.ready(pair)), None)
+
+
+def capacity(pair: LinkedPair, name: str) -> int:
+    """The longest draft of a method or chain the pair runs (0 for one it does not)."""
+    runs = available(pair)
+    members = split(name)
+    return pair.longest_draft if members and all(m in runs for m in members) else 0
 
 
 def check(name: str, runs: Sequence[str]) -> tuple[str, ...]:
@@ -109,6 +135,46 @@ def check(name: str, runs: Sequence[str]) -> tuple[str, ...]:
     if len(set(members)) != len(members):
         raise RequestError(f"draft method chain {name!r} names a method twice")
     return members
+
+
+# -- opening (with libllama) -------------------------------------------------------------------------------------
+
+def draft_files() -> tuple[DraftFile, ...]:
+    """What the methods with a model of their own declare about their files, for the pair to open (pair.py)."""
+    files = (m.implementation().draft_file for m in REGISTRY if m.needs not in (NOTHING, NEXTN))
+    return tuple(f for f in files if f is not None)
+
+
+def check_options(method_options: Mapping[str, Mapping[str, Any]]) -> None:
+    """`Engine(method_options=...)` before anything opens: ValueError names an unknown method or option."""
+    known = registry()
+    unknown = sorted(set(method_options) - set(known))
+    if unknown:
+        raise ValueError(f"method_options names unknown methods {unknown} (known: {', '.join(known)})")
+    for name, options in method_options.items():
+        takes = known[name].implementation().options
+        if not isinstance(options, Mapping):
+            raise ValueError(f"method_options[{name!r}] must be a mapping of option names to values")
+        bad = sorted(set(options) - set(takes))
+        if bad:
+            listed = ", ".join(f"{k} (default {v!r})" for k, v in takes.items()) or "none"
+            raise ValueError(f"method_options[{name!r}] names unknown options {bad} (options of {name}: {listed})")
+
+
+def open_drafters(pair: LinkedPair, views: Sequence[TokenView],
+                  method_options: Mapping[str, Mapping[str, Any]]) -> dict[str, Drafter]:
+    """A drafter for every method the open pair runs, each with its options (checked by `check_options`)."""
+    drafters: dict[str, Drafter] = {}
+    try:
+        for method in REGISTRY:
+            if method.ready(pair):
+                drafters[method.name] = method.implementation().open(
+                    pair, views, capacity(pair, method.name), **method_options.get(method.name, {}))
+    except BaseException:
+        for drafter in drafters.values():
+            drafter.free()
+        raise
+    return drafters
 
 
 class Chain:
@@ -170,5 +236,5 @@ def draft_all(asks: Sequence[tuple[Chain, DraftAsk]]) -> list[tuple[Proposal, st
     return [r for r in results if r is not None]
 
 
-__all__ = ["CHAIN_SEPARATOR", "REGISTRY", "Chain", "Method", "available", "check", "default", "draft_all", "label",
-           "names"]
+__all__ = ["CHAIN_SEPARATOR", "REGISTRY", "Chain", "Method", "available", "capacity", "check", "check_options",
+           "default", "draft_all", "draft_files", "label", "names", "open_drafters"]

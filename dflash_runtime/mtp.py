@@ -25,9 +25,10 @@ from llama_cpp import llama_cpp as ll
 from llama_cpp import llama_cpp_ext as lx
 
 from .batches import decode_error
-from .drafting import MTP, DraftAsk, Rows
+from .drafting import MTP, DraftAsk, Implementation, Rows
 from .errors import ContextCreationError, DecodeError
 from .memory import SequenceMemory
+from .pair import LinkedPair
 from .proposal import Proposal
 from .states import WHOLE, load_seq, save_seq
 
@@ -226,3 +227,11 @@ class MTPDrafter:
         rc = int(ll.llama_process(self._ctx, ll.LLAMA_PROCESS_TYPE_DECODE, self._batch))
         if rc != 0:
             raise decode_error(what, rc, 0)
+
+
+def open_drafter(pair: LinkedPair, views: Sequence[Sequence[int]], capacity: int) -> MTPDrafter:
+    return MTPDrafter(pair.target_ctx, pair.mtp_ctx, views, n_embd=pair.n_embd_out, n_vocab=pair.n_vocab,
+                      n_batch=pair.n_ubatch, capacity=capacity)
+
+
+IMPLEMENTATION = Implementation(open_drafter)  # the MTP context is the target's own: the pair opens it (mtp=...)

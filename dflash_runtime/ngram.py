@@ -27,15 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .drafting import Method, PerSequence, TokenView
+from .drafting import Implementation, PerSequence, TokenView
 from .proposal import DraftSampling, Proposal
-
-if TYPE_CHECKING:
-    from .pair import LinkedPair
 
 NGRAM_MOD, NGRAM_MAP_K = "ngram-mod", "ngram-map-k"
 
@@ -251,15 +247,13 @@ class NgramMapKDrafter(_Tables):
             self.key_map.setdefault(slots[j - floor - 1], j)
 
 
-def _open_mod(pair: LinkedPair, views: Sequence[TokenView], **options: int) -> PerSequence:
-    return PerSequence([NgramModDrafter(view, pair.capacity(NGRAM_MOD), **options) for view in views])
+def _open_mod(pair: object, views: Sequence[TokenView], capacity: int, **options: int) -> PerSequence:
+    return PerSequence([NgramModDrafter(view, capacity, **options) for view in views])
 
 
-def _open_map_k(pair: LinkedPair, views: Sequence[TokenView], **options: int) -> PerSequence:
-    return PerSequence([NgramMapKDrafter(view, pair.capacity(NGRAM_MAP_K), **options) for view in views])
+def _open_map_k(pair: object, views: Sequence[TokenView], capacity: int, **options: int) -> PerSequence:
+    return PerSequence([NgramMapKDrafter(view, capacity, **options) for view in views])
 
 
-METHODS = (
-    Method(NGRAM_MOD, "ngram-mod", "", _open_mod, auto=False),
-    Method(NGRAM_MAP_K, "ngram-map-k", "", _open_map_k, auto=False),
-)
+MOD = Implementation(_open_mod, options={"n_match": 24, "n_max": None, "n_min": 0})
+MAP_K = Implementation(_open_map_k, options={"size_n": 12, "size_m": None})

@@ -1,4 +1,9 @@
-"""The linked pair: target model + context, and a DFlash draft whose context borrows the target's through ctx_other."""
+"""The pair: the target model and its context, the target's MTP context, and the draft model of the method whose file
+the draft is, in the context that method opens (a DFlash draft's borrows the target's through ctx_other).
+
+The pair knows no method by name: the methods with a model of their own declare a `DraftFile` (which files are
+theirs, their checks, what the target must do for them, their context), and whoever opens the pair hands it those
+(the engine: the registry's, methods.py)."""
 
 from __future__ import annotations
 
@@ -9,20 +14,17 @@ import os
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from llama_cpp import _logger
 from llama_cpp import llama_cpp as ll
 
-from . import methods
 from .backends import load_backends
 from .deprecated import renamed_keyword
 from .errors import ContextCreationError, EngineClosedError, PairMismatchError
 from .gguf_meta import GGUFInfo, read_gguf, sampling_defaults
-from .native import DFlashApi, dflash_api
-from .validation import DraftSpec, validate_pair
 from .vocab import Vocabulary
 
 MAX_PARALLEL = 64  # sequences per context (llama.cpp allows 256): 64 verify batches of 8 rows fill n_batch 512
@@ -109,7 +111,7 @@ class _Owned:
             _count(-1)
 
 
-def _load_model(path: Path, n_gpu_layers: int, *, load_mtp: bool = False, repack: bool = True) -> Any:
+def load_model(path: Path, n_gpu_layers: int, *, load_mtp: bool = False, repack: bool = True) -> Any:
     params = ll.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers
     params.use_extra_bufts = repack  # CPU weight repacking (Q4_0, Q4_K, IQ4_NL, ...): one kernel per row count
@@ -121,7 +123,7 @@ def _load_model(path: Path, n_gpu_layers: int, *, load_mtp: bool = False, repack
     return model
 
 
-def _new_context(model: Any, params: Any, what: str) -> Any:
+def new_context(model: Any, params: Any, what: str) -> Any:
     _log.lines.clear()
     ctx = ll.llama_init_from_model(model, params)
     if not ctx:
@@ -141,9 +143,48 @@ def _meta_str(model: Any, key: str) -> str | None:
         size = n + 1  # the value was cut: n is its full length
 
 
+class DraftFile(Protocol):
+    """What a method with a model of its own declares to the pair (its module implements it, drafting.Implementation
+    names it)."""
+
+    needs: str  # what the pair holds once such a draft is open, as the registry's methods name it (methods.py)
+    kind: str  # the file in words, for the message that refuses a file no method claims
+
+    def claims(self, draft: GGUFInfo) -> bool:
+        """Whether a draft file is this method's (from its header)."""
+        ...
+
+    def validate(self, target: GGUFInfo, draft: GGUFInfo, capacity: int) -> Any:
+        """The draft's spec, checked against the target; PairMismatchError says what does not fit."""
+        ...
+
+    def prepare_target(self, pair: LinkedPair) -> None:
+        """What the target's context must do for this draft before its first decode (e.g. layer taps)."""
+        ...
+
+    def open_context(self, pair: LinkedPair, threads: int) -> Any:
+        """A context of `pair.draft_model` (the pair owns and frees it)."""
+        ...
+
+    def describe(self, spec: Any) -> dict[str, Any]:
+        """The draft's facts for `Engine.info()`: draft_kind, block_size, target_layer_ids."""
+        ...
+
+
+def _claim(draft: GGUFInfo, files: Sequence[DraftFile]) -> DraftFile:
+    """The draft file declaration that claims this file; PairMismatchError names the kinds there are."""
+    claimed = next((f for f in files if f.claims(draft)), None)
+    if claimed is None:
+        kinds = " or ".join(f.kind for f in files) or "none: no method with a model of its own was given"
+        raise PairMismatchError(f"{draft.path.name} is not a draft of any method: its architecture is "
+                                f"'{draft.arch}' (drafts: {kinds})")
+    return claimed
+
+
 class LinkedPair:
-    """Owns the target model/context, optionally the DFlash draft model/context linked to it, and optionally the
-    target's own MTP context (a second context of the target model running its nextn head).
+    """Owns the target model/context, optionally a draft model and the context its method opens, and optionally the
+    target's own MTP context (a second context of the target model running its nextn head). `draft_files`: what the
+    methods with a model of their own declare (the first that claims the draft file opens it).
 
     `draft_capacity` is the longest draft the pair is opened for: it sizes the verify ubatch and, for a hybrid
     (recurrent) target, the `n_rs_seq` recurrent-state snapshots that let rejected drafts be rolled back (pass
@@ -171,6 +212,7 @@ class LinkedPair:
         mtp: bool | None = None,
         draft_max: int | None = None,
         parallel: int = 1,
+        draft_files: Sequence[DraftFile] = (),
     ) -> None:
         capacity = renamed_keyword("draft_max", "draft_capacity", draft_max, draft_capacity, DEFAULT_DRAFT_CAPACITY,
                                    stacklevel=4)
@@ -179,9 +221,11 @@ class LinkedPair:
         _logger.set_verbose(verbose)
         self.target_info: GGUFInfo = read_gguf(target_path)
         self.draft_info: GGUFInfo | None = read_gguf(draft_path) if draft_path is not None else None
-        self.spec: DraftSpec | None = None
+        self.spec: Any = None  # the draft's, as its method's validation returns it
+        self.draft_file: DraftFile | None = None
         if self.draft_info is not None:
-            self.spec = validate_pair(self.target_info, self.draft_info, capacity)
+            self.draft_file = _claim(self.draft_info, draft_files)
+            self.spec = self.draft_file.validate(self.target_info, self.draft_info, capacity)
         elif self.target_info.arch == "dflash":
             raise PairMismatchError(
                 f"{self.target_info.path.name} is a DFlash draft: it has no embeddings or output head of its own and "
@@ -199,12 +243,11 @@ class LinkedPair:
         self.wants_mtp = n_nextn > 0 and mtp is not False
         self.mtp_error: str | None = None
         self._mtp_required = bool(mtp)
-        self._capacity = capacity
+        self.longest_draft = capacity  # every method's drafts, and so the verify batches and rollback snapshots
         self.mtp_capacity = capacity if self.wants_mtp else 0
-        self.draft_capacity = capacity if self.spec else 0
+        self.draft_capacity = capacity if self.draft_file else 0
         self.n_gpu_layers = n_gpu_layers
         self._n_rs_seq_request = n_rs_seq
-        self.api: DFlashApi | None = dflash_api() if self.spec else None
         self._owned = _Owned()
         self._closed = False
         self.target_model = self.target_ctx = self.draft_model = self.draft_ctx = self.mtp_ctx = None
@@ -213,8 +256,8 @@ class LinkedPair:
         try:
             _init_backend()
             self._open_target(n_ctx, n_gpu_layers, n_batch, threads)
-            if self.spec is not None:
-                self._open_draft(n_gpu_layers, threads)
+            if self.draft_file is not None:
+                self._open_draft(self.draft_file, n_gpu_layers, threads)
             if self.wants_mtp:
                 self._open_mtp(threads)
         except BaseException:
@@ -225,10 +268,10 @@ class LinkedPair:
     # -- construction -------------------------------------------------------------------------------------------
 
     def _open_target(self, n_ctx: int, n_gpu_layers: int, n_batch: int, threads: int) -> None:
-        self.target_model = self._owned.push(
+        self.target_model = self.own(
             # On the CPU the target's rows must not depend on their batch (see batch_invariant): repacked weights
             # take a many-row kernel from four rows up and a one-row kernel below.
-            _load_model(self.target_info.path, n_gpu_layers, load_mtp=self.wants_mtp, repack=n_gpu_layers != 0),
+            load_model(self.target_info.path, n_gpu_layers, load_mtp=self.wants_mtp, repack=n_gpu_layers != 0),
             ll.llama_model_free,
         )
         model = self.target_model
@@ -237,7 +280,8 @@ class LinkedPair:
         params.n_batch = n_batch
         # A sequence's whole verify batch must fit in one ubatch so that a hybrid target can roll it back (libllama
         # keeps a sequence's last n_rs_seq + 1 rows in one ubatch when it splits a batch of several sequences).
-        capacity = self._capacity if any(m.wanted(self) for m in methods.REGISTRY) else 0
+        # (Every pair runs a method: the n-gram methods need no file.)
+        capacity = self.longest_draft
         params.n_ubatch = max(n_batch, capacity + 2)
         # One step's decode holds every sequence's verify rows, whatever the prefill budget.
         params.n_batch = max(params.n_ubatch, self.parallel * (capacity + 1))
@@ -255,7 +299,7 @@ class LinkedPair:
         # Recurrent state can be cut back only through snapshots, one per token that may be rejected.
         wanted = capacity if self._n_rs_seq_request is None else self._n_rs_seq_request
         params.n_rs_seq = wanted if (capacity and self.is_recurrent) else 0
-        self.target_ctx = self._owned.push(_new_context(self.target_model, params, "target"), ll.llama_free)
+        self.target_ctx = self.own(new_context(self.target_model, params, "target"), ll.llama_free)
         self.n_ctx = int(ll.llama_n_ctx_seq(self.target_ctx))  # per sequence
         self.n_batch = int(ll.llama_n_batch(self.target_ctx))
         self.n_ubatch = int(ll.llama_n_ubatch(self.target_ctx))
@@ -264,41 +308,19 @@ class LinkedPair:
         self.vocabulary = Vocabulary(self.vocab)
         self.n_vocab = self.vocabulary.n_tokens
         self.n_embd = int(ll.llama_model_n_embd(self.target_model))
-        if self.spec is not None:
-            assert self.api is not None
-            # Taps must be on before the first decode: enabling them re-reserves the compute graph.
-            for lid in self.spec.target_layer_ids:
-                self.api.set_embeddings_layer_inp(self.target_ctx, lid, True)
+        if self.draft_file is not None:
+            self.draft_file.prepare_target(self)
         self.n_embd_out = int(ll.llama_model_n_embd_out(self.target_model))
 
-    def _open_draft(self, n_gpu_layers: int, threads: int) -> None:
-        assert self.spec is not None and self.draft_info is not None and self.api is not None
-        self.draft_model = self._owned.push(_load_model(self.draft_info.path, n_gpu_layers), ll.llama_model_free)
-        params = ll.llama_context_default_params()
-        # One injection chunk per target ubatch, and every sequence's block in one ubatch.
-        params.n_batch = params.n_ubatch = max(self.n_ubatch, self.parallel * (self.draft_capacity + 1))
-        # A KV stream per sequence, as the target's (and llama-server's with -np N): a block attends to its own
-        # sequence's cells only. Blocks of one size from consecutive sequences share a ubatch.
-        params.n_seq_max = self.parallel
-        params.kv_unified = False
-        params.n_ctx = self.n_ctx * self.parallel
-        params.n_rs_seq = 0
-        params.n_threads = params.n_threads_batch = threads
-        params.ctx_other = self.target_ctx
-        self.draft_ctx = self._owned.push(_new_context(self.draft_model, params, "draft"), ll.llama_free)
-        if self.api.get_ctx_other(self.draft_ctx) != self.target_ctx:
-            raise ContextCreationError("the draft context is not linked to the target context (ctx_other)")
-        top_k = int(self.api.model_dflash_selector_top_k(self.draft_model))
-        if top_k != self.spec.selector_top_k:
-            raise PairMismatchError(f"libllama reads selector_top_k={top_k}, the header {self.spec.selector_top_k}")
-        layer_ids = tuple(self.api.target_layer_ids(self.draft_model))
-        if layer_ids != self.spec.target_layer_ids:
-            raise PairMismatchError(f"libllama reads layer ids {layer_ids}, the header {self.spec.target_layer_ids}")
-        # DFlash 2 reads its candidate lattice from the nextn rows; v1 reads logits (masked nextn).
-        self.api.set_embeddings_nextn(self.draft_ctx, True, not self.spec.is_dflash2)
-        ll.llama_set_causal_attn(self.draft_ctx, self.spec.causal)
-        self.draft_is_mrope = ll.llama_model_rope_type(self.draft_model) == ll.LLAMA_ROPE_TYPE_MROPE
+    def _open_draft(self, draft_file: DraftFile, n_gpu_layers: int, threads: int) -> None:
+        assert self.draft_info is not None
+        self.draft_model = self.own(load_model(self.draft_info.path, n_gpu_layers), ll.llama_model_free)
         self.n_embd_draft = int(ll.llama_model_n_embd(self.draft_model))
+        self.draft_ctx = self.own(draft_file.open_context(self, threads), ll.llama_free)
+
+    def own(self, handle: Any, free: Callable[[Any], None]) -> Any:
+        """Take a native handle into the pair: freed with it, in reverse order of creation."""
+        return self._owned.push(handle, free)
 
     def _open_mtp(self, threads: int) -> None:
         """The MTP context: the target model again, its nextn head's graph, a KV cache of the nextn layer only."""
@@ -315,7 +337,7 @@ class LinkedPair:
         try:
             if int(ll.llama_model_n_layer_nextn(self.target_model)) < 1:
                 raise ContextCreationError("libllama reads no nextn layer in the target")
-            self.mtp_ctx = self._owned.push(_new_context(self.target_model, params, "MTP"), ll.llama_free)
+            self.mtp_ctx = self.own(new_context(self.target_model, params, "MTP"), ll.llama_free)
         except ContextCreationError as error:
             if self._mtp_required:
                 raise
@@ -325,21 +347,6 @@ class LinkedPair:
         # the graph); the MTP context for its output rows only.
         lx.llama_set_embeddings_nextn(self.target_ctx, True, False)
         lx.llama_set_embeddings_nextn(self.mtp_ctx, True, True)
-
-    @property
-    def methods(self) -> tuple[str, ...]:
-        """The draft methods (and listed chains) this pair can run, in the registry's order (methods.py)."""
-        return methods.available(self)
-
-    @property
-    def default_method(self) -> str | None:
-        return methods.default(self)
-
-    def capacity(self, method: str) -> int:
-        """The longest draft of a method or chain the pair runs (0 for one it does not)."""
-        runs = methods.available(self)
-        members = methods.split(method)
-        return self._capacity if members and all(m in runs for m in members) else 0
 
     @property
     def batch_invariant(self) -> bool:

@@ -51,10 +51,11 @@ def checked_request(pair: LinkedPair, default_length: int | str, max_tokens: int
         raise RequestError(f"max_tokens must be a positive integer (got {max_tokens!r})")
     sampling.check()
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    runs = methods.available(pair)
     if method is not None:
-        method = methods.CHAIN_SEPARATOR.join(methods.check(method, pair.methods))
-    chosen = (method or pair.default_method) if speculative else None
-    capacity = pair.capacity(chosen) if chosen else max(map(pair.capacity, pair.methods), default=0)
+        method = methods.CHAIN_SEPARATOR.join(methods.check(method, runs))
+    chosen = (method or methods.default(pair)) if speculative else None
+    capacity = methods.capacity(pair, chosen) if chosen else max((methods.capacity(pair, m) for m in runs), default=0)
     length = check_length(default_length if draft_length is None else draft_length, capacity)
     if not 0 <= n_min <= capacity or not 0.0 <= p_min < 1.0:
         raise RequestError(f"n_min must be in 0..{capacity} and p_min in [0, 1)")

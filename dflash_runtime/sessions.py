@@ -10,7 +10,8 @@ whatever the previous owner left:
 - the new owner's own parked state comes back when it has one that reaches further than the public prefix (a copy
   of its own tokens: its cost depends on its own history only);
 - else the public prefix comes back from its *public base*: a copy of the caches right after those tokens, taken once
-  by the first request that declared them (or by `Engine.keep_public`) and never evicted by other owners' requests;
+  by the first request that declared them (`public_prefix=`, the prefill stopping there: `keep_public_base`), and
+  never evicted by other owners' requests;
 - else the caches start empty.
 The previous owner's state is parked (tokens, the target's and each drafter's state, its checkpoints) either when it
 asks (`Engine.park(owner)`, inside its own request's time) or, with `SessionPolicy(park_on_switch=True)` (a library

@@ -48,7 +48,10 @@ class Steps:
         rows = 0
         for run in sorted(generating, key=lambda r: r.seq):
             try:
-                n_block, ask = run.plan_step(rows)
+                # The rows its decode will hold beside its own n + 1, as the last decode held them (every other
+                # request's, the filler rows, prefill chunks); the first time, those planned before it.
+                beside = run.rows_beside if run.rows_beside is not None else rows
+                n_block, ask = run.plan_step(beside)
             except Exception as error:
                 run.fail(error)
                 continue
@@ -76,7 +79,7 @@ class Steps:
         n_pad = sum(r.planned.pad for r in batch if r.planned)
         step_s = time.perf_counter() - t_step
         for run in batch:
-            self._guard(run, lambda r: r.after_prefill() if r.prefilling else r.after_step(decode_ms, step_s))
+            self._guard(run, lambda r: r.after_prefill() if r.prefilling else r.after_step(decode_ms, step_s, n_rows))
         self.counters.decodes += 1
         self.counters.rows += n_rows
         self.counters.pad_rows += n_pad

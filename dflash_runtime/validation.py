@@ -1,4 +1,5 @@
-"""Checks that a DFlash draft fits its target, each failure with its own message, before libllama runs."""
+"""Checks that a draft fits its target, each failure with its own message, before libllama runs: a DFlash draft's
+(`validate_pair`), and the vocabulary any draft shares with its target (`check_vocab`)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def validate_pair(target: GGUFInfo, draft: GGUFInfo, draft_capacity: int) -> Dra
         )
     if target.arch == "dflash":
         raise PairMismatchError(f"{target.path.name} is a DFlash draft, not a target model: pass it as the draft")
-    _check_vocab(target, draft)
+    check_vocab(target, draft, "a DFlash draft must use its target's tokenizer")
     layer_ids = _check_layers(target, draft)
     if draft.n_embd != target.n_embd:
         raise PairMismatchError(
@@ -75,11 +76,11 @@ def check_draft_capacity(draft_capacity: int, spec: DraftSpec) -> None:
         )
 
 
-def _check_vocab(target: GGUFInfo, draft: GGUFInfo) -> None:
+def check_vocab(target: GGUFInfo, draft: GGUFInfo, rule: str) -> None:
+    """The draft's vocabulary is the target's: its size, tokenizer model and special tokens (`rule` says why)."""
     if target.n_vocab != draft.n_vocab:
         raise PairMismatchError(
-            f"vocabulary mismatch: target has {target.n_vocab} tokens, draft has {draft.n_vocab}; "
-            "a DFlash draft must use its target's tokenizer"
+            f"vocabulary mismatch: target has {target.n_vocab} tokens, draft has {draft.n_vocab}; {rule}"
         )
     if target.tokenizer_model != draft.tokenizer_model:
         raise PairMismatchError(

@@ -53,3 +53,116 @@ def test_the_check_sees_imports_across_levels() -> None:
     sub = PACKAGE / "llama_compat" / "llama.py"
     assert "hub" in imported(sub)  # a relative import two levels up is seen
     assert "engine" in imported(PACKAGE / "__init__.py")
+
+
+def module_graph(package: Path) -> dict[str, set[str]]:
+    """Every module of a package (dotted below it: "pair", "space.host", "__init__" for a package's facade) and the
+    modules of the same package it imports, wherever the import stands (module level, in a function, under
+    TYPE_CHECKING): an arrow is an arrow."""
+    files = {p: ".".join(p.relative_to(package).with_suffix("").parts) for p in package.rglob("*.py")}
+    known = set(files.values())
+
+    def resolve(base: list[str], name: str) -> str | None:
+        dotted = ".".join([*base, name] if name else base)
+        if dotted in known:
+            return dotted
+        facade = ".".join([*base, "__init__"]) if base else "__init__"
+        return facade if facade in known else None
+
+    graph: dict[str, set[str]] = {}
+    for path, module in files.items():
+        here = module.split(".")[:-1]  # the module's own subpackage
+        edges = graph.setdefault(module, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 0:
+                    parts = (node.module or "").split(".")
+                    if parts[0] != package.name:
+                        continue
+                    base = parts[1:]
+                else:
+                    base = here[:len(here) - (node.level - 1)] + ((node.module or "").split(".") if node.module else [])
+                target = ".".join(base)
+                if node.module and target in known:
+                    edges.add(target)
+                for alias in node.names:  # `from . import methods`: a module; `from .x import y`: x (or its y)
+                    found = resolve(base, alias.name)
+                    if found is not None and (found != f"{target}.__init__" or not node.module):
+                        edges.add(found)
+                if node.module and target not in known:
+                    found = resolve(base, "")
+                    if found is not None:
+                        edges.add(found)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    parts = alias.name.split(".")
+                    if parts[0] == package.name and len(parts) > 1:
+                        found = resolve(parts[1:-1], parts[-1])
+                        if found is not None:
+                            edges.add(found)
+        edges.discard(module)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted: the import circles."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_in_the_package() -> None:
+    graph = module_graph(PACKAGE)
+    assert {"pair", "methods", "drafting", "dflash", "engine"} <= set(graph)
+    assert circles(graph) == []
+
+
+def test_the_pair_names_no_method_and_the_registry_sits_above_it() -> None:
+    graph = module_graph(PACKAGE)
+    assert not graph["pair"] & {"methods", "drafting", "dflash", "mtp", "ngram"}
+    assert {"dflash", "mtp", "ngram"} <= graph["methods"]  # the registry reaches every method's module
+    assert "methods" not in graph["dflash"] | graph["mtp"] | graph["ngram"] | graph["drafting"]
+
+
+def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("from . import b\n")
+    (package / "b.py").write_text("def f():\n    from .sub.c import g\n")
+    (package / "sub" / "c.py").write_text("from typing import TYPE_CHECKING\n"
+                                          "if TYPE_CHECKING:\n    from ..a import x\n")
+    (package / "d.py").write_text("from .a import y\n")
+    graph = module_graph(package)
+    assert circles(graph) == [["a", "b", "sub.c"]]
+    (package / "sub" / "c.py").write_text("")
+    assert circles(module_graph(package)) == []

@@ -137,13 +137,17 @@ def test_the_registry_names_each_method_once_and_the_engine_opens_what_it_lists(
     assert methods.label("mtp,dflash") == "MTP → DFlash 2"
     assert methods.runnable(lambda needs: needs == "nextn")[:1] == ("mtp",)
     with load_pair(both.target, both.draft, n_ctx=256) as engine:
-        assert engine.pair.capacity("mtp,dflash") == engine.pair.capacity("dflash") == 7
+        assert engine.capacity("mtp,dflash") == engine.capacity("dflash") == 7 == methods.capacity(engine.pair, "mtp")
         for bad, match in (("nope", "'nope' is unknown"), ("dflash,nope", "'nope' is unknown"),
                            ("dflash,dflash", "names a method twice"), ("", "a name or a comma list")):
             with pytest.raises(RequestError, match=match):
                 engine.generate("hello", max_tokens=2, method=bad)
     with pytest.raises(ValueError, match="unknown methods"):
         load_pair(both.target, both.draft, n_ctx=256, method_options={"nope": {}})
+    # Every method says which of its options it does not know, before anything opens (the models are not loaded).
+    for method in methods.names():
+        with pytest.raises(ValueError, match=rf"method_options\['{method}'\] names unknown options \['bogus'\]"):
+            load_pair(both.target, both.draft, n_ctx=256, method_options={method: {"bogus": 1}})
 
 
 @pytest.mark.parametrize("chain", ["mtp,dflash", "dflash,mtp"])

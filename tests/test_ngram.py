@@ -109,7 +109,8 @@ def test_bad_options_are_refused_clearly() -> None:
     pair = tiny_pair("dense", None, head="phrase")
     with pytest.raises(ValueError, match="n_match"):
         load_pair(pair.target, None, n_ctx=256, method_options={"ngram-mod": {"n_match": 0}})
-    with pytest.raises(TypeError, match="bogus"):
+    with pytest.raises(ValueError, match=r"method_options\['ngram-map-k'\] names unknown options \['bogus'\] "
+                                         r"\(options of ngram-map-k: size_n \(default 12\), size_m"):
         load_pair(pair.target, None, n_ctx=256, method_options={"ngram-map-k": {"bogus": 1}})
     with load_pair(pair.target, None, n_ctx=256) as engine, pytest.raises(RequestError, match="'dflash' is not"):
         engine.generate("hello", max_tokens=2, method="ngram-mod,dflash")

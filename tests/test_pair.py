@@ -18,6 +18,7 @@ from dflash_runtime import (
     ModelFileError,
     PairMismatchError,
     load_pair,
+    methods,
 )
 from dflash_runtime.batches import TokenBatch
 from dflash_runtime.dflash import BlockDrafter
@@ -30,7 +31,7 @@ from dflash_runtime.testing.tiny_models import write_broken_draft
 @pytest.mark.parametrize(("target", "draft"), ALL_PAIRS, ids=PAIR_IDS)
 def test_pair_links_draft_to_target(target: str, draft: str, no_leaks: None) -> None:
     files = pair_files(target, draft)
-    with LinkedPair(files.target, files.draft, n_ctx=256, draft_capacity=7) as pair:
+    with LinkedPair(files.target, files.draft, n_ctx=256, draft_capacity=7, draft_files=methods.draft_files()) as pair:
         api = dflash_api()
         assert api.get_ctx_other(pair.draft_ctx) == pair.target_ctx
         assert pair.spec is not None and pair.spec.is_dflash2 == (draft == "dflash2")
@@ -61,7 +62,7 @@ def test_stock_llama_cannot_open_a_draft_alone(no_leaks: None) -> None:
     ("kind", "error", "message"),
     [
         ("not_gguf", ModelFileError, "not a GGUF file"),
-        ("arch_not_dflash", PairMismatchError, "not a DFlash draft"),
+        ("arch_not_dflash", PairMismatchError, "not a draft of any method"),
         ("vocab_size", PairMismatchError, "vocabulary mismatch"),
         ("special_tokens", PairMismatchError, "special token mismatch: target eos"),
         ("no_mask", PairMismatchError, "no mask token"),
@@ -136,7 +137,7 @@ def test_missing_symbols_are_named(tmp_path: Path) -> None:
 @pytest.mark.parametrize("target", ["dense", "hybrid"])
 def test_tapped_features_have_the_expected_shape(target: str) -> None:
     files = pair_files(target, "dflash2")
-    with LinkedPair(files.target, files.draft, n_ctx=256, draft_capacity=7) as pair:
+    with LinkedPair(files.target, files.draft, n_ctx=256, draft_capacity=7, draft_files=methods.draft_files()) as pair:
         assert pair.spec is not None
         tokens = list(range(10, 23))
         batch = TokenBatch(len(tokens))

@@ -271,7 +271,7 @@ class SpaceService:
             log.warning("could not read the target's header: %s", error)
             return
         holds = {"draft": files.draft_path is not None, "nextn": mtp}
-        methods = list(registered_methods(holds.__getitem__))
+        methods = list(registered_methods(lambda needs: holds.get(needs, False)))  # other draft kinds: not here
         problem = draft_unavailable(scrub_paths(files.draft_problem)) if files.draft_problem else None
         self.file_facts = {"methods": methods, "draft_problem": problem}
         if sampling:

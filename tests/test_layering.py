@@ -66,6 +66,8 @@ def module_graph(package: Path) -> dict[str, set[str]]:
         dotted = ".".join([*base, name] if name else base)
         if dotted in known:
             return dotted
+        if f"{dotted}.__init__" in known:  # a subpackage: its facade
+            return f"{dotted}.__init__"
         facade = ".".join([*base, "__init__"]) if base else "__init__"
         return facade if facade in known else None
 
@@ -162,7 +164,8 @@ def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
     (package / "sub" / "c.py").write_text("from typing import TYPE_CHECKING\n"
                                           "if TYPE_CHECKING:\n    from ..a import x\n")
     (package / "d.py").write_text("from .a import y\n")
+    (package / "e.py").write_text("from . import sub\n")  # a subpackage's facade is a module of its own
     graph = module_graph(package)
-    assert circles(graph) == [["a", "b", "sub.c"]]
+    assert circles(graph) == [["a", "b", "sub.c"]] and graph["e"] == {"sub.__init__"}
     (package / "sub" / "c.py").write_text("")
     assert circles(module_graph(package)) == []

@@ -37,9 +37,9 @@ from llama_cpp import llama_cpp as ll
 from llama_cpp.llama import Llama
 from llama_cpp.llama_speculative import LlamaDraftModel
 
-from .. import load_pair
 from ..backends import load_backends
 from ..deprecated import renamed_keyword
+from ..engine import Engine
 from ..errors import DownloadError, EngineClosedError, ModelFileError, PairMismatchError, RequestError
 from ..pair import DEFAULT_DRAFT_CAPACITY
 from ..vocab import Vocabulary
@@ -223,7 +223,7 @@ class DFlashLlama(Llama):
         self.verbose = options["verbose"]
         self.cache = None
         self._seed = options["seed"]
-        self._engine = load_pair(
+        self._engine = Engine(
             model_path,
             draft.draft_model_path if draft else None,
             n_ctx=options["n_ctx"],

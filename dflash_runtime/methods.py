@@ -58,9 +58,16 @@ def _mtp() -> Implementation:
     return mtp.IMPLEMENTATION
 
 
+def _draft_simple() -> Implementation:
+    from . import draft_simple  # as _dflash
+
+    return draft_simple.IMPLEMENTATION
+
+
 REGISTRY: tuple[Method, ...] = (
     Method(DFLASH, "DFlash 2", "draft", _dflash),
     Method(MTP, "MTP", NEXTN, _mtp),
+    Method("draft-simple", "Draft model", "draft-model", _draft_simple),
     Method(ngram.NGRAM_MOD, "ngram-mod", NOTHING, lambda: ngram.MOD, auto=False),
     Method(ngram.NGRAM_MAP_K, "ngram-map-k", NOTHING, lambda: ngram.MAP_K, auto=False),
 )

@@ -22,11 +22,12 @@ from dflash_runtime import load_pair
 from dflash_runtime.backends import load_backends
 from dflash_runtime.engine import Engine
 from dflash_runtime.testing.heads import SOFT_TOKENS
-from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
+from dflash_runtime.testing.tiny_models import TinyPair, tiny_draft_model, tiny_pair
 from dflash_runtime.verify import DRAFT, TARGET, RejectionVerifier, Verifiers
 
 PROMPT = "hello world"
 NGRAMS = ("ngram-mod", "ngram-map-k")
+DRAFT_SIMPLE = "draft-simple"
 NGRAM_KEYS = {"ngram-mod": {"n_match": 1}, "ngram-map-k": {"size_n": 1}}  # one-token keys: 3-token answers draft
 Z_LIMIT = 4.5  # one-sided normal quantile: a false alarm about once in 300,000 tests
 
@@ -145,6 +146,8 @@ COMBOS = [(t, d, v) for t in ("dense", "hybrid") for d in ("dflash2", "dflash1")
 COMBOS += [("hybrid", "mtp", v) for v in ("sample", "match")]  # the target's own MTP head drafts
 COMBOS += [(t, d, v) for t in ("dense", "hybrid") for d in NGRAMS for v in ("sample", "match")]  # no q: point masses
 CASES = [(*combo, VARIANTS[(i + j) % len(VARIANTS)]) for i, combo in enumerate(COMBOS) for j in (0, 2)]
+# A small model drafts, with its q: one variant a target (the verifiers are the same as every other method's).
+CASES += [("dense", DRAFT_SIMPLE, "sample", VARIANTS[0]), ("hybrid", DRAFT_SIMPLE, "match", VARIANTS[1])]
 
 
 def ngram_prompt(engine: Engine) -> str:
@@ -166,6 +169,12 @@ def markov() -> Iterator[dict]:
                 engine = load_pair(pair.target, None, n_ctx=256, draft_capacity=3, verifiers=verifiers,
                                    method_options=NGRAM_KEYS)
                 opened[key] = (engine, Reference(pair, engine, ngram_prompt(engine), draft))
+                return opened[key]
+            if draft == DRAFT_SIMPLE:
+                pair = tiny_pair(target, None, head="markov")
+                engine = load_pair(pair.target, tiny_draft_model(pair), n_ctx=256, draft_capacity=3,
+                                   verifiers=verifiers)
+                opened[key] = (engine, Reference(pair, engine, PROMPT, DRAFT_SIMPLE))
                 return opened[key]
             pair = (tiny_pair(target, None, head="markov", mtp_layers=1) if draft == "mtp"
                     else tiny_pair(target, draft, head="markov"))

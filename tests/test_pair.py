@@ -62,7 +62,6 @@ def test_stock_llama_cannot_open_a_draft_alone(no_leaks: None) -> None:
     ("kind", "error", "message"),
     [
         ("not_gguf", ModelFileError, "not a GGUF file"),
-        ("arch_not_dflash", PairMismatchError, "not a draft of any method"),
         ("vocab_size", PairMismatchError, "vocabulary mismatch"),
         ("special_tokens", PairMismatchError, "special token mismatch: target eos"),
         ("no_mask", PairMismatchError, "no mask token"),

@@ -11,6 +11,7 @@ __all__ = [
     "SHAPED_TOKENS",
     "TinyPair",
     "default_cache_dir",
+    "tiny_draft_model",
     "tiny_pair",
     "write_broken_draft",
 ]

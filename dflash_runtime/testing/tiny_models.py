@@ -4,7 +4,8 @@ Targets: `dense` (arch qwen3) and `hybrid` (arch qwen35: Gated DeltaNet + gated 
 target may carry a Qwen3.5 MTP (nextn) block after its trunk (`mtp_layers=1`), which llama.cpp drafts with
 (`--spec-type draft-mtp`); it predicts as well as the head allows (see heads.py).
 Drafts: `dflash2` (dynamic conv + candidate selector) and `dflash1`, both arch `dflash`; or none (`draft=None`:
-the target alone, e.g. a hybrid target with MTP).
+the target alone, e.g. a hybrid target with MTP). `tiny_draft_model(pair)` writes a draft for llama.cpp's
+`draft-simple`: a small dense model of the same vocabulary and head.
 Heads (see heads.py): `random` (≈0 % acceptance), `shaped` (one accepted token per step), `const`
 (≈100 %) and `regime` (≈100 % once the context ends in REGIME_TOKEN, ≈0 % otherwise).
 
@@ -41,6 +42,7 @@ __all__ = [
     "SHAPED_TOKENS",
     "TinyPair",
     "default_cache_dir",
+    "tiny_draft_model",
     "tiny_pair",
     "write_broken_draft",
 ]
@@ -106,6 +108,20 @@ def tiny_pair(
             cache / f"draft-{draft}-{stem}-{spec.draft_digest()}.gguf", lambda path: write_draft(path, spec)
         )
     return TinyPair(target=target_path, draft=draft_path, target_arch=spec.target.arch, draft_kind=draft, spec=spec)
+
+
+def tiny_draft_model(pair: TinyPair, *, n_layer: int = 1, cache_dir: Path | None = None) -> Path:
+    """A draft for the `draft-simple` method (llama.cpp's `--spec-type draft-simple`) of `pair`'s target: a dense
+    (qwen3) model of `n_layer` layers with the target's vocabulary, head, width and seed. Where the head decides
+    (every head but `random`, see heads.py) it predicts what the target says; elsewhere its own layers differ."""
+    if pair.spec is None:
+        raise ValueError("tiny_draft_model needs a pair generated here (its spec)")
+    t = pair.spec.target
+    spec = resolve_pair_spec("dense", None, head=t.head, n_embd=t.n_embd, dims="tiny", seed=t.seed,
+                             overrides={"n_layer": n_layer, "bos_template": t.bos_template})
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    name = f"draft-simple-{t.head}-e{t.n_embd}-l{n_layer}-{spec.target_digest()}.gguf"
+    return _ensure(cache / name, lambda path: TARGET_WRITERS["dense"](path, spec))
 
 
 def pair_paths(spec: Mapping[str, Any]) -> tuple[Path, Path]:

@@ -10,6 +10,9 @@ ngram-mod` / `ngram-map-k`, the key length `--ngram-n`, the draft length n as `-
 `--spec-ngram-map-k-size-m`; the engine the same method with the same options). The server keeps its n-gram tables
 for as long as it runs, the engine rebuilds them from each request's tokens: the server is started afresh for
 every prompt of these drafts.
+Draft `draft-simple` is a small model of the target's vocabulary (the generator's `tiny_draft_model`: a dense
+model of the target's head and seed): the server runs `-md DRAFT --spec-type draft-simple`, the engine
+`load_pair(target, DRAFT)` with `method="draft-simple"`, the same n-max, n-min and p-min.
 `--server-only` runs the server side alone and prints its acceptance (for an engine without that method).
 Both must emit the same tokens and text, and count the same drafted tokens, accepted tokens and verify steps
 (the server's `timings.draft_n`, `timings.draft_n_accepted` and its `spec_decode_num_drafts_total` metric).
@@ -22,13 +25,13 @@ streams; every stream's tokens must equal the server's for that prompt and the e
 aggregate tok/s of both (all streams' tokens / the wall time from the first request sent to the last answer; the
 median of `--rounds` rounds, the engine's and the server's alternating) as a markdown table; `--json PATH` keeps
 every figure, the server's own per-request `timings` (prompt_ms, predicted_ms, predicted_per_second, per slot) and
-its `n_decode_total` included. DFlash and MTP drafts only.
+its `n_decode_total` included. The model drafts only (DFlash, MTP, draft-simple).
 
 Requests must end before the context does: there llama-server stops one cell early (it keeps room for a context
 shift) and drops the accepted tokens of a step that reaches that cell, while the engine fills the context.
 
     python tools/compare_llama_server.py --server-bin /path/to/llama-server [--targets dense,hybrid]
-        [--drafts dflash2,dflash1,mtp,ngram-mod,ngram-map-k] [--heads shaped,regime] [--n-max 3,7]
+        [--drafts dflash2,dflash1,mtp,draft-simple,ngram-mod,ngram-map-k] [--heads shaped,regime] [--n-max 3,7]
         [--max-tokens 48] [--n-embd 128] [--n-ctx 512] [--ngram-n 3] [--server-only] [--parallel N] [--scaling 1,2,4,8]
         [--rounds 3] [--json PATH]
 
@@ -68,7 +71,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +81,7 @@ from dflash_runtime import load_pair
 from dflash_runtime.bench_concurrency import distinct_prompts, run_streams
 from dflash_runtime.engine import Engine
 from dflash_runtime.pair import LinkedPair
-from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
+from dflash_runtime.testing.tiny_models import TinyPair, tiny_draft_model, tiny_pair
 
 PROMPTS = (
     "Hello world",
@@ -91,6 +94,7 @@ VERIFY_METRIC = "llamacpp:spec_decode_num_drafts_total"
 DECODE_METRIC = "llamacpp:n_decode_total"  # the server's llama_decode calls (its speculative ones not counted)
 DFLASH_DRAFTS = ("dflash2", "dflash1")
 MTP = "mtp"  # the target's own nextn block
+DRAFT_SIMPLE = "draft-simple"  # a small model of the target's vocabulary
 NGRAMS = ("ngram-mod", "ngram-map-k")  # no draft file: the sequence drafts itself
 NGRAM_KEY = {"ngram-mod": "n_match", "ngram-map-k": "size_n"}  # the key length's engine option
 
@@ -228,6 +232,9 @@ def spec_args(args: argparse.Namespace, kind: str, draft: Path | None, n_max: in
     if kind == "ngram-map-k":
         return ["--spec-type", kind, "--spec-ngram-map-k-size-n", str(args.ngram_n), "--spec-ngram-map-k-size-m",
                 str(n_max)]
+    if kind == DRAFT_SIMPLE:
+        assert draft is not None
+        return ["-md", str(draft), "--spec-type", DRAFT_SIMPLE]
     return ["--spec-type", "draft-mtp"] if draft is None else ["-md", str(draft), "--spec-type", "draft-dflash"]
 
 
@@ -255,7 +262,11 @@ def running_server(
 
 
 def generated_pair(args: argparse.Namespace, target: str, draft: str | None, head: str, **extra: int) -> TinyPair:
-    """The generated pair of a row: the tiny sizes, or from --n-embd 256 up the benchmarks' Qwen-like scaled ones."""
+    """The generated pair of a row: the tiny sizes, or from --n-embd 256 up the benchmarks' Qwen-like scaled ones;
+    draft-simple: the target and a small model of its vocabulary as the draft."""
+    if draft == DRAFT_SIMPLE:
+        alone = generated_pair(args, target, None, head, **extra)
+        return replace(alone, draft=tiny_draft_model(alone), draft_kind=DRAFT_SIMPLE)
     return tiny_pair(target, draft, head=head, n_embd=args.n_embd, dims="scaled" if args.n_embd >= 256 else "tiny",
                      **extra)
 
@@ -269,7 +280,7 @@ def engine_outcome(engine: Engine, args: argparse.Namespace, tokens: list[int], 
     if not args.reuse:
         engine.reset()
     common = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=args.p_min)
-    method = draft if draft in (MTP, *NGRAMS) else "dflash"
+    method = draft if draft in (MTP, DRAFT_SIMPLE, *NGRAMS) else "dflash"
     r = engine.generate(tokens, method=method, draft_length=n_max, **common)
     s = r.stats
     return Outcome(tuple(r.tokens), r.text, s.drafted, s.accepted, s.verify_steps)
@@ -476,7 +487,8 @@ def engine_round(eng: Engine, prompts: Sequence[list[int]], options: dict[str, A
 def compare_parallel(args: argparse.Namespace, target: str, draft: str, head: str, logs: Path) -> list[Level]:
     """Every level of --scaling on one server (-np N) and one engine (parallel=N), for each draft length."""
     if draft in NGRAMS:
-        raise UsageError("--parallel compares the model drafts (dflash2, dflash1, mtp), not the n-gram ones")
+        raise UsageError("--parallel compares the model drafts (dflash2, dflash1, mtp, draft-simple), not the n-gram "
+                         "ones")
     if draft == MTP and target != "hybrid":
         raise UsageError(f"draft {MTP} needs the hybrid target (only qwen35 targets carry an MTP block)")
     if draft == MTP:
@@ -494,7 +506,7 @@ def compare_parallel(args: argparse.Namespace, target: str, draft: str, head: st
         plain = tuple(plain_tokens(eng, x, args.max_tokens) for x in ids)
         for n_max in args.n_max:
             options = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=args.p_min, draft_length=n_max,
-                           method=MTP if draft == MTP else "dflash")
+                           method=draft if draft in (MTP, DRAFT_SIMPLE) else "dflash")
             log = logs / f"{target}-{draft}-{head}-n{n_max}-np{n_par}.log"
             with running_server(args, pair.target, draft, pair.draft, n_max, log, n_parallel=n_par) as server:
                 server.generate(ids[0], 8)  # warm-up, both sides: first-touch of the weights
@@ -586,8 +598,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--server-bin", type=Path, required=True, help="llama-server built from the vendored llama.cpp")
     p.add_argument("--targets", type=_csv(str), default=["dense", "hybrid"])
     p.add_argument("--drafts", type=_csv(str), default=list(DFLASH_DRAFTS),
-                   help=f"{', '.join(DFLASH_DRAFTS)} (draft files), {MTP} (the hybrid target's nextn block) or "
-                        f"{', '.join(NGRAMS)} (the target alone)")
+                   help=f"{', '.join(DFLASH_DRAFTS)} (draft files), {MTP} (the hybrid target's nextn block), "
+                        f"{DRAFT_SIMPLE} (a small model of the target's vocabulary) or {', '.join(NGRAMS)} (the "
+                        "target alone)")
     p.add_argument("--heads", type=_csv(str), default=["shaped", "regime"])
     p.add_argument("--n-max", type=_csv(int), default=[3, 7], help="fixed draft lengths")
     p.add_argument("--max-tokens", type=int, default=48)

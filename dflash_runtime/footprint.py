@@ -9,7 +9,8 @@ llama-memory-recurrent.cpp, llama-hparams.cpp, models/qwen35.cpp):
 - rollback snapshots: n_rs_seq (the draft capacity) more copies of that recurrent state, so that a rejected draft
   rolls back;
 - context checkpoints: copies of the recurrent state in host memory, up to CheckpointPolicy's count and bytes;
-- draft KV: the DFlash draft's own layers, n_ctx cells each (the draft context is as long as the target's);
+- draft KV: the draft's own layers (a DFlash draft's, or a draft-simple model's attention layers), n_ctx cells each
+  (the draft context is as long as the target's);
 - MTP KV: the MTP context's cache holds the nextn layer(s) only.
 Compute buffers and weights are shared by all sequences and are not counted here.
 

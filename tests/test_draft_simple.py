@@ -5,6 +5,8 @@ tests/test_distribution.py; against llama-server: tools/compare_llama_server.py 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from pairs import PROMPTS
 
@@ -12,6 +14,8 @@ from dflash_runtime import PairMismatchError, load_pair
 from dflash_runtime.footprint import sequence_footprint
 from dflash_runtime.gguf_meta import read_gguf
 from dflash_runtime.testing.tiny_models import tiny_draft_model, tiny_pair
+
+KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB")  # as tests/test_footprint.py reads libllama's log
 
 METHOD = "draft-simple"
 
@@ -76,12 +80,27 @@ def test_the_target_itself_drafts_every_token_right() -> None:
         assert result.stats.drafted > 0 and result.stats.accepted == result.stats.drafted
 
 
-def test_a_recurrent_model_is_refused_as_a_draft_and_its_memory_is_counted() -> None:
+def test_a_recurrent_model_is_refused_as_a_draft() -> None:
     hybrid = tiny_pair("hybrid", None, head="phrase")
     dense = tiny_pair("dense", None, head="phrase")
     with pytest.raises(PairMismatchError, match=r"recurrent .* attention only"):
         load_pair(dense.target, hybrid.target, n_ctx=256)
+
+
+def test_its_memory_per_sequence_is_what_libllama_allocates(capfd: pytest.CaptureFixture[str]) -> None:
+    """footprint.py's draft_kv for a draft-simple model: the draft context's KV cache as libllama logs it, for one
+    sequence and for each more."""
+    dense = tiny_pair("dense", None, head="phrase")
     draft = tiny_draft_model(dense)
-    with_draft = sequence_footprint(read_gguf(dense.target), read_gguf(draft), n_ctx=512)
-    alone = sequence_footprint(read_gguf(dense.target), n_ctx=512)
-    assert with_draft["draft_kv"] > 0 and with_draft["device"] == alone["device"] + with_draft["draft_kv"]
+    one = sequence_footprint(read_gguf(dense.target), read_gguf(draft), n_ctx=1024)
+    assert one["device"] == sequence_footprint(read_gguf(dense.target), n_ctx=1024)["device"] + one["draft_kv"]
+    logged = []
+    for parallel in (1, 2):
+        capfd.readouterr()
+        with load_pair(dense.target, draft, n_ctx=1024, parallel=parallel, verbose=True):
+            pass
+        kv = [float(m.group(1)) for m in KV_LINE.finditer(capfd.readouterr().err)]
+        assert len(kv) == 2, kv  # the target's, then the draft's
+        logged.append(kv[1])
+    assert one["draft_kv"] / 2**20 > 0.1
+    assert logged == pytest.approx([one["draft_kv"] / 2**20, 2 * one["draft_kv"] / 2**20], abs=0.012)

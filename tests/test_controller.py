@@ -84,3 +84,23 @@ def test_policy_logic_without_a_model() -> None:
         pol.observe(n, n, n, 0.001 * (1 + 0.5 * n))  # always accepted
     assert lengths[-20:] == [7] * 20
     assert pol.describe()["best_length"] == 7
+
+
+def test_the_cost_model_sees_the_rows_of_the_decode_it_pays_for() -> None:
+    """Beside a plain request that runs throughout, every decode of a drafting request holds both requests' rows,
+    evened out with filler rows: 2 × (n + 1) for a round of length n. Its cost model is keyed by those rows (it
+    used to see n + 1 plus the rows of lower-numbered sequences, counted before the filler)."""
+    p = tiny_pair("dense", "dflash2", head="const")
+    with load_pair(p.target, p.draft, n_ctx=1024, draft_capacity=7, parallel=2) as eng:
+        plain = eng.stream(PROMPTS[0], max_tokens=400, speculative=False)
+        next(plain)  # its prompt is in: from here on it decodes one row a step
+        drafting = eng.stream(PROMPTS[1], max_tokens=60, draft_length="auto", cache_owner="drafting")
+        for event in drafting:
+            assert next(plain).finish_reason is None  # one event each a step: both in every decode
+            if event.finish_reason is not None:
+                break
+        plain.close()
+        policy = eng._policies.get("drafting", "dflash", "auto", 7)  # the one the request gave back
+    lengths = {n for n, cost in enumerate(policy.cost) if cost is not None}
+    assert max(lengths) > 0
+    assert set(policy.row_cost) == {2 * (n + 1) for n in lengths}

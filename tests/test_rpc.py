@@ -24,20 +24,22 @@ from dflash_runtime.testing.rpc_server import LoopbackServer, free_port
 from dflash_runtime.testing.tiny_models import pair_paths, tiny_pair
 
 PROMPTS = ("the quick brown fox jumps over the lazy dog.", "one two three four five six")
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 N_CTX = 512
 # The demo targets have 8 trunk layers: 5 "GPU layers" put layers 4-7 and the output head on the server, 0-3 stay
-# here; the hybrid one has its MTP block as layer 8, so 6 put it on the server too.
+# here; the hybrid one has its MTP block as layer 8, so 6 put it on the server too. The tiny pair has 4 layers.
 HALF = 5
+TINY_HALF = 3
 FAULT_DEADLINE_S = 10.0
 
 
-def _demo(name: str) -> Any:
-    return tiny_pair(**DEMO_PAIRS[name][0])
+def _pair(name: str) -> Any:
+    """A demo pair (DEMO_PAIRS), or "tiny": the small dense pair (4 layers) for the fault tests."""
+    return tiny_pair("dense", "dflash2") if name == "tiny" else tiny_pair(**DEMO_PAIRS[name][0])
 
 
 def _open(name: str, parallel: int = 2, **remote: Any) -> Engine:
-    pair = _demo(name)
+    pair = _pair(name)
     return load_pair(pair.target, pair.draft, n_ctx=N_CTX, draft_capacity=7, parallel=parallel, **remote)
 
 
@@ -106,17 +108,17 @@ def test_a_server_that_is_down_at_load_is_named_within_seconds() -> None:
     handles = live_handles()
     started = time.monotonic()
     with pytest.raises(RemoteDeviceError, match=f"RPC server at {endpoint} is not reachable"):
-        _open("dense", rpc=[endpoint], n_gpu_layers=HALF)
+        _open("tiny", rpc=[endpoint], n_gpu_layers=TINY_HALF)
     assert time.monotonic() - started < FAULT_DEADLINE_S and live_handles() == handles
 
 
 def test_a_server_killed_mid_answer_fails_every_request_and_a_new_load_works_after_its_restart(tmp_path) -> None:
-    with _open("dense", parallel=1) as local:
+    with _open("tiny", parallel=1) as local:
         expected = local.generate(PROMPTS[0], max_tokens=MAX_TOKENS, speculative=False).tokens
     handles = live_handles()
     server = LoopbackServer(threads=1, log=tmp_path / "server.log").start()
     try:
-        engine = _open("dense", rpc=[server.endpoint], rpc_cpu=True, n_gpu_layers=HALF)
+        engine = _open("tiny", rpc=[server.endpoint], rpc_cpu=True, n_gpu_layers=TINY_HALF)
         streams = [engine.stream(p, max_tokens=400, speculative=i == 0) for i, p in enumerate(PROMPTS)]
         for stream in streams:
             assert next(stream).finish_reason is None  # both mid-answer
@@ -130,9 +132,9 @@ def test_a_server_killed_mid_answer_fails_every_request_and_a_new_load_works_aft
         engine.close()
         assert live_handles() == handles
         with pytest.raises(RemoteDeviceError, match=f"{server.endpoint} is not reachable"):
-            _open("dense", rpc=[server.endpoint], n_gpu_layers=HALF)
+            _open("tiny", rpc=[server.endpoint], n_gpu_layers=TINY_HALF)
         server.start()  # the same port again
-        with _open("dense", parallel=1, rpc=[server.endpoint], rpc_cpu=True, n_gpu_layers=HALF) as again:
+        with _open("tiny", parallel=1, rpc=[server.endpoint], rpc_cpu=True, n_gpu_layers=TINY_HALF) as again:
             assert again.generate(PROMPTS[0], max_tokens=MAX_TOKENS, speculative=False).tokens == expected
     finally:
         server.kill()
@@ -141,10 +143,10 @@ def test_a_server_killed_mid_answer_fails_every_request_and_a_new_load_works_aft
 
 def test_the_space_reports_a_lost_server_without_its_address_and_loads_again_once_it_is_back() -> None:
     server = LoopbackServer(threads=1).start()
-    env = {"DFLASH_N_CTX": str(N_CTX), "DFLASH_RPC": server.endpoint, "DFLASH_GPU_LAYERS": str(HALF),
+    env = {"DFLASH_N_CTX": str(N_CTX), "DFLASH_RPC": server.endpoint, "DFLASH_GPU_LAYERS": str(TINY_HALF),
            "DFLASH_PARALLEL": "auto"}
     preset = configured_preset(True, env, pair_paths)
-    pair = _demo("dense")
+    pair = _pair("tiny")  # the demo's preset and settings, the small pair's files (the host opens the job's files)
     request = build_request(preset=preset.name, presets=[preset.name], limits=Limits(), message="hello world",
                             max_tokens=MAX_TOKENS, draft_length=7)
     job = GpuJob(request, preset, ResolvedPair(pair.target, pair.draft))
@@ -186,6 +188,6 @@ def test_the_server_command_is_the_wheels_binary_with_its_rpc_backend() -> None:
 def test_bad_endpoints_and_splits_are_refused_before_anything_loads(server: LoopbackServer) -> None:
     for bad in (["nohost"], ["127.0.0.1:0"], "127.0.0.1:50052"):
         with pytest.raises(ValueError, match="host:port"):
-            _open("dense", rpc=bad, n_gpu_layers=HALF)
+            _open("tiny", rpc=bad, n_gpu_layers=TINY_HALF)
     with pytest.raises(ValueError, match="one weight"):
-        _open("dense", rpc=[server.endpoint], n_gpu_layers=HALF, tensor_split=[1.0, 2.0])
+        _open("tiny", rpc=[server.endpoint], n_gpu_layers=TINY_HALF, tensor_split=[1.0, 2.0])

@@ -83,12 +83,12 @@ def probe(host: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> list[tu
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
             sock.settimeout(timeout_s)
-            hello = _ask(sock, HELLO, bytes(CONN_CAPS_SIZE), 4 + CONN_CAPS_SIZE)
+            hello = ask(sock, HELLO, bytes(CONN_CAPS_SIZE), 4 + CONN_CAPS_SIZE)
             if hello[0] != PROTO_MAJOR or hello[1] > PROTO_MINOR:
                 raise RemoteDeviceError(f"the RPC server at {endpoint} speaks protocol {hello[0]}.{hello[1]}, this "
                                         f"build {PROTO_MAJOR}.{PROTO_MINOR}: run the same llama.cpp build on both ends")
-            (count,) = struct.unpack("<I", _ask(sock, DEVICE_COUNT, b"", 4))
-            return [struct.unpack("<QQ", _ask(sock, GET_DEVICE_MEMORY, struct.pack("<I", i), 16))
+            (count,) = struct.unpack("<I", ask(sock, DEVICE_COUNT, b"", 4))
+            return [struct.unpack("<QQ", ask(sock, GET_DEVICE_MEMORY, struct.pack("<I", i), 16))
                     for i in range(count)]  # fmt: skip
     except TimeoutError:
         raise RemoteDeviceError(
@@ -99,7 +99,8 @@ def probe(host: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> list[tu
         raise RemoteDeviceError(f"the RPC server at {endpoint} is not reachable: {reason}") from None
 
 
-def _ask(sock: socket.socket, cmd: int, payload: bytes, n_reply: int) -> bytes:
+def ask(sock: socket.socket, cmd: int, payload: bytes, n_reply: int) -> bytes:
+    """One command and its reply over a connection of its own to a server."""
     sock.sendall(bytes((cmd,)) + struct.pack("<Q", len(payload)) + payload)
     (size,) = struct.unpack("<Q", recv_exact(sock, 8))
     if size != n_reply:

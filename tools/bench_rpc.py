@@ -3,15 +3,17 @@
 
     python tools/bench_rpc.py [--pair dense|methods] [--gpu-layers 5] [--max-tokens 64] [--runs 3] [--json out.json]
 
-For each mode (plain, DFlash 2, MTP where the pair has it) it runs the prompts `runs` times on each engine and
-reports the median speed, the target decodes, and through the relay's counters the round trips and bytes per decode;
-it checks that both engines answered the same tokens. Only 127.0.0.1 is used.
+For each mode (plain, DFlash 2, MTP where the pair has it) it runs the prompts `runs` times on each engine, one
+request on each in turn, and reports the median speed and time per target decode, and through the relay's counters
+the round trips and bytes per decode; it checks that both engines answered the same tokens. Before that, the time of
+one small round trip straight to the server and through a relay. Only 127.0.0.1 is used.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import sys
 import time
@@ -21,6 +23,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_runtime import load_pair
+from dflash_runtime.rpc import ask
+from dflash_runtime.rpc_relay import CONN_CAPS_SIZE, DEVICE_COUNT, HELLO, Relay
 from dflash_runtime.space.presets import DEMO_PAIRS
 from dflash_runtime.testing.rpc_server import LoopbackServer
 from dflash_runtime.testing.tiny_models import tiny_pair
@@ -28,33 +32,42 @@ from dflash_runtime.testing.tiny_models import tiny_pair
 PROMPTS = ("the quick brown fox jumps over the lazy dog.", "one two three four five six", "hello world")
 
 
-def run_mode(engine: Any, mode: dict[str, Any], max_tokens: int, runs: int, endpoint: str | None) -> dict[str, Any]:
-    speeds, answers = [], []
-    decodes = trips = sent = received = 0
-    seconds = 0.0
-    for _ in range(runs):
-        for prompt in PROMPTS:
-            engine.reset()
-            before_steps = engine.step_counters()["decodes"]
-            before = engine.info()["placement"].get("rpc", {}).get(endpoint) if endpoint else None
-            started = time.perf_counter()
-            result = engine.generate(prompt, max_tokens=max_tokens, **mode)
-            elapsed = time.perf_counter() - started
-            seconds += elapsed
-            speeds.append(len(result.tokens) / elapsed)
-            answers.append(result.tokens)
-            decodes += engine.step_counters()["decodes"] - before_steps
-            if before is not None:
-                after = engine.info()["placement"]["rpc"][endpoint]
-                trips += after["round_trips"] - before["round_trips"]
-                sent += after["bytes_sent"] - before["bytes_sent"]
-                received += after["bytes_received"] - before["bytes_received"]
-    out = {"tok_s": round(statistics.median(speeds), 1), "decodes_per_request": decodes / (runs * len(PROMPTS)),
-           "ms_per_decode": round(1000 * seconds / decodes, 3), "answers": answers}
-    if endpoint:
-        out |= {"round_trips_per_decode": round(trips / decodes, 2), "bytes_sent_per_decode": round(sent / decodes),
-                "bytes_received_per_decode": round(received / decodes)}
+def one_request(engine: Any, prompt: str, mode: dict[str, Any], max_tokens: int, endpoint: str | None) -> dict:
+    engine.reset()
+    decodes = engine.step_counters()["decodes"]
+    before = engine.info()["placement"]["rpc"][endpoint] if endpoint else None
+    started = time.perf_counter()
+    result = engine.generate(prompt, max_tokens=max_tokens, **mode)
+    seconds = time.perf_counter() - started
+    out = {"tokens": result.tokens, "seconds": seconds, "decodes": engine.step_counters()["decodes"] - decodes}
+    if before is not None:
+        after = engine.info()["placement"]["rpc"][endpoint]
+        out |= {k: after[k] - before[k] for k in ("round_trips", "bytes_sent", "bytes_received")}
     return out
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    decodes = sum(r["decodes"] for r in runs)
+    out = {"tok_s": round(statistics.median(len(r["tokens"]) / r["seconds"] for r in runs), 1),
+           "ms_per_decode": round(statistics.median(1000 * r["seconds"] / r["decodes"] for r in runs), 3),
+           "decodes_per_request": round(decodes / len(runs), 1)}
+    if "round_trips" in runs[0]:
+        out |= {f"{k}_per_decode": round(sum(r[k] for r in runs) / decodes, 2)
+                for k in ("round_trips", "bytes_sent", "bytes_received")}
+    return out
+
+
+def ping_us(host: str, port: int, n: int) -> float:
+    """Median microseconds of one small round trip (DEVICE_COUNT) to host:port."""
+    times = []
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        ask(sock, HELLO, bytes(CONN_CAPS_SIZE), 4 + CONN_CAPS_SIZE)
+        for _ in range(n):
+            started = time.perf_counter()
+            ask(sock, DEVICE_COUNT, b"", 4)
+            times.append(time.perf_counter() - started)
+    return round(1e6 * statistics.median(times), 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,20 +84,30 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"pair": args.pair, "gpu_layers": args.gpu_layers, "runs": args.runs,
                                "max_tokens": args.max_tokens}  # fmt: skip
     server = LoopbackServer(threads=args.threads).start()
-    remote_options = {"rpc": [server.endpoint], "rpc_cpu": True, "n_gpu_layers": args.gpu_layers,
-                      "draft_gpu_layers": 0}
     try:
+        # One small round trip straight to the server and through a relay of its own (nothing else connected).
+        relay = Relay("127.0.0.1", server.port)
+        results["ping_us"] = {"direct": ping_us("127.0.0.1", server.port, 500),
+                              "through_relay": ping_us("127.0.0.1", int(relay.address.rsplit(":", 1)[1]), 500)}
+        print("ping", json.dumps(results["ping_us"]), flush=True)
+        remote_options = {"rpc": [server.endpoint], "rpc_cpu": True, "n_gpu_layers": args.gpu_layers,
+                          "draft_gpu_layers": 0}
         with load_pair(pair.target, pair.draft, **options) as local, \
                 load_pair(pair.target, pair.draft, **options, **remote_options) as remote:
             results["placement"] = {k: v for k, v in remote.info()["placement"].items() if k != "rpc"}
             modes = {"plain": {"speculative": False}}
-            modes |= {m: {"method": m} for m in ("dflash", "mtp") if m in local.methods}
+            # A fixed draft length: "auto" adapts to measured times, which differ between the two engines.
+            modes |= {m: {"method": m, "draft_length": 7} for m in ("dflash", "mtp") if m in local.methods}
             for name, mode in modes.items():
-                here = run_mode(local, mode, args.max_tokens, args.runs, None)
-                there = run_mode(remote, mode, args.max_tokens, args.runs, server.endpoint)
-                same = here.pop("answers") == there.pop("answers")
-                results[name] = {"local": here, "rpc": there, "same_tokens": same,
-                                 "added_ms_per_decode": round(there["ms_per_decode"] - here["ms_per_decode"], 3)}
+                here, there = [], []
+                for _ in range(args.runs):  # alternating, so that the machine's load falls on both alike
+                    for prompt in PROMPTS:
+                        here.append(one_request(local, prompt, mode, args.max_tokens, None))
+                        there.append(one_request(remote, prompt, mode, args.max_tokens, server.endpoint))
+                same = [r["tokens"] for r in here] == [r["tokens"] for r in there]
+                results[name] = {"local": summary(here), "rpc": summary(there), "same_tokens": same}
+                results[name]["added_ms_per_decode"] = round(results[name]["rpc"]["ms_per_decode"]
+                                                             - results[name]["local"]["ms_per_decode"], 3)
                 print(name, json.dumps(results[name]), flush=True)
     finally:
         server.kill()

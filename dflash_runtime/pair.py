@@ -167,10 +167,11 @@ class LinkedPair:
     `rpc`: RPC servers ("host:port", started with `python -m dflash_runtime rpc-server`) whose devices join the
     local GPUs, remote first; `n_gpu_layers` layers go to those devices, weighted by `tensor_split` (one weight per
     device, remote first; default: by free memory), the rest stay on the local CPU (see placement.py, rpc.py). The
-    draft's layers follow `draft_gpu_layers` (default `n_gpu_layers`) on the same devices: its graph reads the
-    target's output head and token embeddings wherever they are. `rpc_cpu=True` says the servers compute with the
-    CPU backend of this same build, so the pair keeps its CPU numerics (and batch invariance). `rpc_timeout_s` is
-    how long a server's reply may take before the server counts as gone.
+    draft's layers follow `draft_gpu_layers` (default `n_gpu_layers`) on the same devices (its graph reads the
+    target's output head and token embeddings wherever they are), on the local GPUs where there are some.
+    `rpc_cpu=True` says the servers compute with the CPU backend of this same build, so the pair keeps its CPU
+    numerics (and batch invariance). `rpc_timeout_s` is how long a server's reply may take before the server counts
+    as gone.
     Raw pointers are exposed as `.target_model`, `.target_ctx`, `.draft_model`, `.draft_ctx` for callers that
     drive libllama themselves. Free with `close()` or a `with` block; the draft goes before the target.
     """
@@ -320,7 +321,8 @@ class LinkedPair:
 
     def _open_draft(self, n_gpu_layers: int, threads: int) -> None:
         assert self.spec is not None and self.draft_info is not None and self.api is not None
-        self.draft_model = self._owned.push(_load_model(self.draft_info.path, n_gpu_layers, devices=self.devices),
+        devices = self.devices.for_draft() if self.devices is not None else None
+        self.draft_model = self._owned.push(_load_model(self.draft_info.path, n_gpu_layers, devices=devices),
                                             ll.llama_model_free)
         self.draft_layers = dict(_log.layer_devices)
         params = ll.llama_context_default_params()

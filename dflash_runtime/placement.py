@@ -42,6 +42,21 @@ class DeviceList:
                                  f"first), not all 0 (got {list(tensor_split)!r})")
             self._split = (ctypes.c_float * max(len(weights), int(ll.llama_max_devices())))(*weights)
 
+    def for_draft(self) -> DeviceList:
+        """The draft's list: the same devices (its graph runs the target's output head and token embeddings wherever
+        they are), its layers on the local GPUs when there are some, where the output head it ends in is (remote
+        devices first, so the last layers and the head are local): none of its steps then crosses the network. With
+        no local GPU the head is on a remote device, and the draft follows `draft_gpu_layers` there."""
+        if not (self.remote and self.local_gpus):
+            return self
+        draft = DeviceList.__new__(DeviceList)
+        draft.remote, draft.names, draft.local_gpus, draft._devices = self.remote, self.names, self.local_gpus, \
+            self._devices
+        n_remote = len(self.remote.devices)
+        weights = [0.0] * n_remote + [1.0] * len(self.local_gpus)
+        draft._split = (ctypes.c_float * max(len(weights), int(ll.llama_max_devices())))(*weights)
+        return draft
+
     def apply(self, params: Any) -> None:
         """Set the model parameters' device list (and tensor split)."""
         params.devices = ctypes.addressof(self._devices)

@@ -43,6 +43,8 @@ def one_request(engine: Any, prompt: str, mode: dict[str, Any], max_tokens: int,
     if before is not None:
         after = engine.info()["placement"]["rpc"][endpoint]
         out |= {k: after[k] - before[k] for k in ("round_trips", "bytes_sent", "bytes_received")}
+        out["commands"] = {c: n - before["commands"].get(c, 0) for c, n in after["commands"].items()
+                           if n > before["commands"].get(c, 0)}
     return out
 
 
@@ -54,6 +56,9 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if "round_trips" in runs[0]:
         out |= {f"{k}_per_decode": round(sum(r[k] for r in runs) / decodes, 2)
                 for k in ("round_trips", "bytes_sent", "bytes_received")}
+        names = sorted({c for r in runs for c in r["commands"]})
+        out["commands_per_decode"] = {c: round(sum(r["commands"].get(c, 0) for r in runs) / decodes, 2)
+                                      for c in names}
     return out
 
 

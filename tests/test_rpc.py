@@ -6,9 +6,12 @@ closes, and a new load works once the server is back."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,6 +34,7 @@ N_CTX = 512
 HALF = 5
 TINY_HALF = 3
 FAULT_DEADLINE_S = 10.0
+RECIPE = Path(__file__).resolve().parents[1] / "prebuilt_wheels" / "build_wheel.py"
 
 
 def _pair(name: str) -> Any:
@@ -191,3 +195,21 @@ def test_bad_endpoints_and_splits_are_refused_before_anything_loads(server: Loop
             _open("tiny", rpc=bad, n_gpu_layers=TINY_HALF)
     with pytest.raises(ValueError, match="one weight"):
         _open("tiny", rpc=[server.endpoint], n_gpu_layers=TINY_HALF, tensor_split=[1.0, 2.0])
+
+
+def test_the_recipe_moves_the_rpc_module_aside_and_builds_the_server_once(tmp_path) -> None:
+    spec = importlib.util.spec_from_file_location("build_wheel_rpc", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe  # its dataclasses look their module up
+    spec.loader.exec_module(recipe)
+    assert "-DGGML_RPC=ON" in recipe.BuildConfig("cpu", [], "", []).cmake_args()
+    lines = "    llama_cpp_python_install_target(ggml-musa)\n" + recipe.RPC_CMAKE_ANCHOR + "    # rest\n"
+    (tmp_path / "CMakeLists.txt").write_text(lines)
+    for _ in range(2):  # a resumed build patches the same tree again
+        recipe.patch_rpc_server(tmp_path)
+        patched = (tmp_path / "CMakeLists.txt").read_text()
+        assert patched == lines.replace(recipe.RPC_CMAKE_ANCHOR, recipe.RPC_CMAKE_HOOK)
+    assert "lib/rpc" in patched and "add_subdirectory(vendor/llama.cpp/tools/rpc)" in patched
+    (tmp_path / "CMakeLists.txt").write_text("project(other)\n")
+    with pytest.raises(recipe.RecipeError, match="the patch cannot apply"):
+        recipe.patch_rpc_server(tmp_path)

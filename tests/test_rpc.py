@@ -11,6 +11,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from dflash_runtime.engine import Engine
 from dflash_runtime.pair import live_handles
 from dflash_runtime.rpc import server_command
 from dflash_runtime.space.host import EngineHost, GpuJob
-from dflash_runtime.space.presets import DEMO_PAIRS, ResolvedPair, configured_preset
+from dflash_runtime.space.presets import DEMO_PAIRS, ResolvedPair, configured_preset, parallel_from_env
 from dflash_runtime.space.requests import Limits, build_request
 from dflash_runtime.testing.rpc_server import LoopbackServer, free_port
 from dflash_runtime.testing.tiny_models import pair_paths, tiny_pair
@@ -147,9 +148,9 @@ def test_a_server_killed_mid_answer_fails_every_request_and_a_new_load_works_aft
 
 def test_the_space_reports_a_lost_server_without_its_address_and_loads_again_once_it_is_back() -> None:
     server = LoopbackServer(threads=1).start()
-    env = {"DFLASH_N_CTX": str(N_CTX), "DFLASH_RPC": server.endpoint, "DFLASH_GPU_LAYERS": str(TINY_HALF),
-           "DFLASH_PARALLEL": "auto"}
-    preset = configured_preset(True, env, pair_paths)
+    env = {"DFLASH_N_CTX": str(N_CTX), "DFLASH_RPC": server.endpoint, "DFLASH_GPU_LAYERS": str(TINY_HALF)}
+    parallel, parallel_fit = parallel_from_env({"DFLASH_PARALLEL": "auto"}, zero_gpu=False)  # as the service does
+    preset = replace(configured_preset(True, env, pair_paths), parallel=parallel, parallel_fit=parallel_fit)
     pair = _pair("tiny")  # the demo's preset and settings, the small pair's files (the host opens the job's files)
     request = build_request(preset=preset.name, presets=[preset.name], limits=Limits(), message="hello world",
                             max_tokens=MAX_TOKENS, draft_length=7)
@@ -161,6 +162,7 @@ def test_the_space_reports_a_lost_server_without_its_address_and_loads_again_onc
         placement = first.engine_info["placement"]
         assert [d["where"] for d in placement["devices"]] == ["local", "remote"] and "rpc" not in placement
         assert server.endpoint not in json.dumps(first.engine_info)
+        assert host.parallel_plan is not None and "1 remote device" in host.parallel_plan.where  # auto counts it
         server.kill()
         for reason in ("went away", "is not reachable"):  # mid-use, then at the reload the failure asked for
             failed = _final(host.run(job))

@@ -15,6 +15,7 @@ from .errors import (
     ModelFileError,
     PairMismatchError,
     PromptTooLongError,
+    RemoteDeviceError,
     RequestError,
     RollbackError,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "ModelFileError",
     "PairMismatchError",
     "PromptTooLongError",
+    "RemoteDeviceError",
     "RequestError",
     "Result",
     "RollbackError",

@@ -166,6 +166,35 @@ def device_memory() -> list[DeviceMemory]:
     return devices
 
 
+def offload_devices() -> list[tuple[str, int]]:
+    """(name, ggml_backend_dev_t) of the local devices libllama offloads layers to by default: the GPUs (integrated
+    ones only without a discrete one), in ggml's order. After loading the backends."""
+    load_backends()
+    lib = ggml_library()
+    lib.ggml_backend_dev_count.argtypes, lib.ggml_backend_dev_count.restype = [], ctypes.c_size_t
+    lib.ggml_backend_dev_get.argtypes, lib.ggml_backend_dev_get.restype = [ctypes.c_size_t], ctypes.c_void_p
+    lib.ggml_backend_dev_type.argtypes, lib.ggml_backend_dev_type.restype = [ctypes.c_void_p], ctypes.c_int
+    lib.ggml_backend_dev_name.argtypes, lib.ggml_backend_dev_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+    found: dict[str, list[tuple[str, int]]] = {"gpu": [], "igpu": []}
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        kind = lib.ggml_backend_dev_type(dev) if dev else -1
+        if 0 <= kind < len(DEVICE_KINDS) and DEVICE_KINDS[kind] in found:
+            found[DEVICE_KINDS[kind]].append(((lib.ggml_backend_dev_name(dev) or b"?").decode(), int(dev)))
+    return found["gpu"] or found["igpu"]
+
+
+def host_memory_total(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """Bytes of physical host memory."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def host_memory_available(meminfo: Path = Path("/proc/meminfo")) -> int:
     """Bytes of host memory available to new allocations without swapping (Linux's MemAvailable; elsewhere the
     physical pages the system calls available)."""

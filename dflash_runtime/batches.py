@@ -10,6 +10,7 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from .errors import DecodeError
+from .rpc import raise_if_lost
 
 
 def decode_error(what: str, rc: int, n_rows: int) -> DecodeError:
@@ -66,6 +67,7 @@ class TokenBatch:
 
     def decode(self, ctx: Any, what: str) -> None:
         rc = ll.llama_decode(ctx, self._batch)
+        raise_if_lost(ctx)  # a remote device that went away: its numbers (and the status) mean nothing
         if rc != 0:
             raise decode_error(what, rc, self._batch.n_tokens)
 
@@ -112,6 +114,7 @@ class FeatureBatch:
             if not ll.llama_batch_ext_set_pos(self._batch, idx, pos):
                 raise DecodeError(f"could not set the position of feature row {i}")
         rc = ll.llama_process(self._ctx, ll.LLAMA_PROCESS_TYPE_DECODE, self._batch)
+        raise_if_lost(self._ctx)
         if rc != 0:
             raise decode_error("draft feature injection", rc, n)
 

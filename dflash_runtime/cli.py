@@ -1,4 +1,4 @@
-"""`python -m dflash_runtime generate | bench`."""
+"""`python -m dflash_runtime generate | bench | rpc-server`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ def _add_pair_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--draft-capacity", type=int, default=None,
                    help="longest draft the pair is opened for (default: block_size − 1, at most 15; 7 for MTP)")
     p.add_argument("--no-mtp", action="store_true", help="do not open the target's MTP head")
+    p.add_argument("--rpc", default=None,
+                   help="comma list of RPC servers (host:port) whose devices take part of the layers (--gpu-layers)")
+    p.add_argument("--tensor-split", default=None, help="comma list of weights, one per device (remote first)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,7 +51,36 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="speculative vs plain decoding, per draft length (or per concurrency)")
     _add_pair_args(b, required=True)
     add_bench_args(b)
+
+    r = sub.add_parser("rpc-server", help="lend this machine's devices to pairs on other machines (ggml's RPC server)",
+                       description=f"Runs the wheel's ggml-rpc-server. {RPC_WARNING}")
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    r.add_argument("--port", type=int, default=50052)
+    r.add_argument("--threads", type=int, default=None, help="threads of the CPU device")
+    r.add_argument("--device", default=None, help="comma list of the devices to lend (default: the GPUs, else the CPU)")
+    r.add_argument("--cache", action="store_true", help="keep received weights on disk, so a reload sends none")
+    r.add_argument("--print", action="store_true", help="print the command (and its environment) instead of running it")
     return ap
+
+
+RPC_WARNING = ("An RPC server trusts whoever connects: any client can run graphs on its devices and read or write "
+               "their memory. Never expose it to an open network: listen on 127.0.0.1, or on a private network you "
+               "trust.")
+
+
+def _rpc_server(args: argparse.Namespace) -> int:
+    import os
+    import shlex
+
+    from .rpc import server_command
+
+    argv, env = server_command(args.host, args.port, threads=args.threads, devices=args.device, cache=args.cache)
+    if args.print:
+        print(f"GGML_BACKEND_PATH={shlex.quote(env['GGML_BACKEND_PATH'])} {shlex.join(argv)}")
+        return 0
+    print(f"warning: {RPC_WARNING}", file=sys.stderr, flush=True)
+    os.execve(argv[0], argv, env)  # the server in this process's place: signals and exit status are its own
+    return 1  # not reached
 
 
 def add_bench_args(b: argparse.ArgumentParser) -> None:
@@ -95,9 +127,13 @@ def _open(args: argparse.Namespace, target: str, draft: str | None, parallel: in
     if capacity is None and draft is not None:
         block = int(read_gguf(draft).key("block_size", 16))
         capacity = max(1, min(15, block - 1))
+    endpoints, split = getattr(args, "rpc", None), getattr(args, "tensor_split", None)
+    remote = {"rpc": [e for e in endpoints.split(",") if e.strip()]} if endpoints else {}
+    if split:
+        remote["tensor_split"] = [float(w) for w in split.split(",") if w.strip()]
     return load_pair(target, draft, n_ctx=args.n_ctx, n_gpu_layers=args.gpu_layers,
                      draft_capacity=capacity if capacity is not None else 7, n_threads=args.threads,
-                     mtp=False if getattr(args, "no_mtp", False) else None, parallel=parallel)
+                     mtp=False if getattr(args, "no_mtp", False) else None, parallel=parallel, **remote)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -155,6 +191,8 @@ def run_bench_cli(args: argparse.Namespace, pairs: list[tuple[str, str, str]]) -
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.cmd == "rpc-server":
+            return _rpc_server(args)
         return _generate(args) if args.cmd == "generate" else _bench(args)
     except DFlashError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -46,7 +46,8 @@ class Engine:
     step.
 
     Keyword arguments: those of `LinkedPair` (n_ctx, n_gpu_layers, draft_capacity, mtp, n_batch, n_threads,
-    n_rs_seq, parallel, verbose), plus `draft_length` (a request's default: "auto" or a fixed length), `checkpoints` (a
+    n_rs_seq, parallel, verbose; rpc, tensor_split, draft_gpu_layers, rpc_cpu for remote devices), plus
+    `draft_length` (a request's default: "auto" or a fixed length), `checkpoints` (a
     `CheckpointPolicy` for hybrid targets; `CheckpointPolicy(max_count=0)` turns them off), `sessions` (a
     `SessionPolicy`: how many other owners' caches are kept aside), `verifiers` (how drafts are checked: see
     verify.py), `busy_timeout_s` (how long another thread's request waits for the engine; None waits as long as
@@ -316,6 +317,7 @@ class Engine:
                 "running": self._parts.owners.running,
                 "n_cached_by_sequence": [len(cache) for cache in self._parts.caches],
                 "batch_invariant": pair.batch_invariant,
+                "placement": pair.placement(),
                 "checkpoints": _all_checkpoints(stores),
                 "sessions": self._parts.owners.describe(),
                 "chat_template": self.template is not None,

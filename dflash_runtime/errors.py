@@ -49,3 +49,8 @@ class EngineBusyError(DFlashError, RuntimeError):
 
 class DownloadError(DFlashError, OSError):
     """A model file could not be fetched from the Hub."""
+
+
+class RemoteDeviceError(DFlashError, RuntimeError):
+    """An RPC server that holds part of the pair cannot be reached, or went away during a request (the message names
+    its endpoint); the engine that used it must be closed, and a new one loaded once the server is back."""

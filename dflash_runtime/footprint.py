@@ -15,7 +15,7 @@ llama-memory-recurrent.cpp, llama-hparams.cpp, models/qwen35.cpp):
 Compute buffers and weights are shared by all sequences and are not counted here.
 
     python -m dflash_runtime.footprint TARGET.gguf [DRAFT.gguf] [--n-ctx 8192,32768] [--draft-capacity 7]
-        [--fit MOST [--n-gpu-layers N]]
+        [--fit MOST [--n-gpu-layers N] [--rpc HOST:PORT,...]]
 """
 
 from __future__ import annotations
@@ -212,6 +212,16 @@ def plan_parallel(target_info: GGUFInfo, draft_info: GGUFInfo | None, memory: Fr
                         sequence=sequence, free_host_bytes=memory.host_free if memory.on_gpu else None)
 
 
+def with_remote_memory(memory: FreeMemory, remote: Sequence[tuple[str, int, int]]) -> FreeMemory:
+    """The memory a pair's caches may use when RPC servers' devices (endpoint, free, total) take part of its layers:
+    theirs joins the pool (an estimate: each device holds the caches of its own layers, which the split decides)."""
+    if not remote:
+        return memory
+    free = sum(f for _, f, _ in remote)
+    where = f"{memory.where} + {len(remote)} remote device{'s' if len(remote) != 1 else ''} ({free / 2**30:,.1f} GiB)"
+    return FreeMemory(where, memory.free + free, True, memory.host_free)
+
+
 def info_from_keys(arch: str, keys: Mapping[str, Any], path: str = "<keys>") -> GGUFInfo:
     """A GGUFInfo from header keys alone (without `arch.` prefixes), for planning without the file."""
     full = {"general.architecture": arch, **{f"{arch}.{k}": v for k, v in keys.items()}}
@@ -236,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fit", type=int, metavar="MOST",
                    help="also say how many sequences (at most MOST) fit in this machine's free memory now")
     p.add_argument("--n-gpu-layers", type=int, default=-1, help="with --fit: the layers offloaded to a GPU")
+    p.add_argument("--rpc", default=None, help="with --fit: comma list of RPC servers (host:port) whose memory counts")
     args = p.parse_args(argv)
     target = read_gguf(args.target)
     draft = read_gguf(args.draft) if args.draft else None
@@ -248,6 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .backends import free_memory
 
         memory = free_memory(args.n_gpu_layers)
+        if args.rpc:
+            from .rpc import remote_memory
+
+            memory = with_remote_memory(memory, remote_memory([e for e in args.rpc.split(",") if e.strip()]))
         for n in sizes:
             plan = plan_parallel(target, draft, memory, n_ctx=n, draft_capacity=args.draft_capacity, limit=args.fit,
                                  n_gpu_layers=args.n_gpu_layers, mtp=False if args.no_mtp else None)  # fmt: skip

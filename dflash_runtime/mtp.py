@@ -30,6 +30,7 @@ from .errors import ContextCreationError, DecodeError
 from .memory import SequenceMemory
 from .pair import LinkedPair
 from .proposal import Proposal
+from .rpc import raise_if_lost
 from .states import WHOLE, load_seq, save_seq
 
 
@@ -225,6 +226,7 @@ class MTPDrafter:
 
     def _process(self, what: str) -> None:
         rc = int(ll.llama_process(self._ctx, ll.LLAMA_PROCESS_TYPE_DECODE, self._batch))
+        raise_if_lost(self._ctx)
         if rc != 0:
             raise decode_error(what, rc, 0)
 

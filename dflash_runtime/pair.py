@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import re
 import sys
 import threading
 from collections import deque
@@ -23,8 +24,10 @@ from llama_cpp import llama_cpp as ll
 
 from .backends import load_backends
 from .deprecated import renamed_keyword
-from .errors import ContextCreationError, EngineClosedError, PairMismatchError
+from .errors import ContextCreationError, EngineClosedError, PairMismatchError, RemoteDeviceError
 from .gguf_meta import GGUFInfo, read_gguf, sampling_defaults
+from .placement import DeviceList, layer_ranges
+from .rpc import REPLY_TIMEOUT_S, RemoteDevices, unwatch, watch
 from .vocab import Vocabulary
 
 MAX_PARALLEL = 64  # sequences per context (llama.cpp allows 256): 64 verify batches of 8 rows fill n_batch 512
@@ -33,6 +36,7 @@ DEFAULT_DRAFT_CAPACITY = CUDA_VERIFY_ROWS - 1  # a verify batch is id_last + the
 _backend_ready = False
 _live_handles = 0
 _live_lock = threading.Lock()
+_LAYER_LINE = re.compile(r"load_tensors: layer +(\d+) assigned to device (\S+),")
 
 
 def live_handles() -> int:
@@ -51,11 +55,15 @@ class NativeLog:
 
     def __init__(self, size: int = 40) -> None:
         self.lines: deque[str] = deque(maxlen=size)
+        self.layer_devices: dict[int, str] = {}  # the last model load's account of where each layer went
         self._forward = ll.llama_log_callback(self._on_log)  # keep the ctypes callback alive
 
     def _on_log(self, level: int, text: bytes, _user: Any) -> None:
         line = text.decode("utf-8", "replace")
         self.lines.append(line)
+        placed = _LAYER_LINE.search(line)
+        if placed:
+            self.layer_devices[int(placed.group(1))] = placed.group(2)
         # Same rule as llama-cpp-python's own callback: verbose=False shows errors only.
         if _logger.logger.level <= _logger.GGML_LOG_LEVEL_TO_LOGGING_LEVEL.get(level, 0):
             print(line, end="", flush=True, file=sys.stderr)
@@ -111,12 +119,16 @@ class _Owned:
             _count(-1)
 
 
-def load_model(path: Path, n_gpu_layers: int, *, load_mtp: bool = False, repack: bool = True) -> Any:
+def load_model(path: Path, n_gpu_layers: int, *, load_mtp: bool = False, repack: bool = True,
+               devices: DeviceList | None = None) -> Any:
     params = ll.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers
     params.use_extra_bufts = repack  # CPU weight repacking (Q4_0, Q4_K, IQ4_NL, ...): one kernel per row count
     params.load_mtp = load_mtp  # the nextn layers' tensors are skipped unless asked for
+    if devices is not None:
+        devices.apply(params)
     _log.lines.clear()
+    _log.layer_devices.clear()
     model = ll.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise ContextCreationError(f"libllama could not load {path}: {_log.errors() or 'see the log above'}")
@@ -193,6 +205,14 @@ class LinkedPair:
     `mtp`: None opens the MTP context when the target has an MTP head (a failure is kept in `mtp_error`), True
     requires it, False skips it. `parallel` is the number of sequences every context holds (requests that run at
     once); `n_ctx` is each sequence's context.
+    `rpc`: RPC servers ("host:port", started with `python -m dflash_runtime rpc-server`) whose devices join the
+    local GPUs, remote first; `n_gpu_layers` layers go to those devices, weighted by `tensor_split` (one weight per
+    device, remote first; default: by free memory), the rest stay on the local CPU (see placement.py, rpc.py). The
+    draft's layers follow `draft_gpu_layers` (default `n_gpu_layers`) on the same devices (its graph reads the
+    target's output head and token embeddings wherever they are), on the local GPUs where there are some.
+    `rpc_cpu=True` says the servers compute with the CPU backend of this same build, so the pair keeps its CPU
+    numerics (and batch invariance). `rpc_timeout_s` is how long a server's reply may take before the server counts
+    as gone.
     Raw pointers are exposed as `.target_model`, `.target_ctx`, `.draft_model`, `.draft_ctx` for callers that
     drive libllama themselves. Free with `close()` or a `with` block; the draft goes before the target.
     """
@@ -213,6 +233,11 @@ class LinkedPair:
         draft_max: int | None = None,
         parallel: int = 1,
         draft_files: Sequence[DraftFile] = (),
+        rpc: Sequence[str] | None = None,
+        tensor_split: Sequence[float] | None = None,
+        draft_gpu_layers: int | None = None,
+        rpc_cpu: bool = False,
+        rpc_timeout_s: float = REPLY_TIMEOUT_S,
     ) -> None:
         capacity = renamed_keyword("draft_max", "draft_capacity", draft_max, draft_capacity, DEFAULT_DRAFT_CAPACITY,
                                    stacklevel=4)
@@ -251,18 +276,39 @@ class LinkedPair:
         self._owned = _Owned()
         self._closed = False
         self.target_model = self.target_ctx = self.draft_model = self.draft_ctx = self.mtp_ctx = None
+        self.remote: RemoteDevices | None = None
+        self.devices: DeviceList | None = None
+        self.target_layers: dict[int, str] = {}
+        self.draft_layers: dict[int, str] = {}
+        self.cpu_kernels = n_gpu_layers == 0
         # Half the cores, as llama-cpp-python does: busy-waiting threads on a shared machine stall each other.
         threads = n_threads or max(1, (os.cpu_count() or 2) // 2)
         try:
             _init_backend()
+            if rpc is not None:
+                self.remote = RemoteDevices(rpc, reply_timeout_s=rpc_timeout_s)
+            if self.remote is not None or tensor_split is not None:
+                self.devices = DeviceList(self.remote, tensor_split)
+            # The CPU's numerics rules hold when every layer runs ggml's CPU kernels (see batch_invariant).
+            self.cpu_kernels = n_gpu_layers == 0 or (self.remote is not None and rpc_cpu
+                                                     and not self.devices.local_gpus)
             self._open_target(n_ctx, n_gpu_layers, n_batch, threads)
             if self.draft_file is not None:
-                self._open_draft(self.draft_file, n_gpu_layers, threads)
+                self._open_draft(self.draft_file, n_gpu_layers if draft_gpu_layers is None else draft_gpu_layers,
+                                 threads)
             if self.wants_mtp:
                 self._open_mtp(threads)
-        except BaseException:
+            if self.remote is not None:
+                self.remote.raise_if_lost()
+            # Read once: a description that changed between requests would tell one visitor of another's.
+            self.device_memory = (self.devices or DeviceList(None, None)).memory()
+        except BaseException as error:
+            self._unwatch()
             self._owned.free_all()
             self._closed = True
+            why = self.remote.lost() if self.remote is not None else None
+            if why is not None and not isinstance(error, RemoteDeviceError):
+                raise RemoteDeviceError(why) from error
             raise
 
     # -- construction -------------------------------------------------------------------------------------------
@@ -271,9 +317,11 @@ class LinkedPair:
         self.target_model = self.own(
             # On the CPU the target's rows must not depend on their batch (see batch_invariant): repacked weights
             # take a many-row kernel from four rows up and a one-row kernel below.
-            load_model(self.target_info.path, n_gpu_layers, load_mtp=self.wants_mtp, repack=n_gpu_layers != 0),
+            load_model(self.target_info.path, n_gpu_layers, load_mtp=self.wants_mtp, repack=not self.cpu_kernels,
+                       devices=self.devices),
             ll.llama_model_free,
         )
+        self.target_layers = dict(_log.layer_devices)
         model = self.target_model
         self.is_recurrent = bool(ll.llama_model_is_recurrent(model) or ll.llama_model_is_hybrid(model))
         params = ll.llama_context_default_params()
@@ -291,7 +339,7 @@ class LinkedPair:
         params.kv_unified = False
         params.n_ctx = n_ctx * self.parallel
         params.n_threads = params.n_threads_batch = threads
-        if n_gpu_layers == 0:
+        if self.cpu_kernels:
             # Exactness across requests needs a row's numbers not to depend on the rows decoded beside it: the CPU
             # FlashAttention kernel tiles many-row batches and splits single rows across threads differently, the
             # plain attention path does neither (see batch_invariant).
@@ -300,6 +348,7 @@ class LinkedPair:
         wanted = capacity if self._n_rs_seq_request is None else self._n_rs_seq_request
         params.n_rs_seq = wanted if (capacity and self.is_recurrent) else 0
         self.target_ctx = self.own(new_context(self.target_model, params, "target"), ll.llama_free)
+        self._watch(self.target_ctx)
         self.n_ctx = int(ll.llama_n_ctx_seq(self.target_ctx))  # per sequence
         self.n_batch = int(ll.llama_n_batch(self.target_ctx))
         self.n_ubatch = int(ll.llama_n_ubatch(self.target_ctx))
@@ -314,9 +363,13 @@ class LinkedPair:
 
     def _open_draft(self, draft_file: DraftFile, n_gpu_layers: int, threads: int) -> None:
         assert self.draft_info is not None
-        self.draft_model = self.own(load_model(self.draft_info.path, n_gpu_layers), ll.llama_model_free)
+        devices = self.devices.for_draft() if self.devices is not None else None
+        self.draft_model = self.own(load_model(self.draft_info.path, n_gpu_layers, devices=devices),
+                                    ll.llama_model_free)
+        self.draft_layers = dict(_log.layer_devices)
         self.n_embd_draft = int(ll.llama_model_n_embd(self.draft_model))
         self.draft_ctx = self.own(draft_file.open_context(self, threads), ll.llama_free)
+        self._watch(self.draft_ctx)
 
     def own(self, handle: Any, free: Callable[[Any], None]) -> Any:
         """Take a native handle into the pair: freed with it, in reverse order of creation."""
@@ -338,6 +391,7 @@ class LinkedPair:
             if int(ll.llama_model_n_layer_nextn(self.target_model)) < 1:
                 raise ContextCreationError("libllama reads no nextn layer in the target")
             self.mtp_ctx = self.own(new_context(self.target_model, params, "MTP"), ll.llama_free)
+            self._watch(self.mtp_ctx)
         except ContextCreationError as error:
             if self._mtp_required:
                 raise
@@ -357,7 +411,7 @@ class LinkedPair:
         path, so the wheel recipe's CPU variant is built without it. GPU kernels (and a GPU build, which offloads
         large batches even with n_gpu_layers=0) are not batch-invariant: there every answer is a valid sample of the
         target under its own numerics."""
-        return self.n_gpu_layers == 0 and not ll.llama_supports_gpu_offload() and "LLAMAFILE = 1" not in _system_info()
+        return self.cpu_kernels and not ll.llama_supports_gpu_offload() and "LLAMAFILE = 1" not in _system_info()
 
     def sampling_defaults(self) -> dict[str, float | int]:
         """The model's recommended sampling (`general.sampling.*`, as llama.cpp reads them): only keys present."""
@@ -376,6 +430,7 @@ class LinkedPair:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._unwatch()
             self._owned.free_all()
             self.target_model = self.target_ctx = self.draft_model = self.draft_ctx = self.mtp_ctx = None
 
@@ -393,13 +448,39 @@ class LinkedPair:
     def verify_cap(self) -> int:
         """The most drafts a verify batch may hold: CUDA's small-batch matrix-vector kernels take a few rows only, so
         a GPU target stays within CUDA_VERIFY_ROWS; on the CPU, one ubatch."""
-        on_gpu = self.n_gpu_layers != 0 and bool(ll.llama_supports_gpu_offload())
+        on_gpu = not self.cpu_kernels and (bool(ll.llama_supports_gpu_offload()) or self.remote is not None)
         return CUDA_VERIFY_ROWS - 1 if on_gpu else self.n_ubatch - 1
 
     def chat_template_source(self) -> str | None:
         """The target's chat template text (`tokenizer.chat_template`), None without one."""
         raw = ll.llama_model_chat_template(self.target_model, None)
         return raw.decode("utf-8", "replace") if raw else self.meta("tokenizer.chat_template")
+
+    # -- remote devices -----------------------------------------------------------------------------------------
+
+    def _watch(self, ctx: Any) -> None:
+        """A context that computes on remote devices: its decodes check that the servers are still there."""
+        if self.remote is not None:
+            watch(ctx, self.remote)
+
+    def _unwatch(self) -> None:
+        for ctx in (self.target_ctx, self.draft_ctx, self.mtp_ctx):
+            if ctx:
+                unwatch(ctx)
+
+    def placement(self) -> dict[str, Any]:
+        """Which layers live on which device (libllama's own account at load), each device's memory when the pair was
+        opened, and for remote devices the traffic through their relays since the process began."""
+        trunk = self.target_info.n_layer - int(self.target_info.key("nextn_predict_layers", 0) or 0)
+        out: dict[str, Any] = {
+            "devices": self.device_memory,
+            "target": layer_ranges(self.target_layers, self.target_info.n_layer),
+            "draft": layer_ranges(self.draft_layers, self.draft_info.n_layer) if self.draft_info else [],
+            "mtp_head": self.target_layers.get(trunk) if self.mtp_ctx else None,
+        }
+        if self.remote is not None:
+            out["rpc"] = self.remote.traffic()
+        return out
 
     def meta(self, key: str, draft: bool = False) -> str | None:
         """A GGUF metadata value as libllama reads it."""

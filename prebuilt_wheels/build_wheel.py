@@ -56,7 +56,7 @@ DFLASH_FUNCTIONS = (
 MANIFEST_NAME = "manifest.json"
 SLIM_DROP_TREES = ("lib/", "include/", "bin/")
 FULL_VERSION_SO = re.compile(r"\.so\.\d+\.\d+\.\d+$")
-MANIFEST_SCHEMA = 3  # 2: loadable_backends, backend_modules; 3: source_patch
+MANIFEST_SCHEMA = 4  # 2: loadable_backends, backend_modules; 3: source_patch; 4: rpc_server
 # The one change to llama-cpp-python's Python sources: llama_cpp loads its own backend modules (see
 # llama_cpp_patch/_backend_modules.py) through a hook right after llama_cpp.py makes its binding decorator.
 PATCH_MODULE = "llama_cpp/_backend_modules.py"
@@ -78,6 +78,27 @@ X86_ISA_ARGS = (
     "-DGGML_FMA=ON",
     "-DGGML_F16C=ON",
     "-DGGML_BMI2=ON",
+)
+# The RPC backend and its server, built into every variant: remote machines' devices join a pair's device list
+# (dflash_runtime.rpc). The backend module goes to a folder of its own: ggml loads every module it finds in
+# llama_cpp/lib, and a registered RPC backend makes libllama report GPU offload on any machine, so a process opts in
+# by loading it (llama_cpp/lib/rpc/). llama-cpp-python builds none of llama.cpp's tools: its CMakeLists gets the
+# server's one target, installed beside the libraries (RUNPATH $ORIGIN).
+RPC_SERVER = "ggml-rpc-server"
+RPC_SERVER_MEMBER = f"llama_cpp/lib/{RPC_SERVER}"
+RPC_MODULE_MEMBER = "llama_cpp/lib/rpc/libggml-rpc.so"
+RPC_CMAKE_TARGET = "CMakeLists.txt"
+RPC_CMAKE_ANCHOR = "    llama_cpp_python_install_target(ggml-rpc)\n"
+RPC_CMAKE_HOOK = (
+    "    # dflash-space wheel: the RPC backend in llama_cpp/lib/rpc (loaded on request only), its server in lib\n"
+    "    if (TARGET ggml-rpc)\n"
+    '        set_target_properties(ggml-rpc PROPERTIES INSTALL_RPATH "$ORIGIN/.." BUILD_WITH_INSTALL_RPATH TRUE)\n'
+    "        install(TARGETS ggml-rpc LIBRARY DESTINATION ${SKBUILD_PLATLIB_DIR}/llama_cpp/lib/rpc)\n"
+    "    endif()\n"
+    f"    if (GGML_RPC AND NOT TARGET {RPC_SERVER})\n"
+    "        add_subdirectory(vendor/llama.cpp/tools/rpc)\n"
+    "    endif()\n"
+    f"    llama_cpp_python_install_target({RPC_SERVER})\n"
 )
 HERE = Path(__file__).resolve().parent
 PATCH_MODULE_SOURCE = HERE / "llama_cpp_patch" / "_backend_modules.py"
@@ -144,6 +165,7 @@ class BuildConfig:
             "-DGGML_NATIVE=OFF",
             *cpu_isa_args(),
             "-DGGML_BACKEND_DL=ON",  # each backend a module under llama_cpp/lib, loaded at run time
+            "-DGGML_RPC=ON",  # remote devices over TCP (libggml-rpc.so) and ggml-rpc-server: RPC_CMAKE_HOOK
             "-DLLAVA_BUILD=OFF",
         ]
         if self.variant == "cpu":
@@ -410,6 +432,7 @@ def source_patch_digest() -> str:
     """sha256 of what the source patch adds (the module, the anchor, the hook): part of the configuration key, so
     a cached wheel built without this patch, or with another version of it, is rebuilt."""
     material = PATCH_MODULE_SOURCE.read_bytes() + PATCH_ANCHOR.encode() + PATCH_HOOK.encode()
+    material += (RPC_CMAKE_ANCHOR + RPC_CMAKE_HOOK).encode()
     return hashlib.sha256(material).hexdigest()
 
 
@@ -423,6 +446,32 @@ def patch_sources(source_dir: Path) -> None:
             raise RecipeError(f"{target} has not exactly one line `{PATCH_ANCHOR.strip()}`: the patch cannot apply")
         target.write_text(text.replace(PATCH_ANCHOR, PATCH_ANCHOR + PATCH_HOOK))
     shutil.copyfile(PATCH_MODULE_SOURCE, source_dir / PATCH_MODULE)
+
+
+def patch_rpc_server(source_dir: Path) -> None:
+    """Install the RPC backend in its own folder and build ggml-rpc-server beside the libraries (in place of
+    llama-cpp-python's install line for the backend; idempotent like the loader patch)."""
+    target = source_dir / RPC_CMAKE_TARGET
+    text = target.read_text()
+    if RPC_CMAKE_HOOK in text:
+        return
+    if text.count(RPC_CMAKE_ANCHOR) != 1:
+        raise RecipeError(f"{target} has not exactly one line `{RPC_CMAKE_ANCHOR.strip()}`: the patch cannot apply")
+    target.write_text(text.replace(RPC_CMAKE_ANCHOR, RPC_CMAKE_HOOK))
+
+
+def wheel_rpc_server(wheel: Path) -> dict[str, object]:
+    """The RPC server as the wheel carries it (path, sha256, whether its stored mode is executable). Raises when
+    the wheel has none."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        missing = [name for name in (RPC_SERVER_MEMBER, RPC_MODULE_MEMBER) if name not in names]
+        if missing:
+            raise RecipeError(f"{wheel.name} lacks {', '.join(missing)}: no manifest written")
+        info = archive.getinfo(RPC_SERVER_MEMBER)
+        data = archive.read(info)
+    return {"path": RPC_SERVER_MEMBER, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+            "executable": bool((info.external_attr >> 16) & 0o111), "backend_module": RPC_MODULE_MEMBER}  # fmt: skip
 
 
 def wheel_source_patch(wheel: Path) -> dict[str, object]:
@@ -459,8 +508,9 @@ def native_library_hashes(wheel: Path) -> dict[str, str]:
 
 def backend_modules(native_libraries: Iterable[str]) -> list[str]:
     """Backend modules among the wheel's libraries: libggml-<backend>.so, which with GGML_BACKEND_DL are loaded at
-    run time (a module has no versioned name; libggml-base is a plain library)."""
-    names = [Path(n).name for n in native_libraries]
+    run time from llama_cpp/lib itself (a module has no versioned name; libggml-base is a plain library; the RPC
+    module in lib/rpc loads on request only)."""
+    names = [Path(n).name for n in native_libraries if Path(n).parent.name == "lib"]
     return sorted(
         n for n in names
         if n.startswith("libggml-") and n.endswith(".so") and not n.startswith("libggml-base")
@@ -665,6 +715,7 @@ def render_invocation(plan: BuildPlan) -> str:
     lines.append(f"tar xzf {shlex.quote(str(plan.sdist))} -C {shlex.quote(str(plan.source_dir.parent))}")
     lines.append(f"# source patch {source_patch_digest()[:12]}: copy {PATCH_MODULE_SOURCE.relative_to(HERE.parent)} "
                  f"to {PATCH_MODULE}, add its hook to {PATCH_TARGET}")  # fmt: skip
+    lines.append(f"# in {RPC_CMAKE_TARGET}: ggml-rpc installed in llama_cpp/lib/rpc, {RPC_SERVER} built into lib")
     epoch = source_date_epoch(plan.sdist) if plan.sdist_cached else "<mtime of the sdist's PKG-INFO>"
     lines.append(f"env {env} SOURCE_DATE_EPOCH={epoch} \\\n  {shlex.join(plan.pip_command())}")
     return "\n".join(lines)
@@ -697,6 +748,7 @@ def run_build(plan: BuildPlan) -> Path:
         materialize_shim(plan.config.shim, plan.config.cuda)
     unpack_sdist(plan.sdist, plan.source_dir)
     patch_sources(plan.source_dir)
+    patch_rpc_server(plan.source_dir)
     plan.env["SOURCE_DATE_EPOCH"] = source_date_epoch(plan.sdist)
     shutil.rmtree(plan.wheel_dir, ignore_errors=True)
     command = plan.pip_command()
@@ -711,6 +763,7 @@ def run_build(plan: BuildPlan) -> Path:
     manifest = build_manifest(plan, wheel, commit)
     manifest["slim_dropped"] = dropped
     manifest["source_patch"] = wheel_source_patch(wheel)  # raises when the wheel lacks it: no manifest written
+    manifest["rpc_server"] = wheel_rpc_server(wheel)
     missing = [name for name, symbol in (manifest["dflash_symbols"] or {}).items() if symbol is None]
     if missing:
         raise RecipeError(

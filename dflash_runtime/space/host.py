@@ -28,8 +28,16 @@ from typing import Any
 
 from .. import methods as draft_methods
 from ..backends import FreeMemory, free_memory
-from ..errors import DecodeError, DFlashError, EngineClosedError, ModelFileError, PairMismatchError, RequestError
-from ..footprint import ParallelPlan, plan_parallel
+from ..errors import (
+    DecodeError,
+    DFlashError,
+    EngineClosedError,
+    ModelFileError,
+    PairMismatchError,
+    RemoteDeviceError,
+    RequestError,
+)
+from ..footprint import ParallelPlan, plan_parallel, with_remote_memory
 from ..gguf_meta import read_gguf
 from .fitting import FittedConversation, fit_conversation, prompt_tokens
 from .presets import PairPreset, ResolvedPair, draft_unavailable, has_mtp_head
@@ -43,7 +51,7 @@ PHASES: dict[str, bool | str | None] = {"chat": None, "speculative": True, "plai
 log = logging.getLogger(__name__)
 # Errors after which the engine's state is not to be trusted: it is closed, and the next request loads it again.
 # Any other runtime error (a bad request, a prompt too long, a busy engine) leaves it as it is.
-ENGINE_FAILURES = (DecodeError, EngineClosedError)
+ENGINE_FAILURES = (DecodeError, EngineClosedError, RemoteDeviceError)
 
 
 @dataclass(frozen=True)
@@ -127,11 +135,28 @@ PARKED_PROTECT_S = 600.0
 def _public_info(info: dict[str, Any]) -> dict[str, Any]:
     """The engine's description without the server's file-system paths (file names only) and without the cache's
     state (what the previous request left)."""
-    return {
+    public = {
         k: Path(v).name if k in ("target", "draft") and isinstance(v, str) else v
         for k, v in info.items()
         if k not in PRIVATE_ENGINE_KEYS
     }
+    if isinstance(public.get("placement"), dict):  # no server addresses (an RPC server trusts whoever connects)
+        placement = {k: v for k, v in public["placement"].items() if k != "rpc"}  # nor traffic: it follows requests
+        placement["devices"] = [{**d, "where": "local" if d.get("where") == "local" else "remote"}
+                                for d in placement.get("devices", [])]  # fmt: skip
+        public["placement"] = placement
+    return public
+
+
+def without_endpoints(text: str, endpoints: tuple[str, ...]) -> str:
+    """`text` with the RPC servers' addresses (as given and as parsed) replaced by "<DFLASH_RPC>"."""
+    from ..rpc import parse_endpoint
+
+    for endpoint in endpoints:
+        host, port = parse_endpoint(endpoint)
+        for spelling in (endpoint, f"{host}:{port}"):
+            text = text.replace(spelling, "<DFLASH_RPC>")
+    return text
 
 
 def info_digest(info: dict[str, Any]) -> str:
@@ -288,6 +313,8 @@ class EngineHost:
         options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
                    "parallel": self._parallel,
                    "sessions": SessionPolicy(park_on_switch=False, protect_s=PARKED_PROTECT_S)}  # fmt: skip
+        if preset.rpc:
+            options["rpc"] = list(preset.rpc)
         self.draft_problem = files.draft_problem
         if files.draft_path is None:
             self._engine = self._loader(files.target_path, None, **options)
@@ -314,6 +341,10 @@ class EngineHost:
         if not preset.parallel_fit:
             return preset.parallel
         memory = self._memory(preset.n_gpu_layers)
+        if preset.rpc:
+            from ..rpc import remote_memory
+
+            memory = with_remote_memory(memory, remote_memory(preset.rpc))
         try:
             draft = read_gguf(files.draft_path) if files.draft_path is not None else None
         except ModelFileError:
@@ -368,6 +399,9 @@ class EngineHost:
         except DFlashError as error:
             if isinstance(error, ENGINE_FAILURES):
                 self._condemn()
+            if isinstance(error, RemoteDeviceError):  # the log names the server; a visitor is not told where it is
+                log.warning("%s", error)
+                error = RemoteDeviceError(without_endpoints(str(error), job.preset.rpc))
             outcome = {"finish_reason": "error", "error_type": type(error).__name__, "n_generated": 0}
             chunk = self._error_chunk(error)
             chunk.worker = self._report(report, started)

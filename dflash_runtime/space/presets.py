@@ -13,6 +13,7 @@
 | `DFLASH_DEMO` | `tiny` = offline demo, `off` = the configured pair, unset = decide | unset |
 | `DFLASH_DEMO_PAIR` | the offline demo's pair: `dense`, or `methods` (hybrid, MTP head + DFlash 2) | `dense` |
 | `DFLASH_PARALLEL` | answers the engine runs at once (>= 1, or `auto`: 1 on ZeroGPU, else what fits, <= 4) | `auto` |
+| `DFLASH_RPC` | comma list of RPC servers (`host:port`) whose devices take layers (docs/rpc.md) | unset |
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class PairPreset:
     random_weights: bool = False
     parallel: int = 1  # the engine's parallel sequences: answers that run at once (see parallel_from_env)
     parallel_fit: bool = False  # `parallel` is a most: the engine opens as many sequences as fit in memory, up to it
+    rpc: tuple[str, ...] = ()  # RPC servers whose devices take part of the layers (DFLASH_RPC)
 
     @property
     def quantisation(self) -> str:
@@ -186,7 +188,18 @@ def preset_from_env(env: Mapping[str, str] | None = None) -> PairPreset:
         n_ctx=env_int(env, "DFLASH_N_CTX", DEFAULT_N_CTX, minimum=256),
         n_gpu_layers=env_int(env, "DFLASH_GPU_LAYERS", DEFAULT_GPU_LAYERS, minimum=-1),
         draft_capacity=draft_capacity_from_env(env),
+        rpc=rpc_from_env(env),
     )
+
+
+def rpc_from_env(env: Mapping[str, str]) -> tuple[str, ...]:
+    """DFLASH_RPC: host:port endpoints, comma separated (checked here, so a typo stops the start)."""
+    from ..rpc import parse_endpoint
+
+    endpoints = tuple(e.strip() for e in (env_text(env, "DFLASH_RPC") or "").split(",") if e.strip())
+    for endpoint in endpoints:
+        parse_endpoint(endpoint)
+    return endpoints
 
 
 def draft_capacity_from_env(env: Mapping[str, str]) -> int:
@@ -247,7 +260,7 @@ def configured_preset(tiny: bool, env: Mapping[str, str] | None = None,
         name=TINY_PRESET_NAME,
         label=f"random-weight test models ({description}, generated: predictable stretches and random text)",
         n_ctx=preset.n_ctx if env.get("DFLASH_N_CTX", "").strip() else TINY_N_CTX,
-        n_gpu_layers=0,
+        n_gpu_layers=preset.n_gpu_layers if preset.rpc else 0,  # with servers, DFLASH_GPU_LAYERS goes to them
         random_weights=True,
     )
 

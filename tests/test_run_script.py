@@ -67,7 +67,9 @@ def run_sh_env() -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_run_sh_from_a_clean_clone_serves_the_space_restarts_in_seconds_and_leaves_a_checked_venv(tmp_path: Path) -> None:
+def test_run_sh_from_a_clean_clone_serves_the_space_restarts_in_seconds_and_leaves_a_checked_venv(
+    tmp_path: Path,
+) -> None:
     clone = clean_clone(tmp_path / "clone")
     command = ["bash", str(clone / "run.sh")]
     try:

@@ -189,8 +189,9 @@ def test_import_failure_says_what_to_do(error: str, missing: list[str], hint: st
     assert hint in line and not startup.is_healthy({**info, "manifest": {"matches": None}})
 
 
-def test_the_manifest_run_sh_recorded_and_its_wheel_cache_are_searched(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_the_manifest_run_sh_recorded_and_its_wheel_cache_are_searched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After `bash run.sh`, `.venv/bin/python app.py` runs without run.sh's environment: the start-up check finds the
     manifest run.sh recorded in the venv, and run.sh's wheel cache, not only DFLASH_WHEEL_MANIFEST."""
     venv, cache = tmp_path / "venv", tmp_path / "wheels-dl"

@@ -41,8 +41,10 @@ def speed_up_phrase(estimate: Estimate | Pending | None, done: bool) -> str:
     """The second half of the sentence: the estimate with its uncertainty, or why there is none yet."""
     if isinstance(estimate, Estimate):
         verb = "ran" if done else "is running"
-        return (f"this answer {verb} about **{estimate.ratio:.1f}× as fast** as without the draft "
-                f"(± {estimate.margin:.1f}, against {_plural(estimate.plain_steps, 'plain step')} of this answer)")
+        digits = 2 if estimate.margin < 0.1 else 1  # as many as the uncertainty leaves meaningful
+        return (f"this answer {verb} about **{estimate.ratio:.{digits}f}× as fast** as without the draft "
+                f"(± {estimate.margin:.{digits}f}, against {_plural(estimate.plain_steps, 'plain step')} of this "
+                "answer)")
     if estimate is None:
         return "the speed-up is not estimated here (the A/B button measures it)"
     return f"no speed-up estimate yet: {estimate.reason} (the A/B button measures it)"

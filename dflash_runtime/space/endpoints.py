@@ -345,10 +345,12 @@ class PageHandlers:
         }  # fmt: skip
 
     @staticmethod
-    def _told(error: Exception, what: str) -> Any:
-        """The notice line's update for a refused message or a failed answer, with a toast saying the same."""
+    def _told(error: Exception, what: str, toast: bool = True) -> Any:
+        """The notice line's update for a refused message or a failed answer, with a toast saying the same (only a
+        queued event can show one: elsewhere Gradio writes it to the server's log as a Python warning)."""
         title, message = visitor_message(error)
-        gr.Warning(f"{what}: {message}", title=title)
+        if toast:
+            gr.Warning(f"{what}: {message}", title=title)
         return gr.update(value=f"⚠️ **{what}:** {message}", visible=True)
 
     def submit(self, message: str, session: ChatSession, *settings: Any) -> tuple[Any, ...]:
@@ -358,14 +360,14 @@ class PageHandlers:
         to `respond`; a refused message stays in the box, the notice says why, and the statistics are cleared (as
         for a message the GPU function refuses)."""
         skip = gr.skip()
-        if session.busy():
-            gr.Warning("The previous answer is still running: wait for it, or press Stop.")
-            return (skip,) * 10
+        if session.busy():  # said in the notice line: this event is not queued, so it can show no toast
+            busy = "⚠️ The previous answer is still running: wait for it, or press Stop."
+            return skip, skip, gr.update(value=busy, visible=True), *(skip,) * 7
         try:
             request = self.service.check(message=message, history=session.messages, **self._settings(settings))
         except RequestError as error:
-            return (skip, skip, self._told(error, "Not sent"), skip, REFUSED_STATS, EMPTY_DETAILS, *HIDDEN_CHARTS,
-                    skip)  # fmt: skip
+            return (skip, skip, self._told(error, "Not sent", toast=False), skip, REFUSED_STATS, EMPTY_DETAILS,
+                    *HIDDEN_CHARTS, skip)  # fmt: skip
         _, shown = session.start_turn(message, request)
         return shown, "", gr.update(value="", visible=False), "", skip, skip, skip, skip, skip, ab_button(False)
 

@@ -111,16 +111,16 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
                     feedback_options=None,
                     elem_id="chatbot",
                 )
-                # Right under the answer, where the eye is (also on a phone, where the columns stack): one sentence
-                # in plain words, the technical table folded under it.
-                with gr.Group(elem_id="stats"):
-                    stats_box = gr.Markdown(EMPTY_STATS, elem_id="stats-summary")
-                    with gr.Accordion("Details: steps, acceptance, timings", open=False, elem_id="stats-details"):
-                        stats_table = gr.Markdown(EMPTY_DETAILS, elem_id="stats-table")
                 with gr.Row(equal_height=True):
                     highlight = gr.Checkbox(True, label="Highlight draft tokens", scale=0, min_width=200,
                                             elem_id="highlight-draft")  # fmt: skip
                     legend = gr.HTML(LEGEND, elem_id="draft-legend")  # shown while the highlight is on
+                # Under the answer and right above the message box, where the eye is (also on a phone, where the
+                # columns stack): one sentence in plain words, the technical table folded under it.
+                with gr.Group(elem_id="stats"):
+                    stats_box = gr.Markdown(EMPTY_STATS, elem_id="stats-summary")
+                    with gr.Accordion("Details: steps, acceptance, timings", open=False, elem_id="stats-details"):
+                        stats_table = gr.Markdown(EMPTY_DETAILS, elem_id="stats-table")
                 notice = gr.Markdown("", visible=False, elem_id="context-notice")
                 with gr.Row():
                     message_box = gr.Textbox(

@@ -34,7 +34,11 @@ CSS = f"""
 #method-help {{ font-size: var(--text-sm); }}
 #method-help ul {{ margin: 0; }}
 /* A phone stacks the columns: a shorter chat keeps the statistics under it in view while the answer streams. */
-@media (max-width: 480px) {{ #chatbot {{ height: 340px !important; max-height: 340px !important; }} }}
+@media (max-width: 480px) {{
+  #chatbot {{ height: 340px !important; max-height: 340px !important; }}
+  .row:has(> #draft-legend) {{ flex-wrap: wrap; }}
+  #draft-legend {{ flex-basis: 100%; font-size: var(--text-xs); }}
+}}
 """
 LEGEND = (
     f'<span class="{DRAFT_CLASS}">highlighted</span>: written by the draft and accepted by the target; '

@@ -18,21 +18,24 @@ from starlette.middleware import Middleware
 
 from dflash_runtime.space.callers import EngineCalls, HttpGate
 from dflash_runtime.space.endpoints import (
+    AB_LABEL,
     API_PARAMETERS,
     PageHandlers,
     draft_length_choices,
     engine_sharing,
     make_api,
     method_choices,
+    method_menu_help,
     plot_frame,
     sampling_note,
 )
 from dflash_runtime.space.highlight import CSS, LEGEND
+from dflash_runtime.space.panel import EMPTY_DETAILS, EMPTY_STATS
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT
 from dflash_runtime.space.service import SpaceService
 from dflash_runtime.space.session import ChatSession
 from dflash_runtime.space.startup import run_startup_check
-from dflash_runtime.space.views import EMPTY_STATS, mode_banner
+from dflash_runtime.space.views import mode_banner
 
 log = logging.getLogger("dflash_space")
 # Every generating event shares one queue whose concurrency is the engine's parallel sequences (DFLASH_PARALLEL).
@@ -112,6 +115,12 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
                     highlight = gr.Checkbox(True, label="Highlight draft tokens", scale=0, min_width=200,
                                             elem_id="highlight-draft")  # fmt: skip
                     legend = gr.HTML(LEGEND, elem_id="draft-legend")  # shown while the highlight is on
+                # Under the answer and right above the message box, where the eye is (also on a phone, where the
+                # columns stack): one sentence in plain words, the technical table folded under it.
+                with gr.Group(elem_id="stats"):
+                    stats_box = gr.Markdown(EMPTY_STATS, elem_id="stats-summary")
+                    with gr.Accordion("Details: steps, acceptance, timings", open=False, elem_id="stats-details"):
+                        stats_table = gr.Markdown(EMPTY_DETAILS, elem_id="stats-table")
                 notice = gr.Markdown("", visible=False, elem_id="context-notice")
                 with gr.Row():
                     message_box = gr.Textbox(
@@ -125,11 +134,11 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
                     send_button = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
                     stop_button = gr.Button("Stop", variant="stop", scale=1, min_width=80, elem_id="stop")
                 with gr.Row():
-                    ab_button = gr.Button("A/B: same prompt, plain vs each draft method", elem_id="ab")
+                    ab_button = gr.Button(AB_LABEL, elem_id="ab")
                     clear_button = gr.Button("Clear", elem_id="clear")
+                ab_box = gr.Markdown("", elem_id="ab-result")  # next to its button: its progress, then its result
                 gr.Examples(EXAMPLES, inputs=[message_box], label="Examples")
             with gr.Column(scale=2):
-                stats_box = gr.Markdown(EMPTY_STATS, label="Live statistics", elem_id="stats", container=True)
                 speed_chart = trace_chart("Decode speed so far", "tok/s", "speed-chart")
                 acceptance_chart = trace_chart("Acceptance so far", "accepted %", "acceptance-chart", y_lim=[0, 100])
                 plot = gr.BarPlot(
@@ -144,7 +153,6 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
                     elem_id="acceptance-plot",
                     visible=False,  # until an answer drafts
                 )
-                ab_box = gr.Markdown("", elem_id="ab-result")
                 with gr.Accordion("Settings", open=True):
                     system_prompt = gr.Textbox(label="System prompt", value=DEFAULT_SYSTEM_PROMPT, lines=2)
                     max_tokens = gr.Slider(1, limits.max_new_tokens, value=defaults["max_tokens"], step=1,
@@ -158,6 +166,7 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
                     sampling_source = gr.Markdown(sampling_note(service), elem_id="sampling-source")
                     method = gr.Dropdown(method_choices(service), value=defaults["method"], label="Draft method",
                                          elem_id="method")  # fmt: skip
+                    method_help = gr.Markdown(method_menu_help(service), elem_id="method-help")
                     draft_length = gr.Dropdown(draft_length_choices(preset.draft_capacity),
                                                value=defaults["draft_length"], label="Draft length",
                                                elem_id="draft-length")  # fmt: skip
@@ -179,24 +188,31 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
             [message_box.submit, send_button.click],
             handlers.submit,
             [message_box, session, *settings],
-            [chatbot, message_box, notice, ab_box],
+            [chatbot, message_box, notice, ab_box, stats_box, stats_table, plot, speed_chart, acceptance_chart,
+             ab_button],
             queue=False,
             api_visibility="private",
         )
         answer_event = shown_event.then(
             handlers.respond,
             [session],
-            [chatbot, message_box, stats_box, plot, speed_chart, acceptance_chart, notice, thinking, info_box],
+            [chatbot, message_box, stats_box, stats_table, plot, speed_chart, acceptance_chart, notice, thinking,
+             info_box, ab_button],
             **engine,
         )
-        ab_event = ab_button.click(handlers.compare, [session, message_box, *settings], [ab_box], **engine)
+        # The A/B says at once, under its button, what it will run (outside the queue), then runs in the queue.
+        ab_event = ab_button.click(handlers.compare_start, [session, message_box], [ab_box, ab_button], queue=False,
+                                   api_visibility="private").then(
+            handlers.compare, [session, message_box, *settings], [ab_box, ab_button], **engine)  # fmt: skip
         # Stop and Clear end the answer on the server: its handler then shows where it stopped (or that it was
         # cleared) as the last frame of its own stream, after any it sent before. An A/B run just ends.
-        stop_button.click(handlers.stop, [session], None, cancels=[ab_event], queue=False, api_visibility="private")
+        stop_button.click(handlers.stop, [session], [ab_button], cancels=[ab_event], queue=False,
+                          api_visibility="private")  # fmt: skip
         clear_button.click(
             handlers.clear,
             [session],
-            [chatbot, message_box, stats_box, plot, speed_chart, acceptance_chart, notice, ab_box],
+            [chatbot, message_box, stats_box, stats_table, plot, speed_chart, acceptance_chart, notice, ab_box,
+             ab_button],
             cancels=[ab_event],
             queue=False,
             api_visibility="private",
@@ -205,7 +221,8 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
         highlight.change(lambda on: gr.update(visible=bool(on)), [highlight], [legend], queue=False,
                          api_visibility="private")  # fmt: skip
         demo.load(handlers.page_load, None,
-                  [thinking, info_box, temperature, top_p, top_k, min_p, sampling_source, method, sharing],
+                  [thinking, info_box, temperature, top_p, top_k, min_p, sampling_source, method, method_help,
+                   sharing],
                   api_visibility="private")  # fmt: skip
         timer.tick(handlers.download_tick, None, [download_box, timer], api_visibility="private")
 

@@ -184,6 +184,8 @@ check = check_manifests([Path(sys.argv[1])], installed_record_hashes(), installe
 print("\n".join(check.problems) or "installed build matches its wheel manifest")
 sys.exit(0 if check.matches else 1)' "$DFLASH_WHEEL_MANIFEST"
   say "  $(tail -n 1 "$LOG_DIR/check.log")"
+  # Recorded in the venv: the app started later from it (.venv/bin/python app.py) checks against the same manifest.
+  write_stamp wheel-manifest "$DFLASH_WHEEL_MANIFEST"
 }
 
 main() {

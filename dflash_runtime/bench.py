@@ -2,7 +2,9 @@
 
 A mode is "plain", or a draft method with a draft length ("dflash 3", "mtp auto") and, above temperature 0, a
 verification ("dflash 3 sample", "mtp auto match").
-Each request's prompt is new to the cache (the engine is reset between requests, so every mode pays the
+Before anything is measured, every mode answers one short request (`WARMUP_TOKENS`), unmeasured: the first request
+of a mode pays allocations and first touches of the weights and buffers that a measured one would report as its
+speed. Each request's prompt is new to the cache (the engine is reset between requests, so every mode pays the
 same prefill); a hybrid target's context-checkpoint cost per request (ms, bytes) is reported with it, and each
 pair's open time (header validation, both models, both contexts) with the pair.
 
@@ -21,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .report import table
+
+WARMUP_TOKENS = 8  # a warm-up request's length: enough for every kind of step (prefill, draft, verify, plain)
 
 DEFAULT_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -69,6 +73,22 @@ def request_options(mode: str, cfg: BenchConfig, seed: int) -> dict[str, Any]:
     return options
 
 
+def warm_up(engine: Any, cfg: BenchConfig, modes: Sequence[str]) -> None:
+    """One short request per mode, not measured (see the module doc)."""
+    for mode in modes:
+        engine.reset()
+        engine.generate(cfg.prompt_list[0], **{**request_options(mode, cfg, seed=0), "max_tokens": WARMUP_TOKENS})
+
+
+def runs_note(runs: int) -> str:
+    """What the figures rest on, printed under every table."""
+    note = f"Each mode warmed up with one unmeasured request of {WARMUP_TOKENS} tokens first."
+    if runs == 1:
+        return note + (" Every figure rests on one run: on a shared machine it can be off by tens of percent "
+                       "(--runs 3 reports medians).")  # fmt: skip
+    return note + f" Figures: the median of {runs} runs."
+
+
 def _run_request(engine: Any, prompt: str, mode: str, cfg: BenchConfig, seed: int) -> Any:
     engine.reset()  # every mode prefills the same prompt from scratch
     return engine.generate(prompt, **request_options(mode, cfg, seed)).stats
@@ -109,7 +129,7 @@ def _summary(tot: dict[str, float]) -> dict[str, float]:
 
 def bench_pair(engine: Any, cfg: BenchConfig, progress: Callable[[], None]) -> dict[str, Any]:
     modes = cfg.mode_names()
-    engine.generate(cfg.prompt_list[0], max_tokens=8)  # warm-up: allocations, first-touch of the weights
+    warm_up(engine, cfg, modes)
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for run in range(cfg.runs):
         totals = {m: dict.fromkeys(_SUMS, 0.0) for m in modes}
@@ -146,7 +166,8 @@ def run_bench(pairs: Sequence[tuple[str, str, str]], cfg: BenchConfig, opener: C
               ) -> dict[str, Any]:
     progress = progress_bar(len(pairs) * cfg.runs)
     out: dict[str, Any] = {"config": {"modes": cfg.mode_names(), "runs": cfg.runs, "max_tokens": cfg.max_tokens,
-                                      "temperature": cfg.temperature, "prompts": cfg.prompt_list}, "pairs": {}}
+                                      "temperature": cfg.temperature, "prompts": cfg.prompt_list,
+                                      "warmup_tokens": WARMUP_TOKENS}, "pairs": {}}
     for name, target, draft in pairs:
         started = time.perf_counter()
         with opener(target, draft) as engine:
@@ -168,4 +189,4 @@ def format_results(results: dict[str, Any]) -> str:
                          r["checkpoint_bytes_per_request"] / 2**20))
     headers = ("pair", "open s", "mode", "tok/s", "vs plain", "accept", "mean len", "step ms", "host ms/step",
                "ckpt ms/req", "ckpt MiB/req")
-    return table(headers, rows)
+    return table(headers, rows) + "\n" + runs_note(int(results["config"].get("runs", 1)))

@@ -1,9 +1,11 @@
 """Concurrent streams on one engine: for each concurrency c, c requests at once, each read on its own thread.
 
-For each mode (plain decoding, or a method and a draft length, as bench.py names them) and each c, c distinct
-prompts start together (a barrier) and run to their end; the engine, opened once with
-`parallel=max(concurrencies)`, batches them into one target decode per step. The cache is reset before every round,
-so each stream prefills its whole prompt. Reported per mode and c, from the round of median aggregate speed:
+For each mode (plain decoding, or a method and a draft length, as bench.py names them) and each c, one short
+round at that concurrency runs first, unmeasured (the first round of a mode at a new batch width pays allocations
+and first touches that a measured round would report as its speed), then c distinct prompts start together (a
+barrier) and run to their end; the engine, opened once with `parallel=max(concurrencies)`, batches them into one
+target decode per step. The cache is reset before every round, so each stream prefills its whole prompt. Reported
+per mode and c, from the round of median aggregate speed:
 - `tok_s`: all streams' tokens / the wall time from the first stream's start to the last one's end;
 - `stream_tok_s_median`: each stream's tokens / its own wall time, the median over the streams;
 - `ttft_ms_median`, `ttft_ms_max`: from a stream's start to its first event that carries tokens;
@@ -23,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .bench import BenchConfig, progress_bar, request_options
+from .bench import WARMUP_TOKENS, BenchConfig, progress_bar, request_options, runs_note
 from .report import table
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -129,11 +131,12 @@ def bench_concurrency(engine: Any, cfg: BenchConfig, concurrencies: Sequence[int
                       progress: Callable[[], None], timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, list[dict]]:
     """Per mode, one result per concurrency (the round of median tok/s over cfg.runs rounds)."""
     prompts = distinct_prompts(cfg.prompt_list, max(concurrencies))
-    engine.generate(prompts[0], max_tokens=8)  # warm-up: allocations, first-touch of the weights
     out: dict[str, list[dict]] = {}
     for mode in cfg.mode_names():
         results = []
         for c in concurrencies:
+            warm = [{**request_options(mode, cfg, seed=i), "max_tokens": WARMUP_TOKENS} for i in range(c)]
+            run_streams(engine, prompts[:c], warm, timeout_s)  # unmeasured (see the module doc)
             rounds = []
             for run in range(cfg.runs):
                 options = [request_options(mode, cfg, seed=1000 * run + i) for i in range(c)]
@@ -155,6 +158,7 @@ def run_concurrency(pairs: Sequence[tuple[str, str, str]], cfg: BenchConfig, con
     progress = progress_bar(len(pairs) * len(cfg.mode_names()) * len(concurrencies) * cfg.runs)
     out: dict[str, Any] = {"config": {"modes": cfg.mode_names(), "runs": cfg.runs, "max_tokens": cfg.max_tokens,
                                       "temperature": cfg.temperature, "concurrency": list(concurrencies),
+                                      "warmup_tokens": WARMUP_TOKENS,
                                       "prompts": distinct_prompts(cfg.prompt_list, max(concurrencies))},
                            "pairs": {}}
     for name, target, draft in pairs:
@@ -184,4 +188,5 @@ def format_concurrency(results: dict[str, Any]) -> str:
                              r["acceptance_rate"]))
     headers = ("pair", "mode", "streams", "tok/s", "×1", "stream tok/s", "ttft ms", "ttft max ms", "rows/decode",
                "step ms", "accept")
-    return table(headers, rows)
+    note = runs_note(int(results["config"].get("runs", 1))).replace("one unmeasured request", "one unmeasured round")
+    return table(headers, rows) + "\n" + note

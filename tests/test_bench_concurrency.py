@@ -29,6 +29,8 @@ def test_concurrency_bench_reports_consistent_figures(tmp_path: Path) -> None:
                     "--json", str(out_json))
     assert out.returncode == 0, out.stderr
     assert "rows/decode" in out.stdout and "ttft ms" in out.stdout
+    # One unmeasured round first at each count, and the table says that each figure rests on one run (--runs 1).
+    assert "one unmeasured round" in out.stdout and "Every figure rests on one run" in out.stdout
     result = json.loads(out_json.read_text())
     assert result["config"]["concurrency"] == [1, 2]
     assert len(set(result["config"]["prompts"])) == 2  # distinct prompts

@@ -36,7 +36,9 @@ def test_bench_writes_json_and_a_table(tmp_path: Path) -> None:
                   "--json", str(out_json))
     assert out.returncode == 0, out.stderr
     assert "vs plain" in out.stdout and "host ms/step" in out.stdout
+    assert "warmed up with one unmeasured request" in out.stdout and "the median of 2 runs" in out.stdout
     result = json.loads(out_json.read_text())
+    assert result["config"]["warmup_tokens"] > 0
     modes = next(iter(result["pairs"].values()))["modes"]
     assert set(modes) == {"plain", "dflash 1", "dflash 3", "dflash auto"}
     assert modes["plain"]["speedup"] == 1.0 and len(modes["dflash 3"]["runs_tok_s"]) == 2

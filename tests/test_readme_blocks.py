@@ -1,9 +1,9 @@
-"""Every `python` and `bash` block of README.md runs as written, on generated models.
+"""Every `python` and `bash` block of README.md and of every docs/*.md runs as written, on generated models.
 
 Each block runs in a fresh folder of its own, as a separate process (a Python file, or `bash -e`), with the project
 importable as `pip install -e .` makes it, and with the file names the blocks use (`target.gguf`,
-`Qwen3.8-27B-NVFP4-MTP-Q8attn.gguf`, ...) linked to a generated tiny pair. The two blocks that talk to a running
-Space get an offline demo started by the test: their address `http://127.0.0.1:7860` becomes that server's (the one
+`Qwen3.8-27B-NVFP4-MTP-Q8attn.gguf`, ...) linked to a generated tiny pair. The blocks that talk to a running Space
+get an offline demo started by the test: their address `http://127.0.0.1:7860` becomes that server's (the one
 substitution, printed). A block that cannot run here says so in its fence (```bash no-run) with its reason in the
 HTML comment above; those are counted and printed, never skipped silently, and their number stays small. Any other
 fenced block (a diagram, a table, output) must not look like code.
@@ -25,9 +25,12 @@ from app_fixtures import REPO_ROOT, RunningApp, running_app
 from dflash_runtime.testing.tiny_models import tiny_pair
 
 README = REPO_ROOT / "README.md"
+# The quick start and every page it links to: a page added under docs/ is picked up without naming it here.
+DOCUMENTS = (README, *sorted((REPO_ROOT / "docs").glob("*.md")))
 RUNNABLE = ("python", "bash")
 NO_RUN = "no-run"
-MAX_NO_RUN = 11  # builds, servers that run until stopped, uploads, CI itself, a GPU, llama-server: keep it small
+MAX_NO_RUN_README = 1  # the quick start's two commands (a server that runs until stopped, and CI itself)
+MAX_NO_RUN_PER_PAGE = 4  # builds, servers that run until stopped, uploads, a GPU, llama-server: keep it small
 LOCAL_SPACE = "http://127.0.0.1:7860"
 # The names the blocks give the model files, and which file of a tiny pair each one is.
 TARGET_NAMES = ("target.gguf", "Qwen3.8-27B-NVFP4-MTP-Q8attn.gguf")
@@ -38,6 +41,7 @@ TIMEOUT_S = 600
 
 @dataclass(frozen=True)
 class Block:
+    document: str  # its file, relative to the repository: README.md, docs/space.md, ...
     line: int  # of the opening fence, 1-based
     language: str
     flags: tuple[str, ...]
@@ -50,10 +54,10 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"{self.language}-line-{self.line}"
+        return f"{self.document}:{self.language}-line-{self.line}"
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, document: str = "README.md") -> list[Block]:
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         opening = re.match(r"^```(\S*)\s*(.*)$", lines[i])
@@ -62,30 +66,59 @@ def readme_blocks(text: str) -> list[Block]:
             continue
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         above = re.match(r"^<!-- no-run: (.+) -->$", lines[i - 1]) if i else None
-        blocks.append(Block(i + 1, opening.group(1), tuple(opening.group(2).split()),
+        blocks.append(Block(document, i + 1, opening.group(1), tuple(opening.group(2).split()),
                             above.group(1) if above else None, "\n".join(lines[i + 1 : end]) + "\n"))  # fmt: skip
         i = end + 1
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text(encoding="utf-8"))
+def relative(path: Path) -> str:
+    return path.relative_to(REPO_ROOT).as_posix()
+
+
+BLOCKS = [block for path in DOCUMENTS for block in readme_blocks(path.read_text(encoding="utf-8"), relative(path))]
 TO_RUN = [block for block in BLOCKS if block.runs]
+# Prose a block may be shown as (```text, ```console, a diagram without a language): none of it runs.
+TEXT_LANGUAGES = ("", "text", "console")
 
 
-def test_the_readme_says_which_blocks_do_not_run_and_why() -> None:
-    not_run = [block for block in BLOCKS if block.language in RUNNABLE and not block.runs]
-    print(f"\nREADME.md: {len(BLOCKS)} fenced blocks, {len(TO_RUN)} run, {len(not_run)} marked no-run:")
+@pytest.mark.parametrize("document", DOCUMENTS, ids=relative)
+def test_a_page_says_which_blocks_do_not_run_and_why(document: Path) -> None:
+    name = relative(document)
+    blocks = [block for block in BLOCKS if block.document == name]
+    runs = [block for block in blocks if block.runs]
+    not_run = [block for block in blocks if block.language in RUNNABLE and not block.runs]
+    print(f"\n{name}: {len(blocks)} fenced blocks, {len(runs)} run, {len(not_run)} marked no-run:")
     for block in not_run:
         print(f"  line {block.line} ({block.language} no-run): {block.reason}")
     assert all(block.reason for block in not_run), [b.line for b in not_run if not b.reason]
-    assert all(block.reason is None for block in TO_RUN), "a no-run reason above a block that runs"
-    assert len(not_run) <= MAX_NO_RUN, "more blocks left unrun than the few that cannot run here"
-    assert len(TO_RUN) >= 7, "the blocks that show the API, the CLI and the Space's client run"
-    for block in BLOCKS:
+    assert all(block.reason is None for block in runs), "a no-run reason above a block that runs"
+    most = MAX_NO_RUN_README if document == README else MAX_NO_RUN_PER_PAGE
+    assert len(not_run) <= most, f"{name}: more blocks left unrun than the few that cannot run here"
+    for block in blocks:
         if block.language not in RUNNABLE:  # diagrams, tables, output: no code hidden from the test
-            assert block.language == "", f"line {block.line}: a ```{block.language} block neither runs nor is text"
+            assert block.language in TEXT_LANGUAGES, \
+                f"{name} line {block.line}: a ```{block.language} block neither runs nor is text"  # fmt: skip
+            if block.language == "console":  # a transcript: its commands are what a reader types elsewhere
+                continue
             code_like = [ln for ln in block.code.splitlines() if re.match(r"\s*(python|pip|from |import |\$ )", ln)]
-            assert not code_like, f"line {block.line}: code in a block that does not run: {code_like}"
+            assert not code_like, f"{name} line {block.line}: code in a block that does not run: {code_like}"
+
+
+def test_the_quick_start_is_short_and_its_examples_run() -> None:
+    text = README.read_text(encoding="utf-8")
+    words = len(text.split())  # the Space's front matter included
+    print(f"\nREADME.md: {words} words")
+    assert words <= 2500, f"README.md has {words} words: the quick start is read in five minutes"
+    first_lines = "\n".join(text.splitlines()[:30])
+    assert "bash run.sh" in first_lines and "bash .ci/run" in first_lines, "the two commands open the README"
+    readme_runs = [block for block in TO_RUN if block.document == "README.md"]
+    assert len(readme_runs) >= 2, "the Python API and the API client examples run"
+    assert len(TO_RUN) >= 7, "the blocks that show the API, the CLI and the Space's client run"
+    for path in DOCUMENTS[1:]:  # every page is reachable from the quick start or from another page
+        linked = any(f"({relative(path) if page == README else path.name}" in page.read_text(encoding="utf-8")
+                     for page in DOCUMENTS if page != path)  # fmt: skip
+        assert linked, f"{relative(path)} is linked from nowhere"
 
 
 @pytest.fixture(scope="module")
@@ -118,15 +151,15 @@ def test_a_readme_block_runs_as_written(block: Block, models: dict[str, Path], t
     code = block.code
     if LOCAL_SPACE in code:
         url = request.getfixturevalue("space").url.rstrip("/")
-        print(f"line {block.line}: {LOCAL_SPACE} -> {url} (the test's offline demo)")
+        print(f"{block.document} line {block.line}: {LOCAL_SPACE} -> {url} (the test's offline demo)")
         code = code.replace(LOCAL_SPACE, url)
     script = tmp_path / ("block.py" if block.language == "python" else "block.sh")
     script.write_text(code, encoding="utf-8")
     command = [sys.executable, str(script)] if block.language == "python" else ["bash", "-e", str(script)]
     done = subprocess.run(command, cwd=tmp_path, env=block_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     print(done.stdout[-4000:])
-    assert done.returncode == 0, f"README line {block.line} failed:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, f"{block.document} line {block.line} failed:\n{done.stderr[-4000:]}"
     log = [line for line in done.stderr.splitlines() if line.strip()]
     shown = "\n".join(log[:40])
-    assert len(log) <= MAX_LOG_LINES, f"README line {block.line} writes {len(log)} lines of log:\n{shown}"
-    assert done.stdout.strip(), f"README line {block.line} shows nothing"
+    assert len(log) <= MAX_LOG_LINES, f"{block.document} line {block.line} writes {len(log)} lines of log:\n{shown}"
+    assert done.stdout.strip(), f"{block.document} line {block.line} shows nothing"

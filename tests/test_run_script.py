@@ -1,5 +1,6 @@
 """`bash run.sh` from a clean copy of the checkout to a Space that answers a /chat call, then a second start that
-skips every setup step and serves its page within seconds.
+skips every setup step and serves its page within seconds, then `.venv/bin/python app.py` on its own, whose start-up
+check finds the wheel's manifest where run.sh recorded it.
 
 The first run makes a new .venv and installs the requirements from the package index for real (pip's own cache is
 shared); llama-cpp-python comes from the wheel cache that CI's recipe step fills (DFLASH_WHEEL_CACHE), so nothing is
@@ -66,7 +67,9 @@ def run_sh_env() -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_run_sh_from_a_clean_clone_serves_the_space_and_restarts_in_seconds(tmp_path: Path) -> None:
+def test_run_sh_from_a_clean_clone_serves_the_space_restarts_in_seconds_and_leaves_a_checked_venv(
+    tmp_path: Path,
+) -> None:
     clone = clean_clone(tmp_path / "clone")
     command = ["bash", str(clone / "run.sh")]
     try:
@@ -96,5 +99,16 @@ def test_run_sh_from_a_clean_clone_serves_the_space_and_restarts_in_seconds(tmp_
         steps = [line for line in second_log.splitlines() if line.startswith("[run.sh]")]
         assert not [line for line in steps if "installing" in line or "creating" in line], second_log
         assert second_s < SECOND_RUN_LIMIT_S, f"the second run took {second_s:.1f} s to serve its page"
+
+        # run.sh stopped, the app started from its venv without run.sh's environment (no DFLASH_WHEEL_MANIFEST, no
+        # DFLASH_WHEEL_CACHE, another HOME: no default cache either): the start-up check finds the manifest run.sh
+        # recorded, and says the build matches, not "no wheel manifest found".
+        alone = {**run_sh_env(), "HOME": str(tmp_path / "home")}
+        del alone["DFLASH_WHEEL_CACHE"], alone["DFLASH_WHEEL_VARIANT"]
+        with running_app(alone, LOGS / "run_sh_then_app.log", command=[str(clone / ".venv" / "bin" / "python"),
+                         str(clone / "app.py")], app_dir=clone, timeout_s=SECOND_RUN_TIMEOUT_S) as app:  # fmt: skip
+            app_log = app.log()
+        assert "no wheel manifest found" not in app_log, app_log
+        assert "installed build matches its wheel manifest" in app_log, app_log
     finally:
         shutil.rmtree(clone, ignore_errors=True)  # its venv is large

@@ -21,6 +21,8 @@ from dflash_runtime.errors import PromptTooLongError, RequestError
 from dflash_runtime.space.fitting import fit_conversation, prompt_tokens
 from dflash_runtime.space.gpu_time import GpuTimeEstimator, GpuTimeSettings
 from dflash_runtime.space.host import GpuJob, ReplyChunk
+from dflash_runtime.space.panel import stats_details as panel
+from dflash_runtime.space.panel import stats_summary
 from dflash_runtime.space.presets import AUTO_PARALLEL, ResolvedPair, parallel_from_env, preset_from_env
 from dflash_runtime.space.requests import (
     ChatRequest,
@@ -41,6 +43,7 @@ from dflash_runtime.space.runmode import (
     settle_run_mode,
 )
 from dflash_runtime.space.session import ChatSession
+from dflash_runtime.space.speedup import Estimate, LiveSpeedUp, Pending
 from dflash_runtime.space.views import (
     ab_markdown,
     acceptance_rows,
@@ -50,7 +53,6 @@ from dflash_runtime.space.views import (
     scrub_paths,
     sharing_note,
 )
-from dflash_runtime.space.views import stats_markdown as panel
 from dflash_runtime.stats import Stats
 
 LIMITS = Limits(max_new_tokens=4096, max_input_chars=32000, max_history_messages=256, draft_capacity=7)
@@ -211,8 +213,15 @@ def test_the_comparison_has_a_row_per_method_and_names_a_method_that_differs() -
     assert "**DFlash 2: 3.00× as fast as plain** (90.0 tok/s against plain's 30.0)" in summary
     assert "**MTP: 2.00× as fast as plain**" in summary and "÷" not in summary
     assert "NO: this is a fault" in summary and "Differs from plain: MTP" in summary
+    assert summary.startswith("**A/B finished**")
     waiting = comparison_markdown({"DFlash 2": dflash.to_dict(), "MTP": None}, None, {})
     assert "| MTP | … | waiting | | |" in waiting and "as fast" not in waiting
+    assert waiting.startswith("**A/B running: Plain** (1 of 3)")
+    # Plain has finished, DFlash 2 too, MTP is still running: DFlash 2's sentence only, and no verdict yet.
+    running = comparison_markdown({"DFlash 2": {**dflash.to_dict(), "finish_reason": "length"},
+                                   "MTP": mtp.to_dict()}, plain, {"DFlash 2": True, "MTP": None})  # fmt: skip
+    assert "DFlash 2: 3.00× as fast" in running and "MTP:" not in running and "identical" not in running
+    assert running.startswith("**A/B running: MTP** (3 of 3, 9 tokens so far)")
 
 
 def test_history_keeps_what_the_model_should_see() -> None:
@@ -437,10 +446,14 @@ def test_statistics_panel_plot_rows_and_ab_summary() -> None:
     api = {**stats.to_dict(), "finish_reason": "length", "finish_detail": "max_tokens=9 reached",
            "gpu_seconds_requested": 46, "gpu_seconds_used": 12.34}  # fmt: skip
     text = panel(api)
-    assert "90.0 tok/s" in text and "33%" in text and "2 / 6" not in text and "6 / 2" in text
-    assert "10: 4 reused, 6 prefilled" in text and "length (max_tokens=9 reached)" in text
-    assert "| GPU time requested / used | 46 s / 12.3 s |" in text
-    assert "| Engine time | 12.3 s |" in panel({**api, "gpu_seconds_requested": None})
+    assert "90.0 tok/s" in text and "| 33% (2 of 6 drafted) |" in text
+    assert "| 10 tokens = 4 reused + 6 read now |" in text and "length (max_tokens=9 reached)" in text
+    assert "| 46 s / 12.3 s |" in text and "GPU time requested / used" in text
+    assert "| 12.3 s |" in panel({**api, "gpu_seconds_requested": None})
+    assert "| 2.00 = 1.00 accepted + 1 of the target's |" in text, "tokens per verify step, as the sum it is"
+    summary = stats_summary(api)
+    assert "The draft wrote **2 of these 9 tokens** at **90.0 tok/s**" in summary
+    assert "Finished: length (max_tokens=9 reached)." in summary
     assert acceptance_rows(stats.to_dict()) == [
         {"position": "1", "acceptance": 0.5},
         {"position": "2", "acceptance": 0.5},
@@ -461,35 +474,82 @@ def test_statistics_panel_plot_rows_and_ab_summary() -> None:
     assert "**DFlash 2: slower than plain here, 0.50×**" in ab_markdown(slow, plain_30, identical=True)
     # Speed before the first decode step is not a number: the first token is the prefill's own sample.
     assert "… (DFlash 2 speculative: after a step)" in panel({**api, "decode_tok_s": None})
+    assert " at **" not in stats_summary({**api, "decode_tok_s": None})
 
 
-def test_the_panel_tells_verify_and_plain_steps_apart_and_estimates_the_speed_against_plain() -> None:
-    """Steps: 2 verify steps and 6 plain ones, with their times apart (plain steps are not verify time); the speed
-    against plain is an estimate from the answer's own plain steps, labelled so, and says how it was computed."""
-    stats = Stats(n_prompt=10, n_prefilled=10, n_generated=11, decode_ms=200.0, draft_capacity=3, method="dflash",
-                  draft_length="auto", draft_ms=15.0, verify_ms=130.0, plain_ms=60.0)  # fmt: skip
+def snapshots(steps: str, plain_ms: tuple[float, ...], verify_ms: float = 20.0,
+              accepted_per_verify: int = 3) -> list[dict[str, object]]:  # fmt: skip
+    """An answer's statistics after each of its steps ("v": a verify step, "p": a plain one, "m": both between two
+    snapshots), plain steps taking the `plain_ms` times in turn."""
+    out, plain, verify, accepted, elapsed, n = [], 0, 0, 0, 0.0, 1
+    for kind in steps:
+        if kind in "pm":
+            plain, n, elapsed = plain + 1, n + 1, elapsed + plain_ms[plain % len(plain_ms)]
+        if kind in "vm":
+            verify, accepted = verify + 1, accepted + accepted_per_verify
+            n, elapsed = n + accepted_per_verify + 1, elapsed + verify_ms
+        out.append({"plain_steps": plain, "verify_steps": verify, "decode_ms": elapsed, "n_generated": n,
+                    "accepted": accepted, "drafted": verify * 4, "decode_tok_s": (n - 1) / (elapsed / 1000),
+                    "draft_length": "auto", "speculative": True, "method": "dflash"})  # fmt: skip
+    return out
+
+
+def test_the_live_speed_up_rests_on_timed_plain_steps_and_says_its_uncertainty() -> None:
+    """Plain steps of 9 and 11 ms in turn (10 ms: 100 tok/s plain) among verify steps that write 4 tokens in 20 ms:
+    the estimate is the answer's speed over 100 tok/s, shown once 8 plain steps are timed, with twice the standard
+    error of the mean plain step as its margin; an interval that mixes a verify step with a plain one is not timed."""
+    live = LiveSpeedUp()
+    shown = []
+    for stats in snapshots("vp" * 12 + "m" * 5, (9.0, 11.0)):
+        live.add(stats)
+        shown.append(live.current(stats))
+    first = next(i for i, e in enumerate(shown) if isinstance(e, Estimate))
+    assert first == 2 * 8 - 1, "shown once 8 plain steps are timed"
+    assert isinstance(shown[0], Pending) and "8 plain steps" in shown[0].reason
+    final, stats = shown[-1], snapshots("vp" * 12 + "m" * 5, (9.0, 11.0))[-1]
+    assert isinstance(final, Estimate) and final.plain_steps == 12, "the 5 mixed intervals are not timed"
+    assert final.plain_speed == pytest.approx(100.0)
+    assert final.ratio == pytest.approx(stats["decode_tok_s"] * 10.0 / 1000.0)  # type: ignore[operator]
+    # The mean leaves out the longest and the shortest tenth (one 11 ms and one 9 ms step): 10 steps, 10 ms, and
+    # the sample standard deviation of 9, 11, 9, ... ms.
+    spread = (10 / 9) ** 0.5
+    assert final.margin == pytest.approx(final.ratio * 2 * spread / 10**0.5 / 10.0)
+    summary, details = stats_summary(stats, final), panel(stats, final)
+    digits = 2 if final.margin < 0.1 else 1  # the figures the uncertainty leaves meaningful
+    ratio, margin = f"{final.ratio:.{digits}f}", f"{final.margin:.{digits}f}"
+    assert f"is running about **{ratio}× as fast** as without the draft (± {margin}, against 12 plain steps of this " \
+           "answer)" in summary  # fmt: skip
+    assert f"≈ {final.ratio:.2f}× ± {final.margin:.2f}: {final.speed:.1f} against 100.0 tok/s" in details
+    assert "same engine, same load" in details, "what it compares, also when answers share the engine"
+    # A fixed draft length drafts at every step: no plain step, no estimate, and it says why.
+    fixed = LiveSpeedUp()
+    for stats in snapshots("v" * 20, (10.0,)):
+        fixed.add({**stats, "draft_length": 3})
+    pending = fixed.current({**stats, "draft_length": 3})
+    assert isinstance(pending, Pending) and "fixed draft length" in pending.reason
+    assert "no speed-up estimate yet: a fixed draft length" in stats_summary(stats, pending)
+
+
+def test_the_panel_counts_add_up_as_shown() -> None:
+    """Tokens = the draft's accepted ones + the target's own (one after the prompt, one per verify step, one per
+    plain step); tokens per verify step = accepted per step + the target's one; prompt = reused + read now."""
+    stats = Stats(n_prompt=45, n_reused=33, n_prefilled=12, n_generated=12, decode_ms=200.0, draft_capacity=3,
+                  method="dflash", draft_length="auto", draft_ms=15.0, verify_ms=130.0, plain_ms=60.0)  # fmt: skip
     stats.record_verify(3, 3, 4)
     stats.record_verify(3, 0, 1)
     stats.plain_steps = 6
-    text = panel({**stats.to_dict(), "decode_tok_s": 50.0})
-    assert "11 tokens: 2 verify steps (drafts checked), 6 plain steps (one token, no draft)" in text
-    assert "| Time: draft / verify steps / plain steps | 15.0 ms / 70.0 ms / 60.0 ms |" in text
-    # 60 ms over 6 plain steps: 10 ms a token, 100 tok/s plain, against 50 tok/s.
-    assert "| vs plain (estimate) | **≈ 0.50×**: 50.0 tok/s against ≈ 100.0 tok/s, one token per plain step of " \
-           "10.0 ms (the mean of this answer's 6 plain steps) |" in text  # fmt: skip
+    text = panel({**stats.to_dict(), "decode_tok_s": 55.0})
+    assert "| 12 = 3 from the draft + 9 from the target (1 right after the prompt, 2 after verify steps, 6 from " \
+           "plain steps) |" in text  # fmt: skip
+    assert "| 2.50 = 1.50 accepted + 1 of the target's |" in text
+    assert "| 45 tokens = 33 reused + 12 read now |" in text and "the shared system prompt" in text
+    assert "| draft 15.0 ms · verify steps 70.0 ms · plain steps 60.0 ms |" in text
+    assert "| 2 |" in text and "| 6 |" in text and "steps of the target that checked a draft" in text
     assert "across your requests in this conversation" in text, "the adaptive length's memory is said"
-    # No plain step in this answer: the adaptive length's measured plain step (from earlier requests), else none.
-    none_plain = {**stats.to_dict(), "plain_steps": 0, "plain_ms": 0.0, "decode_tok_s": 50.0}
-    learnt = panel({**none_plain, "controller": {"cost_ms_by_length": [25.0, 30.0]}})
-    assert "≈ 1.25×" in learnt and "the adaptive length's measured plain step" in learnt
-    assert "not measured: no plain step yet" in panel(none_plain)
-    assert "not measured: no plain step yet" in panel({**none_plain, "draft_length": 0})
-    fixed = panel({**none_plain, "draft_length": 3})
-    assert "not measured: a fixed draft length takes no plain step" in fixed and "| Draft length | 3 (fixed) |" in fixed
-    plain = panel({**Stats(n_generated=5, decode_ms=50.0, verify_ms=40.0, plain_ms=40.0, speculative=False,
-                           plain_steps=4).to_dict(), "decode_tok_s": 80.0})  # fmt: skip
-    assert "vs plain" not in plain and "Acceptance" not in plain and "5 tokens: 0 verify steps" in plain
-    assert "| Time: plain steps | 40.0 ms |" in plain
+    plain = {**Stats(n_generated=5, decode_ms=50.0, verify_ms=40.0, plain_ms=40.0, speculative=False,
+                     plain_steps=4).to_dict(), "decode_tok_s": 80.0}  # fmt: skip
+    assert "vs plain" not in panel(plain) and "Acceptance" not in panel(plain)
+    assert "Plain decoding: **5 tokens** at **80.0 tok/s**, one step of the target each" in stats_summary(plain)
 
 
 def test_server_paths_are_cut_to_file_names() -> None:

@@ -187,3 +187,29 @@ def test_import_failure_says_what_to_do(error: str, missing: list[str], hint: st
     line = startup.status_line(info)
     assert line.startswith("llama-cpp-python 0.3.36 (CUDA build): import failed: " + error)
     assert hint in line and not startup.is_healthy({**info, "manifest": {"matches": None}})
+
+
+def test_the_manifest_run_sh_recorded_and_its_wheel_cache_are_searched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After `bash run.sh`, `.venv/bin/python app.py` runs without run.sh's environment: the start-up check finds the
+    manifest run.sh recorded in the venv, and run.sh's wheel cache, not only DFLASH_WHEEL_MANIFEST."""
+    venv, cache = tmp_path / "venv", tmp_path / "wheels-dl"
+    manifest = cache / "cpu" / "manifest.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text("{}")
+    (cache / "build" / "cpu-1" / "x").mkdir(parents=True)
+    (cache / "build" / "cpu-1" / "x" / "manifest.json").write_text("{}")  # a build tree's: never a wheel's manifest
+    assert startup.recorded_manifest(venv) is None  # a venv run.sh did not set up
+    (venv / startup.RECORDED_MANIFEST).parent.mkdir(parents=True)
+    (venv / startup.RECORDED_MANIFEST).write_text(f"{manifest}\n")
+    assert startup.recorded_manifest(venv) == manifest
+    monkeypatch.delenv("DFLASH_WHEEL_MANIFEST", raising=False)
+    monkeypatch.setattr(sys, "prefix", str(venv))
+    monkeypatch.setenv("DFLASH_WHEEL_CACHE", str(tmp_path / "elsewhere"))
+    assert startup.find_manifests(startup.default_manifest_dirs())[0] == manifest.resolve()  # recorded
+    (venv / startup.RECORDED_MANIFEST).unlink()
+    monkeypatch.setenv("DFLASH_WHEEL_CACHE", str(cache))
+    found = startup.find_manifests(startup.default_manifest_dirs())
+    ours = [path for path in found if path.is_relative_to(tmp_path.resolve())]
+    assert ours == [manifest.resolve()]  # the cache's variant folder, not its build trees

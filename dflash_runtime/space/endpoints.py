@@ -21,20 +21,13 @@ import pandas as pd
 from ..errors import DFlashError, PromptTooLongError, RequestError
 from ..methods import runnable as registered_methods
 from .callers import call_of
+from .panel import EMPTY_DETAILS, EMPTY_STATS, REFUSED_STATS, WAITING_STATS, stats_details, stats_summary
 from .provenance import ACCEPTANCE, SPEED, SpeedTrace, point_every
 from .requests import AUTO, DEFAULT_SYSTEM_PROMPT, MessageTooLongError
 from .service import Comparison, Reply, SpaceService
 from .session import ChatSession
-from .views import (
-    EMPTY_STATS,
-    WAITING_STATS,
-    acceptance_rows,
-    info_markdown,
-    method_label,
-    scrub_paths,
-    sharing_note,
-    stats_markdown,
-)
+from .speedup import LiveSpeedUp
+from .views import PLAIN_LABEL, acceptance_rows, info_markdown, method_help, method_label, scrub_paths, sharing_note
 
 log = logging.getLogger(__name__)
 ApiReply = tuple[str, dict[str, Any]]
@@ -289,6 +282,23 @@ def method_choices(service: SpaceService) -> list[tuple[str, str]]:
     return [(default, AUTO), *((method_label(m, kind), m) for m in shown)]
 
 
+def method_menu_help(service: SpaceService) -> str:
+    """One line for each choice of the method menu (all registered methods while the pair is not known yet)."""
+    methods = service.methods()
+    shown = methods if methods is not None else list(registered_methods(lambda needs: True))
+    return method_help(shown, service.engine_info.get("draft_kind"), methods[0] if methods else None)
+
+
+AB_LABEL = "A/B: same prompt, plain vs each draft method"
+AB_WAITS = "A/B: once this answer has finished"  # the button while the conversation's answer (or A/B) runs
+
+
+def ab_button(ready: bool) -> Any:
+    """The A/B button: usable, or greyed out saying when it will be (an A/B run while this conversation's answer
+    runs would be refused for its answers at once)."""
+    return gr.update(value=AB_LABEL if ready else AB_WAITS, interactive=ready)
+
+
 def engine_sharing(service: SpaceService) -> str:
     """The note under the page's title: how many answers run at once (a most until `auto` has sized the engine)."""
     return sharing_note(service.parallel, until_loaded=service.preset.parallel_fit and not service.engine_info)
@@ -335,37 +345,44 @@ class PageHandlers:
         }  # fmt: skip
 
     @staticmethod
-    def _told(error: Exception, what: str) -> Any:
-        """The notice line's update for a refused message or a failed answer, with a toast saying the same."""
+    def _told(error: Exception, what: str, toast: bool = True) -> Any:
+        """The notice line's update for a refused message or a failed answer, with a toast saying the same (only a
+        queued event can show one: elsewhere Gradio writes it to the server's log as a Python warning)."""
         title, message = visitor_message(error)
-        gr.Warning(f"{what}: {message}", title=title)
+        if toast:
+            gr.Warning(f"{what}: {message}", title=title)
         return gr.update(value=f"⚠️ **{what}:** {message}", visible=True)
 
     def submit(self, message: str, session: ChatSession, *settings: Any) -> tuple[Any, ...]:
         """Inputs: message, session, then the settings (system prompt, max tokens, temperature, top-p, top-k, min-p,
-        method, draft length, speculative, thinking). Outputs: chatbot, message box, notice, A/B box. Shows the
-        message at once and leaves it to `respond`; a refused message stays in the box, the notice says why."""
+        method, draft length, speculative, thinking). Outputs: chatbot, message box, notice, A/B box, statistics,
+        details, acceptance plot, speed chart, acceptance chart, A/B button. Shows the message at once and leaves it
+        to `respond`; a refused message stays in the box, the notice says why, and the statistics are cleared (as
+        for a message the GPU function refuses)."""
         skip = gr.skip()
-        if session.busy():
-            gr.Warning("The previous answer is still running: wait for it, or press Stop.")
-            return skip, skip, skip, skip
+        if session.busy():  # said in the notice line: this event is not queued, so it can show no toast
+            busy = "⚠️ The previous answer is still running: wait for it, or press Stop."
+            return skip, skip, gr.update(value=busy, visible=True), *(skip,) * 7
         try:
             request = self.service.check(message=message, history=session.messages, **self._settings(settings))
         except RequestError as error:
-            return skip, skip, self._told(error, "Not sent"), skip
+            return (skip, skip, self._told(error, "Not sent", toast=False), skip, REFUSED_STATS, EMPTY_DETAILS,
+                    *HIDDEN_CHARTS, skip)  # fmt: skip
         _, shown = session.start_turn(message, request)
-        return shown, "", gr.update(value="", visible=False), ""
+        return shown, "", gr.update(value="", visible=False), "", skip, skip, skip, skip, skip, ab_button(False)
 
     async def respond(self, session: ChatSession, request: gr.Request) -> AsyncIterator[tuple[Any, ...]]:
-        """Inputs: session. Outputs: chatbot, message box, statistics, acceptance plot, speed chart, acceptance
-        chart, notice, thinking switch, info box. Answers the turn `submit` showed. The chat shows every step; the
-        plots follow the work done: they change when the answer has grown by another stretch of tokens, and at its
-        end. Stop ends the answer on the server; the statistics then say so."""
+        """Inputs: session. Outputs: chatbot, message box, statistics, details, acceptance plot, speed chart,
+        acceptance chart, notice, thinking switch, info box, A/B button. Answers the turn `submit` showed. The chat
+        shows every step; the plots follow the work done: they change when the answer has grown by another stretch
+        of tokens, and at its end. Stop ends the answer on the server; the statistics then say so. The A/B button
+        is usable again once the answer has ended, however it ended."""
         call = call_of(request)
         try:
             async with aclosing(self._respond(session, call)) as frames:
                 async for frame in frames:
-                    yield frame
+                    yield (*frame, gr.skip())
+            yield (gr.skip(),) * 10 + (ab_button(True),)
         finally:
             self.service.callers.end(call)
 
@@ -373,16 +390,17 @@ class PageHandlers:
         skip = gr.skip()
         pending = session.take_pending()
         if pending is None:  # stopped or cleared while it waited in the queue: nothing changes
-            yield (skip,) * 9
+            yield (skip,) * 10
             return
         epoch, request = pending
         trace = SpeedTrace(point_every(request.max_tokens))
-        yield skip, skip, WAITING_STATS, *HIDDEN_CHARTS, skip, skip, skip
+        speed_up = LiveSpeedUp()
+        yield skip, skip, WAITING_STATS, EMPTY_DETAILS, *HIDDEN_CHARTS, skip, skip, skip
         reply: Reply | None = None
         try:
             while await self.service.poll_files() is None:
                 status = f"*Downloading the model pair: {self.service.download.status().summary()}*"
-                yield skip, skip, status, skip, skip, skip, skip, skip, skip
+                yield skip, skip, status, skip, skip, skip, skip, skip, skip, skip
             notice, first = None, True
             async for reply in self.service.reply(request, owner=session.owner, latest_only=True, session=session,
                                                   call=call):  # fmt: skip
@@ -390,6 +408,7 @@ class PageHandlers:
                 if shown is None:  # cleared meanwhile: this answer belongs to no conversation
                     break
                 session.last_stats = reply.stats
+                speed_up.add(reply.stats)
                 plot = speed = acceptance = skip
                 if trace.add(reply.stats, final=reply.finish_reason is not None):
                     plot, speed, acceptance = chart_updates(reply.stats, trace)
@@ -403,22 +422,29 @@ class PageHandlers:
                     first = False
                     thinking = gr.update(visible=bool(self.service.engine_info.get("supports_thinking")))
                     info = self.about()
-                yield shown, skip, stats_markdown(reply.stats), plot, speed, acceptance, notice_update, thinking, info
+                estimate = speed_up.current(reply.stats)
+                yield (shown, skip, stats_summary(reply.stats, estimate), stats_details(reply.stats, estimate), plot,
+                       speed, acceptance, notice_update, thinking, info)  # fmt: skip
         except Exception as error:  # told, not raised: see the class doc
             restored = session.undo_turn(epoch)  # the failed turn leaves the chat; its message goes back to the box
             box = request.message if restored is not None else skip
-            # A message too long for the context is not sent, as one too long in characters (see `submit`).
-            told = self._told(error, "Not sent" if too_long(error) else "No answer")
-            yield restored or skip, box, EMPTY_STATS, skip, skip, skip, told, skip, skip
+            # A message too long for the context is not sent, as one too long in characters (see `submit`), and
+            # clears the statistics the same way.
+            refused = too_long(error)
+            told = self._told(error, "Not sent" if refused else "No answer")
+            panel = REFUSED_STATS if refused else "*No answer (the notice under the chat says why).*"
+            yield restored or skip, box, panel, EMPTY_DETAILS, *HIDDEN_CHARTS, told, skip, skip
             return
         if not session.is_current(epoch):
             # Cleared: this event's last word empties what it showed (Clear's own outputs may arrive before frames
             # this event sent earlier).
-            yield [], skip, EMPTY_STATS, *HIDDEN_CHARTS, skip, skip, skip
+            yield [], skip, EMPTY_STATS, EMPTY_DETAILS, *HIDDEN_CHARTS, skip, skip, skip
         elif reply is not None and reply.finish_reason is None and session.last_stats:  # stopped: say so, chart it
             stopped = {**session.last_stats, "finish_reason": "stopped", "finish_detail": "by you"}
             trace.add(stopped, final=True)
-            yield skip, skip, stats_markdown(stopped), *chart_updates(stopped, trace), skip, skip, skip
+            estimate = speed_up.current(stopped)
+            yield (skip, skip, stats_summary(stopped, estimate), stats_details(stopped, estimate),
+                   *chart_updates(stopped, trace), skip, skip, skip)  # fmt: skip
 
     def comparison_phases(self) -> tuple[tuple[str, ...], dict[str, str]]:
         """The A/B run's phases (plain decoding, then each draft method the pair runs) and each method's row name."""
@@ -432,38 +458,51 @@ class PageHandlers:
         """How many answers an A/B run is (what the queue's limits count it as)."""
         return len(self.comparison_phases()[0])
 
+    def compare_start(self, session: ChatSession, typed: str) -> tuple[Any, Any]:
+        """Inputs: session, message box. Outputs: the A/B box, the A/B button. At once, outside the queue: what the
+        A/B will run, under its button (the run itself may wait in the queue behind other visitors' answers)."""
+        if session.busy():
+            return (("⚠️ **A/B not started:** an answer of this conversation is still running. Wait for it to "
+                     "finish (or press Stop), then click A/B again."), gr.skip())  # fmt: skip
+        if session.last_prompt() is None and not typed.strip():
+            return "*Send a message first (or type one): the A/B run repeats a prompt.*", gr.skip()
+        _, labels = self.comparison_phases()
+        return (f"**A/B starting:** the prompt with plain decoding, then with {', '.join(labels.values())}, all with "
+                "the same seed…", ab_button(False))  # fmt: skip
+
     async def compare(self, request: gr.Request, session: ChatSession, typed: str,
-                      *settings: Any) -> AsyncIterator[str]:  # fmt: skip
-        """Inputs: session, message box, then the settings. Output: the A/B box. Repeats the last prompt (or the
-        typed message) with plain decoding, then with each draft method the pair runs, in one GPU call, all with the
-        same seed."""
+                      *settings: Any) -> AsyncIterator[tuple[Any, Any]]:  # fmt: skip
+        """Inputs: session, message box, then the settings. Outputs: the A/B box, the A/B button. Repeats the last
+        prompt (or the typed message) with plain decoding, then with each draft method the pair runs, in one GPU
+        call, all with the same seed."""
         call = call_of(request)
         try:
             async with aclosing(self._compare(session, typed, settings, call)) as frames:
                 async for frame in frames:
-                    yield frame
+                    yield frame, gr.skip()
+            yield gr.skip(), ab_button(True)
         finally:
             self.service.callers.end(call)
 
     async def _compare(self, session: ChatSession, typed: str, settings: tuple[Any, ...],
                        call: str | None) -> AsyncIterator[str]:  # fmt: skip
         last = session.last_prompt()
-        if last is None and not typed.strip():
-            yield "*Send a message first (or type one): the A/B run repeats a prompt.*"
+        if last is None and not typed.strip():  # compare_start said so
+            return
+        if session.busy():  # compare_start said so; the conversation's own answer runs
             return
         message, earlier = last if last is not None else (typed, session.messages)
         try:
             request = self.service.check(message=message, history=earlier, **self._settings(settings))
             request = replace(request, seed=random.randrange(2**31))
             phases, labels = self.comparison_phases()
-            yield f"Running the prompt with plain decoding, then with {', '.join(labels.values())}…"
+            yield f"**A/B running: {PLAIN_LABEL}** (1 of {len(phases)})…"
             comparison = Comparison(request.temperature, request.seed, labels)
             async for reply in self.service.reply(request, phases, owner=session.owner, latest_only=True,
                                                   session=session, call=call):  # fmt: skip
                 yield comparison.add(reply)
         except Exception as error:  # told, not raised: see the class doc
             _, text = visitor_message(error)
-            gr.Warning(f"A/B: {text}")
             yield f"⚠️ **A/B not run:** {text}"
 
     def highlight(self, session: ChatSession, on: bool) -> list[dict[str, str]]:
@@ -471,19 +510,22 @@ class PageHandlers:
         text highlighted (a running answer follows on its next step)."""
         return session.set_highlight(bool(on))
 
-    def stop(self, session: ChatSession) -> None:
-        """Inputs: session. Stops the running answer (it stays in the chat as far as it got; its statistics say it
-        stopped) or the message still waiting in the queue."""
+    def stop(self, session: ChatSession) -> Any:
+        """Inputs: session. Output: the A/B button. Stops the running answer (it stays in the chat as far as it got;
+        its statistics say it stopped), the message still waiting in the queue, or the A/B run."""
         session.stop()
+        return ab_button(True)
 
     def clear(self, session: ChatSession) -> tuple[Any, ...]:
-        """Inputs: session. Outputs: chatbot, message box, statistics, acceptance plot, speed chart, acceptance chart,
-        notice, A/B box. Stops the running answer and forgets the conversation."""
+        """Inputs: session. Outputs: chatbot, message box, statistics, details, acceptance plot, speed chart,
+        acceptance chart, notice, A/B box, A/B button. Stops the running answer and forgets the conversation."""
         session.clear()
-        return [], "", EMPTY_STATS, *HIDDEN_CHARTS, gr.update(value="", visible=False), ""
+        return ([], "", EMPTY_STATS, EMPTY_DETAILS, *HIDDEN_CHARTS, gr.update(value="", visible=False), "",
+                ab_button(True))  # fmt: skip
 
     def page_load(self) -> tuple[Any, ...]:
-        """Outputs: thinking switch, info box, temperature, top-p, top-k, min-p, sampling note, method, sharing note.
+        """Outputs: thinking switch, info box, temperature, top-p, top-k, min-p, sampling note, method, method help,
+        sharing note.
         The sampling controls start from the server's current defaults (the model's own once its header is read)."""
         service = self.service
         supports = service.engine_info.get("supports_thinking", True)
@@ -493,7 +535,8 @@ class PageHandlers:
                     else gr.update(value=service.defaults[name])
                     for name in ("temperature", "top_p", "top_k", "min_p")]  # fmt: skip
         return (gr.update(visible=bool(supports)), self.about(), *sampling, sampling_note(service),
-                gr.update(choices=method_choices(service)), engine_sharing(service))  # fmt: skip
+                gr.update(choices=method_choices(service)), method_menu_help(service),
+                engine_sharing(service))  # fmt: skip
 
     def download_tick(self) -> tuple[Any, ...]:
         """Outputs: download box, timer."""

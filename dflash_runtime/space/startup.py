@@ -197,10 +197,37 @@ def find_manifests(search_dirs: Iterable[Path]) -> list[Path]:
     return list(dict.fromkeys(p.resolve() for p in found))
 
 
+# Where run.sh records, inside the venv it set up, the manifest of the wheel it installed and checked: the app started
+# later from that venv (`.venv/bin/python app.py`, the tests by hand) finds it without run.sh's environment.
+RECORDED_MANIFEST = Path(".dflash-run") / "wheel-manifest"
+WHEEL_VARIANTS = ("cpu", "cuda")  # run.sh's wheel cache keeps each variant's wheel and manifest in a folder of its own
+
+
+def recorded_manifest(prefix: Path | None = None) -> Path | None:
+    """The manifest run.sh recorded in the venv at `prefix` (this interpreter's by default), if it did."""
+    record = Path(sys.prefix if prefix is None else prefix) / RECORDED_MANIFEST
+    try:
+        text = record.read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    return Path(text) if text else None
+
+
+def wheel_cache_dirs() -> list[Path]:
+    """run.sh's (and CI's) wheel cache, one folder per variant: $DFLASH_WHEEL_CACHE, else its default."""
+    cache = os.environ.get("DFLASH_WHEEL_CACHE") or str(Path.home() / ".cache" / "dflash-space" / "wheels-dl")
+    return [Path(cache) / variant for variant in WHEEL_VARIANTS]
+
+
 def default_manifest_dirs() -> list[Path]:
+    """Where the start-up check looks, in this order: DFLASH_WHEEL_MANIFEST, the manifest run.sh recorded in this
+    venv, the recipe's own output (prebuilt_wheels/), run.sh's wheel cache."""
     explicit = os.environ.get("DFLASH_WHEEL_MANIFEST")
     dirs = [Path(explicit)] if explicit else []
-    return [*dirs, PROJECT_ROOT / "prebuilt_wheels", Path.cwd() / "prebuilt_wheels"]
+    recorded = recorded_manifest()
+    if recorded is not None:
+        dirs.append(recorded)
+    return [*dirs, PROJECT_ROOT / "prebuilt_wheels", Path.cwd() / "prebuilt_wheels", *wheel_cache_dirs()]
 
 
 @dataclass
@@ -473,7 +500,7 @@ def _dflash_phrase(missing: list[str] | None) -> str:
 def _manifest_phrase(manifest: dict[str, Any]) -> str:
     if manifest["matches"] is None:
         # A build from source has none; a wheel of the recipe has one beside it, which the app finds under
-        # prebuilt_wheels/ or where DFLASH_WHEEL_MANIFEST points.
+        # prebuilt_wheels/, in run.sh's wheel cache, where run.sh recorded it or where DFLASH_WHEEL_MANIFEST points.
         return ("no wheel manifest found: built from source, or a wheel whose manifest.json is elsewhere "
                 "(set DFLASH_WHEEL_MANIFEST to it)")
     if manifest["matches"]:

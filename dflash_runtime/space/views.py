@@ -1,5 +1,5 @@
-"""Text the Space shows: the live statistics panel, the per-position acceptance rows, the A/B summary and the
-info box. Plain strings and dicts, so they are testable without a browser."""
+"""Text the Space shows: the per-position acceptance rows, the method menu's help, the A/B summary and the info box
+(the live statistics: panel.py). Plain strings and dicts, so they are testable without a browser."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from .presets import PairPreset
 from .requests import Limits
 from .runmode import RunMode
 
-EMPTY_STATS = "*Statistics appear here while the model answers.*"
-WAITING_STATS = "*Waiting for the first tokens (the first request also loads the model)…*"
 # An absolute path (two or more components) that starts a word: /home/user/.cache/x.gguf -> x.gguf. Slashes inside
 # words or after a colon (tok/s, 1/2, https://host/...) are left alone.
 _PATH = re.compile(r"(?<![\w.~:/-])(?:/[^\s/'\"():,;<>`]+)+/([^\s/'\"():,;<>`]+)")
@@ -23,106 +21,6 @@ def scrub_paths(text: str) -> str:
     """`text` with the server's absolute file-system paths cut down to their file names, for anything a visitor
     reads (the info box, /info, error messages)."""
     return _PATH.sub(r"\1", text)
-
-
-def _fmt_ms(value: float) -> str:
-    return f"{value:,.0f} ms" if value >= 100 else f"{value:.1f} ms"
-
-
-def _gpu_time_row(stats: Mapping[str, Any]) -> tuple[str, str] | None:
-    used = stats.get("gpu_seconds_used")
-    requested = stats.get("gpu_seconds_requested")
-    if requested is not None:
-        used_text = "…" if used is None else f"{used:.1f} s"
-        return "GPU time requested / used", f"{requested} s / {used_text}"
-    return ("Engine time", f"{used:.1f} s") if used is not None else None
-
-
-def _speed_row(stats: Mapping[str, Any], mode: str) -> tuple[str, str]:
-    speed = stats["decode_tok_s"]
-    return "Decode speed", f"**{speed:.1f} tok/s** ({mode})" if speed is not None else f"… ({mode}: after a step)"
-
-
-def plain_step_ms(stats: Mapping[str, Any]) -> tuple[float, str] | None:
-    """The engine's own measured cost of a plain step (one token, no draft), and where it comes from: the mean of
-    this answer's plain steps (the target's decode and sampling), else, at the end of an answer that took none, the
-    adaptive length's measured plain round (learnt on this conversation's earlier requests); None when neither."""
-    steps, spent = stats.get("plain_steps") or 0, stats.get("plain_ms") or 0.0
-    if steps and spent > 0:
-        return spent / steps, f"the mean of this answer's {steps} plain step{'s' if steps > 1 else ''}"
-    costs = (stats.get("controller") or {}).get("cost_ms_by_length") or []
-    if costs and costs[0]:
-        return float(costs[0]), "the adaptive length's measured plain step, from this conversation's requests"
-    return None
-
-
-def vs_plain_row(stats: Mapping[str, Any]) -> tuple[str, str]:
-    """A live estimate of the speed against plain decoding: the answer's decode speed over one token per measured
-    plain step. An estimate: the A/B run measures plain decoding itself."""
-    speed, measured = stats.get("decode_tok_s"), plain_step_ms(stats)
-    if measured is None:
-        fixed = stats.get("draft_length") not in ("auto", 0)  # a fixed length drafts at every step
-        why = "a fixed draft length takes no plain step" if fixed else "no plain step yet"
-        return "vs plain (estimate)", f"not measured: {why} (the A/B button measures it)"
-    step_ms, source = measured
-    if not speed:
-        return "vs plain (estimate)", "… (after the first step)"
-    plain = 1000.0 / step_ms
-    return "vs plain (estimate)", (
-        f"**≈ {speed / plain:.2f}×**: {speed:.1f} tok/s against ≈ {plain:.1f} tok/s, one token per plain step of "
-        f"{step_ms:.1f} ms ({source})"
-    )
-
-
-def draft_length_text(stats: Mapping[str, Any]) -> str:
-    """The request's draft length; for "auto", that the adaptive length keeps what it learnt across this
-    conversation's requests (the engine keeps a policy per cache owner, method and draft length setting)."""
-    length = stats.get("draft_length")
-    if length == "auto":
-        return ("auto (adaptive: what it measured, each length's cost and each position's acceptance, carries over "
-                "across your requests in this conversation, per method)")  # fmt: skip
-    return f"{length} (fixed)"
-
-
-def stats_markdown(stats: Mapping[str, Any]) -> str:
-    """The live panel: speed (and against plain decoding, estimated), the steps, acceptance, time split, prompt cache
-    use and GPU time of one request (its statistics as the API returns them)."""
-    if not stats or "decode_tok_s" not in stats:
-        return EMPTY_STATS
-    speculative = bool(stats.get("speculative") and stats.get("method"))
-    mode = f"{method_label(stats.get('method'))} speculative" if speculative else "plain"
-    verify_steps, plain_steps = stats.get("verify_steps", 0), stats.get("plain_steps", 0)
-    plain_ms = stats.get("plain_ms", 0.0)
-    rows = [_speed_row(stats, mode)]
-    if speculative:
-        rows.append(vs_plain_row(stats))
-    rows.append(("Generated", f"{stats['n_generated']} tokens: {verify_steps} verify steps (drafts checked), "
-                              f"{plain_steps} plain steps (one token, no draft)"))  # fmt: skip
-    if speculative:
-        drafted = bool(stats.get("drafted"))
-        rows += [
-            ("Draft length", draft_length_text(stats)),
-            ("Acceptance rate", f"{stats['acceptance_rate']:.0%}" if drafted else "– (nothing drafted yet)"),
-            ("Mean accepted length",
-             f"{stats['mean_accepted_length']:.2f} tokens / verify step" if verify_steps else "–"),
-            ("Drafted / accepted", f"{stats['drafted']} / {stats['accepted']}"),
-            ("Time: draft / verify steps / plain steps",
-             f"{_fmt_ms(stats['draft_ms'])} / {_fmt_ms(stats['verify_ms'] - plain_ms)} / {_fmt_ms(plain_ms)}"),
-        ]  # fmt: skip
-    else:
-        rows.append(("Time: plain steps", _fmt_ms(stats["verify_ms"])))
-    rows += [
-        ("Prompt tokens", f"{stats['n_prompt']}: {stats['n_reused']} reused, {stats['n_prefilled']} prefilled"),
-        ("Prefill", _fmt_ms(stats["prefill_ms"])),
-    ]
-    gpu_time = _gpu_time_row(stats)
-    if gpu_time:
-        rows.append(gpu_time)
-    if stats.get("finish_reason"):
-        detail = stats.get("finish_detail")
-        rows.append(("Finished", f"{stats['finish_reason']}" + (f" ({detail})" if detail else "")))
-    table = "\n".join(f"| {name} | {value} |" for name, value in rows)
-    return "| Statistic | Value |\n| --- | --- |\n" + table
 
 
 def acceptance_rows(stats: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -156,6 +54,32 @@ def method_description(method: str | None, draft_kind: str | None = None) -> str
     return METHOD_DESCRIPTIONS.get(method or "", method_label(method, draft_kind))
 
 
+# What each method is, in one line of the method menu's help.
+METHOD_HELP = {
+    "dflash": "a small draft model writes a block of tokens in one pass, from the target's own hidden features",
+    "mtp": "the target's own multi-token-prediction head guesses the next tokens",
+    "ngram-mod": "no draft model: the tokens that followed the last few tokens where they occurred before, in the "
+                 "prompt or the answer (llama.cpp's ngram-mod)",
+    "ngram-map-k": "no draft model: what followed the newest earlier occurrence of the last 12 tokens (llama.cpp's "
+                   "ngram-map-k)",
+}
+
+
+def method_help(methods: list[str], draft_kind: str | None = None, default: str | None = None) -> str:
+    """The method menu's help: one line for "auto" and for each method or chain in the menu."""
+    lines = [f"- **auto**: the pair's default{f' ({method_label(default, draft_kind)})' if default else ''}"]
+    for method in methods:
+        members = draft_methods.split(method)
+        if len(members) > 1:
+            names = [method_label(m, draft_kind) for m in members]
+            what = (f"each step drafted by {names[0]} where it finds something (the answer copies its prompt), "
+                    f"by {' then '.join(names[1:])} elsewhere")  # fmt: skip
+        else:
+            what = METHOD_HELP.get(method, "a draft method of this pair")
+        lines.append(f"- **{method_label(method, draft_kind)}**: {what}")
+    return "\n".join(lines)
+
+
 def comparison_markdown(
     methods: Mapping[str, Mapping[str, Any] | None],
     plain: Mapping[str, Any] | None,
@@ -168,7 +92,8 @@ def comparison_markdown(
     None or empty while it has not started), per method its acceptance, mean accepted length and speed-up, and what
     the texts being equal or not (`identical`: label → whether its text equals plain's, None until both finished)
     means at this temperature, once every method has finished. Five short columns: it fits a phone."""
-    lines = ["| Method | Tokens | tok/s | Accepted | Tok/step |", "| --- | --- | --- | --- | --- |"]
+    lines = [comparison_progress(methods, plain, identical or {}), "",
+             "| Method | Tokens | tok/s | Accepted | Tok/step |", "| --- | --- | --- | --- | --- |"]
     modes = []
     for name, stats in ((PLAIN_LABEL, plain), *methods.items()):
         if stats:
@@ -185,13 +110,30 @@ def comparison_markdown(
     checked = f" Drafts checked by {' / '.join(dict.fromkeys(modes))}." if modes else ""
     lines.append(f"\n*Accepted: the drafted tokens the target kept. Tok/step: tokens per verify step (the mean "
                  f"accepted length, the target's own token included).{checked}*")  # fmt: skip
-    if plain and plain.get("finish_reason"):
+    if plain and plain.get("finish_reason"):  # each method's sentence once its own run has finished
         for name, stats in methods.items():
-            if stats:
+            if stats and (identical.get(name) is not None or stats.get("finish_reason")):
                 lines.append("\n" + speed_up_line(stats, plain, name))
     if identical and all(same is not None for same in identical.values()):  # every method has finished
         lines.append("\n" + comparison_verdict(identical, temperature, seed))  # type: ignore[arg-type]
     return "\n".join(lines)
+
+
+def comparison_progress(methods: Mapping[str, Mapping[str, Any] | None], plain: Mapping[str, Any] | None,
+                        identical: Mapping[str, bool | None]) -> str:  # fmt: skip
+    """The A/B's first line: which run is on (and how far it got), or that all have finished."""
+    runs = [(PLAIN_LABEL, plain), *methods.items()]
+    for index, (name, stats) in enumerate(runs, start=1):
+        finished = bool(stats and (stats.get("finish_reason") or identical.get(name) is not None))
+        if not finished:
+            so_far = f", {_tokens(stats)} so far" if stats else ""
+            return f"**A/B running: {name}** ({index} of {len(runs)}{so_far})…"
+    return f"**A/B finished**: the same prompt, {len(runs)} runs with the same seed."
+
+
+def _tokens(stats: Mapping[str, Any]) -> str:
+    n = int(stats.get("n_generated") or 0)
+    return f"{n} token" if n == 1 else f"{n} tokens"
 
 
 def ab_markdown(

@@ -1,0 +1,161 @@
+"""The live statistics of one answer as a first-time visitor reads them: one plain sentence (how much of the answer
+the draft wrote, about how much faster it came), then a folded table whose every term says what it means, with
+counts that add up as shown. Plain strings, testable without a browser."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .speedup import Estimate, Pending
+from .views import method_label
+
+EMPTY_STATS = ("*Statistics appear here while the model answers: how much of the answer the draft wrote, and about "
+               "how much faster it came than without the draft.*")  # fmt: skip
+WAITING_STATS = "*Waiting for the first tokens (the first request also loads the model)…*"
+REFUSED_STATS = "*No answer: the message was not sent (the notice under the chat says why).*"
+EMPTY_DETAILS = "*The steps, acceptance and timings of an answer appear here.*"
+
+
+def _fmt_ms(value: float) -> str:
+    return f"{value:,.0f} ms" if value >= 100 else f"{value:.1f} ms"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _speculative(stats: Mapping[str, Any]) -> bool:
+    return bool(stats.get("speculative") and stats.get("method"))
+
+
+def _finished(stats: Mapping[str, Any]) -> str | None:
+    reason = stats.get("finish_reason")
+    if not reason:
+        return None
+    detail = stats.get("finish_detail")
+    return f"{reason}" + (f" ({detail})" if detail else "")
+
+
+def speed_up_phrase(estimate: Estimate | Pending | None, done: bool) -> str:
+    """The second half of the sentence: the estimate with its uncertainty, or why there is none yet."""
+    if isinstance(estimate, Estimate):
+        verb = "ran" if done else "is running"
+        digits = 2 if estimate.margin < 0.1 else 1  # as many as the uncertainty leaves meaningful
+        return (f"this answer {verb} about **{estimate.ratio:.{digits}f}× as fast** as without the draft "
+                f"(± {estimate.margin:.{digits}f}, against {_plural(estimate.plain_steps, 'plain step')} of this "
+                "answer)")
+    if estimate is None:
+        return "the speed-up is not estimated here (the A/B button measures it)"
+    return f"no speed-up estimate yet: {estimate.reason} (the A/B button measures it)"
+
+
+def stats_summary(stats: Mapping[str, Any], estimate: Estimate | Pending | None = None) -> str:
+    """The sentence on top of the panel, and how the answer ended once it has."""
+    if not stats or "decode_tok_s" not in stats:
+        return EMPTY_STATS
+    n, speed = int(stats.get("n_generated") or 0), stats.get("decode_tok_s")
+    finished = _finished(stats)
+    pace = f" at **{speed:.1f} tok/s**" if speed else ""
+    if _speculative(stats):
+        accepted = int(stats.get("accepted") or 0)
+        wrote = f"The draft wrote **{accepted} of these {_plural(n, 'token')}**" if accepted else \
+            f"The draft has had none of these {_plural(n, 'token')} accepted"  # fmt: skip
+        line = f"{wrote}{pace}; {speed_up_phrase(estimate, finished is not None)}."
+    else:
+        line = f"Plain decoding: **{_plural(n, 'token')}**{pace}, one step of the target each (no draft)."
+    if finished:
+        line += f"\n\nFinished: {finished}."
+    return line
+
+
+def _tokens_row(stats: Mapping[str, Any]) -> tuple[str, str, str]:
+    """The answer's tokens as the sum they are: the draft's accepted ones and the target's own, and where those
+    came from (one right after the prompt, one per verify step, one per plain step)."""
+    n, accepted = int(stats.get("n_generated") or 0), int(stats.get("accepted") or 0)
+    verify, plain = int(stats.get("verify_steps") or 0), int(stats.get("plain_steps") or 0)
+    own = n - accepted
+    first = own - verify - plain  # the token sampled with the prompt's last pass: 1, once the answer has begun
+    if first in (0, 1):
+        parts = [f"{verify} after verify steps", f"{plain} from plain steps"]
+        where = f" ({', '.join(['1 right after the prompt', *parts] if first else parts)})"
+    else:  # an answer cut short (max_tokens, a stop string) inside a step: its parts no longer add up that way
+        where = ""
+    return ("Tokens", f"{n} = {accepted} from the draft + {own} from the target{where}",
+            "every token is the target's choice; the draft's were proposed by the draft and kept by the target")
+
+
+def stats_details(stats: Mapping[str, Any], estimate: Estimate | Pending | None = None) -> str:
+    """The folded table: each term with its value and, under it, what it means."""
+    if not stats or "decode_tok_s" not in stats:
+        return EMPTY_DETAILS
+    speculative = _speculative(stats)
+    speed = stats.get("decode_tok_s")
+    mode = f"{method_label(stats.get('method'))} speculative" if speculative else "plain"
+    rows: list[tuple[str, str, str]] = [
+        ("Decode speed", f"{speed:.1f} tok/s ({mode})" if speed else f"… ({mode}: after a step)",
+         "tokens written per second after the prompt was read"),
+    ]
+    verify, plain = int(stats.get("verify_steps") or 0), int(stats.get("plain_steps") or 0)
+    plain_ms, verify_ms = float(stats.get("plain_ms") or 0.0), float(stats.get("verify_ms") or 0.0)
+    if speculative:
+        if isinstance(estimate, Estimate):
+            vs_plain = (f"≈ {estimate.ratio:.2f}× ± {estimate.margin:.2f}: {estimate.speed:.1f} against "
+                        f"{estimate.plain_speed:.1f} tok/s")  # fmt: skip
+        else:
+            vs_plain = "not yet" if estimate is None else f"not yet: {estimate.reason}"
+        rows += [
+            ("vs plain (estimate)", vs_plain,
+             "this answer's speed against one token per plain step, both timed in this answer (same engine, same "
+             "load as any answers it shares steps with); the A/B button measures plain decoding itself"),
+            _tokens_row(stats),
+            ("Verify steps", str(verify), "steps of the target that checked a draft: several tokens in one pass"),
+            ("Plain steps", str(plain),
+             "steps of the target that wrote one token with no draft (the adaptive length takes them where a draft "
+             "would not pay)"),
+        ]
+        drafted, accepted = int(stats.get("drafted") or 0), int(stats.get("accepted") or 0)
+        if drafted:
+            rows.append(("Acceptance rate", f"{stats.get('acceptance_rate', accepted / drafted):.0%} "
+                                            f"({accepted} of {drafted} drafted)",
+                         "the share of drafted tokens the target kept"))  # fmt: skip
+        if verify:
+            per_step = accepted / verify
+            rows.append(("Tokens per verify step", f"{per_step + 1:.2f} = {per_step:.2f} accepted + 1 of the target's",
+                         "what one verify step wrote on average (also called the mean accepted length)"))
+        length = stats.get("draft_length")
+        rows.append(("Draft length", "auto (adaptive)" if length == "auto" else f"{length} (fixed)",
+                     "the longest draft a step asks for; auto chooses it at every step from what it measured, and "
+                     "remembers that across your requests in this conversation, per method"
+                     if length == "auto" else "the draft asked for at every step"))  # fmt: skip
+        rows.append(("Time", f"draft {_fmt_ms(float(stats.get('draft_ms') or 0.0))} · verify steps "
+                             f"{_fmt_ms(verify_ms - plain_ms)} · plain steps {_fmt_ms(plain_ms)}",
+                     "the draft's passes, and the target's passes in each kind of step"))  # fmt: skip
+    else:
+        rows += [("Steps", str(plain), "steps of the target, one token each"),
+                 ("Time", f"plain steps {_fmt_ms(verify_ms)}", "the target's passes")]  # fmt: skip
+    n_prompt, reused = int(stats.get("n_prompt") or 0), int(stats.get("n_reused") or 0)
+    rows += [
+        ("Prompt", f"{n_prompt} tokens = {reused} reused + {int(stats.get('n_prefilled') or 0)} read now",
+         "reused: already in the cache (the shared system prompt, or this conversation's earlier turns), so not "
+         "computed again"),
+        ("Prefill", _fmt_ms(float(stats.get("prefill_ms") or 0.0)), "the time to read the prompt's new tokens"),
+    ]
+    gpu_time = _gpu_time_row(stats)
+    if gpu_time:
+        rows.append(gpu_time)
+    finished = _finished(stats)
+    if finished:
+        rows.append(("Finished", finished, "why the answer ended"))
+    table = "\n".join(f"| **{name}**<br><small>{why}</small> | {value} |" for name, value, why in rows)
+    return "| Term | Value |\n| --- | --- |\n" + table
+
+
+def _gpu_time_row(stats: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    used = stats.get("gpu_seconds_used")
+    requested = stats.get("gpu_seconds_requested")
+    if requested is not None:
+        used_text = "…" if used is None else f"{used:.1f} s"
+        return ("GPU time requested / used", f"{requested} s / {used_text}",
+                "what your ZeroGPU quota was charged for, and what the answer took")
+    return ("Engine time", f"{used:.1f} s", "the engine's own time for this answer") if used is not None else None

@@ -13,6 +13,7 @@
 | `DFLASH_DEMO` | `tiny` = offline demo, `off` = the configured pair, unset = decide | unset |
 | `DFLASH_DEMO_PAIR` | the offline demo's pair: `dense`, or `methods` (hybrid, MTP head + DFlash 2) | `dense` |
 | `DFLASH_PARALLEL` | answers the engine runs at once (>= 1, or `auto`: 1 on ZeroGPU, else what fits, <= 4) | `auto` |
+| `DFLASH_NUMERICS` | `exact`: batch-invariant CPU kernels (bit-exact); `fast`: exact up to near-ties | `exact` |
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class PairPreset:
     random_weights: bool = False
     parallel: int = 1  # the engine's parallel sequences: answers that run at once (see parallel_from_env)
     parallel_fit: bool = False  # `parallel` is a most: the engine opens as many sequences as fit in memory, up to it
+    numerics: str = "exact"  # load_pair(numerics=...): "exact" (batch-invariant CPU kernels) or "fast"
 
     @property
     def quantisation(self) -> str:
@@ -73,6 +75,7 @@ class PairPreset:
             "random_weights": self.random_weights,
             "parallel": self.parallel,
             "parallel_fit": self.parallel_fit,
+            "numerics": self.numerics,
         }
 
 
@@ -186,7 +189,16 @@ def preset_from_env(env: Mapping[str, str] | None = None) -> PairPreset:
         n_ctx=env_int(env, "DFLASH_N_CTX", DEFAULT_N_CTX, minimum=256),
         n_gpu_layers=env_int(env, "DFLASH_GPU_LAYERS", DEFAULT_GPU_LAYERS, minimum=-1),
         draft_capacity=draft_capacity_from_env(env),
+        numerics=numerics_from_env(env),
     )
+
+
+def numerics_from_env(env: Mapping[str, str]) -> str:
+    """DFLASH_NUMERICS: "exact" (default) or "fast" (see dflash_runtime.pair: numerics)."""
+    value = env_text(env, "DFLASH_NUMERICS") or "exact"
+    if value not in ("exact", "fast"):
+        raise ValueError(f"DFLASH_NUMERICS must be exact or fast, got {value!r}")
+    return value
 
 
 def draft_capacity_from_env(env: Mapping[str, str]) -> int:

@@ -89,3 +89,30 @@ def test_identical_answers_and_bad_arguments(broken: Engine) -> None:
     short = broken.explain_divergence(tokens, plain, plain[:-1])
     assert short.position == len(plain) - 1 and short.token_b == broken.pair.vocabulary.eos
     assert short.kind in (FAULT, NEAR_TIE)
+
+
+WORDS = ("the quick brown fox", "hello world", "what is the capital of", "once upon a time", "one two three",
+         "jumps over", "and the dog", "said the model", "over it", "tell me a story")
+
+
+def test_on_kernels_that_are_not_batch_invariant_the_differences_are_near_ties() -> None:
+    """numerics="fast" stands in for a GPU: with two threads and 512+ cached cells, FlashAttention splits a single
+    row's cells across the threads (partial sums), a verify batch's rows are summed whole. Long prompts whose answers
+    differ there are searched (two, where this build's kernels break a near-tie); every difference is a near-tie."""
+    pair = tiny_pair("dense", "dflash2", head="phrase")
+    found = []
+    with load_pair(pair.target, pair.draft, n_ctx=1024, numerics="fast", n_threads=2) as engine:
+        assert not engine.info()["batch_invariant"]
+        base = engine.tokenize(" ".join(WORDS) * 6)[:300]
+        for tail in (" the quick brown fox and the dog", " hello world and the dog"):
+            prompt = base + engine.tokenize(tail, add_special=False)
+            plain = engine.generate(prompt, max_tokens=64, speculative=False).tokens
+            speculative = engine.generate(prompt, max_tokens=64, draft_length=7).tokens
+            if plain != speculative:
+                found.append(engine.explain_divergence(prompt, plain, speculative))
+    assert found, "no difference appeared on the stand-in kernels"
+    for why in found:
+        assert why.kind == NEAR_TIE, why.to_dict()
+        assert 0 <= why.margin <= why.bound and why.spread > 0 and not why.batch_invariant
+        assert why.summary() == (f"differs at token {why.position}: a near-tie (margin {why.margin:.2g}, the kernels' "
+                                 "rounding), not a fault")

@@ -242,7 +242,8 @@ def comparison_verdict(identical: Mapping[str, bool], temperature: float, seed: 
     differing = [name for name, same in identical.items() if not same]
     if temperature != 0 or not differing:
         return ab_verdict(not differing, temperature, seed)
-    return " ".join(f"{name}: {ab_verdict(False, temperature, seed, divergences.get(name))}" for name in differing)
+    return "\n\n".join(f"{name}: {ab_verdict(False, temperature, seed, divergences.get(name))}"
+                       for name in differing)
 
 
 def divergence_verdict(divergence: Mapping[str, Any] | None) -> str:

@@ -23,12 +23,17 @@ from .errors import (
 __version__ = "0.1.0"
 
 
-def load_pair(target_path: Any, draft_path: Any = None, **kwargs: Any) -> Any:
+def load_pair(target_path: Any, draft_path: Any = None, *, numerics: str = "exact", **kwargs: Any) -> Any:
     """Open a target and (optionally) its DFlash draft, linked, and the target's MTP head when it has one; returns an
-    Engine (see dflash_runtime.engine). `load_pair(target)` on a target with an MTP head gives an MTP engine."""
+    Engine (see dflash_runtime.engine). `load_pair(target)` on a target with an MTP head gives an MTP engine.
+
+    `numerics`: "exact" (default) opens a CPU target on kernels whose rows do not depend on their batch, so every
+    temperature-0 answer is bit-identical to plain decoding's after any history; "fast" takes the fastest kernels
+    (FlashAttention, repacked weights), exact up to near-ties. `engine.info()["numerics"]` says which holds and why
+    (a GPU's kernels are never batch-invariant); docs/numerics.md."""
     from .engine import Engine
 
-    return Engine(target_path, draft_path, **kwargs)
+    return Engine(target_path, draft_path, numerics=numerics, **kwargs)
 
 
 def __getattr__(name: str) -> Any:

@@ -25,8 +25,9 @@ from .checkpoints import CheckpointPolicy, CheckpointStore
 from .controller import Policies
 from .decoding import Decoding, Parts, Request
 from .deprecated import renamed, renamed_keyword
+from .divergence import Divergence, explain
 from .drafting import TokenView
-from .errors import EngineClosedError, RequestError
+from .errors import EngineBusyError, EngineClosedError, RequestError
 from .pair import LinkedPair
 from .request_checks import check_length, checked_owner, checked_request, prompt_tokens
 from .results import Result, StreamEvent
@@ -283,6 +284,37 @@ class Engine:
         with self._occupancy.native():
             self._parts.owners.park(owner, current=owner is None)
 
+    def explain_divergence(self, prompt: str | Sequence[int], plain: Sequence[int], other: Sequence[int], *,
+                           verify_rows: int | None = None) -> Divergence:
+        """Why two temperature-0 answers to `prompt` differ (`plain`: plain decoding's tokens, `other`: e.g. a
+        speculative answer's): the first differing position, its row scored as plain decoding computes it (one row
+        after the same prefix) and as a verify batch of `verify_rows` rows does (default: one more than the draft
+        capacity), both candidates' logits and margins, and whether the difference is a near-tie that this build's
+        rounding can flip or a fault (see divergence.py). Runs between requests on an idle sequence, whose state is
+        put back afterwards (no step runs meanwhile; the running requests keep their sequences)."""
+        tokens = prompt_tokens(prompt, self.pair, lambda text: self._tokenize(text, True, True))
+        pair = self.pair
+        rows = verify_rows if verify_rows is not None else max(2, min(pair.verify_cap, pair.draft_capacity or 7) + 1)
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= pair.n_ubatch:
+            raise RequestError(f"verify_rows must be an integer in 1..{pair.n_ubatch} (got {verify_rows!r})")
+        if len(tokens) + max(len(plain), len(other)) + rows > pair.n_ctx:
+            raise RequestError("the prompt, the answers and the verify rows do not fit the context")
+        with self._occupancy.native():
+            idle = self._parts.owners.idle()
+            if not idle:
+                raise EngineBusyError("every sequence runs a request: explain the divergence when one is idle")
+            cache = min(idle, key=len)  # the emptiest idle sequence: the least to copy aside
+            parked = cache.park() if len(cache) else None
+            try:
+                return explain(pair.target_ctx, cache.seq, n_batch=pair.n_batch, n_vocab=pair.n_vocab,
+                               n_embd=pair.n_embd, eos=pair.vocabulary.eos, batch_invariant=pair.batch_invariant,
+                               prompt=tokens, a=list(plain), b=list(other), verify_rows=rows,
+                               piece=pair.vocabulary.piece_text)
+            finally:
+                cache.clear()
+                if parked is not None:
+                    cache.unpark(parked)
+
     def step_counters(self) -> dict[str, float | int]:
         """Engine-wide totals since it opened (for benchmarks): target decodes, the rows they held, time in steps."""
         with self._occupancy.cond:
@@ -318,6 +350,7 @@ class Engine:
                 "n_cached_by_sequence": [len(cache) for cache in self._parts.caches],
                 "batch_invariant": pair.batch_invariant,
                 "placement": pair.placement(),
+                "numerics": pair.numerics,
                 "checkpoints": _all_checkpoints(stores),
                 "sessions": self._parts.owners.describe(),
                 "chat_template": self.template is not None,

@@ -33,6 +33,9 @@ from .vocab import Vocabulary
 MAX_PARALLEL = 64  # sequences per context (llama.cpp allows 256): 64 verify batches of 8 rows fill n_batch 512
 CUDA_VERIFY_ROWS = 8  # CUDA's small-batch matrix-vector kernels take up to this many rows: verify batches stay there
 DEFAULT_DRAFT_CAPACITY = CUDA_VERIFY_ROWS - 1  # a verify batch is id_last + the draft
+# "exact": the CPU target takes kernels whose rows do not depend on their batch (see batch_invariant); "fast": the
+# fastest kernels, answers exact up to near-ties (see divergence.py).
+NUMERICS = ("exact", "fast")
 _backend_ready = False
 _live_handles = 0
 _live_lock = threading.Lock()
@@ -92,6 +95,23 @@ def _init_backend() -> None:
 def _system_info() -> str:
     """libllama's build features (e.g. "CPU : AVX2 = 1 | ... | LLAMAFILE = 1 |"), after the backends are loaded."""
     return (ll.llama_print_system_info() or b"").decode("utf-8", "replace")
+
+
+def matrix_products_invariant() -> bool:
+    """Whether this build's CPU matrix products sum a row in one order whatever the row count: llamafile's sgemm
+    for every row count (the wheel recipe's CPU build: SGEMM_ALL_ROWS), or ggml's own dot products for every row count
+    (llamafile off). Upstream's llamafile build takes sgemm from two rows up only: a row decoded alone then differs."""
+    info = _system_info()
+    return "SGEMM_ALL_ROWS = 1" in info or "LLAMAFILE = 1" not in info
+
+
+def matrix_products_summary() -> str:
+    info = _system_info()
+    if "SGEMM_ALL_ROWS = 1" in info:
+        return "llamafile's sgemm for every row count"
+    if "LLAMAFILE = 1" not in info:
+        return "ggml's own dot products for every row count (llamafile off)"
+    return "sum one row alone in another order than rows in a batch (llamafile's sgemm from two rows up)"
 
 
 def init_native(verbose: bool = False) -> None:
@@ -238,6 +258,7 @@ class LinkedPair:
         draft_gpu_layers: int | None = None,
         rpc_cpu: bool = False,
         rpc_timeout_s: float = REPLY_TIMEOUT_S,
+        numerics: str = "exact",
     ) -> None:
         capacity = renamed_keyword("draft_max", "draft_capacity", draft_max, draft_capacity, DEFAULT_DRAFT_CAPACITY,
                                    stacklevel=4)
@@ -260,6 +281,9 @@ class LinkedPair:
             raise ValueError(f"n_ctx must be ≥ 16 and n_batch ≥ 1 (got n_ctx={n_ctx}, n_batch={n_batch})")
         if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= MAX_PARALLEL:
             raise ValueError(f"parallel must be an integer in 1..{MAX_PARALLEL} (got {parallel!r})")
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)} (got {numerics!r})")
+        self.numerics_asked = numerics
         self.parallel = parallel
         # The MTP head: one nextn layer after the trunk (a failure to open it is kept when it is optional).
         n_nextn = int(self.target_info.keys.get(f"{self.target_info.arch}.nextn_predict_layers", 0) or 0)
@@ -317,7 +341,7 @@ class LinkedPair:
         self.target_model = self.own(
             # On the CPU the target's rows must not depend on their batch (see batch_invariant): repacked weights
             # take a many-row kernel from four rows up and a one-row kernel below.
-            load_model(self.target_info.path, n_gpu_layers, load_mtp=self.wants_mtp, repack=not self.cpu_kernels,
+            load_model(self.target_info.path, n_gpu_layers, load_mtp=self.wants_mtp, repack=not self._exact_cpu,
                        devices=self.devices),
             ll.llama_model_free,
         )
@@ -339,7 +363,7 @@ class LinkedPair:
         params.kv_unified = False
         params.n_ctx = n_ctx * self.parallel
         params.n_threads = params.n_threads_batch = threads
-        if self.cpu_kernels:
+        if self._exact_cpu:
             # Exactness across requests needs a row's numbers not to depend on the rows decoded beside it: the CPU
             # FlashAttention kernel tiles many-row batches and splits single rows across threads differently, the
             # plain attention path does neither (see batch_invariant).
@@ -403,15 +427,39 @@ class LinkedPair:
         lx.llama_set_embeddings_nextn(self.mtp_ctx, True, True)
 
     @property
+    def _exact_cpu(self) -> bool:
+        """The target runs on the CPU with the batch-invariant configuration (numerics="exact")."""
+        return self.numerics_asked == "exact" and self.cpu_kernels
+
+    @property
     def batch_invariant(self) -> bool:
         """Whether a target row's numbers are the same whatever rows share its batch and its cache's history, which is
         what makes a long-lived engine answer exactly as a fresh one (and speculative exactly as plain decoding).
-        True on the CPU (FlashAttention off, see _open_target) with a build whose matrix products take one path for
-        any row count: llama.cpp's llamafile sgemm, used from two rows up, sums in another order than the one-row
-        path, so the wheel recipe's CPU variant is built without it. GPU kernels (and a GPU build, which offloads
-        large batches even with n_gpu_layers=0) are not batch-invariant: there every answer is a valid sample of the
-        target under its own numerics."""
-        return self.cpu_kernels and not ll.llama_supports_gpu_offload() and "LLAMAFILE = 1" not in _system_info()
+        True on the CPU with numerics="exact": FlashAttention off (the CPU kernel tiles many-row batches and splits
+        one row's cells across threads), weights not repacked (repacked types take another kernel from four rows
+        up), and a build whose matrix products take one summation order for any row count (see
+        `matrix_products_invariant`). GPU kernels (and a GPU build, which offloads large batches even with
+        n_gpu_layers=0) are not batch-invariant: there every answer is a valid greedy answer of the target under
+        its own batch's numerics, and a temperature-0 difference is a near-tie or a fault (divergence.py)."""
+        return self._exact_cpu and not ll.llama_supports_gpu_offload() and matrix_products_invariant()
+
+    @property
+    def numerics(self) -> dict[str, Any]:
+        """Which guarantee holds and why: `asked` ("exact" or "fast"), `holds` ("exact": bit-identical whatever the
+        batch and history; "exact up to near-ties": a temperature-0 answer may differ from plain decoding only where
+        the target's top two logits are within the kernels' rounding), `why`."""
+        if self.batch_invariant:
+            holds, why = "exact", (
+                "CPU kernels whose rows do not depend on their batch: " + matrix_products_summary()
+                + ", FlashAttention off, weights not repacked")
+        elif self.numerics_asked == "fast":
+            holds, why = "exact up to near-ties", ("numerics='fast': FlashAttention and repacked weights, kernels "
+                                                   "chosen per batch size")
+        elif self.n_gpu_layers != 0 or ll.llama_supports_gpu_offload():
+            holds, why = "exact up to near-ties", "GPU kernels are chosen per batch size (not batch-invariant)"
+        else:
+            holds, why = "exact up to near-ties", "this build's CPU matrix products " + matrix_products_summary()
+        return {"asked": self.numerics_asked, "holds": holds, "why": why}
 
     def sampling_defaults(self) -> dict[str, float | int]:
         """The model's recommended sampling (`general.sampling.*`, as llama.cpp reads them): only keys present."""

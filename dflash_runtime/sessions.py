@@ -103,6 +103,10 @@ class CacheOwners:
         self._busy[seq] = True
         return self.caches[seq], self._switch(seq, owner, prompt, public_prefix)
 
+    def idle(self) -> list[PairCache]:
+        """The sequences no request runs on now."""
+        return [cache for cache, busy in zip(self.caches, self._busy, strict=True) if not busy]
+
     def _busy_neighbours(self, seq: int) -> int:
         """Running sequences next to `seq`. libllama decodes a batch of per-sequence KV streams in ubatches of
         consecutive sequence ids (llama_batch_allocr::split_equal, `sequential`): a step whose running sequences

@@ -100,6 +100,20 @@ RPC_CMAKE_HOOK = (
     "    endif()\n"
     f"    llama_cpp_python_install_target({RPC_SERVER})\n"
 )
+# The CPU kernels' one change: upstream's llamafile sgemm declines one-row products on x86 (they go to ggml's own dot
+# products, which sum in another order), so a row decoded alone differs from the same row in a batch. Taking every
+# row count (as upstream already does on POWER) gives one order whatever the batch; the CPU backend then lists the
+# feature SGEMM_ALL_ROWS, which dflash_runtime.pair reads (batch_invariant). CPU variant only. (file, old, new)
+_LLAMAFILE_FEATURE = '            features.push_back({ "LLAMAFILE", "1" });\n'
+KERNEL_PATCH = (
+    ("vendor/llama.cpp/ggml/src/ggml-cpu/llamafile/sgemm.cpp",
+     "    // only enable sgemm for prompt processing\n"
+     "#if !defined(__MMA__)\n    if (n < 2)\n        return false;\n#endif\n",
+     "    // dflash-space wheel: sgemm for every row count, one summation order whatever the batch\n"),
+    ("vendor/llama.cpp/ggml/src/ggml-cpu/ggml-cpu.cpp",
+     _LLAMAFILE_FEATURE,
+     _LLAMAFILE_FEATURE + '            features.push_back({ "SGEMM_ALL_ROWS", "1" });\n'),
+)
 HERE = Path(__file__).resolve().parent
 PATCH_MODULE_SOURCE = HERE / "llama_cpp_patch" / "_backend_modules.py"
 ARCH_PATTERN = re.compile(r"^\d{2,3}[af]?(-real|-virtual)?$")
@@ -169,9 +183,10 @@ class BuildConfig:
             "-DLLAVA_BUILD=OFF",
         ]
         if self.variant == "cpu":
-            # One matrix-product path for any row count (llamafile's sgemm takes two rows and up): a row's numbers do
-            # not depend on its batch, so answers are exact across requests (dflash_runtime.pair: batch_invariant).
-            return [*common, "-DGGML_CUDA=OFF", "-DGGML_LLAMAFILE=OFF", *self.extra_cmake_args]
+            # llamafile's sgemm, patched to take every row count (see SGEMM_PATCH): one summation order for any
+            # batch, so a row's numbers do not depend on it and answers are exact across requests, at sgemm's speed
+            # (dflash_runtime.pair: batch_invariant; docs/numerics.md).
+            return [*common, "-DGGML_CUDA=OFF", "-DGGML_LLAMAFILE=ON", *self.extra_cmake_args]
         major = self.cuda.version.split(".")[0] if self.cuda else "13"
         cuda = [
             "-DGGML_CUDA=ON",
@@ -201,6 +216,8 @@ class BuildConfig:
             "slim": self.slim,
             "manifest_schema": MANIFEST_SCHEMA,  # a manifest with new fields needs a new build in the cache
             "source_patch": source_patch_digest(),
+            "kernel_patch": hashlib.sha256(json.dumps(KERNEL_PATCH).encode()).hexdigest() if self.variant == "cpu"
+            else None,
         }
 
     def key(self) -> str:
@@ -426,6 +443,17 @@ def unpack_sdist(sdist: Path, source_dir: Path) -> None:
                 archive.extractall(source_dir.parent)
         marker.write_text(SDIST_SHA256 + "\n")
     shutil.rmtree(source_dir / "llama_cpp" / "lib", ignore_errors=True)
+
+
+def patch_cpu_kernels(source_dir: Path) -> None:
+    """Apply KERNEL_PATCH to the unpacked sources (applying it twice, as a resumed build does, changes nothing)."""
+    for name, old, new in KERNEL_PATCH:
+        target = source_dir / name
+        text = target.read_text()
+        if new not in text:
+            if text.count(old) != 1:
+                raise RecipeError(f"{target} has not exactly one {old.strip()!r}: the kernel patch cannot apply")
+            target.write_text(text.replace(old, new))
 
 
 def source_patch_digest() -> str:
@@ -749,6 +777,8 @@ def run_build(plan: BuildPlan) -> Path:
     unpack_sdist(plan.sdist, plan.source_dir)
     patch_sources(plan.source_dir)
     patch_rpc_server(plan.source_dir)
+    if plan.config.variant == "cpu":
+        patch_cpu_kernels(plan.source_dir)
     plan.env["SOURCE_DATE_EPOCH"] = source_date_epoch(plan.sdist)
     shutil.rmtree(plan.wheel_dir, ignore_errors=True)
     command = plan.pip_command()

@@ -1,7 +1,8 @@
 """What exactness across requests rests on: on the CPU, a target row's logits do not depend on the rows decoded with
-it, nor on how its prefix was split into batches (one row, a few verify rows, prompt chunks). llama.cpp's llamafile
-sgemm and the CPU FlashAttention kernel break this (the wheel recipe's CPU variant builds without the first, the pair
-opens the target without the second); `info()["batch_invariant"]` says whether it holds."""
+it, nor on how its prefix was split into batches (one row, a few verify rows, prompt chunks). Upstream's llamafile
+sgemm (two rows and up only) and the CPU FlashAttention kernel break this; the wheel recipe's CPU build patches sgemm
+to take every row count, and numerics="exact" (the default) opens the target without FlashAttention and weight
+repacking. `info()["batch_invariant"]` and `info()["numerics"]` say whether it holds (see docs/numerics.md)."""
 
 from __future__ import annotations
 
@@ -48,9 +49,21 @@ def test_a_rows_logits_do_not_depend_on_its_batch(target: str) -> None:
     pair = tiny_pair(target, "dflash2", head="phrase", n_embd=512, dims="scaled")
     with load_pair(pair.target, pair.draft, n_ctx=1024) as engine:
         assert engine.info()["batch_invariant"]
+        assert engine.info()["numerics"]["holds"] == "exact" and engine.info()["numerics"]["asked"] == "exact"
         prompt = engine.tokenize("the draft proposes tokens and the target verifies them. " * 5)[:64]
         n = len(prompt)
         whole = _rows(engine, prompt, [n])
         for splits in ([n - 1, 1], [33, n - 33], [n - 8, 8], [n - 3, 1, 2], [1] * n, [2, 5, 7, n - 14]):
             assert np.array_equal(_rows(engine, prompt, splits), whole), splits
         engine.reset()
+
+
+def test_fast_numerics_say_they_are_exact_up_to_near_ties() -> None:
+    pair = tiny_pair("dense", "dflash2")
+    with load_pair(pair.target, pair.draft, n_ctx=256, numerics="fast") as engine:
+        numerics = engine.info()["numerics"]
+        assert not engine.info()["batch_invariant"]
+        assert numerics["asked"] == "fast" and numerics["holds"] == "exact up to near-ties"
+        assert "FlashAttention and repacked weights" in numerics["why"]
+    with pytest.raises(ValueError, match="numerics must be one of exact, fast"):
+        load_pair(pair.target, pair.draft, n_ctx=256, numerics="fastest")

@@ -56,6 +56,7 @@ def test_cpu_mode_writes_every_section_and_finds_no_mismatch(tmp_path: Path) -> 
 
     loss = result["lossless"]
     assert loss["mismatch_count"] == 0 and loss["mismatches"] == []
+    assert loss["near_ties"] == 0 and loss["faults"] == 0, "a batch-invariant CPU build: no difference at all"
     combos = {(r["target"], r["method"], str(r["draft_length"])) for r in loss["rows"]}
     lengths = ("1", "3", "7", "auto")
     assert combos == ({("dense", "dflash", n) for n in lengths} | {("hybrid", m, n) for m in ("dflash", "mtp")

@@ -212,7 +212,14 @@ def test_the_comparison_has_a_row_per_method_and_names_a_method_that_differs() -
     assert "| 67% | 3.00 |" in summary and "| 33% | 2.00 |" in summary, "acceptance and mean accepted length"
     assert "**DFlash 2: 3.00× as fast as plain** (90.0 tok/s against plain's 30.0)" in summary
     assert "**MTP: 2.00× as fast as plain**" in summary and "÷" not in summary
-    assert "NO: this is a fault" in summary and "Differs from plain: MTP" in summary
+    assert "MTP: **Texts identical: NO, and the difference was not explained**" in summary
+    assert "DFlash 2:" not in summary.split("\n")[-1], "only the method that differs is named"
+    fault = {"kind": "fault", "position": 3, "margin": 2.1, "bound": 1e-4, "text_a": " fox", "text_b": " dog"}
+    explained = comparison_markdown(methods, plain, {"DFlash 2": True, "MTP": False}, divergences={"MTP": fault})
+    assert "MTP: **Texts differ at token 3: fault (margin 2.1).**" in explained
+    tie = {**fault, "kind": "near-tie", "margin": 3e-5}
+    explained = comparison_markdown(methods, plain, {"DFlash 2": True, "MTP": False}, divergences={"MTP": tie})
+    assert "**Texts differ at token 3: a near-tie (margin 3e-05, the kernels' rounding), not a fault.**" in explained
     assert summary.startswith("**A/B finished**")
     waiting = comparison_markdown({"DFlash 2": dflash.to_dict(), "MTP": None}, None, {})
     assert "| MTP | … | waiting | | |" in waiting and "as fast" not in waiting

@@ -108,6 +108,9 @@ class ReplyChunk:
     # Who wrote `delta`: runs of (n_chars, "draft" | "target") covering it exactly.
     source_runs: list[tuple[int, str]] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)  # the draft lengths chosen in this step's rounds
+    # On an A/B comparison's last chunk at temperature 0: each phase whose answer differs from plain decoding's →
+    # Divergence.to_dict() (dflash_runtime.divergence): where, and whether a near-tie or a fault.
+    divergences: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def then(self, newer: ReplyChunk) -> ReplyChunk:
         """This chunk and the `newer` one after it as one (for a reader that skips chunks a newer one replaced):
@@ -120,6 +123,7 @@ class ReplyChunk:
             worker={**self.worker, **newer.worker},
             source_runs=[*self.source_runs, *newer.source_runs],
             draft_lengths=[*self.draft_lengths, *newer.draft_lengths],
+            divergences={**self.divergences, **newer.divergences},
         )
 
 
@@ -311,7 +315,7 @@ class EngineHost:
         # `parallel` sequences of n_ctx tokens each: the requests that run at once (see presets.parallel_from_env).
         self._parallel = self._sequences(preset, files)
         options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
-                   "parallel": self._parallel,
+                   "parallel": self._parallel, "numerics": preset.numerics,
                    "sessions": SessionPolicy(park_on_switch=False, protect_s=PARKED_PROTECT_S)}  # fmt: skip
         if preset.rpc:
             options["rpc"] = list(preset.rpc)
@@ -380,8 +384,11 @@ class EngineHost:
                 info["draft_problem"] = scrub_paths(draft_unavailable(self.draft_problem))
             info_known = info_digest(info) == job.engine_info_seen
             first = True
+            answers: dict[str, list[int]] = {}
+            final: ReplyChunk | None = None
             for phase in job.phases:
-                for chunk in self._stream(engine, facts, job.request, fitted, phase, owner):
+                for chunk in self._stream(engine, facts, job.request, fitted, phase, owner,
+                                          answers.setdefault(phase, [])):  # fmt: skip
                     outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
                                "n_generated": chunk.stats["n_generated"], "phase": phase}  # fmt: skip
                     if not info_known:
@@ -391,11 +398,17 @@ class EngineHost:
                     if first or last:
                         chunk.worker = self._report(report, started)
                         first = False
-                    if last and job.cache_owner:
-                        # A visitor's state is copied aside inside its own request (after its figures), so the
-                        # next visitor's request costs the same whatever this one left.
-                        engine.park(job.cache_owner)  # by its key: with several sequences, no one is "current"
+                    if last:
+                        final = chunk  # sent once every phase's stream has closed (see below)
+                        continue
                     yield chunk
+            if final is not None:
+                final.divergences = self._divergences(engine, job, fitted.tokens, answers)
+                if job.cache_owner:
+                    # A visitor's state is copied aside inside its own request (after its figures), so the
+                    # next visitor's request costs the same whatever this one left.
+                    engine.park(job.cache_owner)  # by its key: with several sequences, no one is "current"
+                yield final
         except DFlashError as error:
             if isinstance(error, ENGINE_FAILURES):
                 self._condemn()
@@ -410,6 +423,22 @@ class EngineHost:
         finally:
             self.previous_request = outcome
             self._leave(job)
+
+    @staticmethod
+    def _divergences(engine: Any, job: GpuJob, prompt: list[int], answers: dict[str, list[int]]
+                     ) -> dict[str, dict[str, Any]]:  # fmt: skip
+        """At temperature 0, why each phase's answer differs from plain decoding's (a near-tie or a fault)."""
+        plain = answers.get("plain")
+        if job.request.temperature != 0 or plain is None:
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        for phase, tokens in answers.items():
+            if phase != "plain" and tokens != plain:
+                try:
+                    out[phase] = engine.explain_divergence(prompt, plain, tokens).to_dict()
+                except DFlashError as error:  # the answers stand; only their explanation is missing
+                    out[phase] = {"kind": "unexplained", "summary": f"not explained: {scrub_paths(str(error))}"}
+        return out
 
     @staticmethod
     def _owner_arguments(engine: Any, facts: EngineFacts, owner: str, tokens: list[int],
@@ -454,7 +483,9 @@ class EngineHost:
         fitted: FittedConversation,
         phase: str,
         owner: dict[str, Any],
+        tokens: list[int],
     ) -> Iterator[ReplyChunk]:
+        """The phase's chunks; its tokens are added to `tokens` as they come."""
         prefix = facts.prefix(engine, request.enable_thinking)
         speculative, method = phase_decoding(request, phase)
         events = engine.stream(fitted.tokens, **request.generation_kwargs(speculative, method), **owner)
@@ -462,6 +493,7 @@ class EngineHost:
         delta, notice, lengths_sent = prefix, fitted.notice, 0
         try:
             for event in events:
+                tokens += event.tokens
                 stats = event.stats.to_dict()
                 lengths = stats.pop("draft_lengths")
                 yield ReplyChunk(

@@ -14,6 +14,7 @@
 | `DFLASH_DEMO_PAIR` | the offline demo's pair: `dense`, or `methods` (hybrid, MTP head + DFlash 2) | `dense` |
 | `DFLASH_PARALLEL` | answers the engine runs at once (>= 1, or `auto`: 1 on ZeroGPU, else what fits, <= 4) | `auto` |
 | `DFLASH_RPC` | comma list of RPC servers (`host:port`) whose devices take layers (docs/rpc.md) | unset |
+| `DFLASH_NUMERICS` | `exact`: batch-invariant CPU kernels (bit-exact); `fast`: exact up to near-ties | `exact` |
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class PairPreset:
     parallel: int = 1  # the engine's parallel sequences: answers that run at once (see parallel_from_env)
     parallel_fit: bool = False  # `parallel` is a most: the engine opens as many sequences as fit in memory, up to it
     rpc: tuple[str, ...] = ()  # RPC servers whose devices take part of the layers (DFLASH_RPC)
+    numerics: str = "exact"  # load_pair(numerics=...): "exact" (batch-invariant CPU kernels) or "fast"
 
     @property
     def quantisation(self) -> str:
@@ -75,6 +77,7 @@ class PairPreset:
             "random_weights": self.random_weights,
             "parallel": self.parallel,
             "parallel_fit": self.parallel_fit,
+            "numerics": self.numerics,
         }
 
 
@@ -189,6 +192,7 @@ def preset_from_env(env: Mapping[str, str] | None = None) -> PairPreset:
         n_gpu_layers=env_int(env, "DFLASH_GPU_LAYERS", DEFAULT_GPU_LAYERS, minimum=-1),
         draft_capacity=draft_capacity_from_env(env),
         rpc=rpc_from_env(env),
+        numerics=numerics_from_env(env),
     )
 
 
@@ -200,6 +204,14 @@ def rpc_from_env(env: Mapping[str, str]) -> tuple[str, ...]:
     for endpoint in endpoints:
         parse_endpoint(endpoint)
     return endpoints
+
+
+def numerics_from_env(env: Mapping[str, str]) -> str:
+    """DFLASH_NUMERICS: "exact" (default) or "fast" (see dflash_runtime.pair: numerics)."""
+    value = env_text(env, "DFLASH_NUMERICS") or "exact"
+    if value not in ("exact", "fast"):
+        raise ValueError(f"DFLASH_NUMERICS must be exact or fast, got {value!r}")
+    return value
 
 
 def draft_capacity_from_env(env: Mapping[str, str]) -> int:

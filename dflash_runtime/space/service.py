@@ -96,9 +96,12 @@ class Comparison:
     seed: int
     labels: dict[str, str]
     phases: dict[str, Reply] = field(default_factory=dict)
+    divergences: dict[str, dict[str, Any]] = field(default_factory=dict)  # phase → why it differs from plain
 
     def add(self, reply: Reply) -> str:
         self.phases[reply.phase] = reply
+        if reply.last is not None:
+            self.divergences.update(reply.last.divergences)
         plain = self.phases.get("plain")
         plain_done = plain is not None and plain.finish_reason is not None
         methods: dict[str, dict[str, Any] | None] = {}
@@ -108,8 +111,11 @@ class Comparison:
             methods[label] = run.stats if run else None
             done = plain_done and run is not None and run.finish_reason is not None
             identical[label] = (run.text == plain.text) if done and run and plain else None
+        divergences = {label: self.divergences[phase] for phase, label in self.labels.items()
+                       if phase in self.divergences}
         return comparison_markdown(methods, plain.stats if plain else None, identical,
-                                   temperature=self.temperature, seed=self.seed)  # fmt: skip
+                                   temperature=self.temperature, seed=self.seed,
+                                   divergences=divergences)  # fmt: skip
 
 
 def decode_speed(stats: Mapping[str, Any]) -> float | None:

@@ -87,11 +87,13 @@ def comparison_markdown(
     *,
     temperature: float = 0.0,
     seed: int | None = None,
+    divergences: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> str:
     """Side by side: the same request decoded plainly and with each draft method (`methods`: label → statistics,
     None or empty while it has not started), per method its acceptance, mean accepted length and speed-up, and what
     the texts being equal or not (`identical`: label → whether its text equals plain's, None until both finished)
-    means at this temperature, once every method has finished. Five short columns: it fits a phone."""
+    means at this temperature, once every method has finished (`divergences`: label → why its text differs from
+    plain's at temperature 0, Divergence.to_dict()). Five short columns: it fits a phone."""
     lines = [comparison_progress(methods, plain, identical or {}), "",
              "| Method | Tokens | tok/s | Accepted | Tok/step |", "| --- | --- | --- | --- | --- |"]
     modes = []
@@ -115,7 +117,7 @@ def comparison_markdown(
             if stats and (identical.get(name) is not None or stats.get("finish_reason")):
                 lines.append("\n" + speed_up_line(stats, plain, name))
     if identical and all(same is not None for same in identical.values()):  # every method has finished
-        lines.append("\n" + comparison_verdict(identical, temperature, seed))  # type: ignore[arg-type]
+        lines.append("\n" + comparison_verdict(identical, temperature, seed, divergences))  # type: ignore[arg-type]
     return "\n".join(lines)
 
 
@@ -171,28 +173,51 @@ def speed_up_line(speculative: Mapping[str, Any], plain: Mapping[str, Any], name
     return f"**{name}: {ratio:.2f}× as fast as plain** ({speeds})"
 
 
-def comparison_verdict(identical: Mapping[str, bool], temperature: float, seed: int | None) -> str:
-    """The verdict over every finished method: at temperature 0 one that differs from plain is a fault (named)."""
+def comparison_verdict(identical: Mapping[str, bool], temperature: float, seed: int | None,
+                       divergences: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+    """The verdict over every finished method: at temperature 0 each one that differs from plain is named with what
+    the difference is (a near-tie of the kernels' rounding, or a fault)."""
+    divergences = divergences or {}
     if len(identical) == 1:
-        return ab_verdict(next(iter(identical.values())), temperature, seed)
+        name, same = next(iter(identical.items()))
+        return ab_verdict(same, temperature, seed, divergences.get(name))
     differing = [name for name, same in identical.items() if not same]
-    verdict = ab_verdict(not differing, temperature, seed)
-    if differing and temperature == 0:
-        verdict += f" Differs from plain: {', '.join(differing)}."
-    return verdict
+    if temperature != 0 or not differing:
+        return ab_verdict(not differing, temperature, seed)
+    return "\n\n".join(f"{name}: {ab_verdict(False, temperature, seed, divergences.get(name))}"
+                       for name in differing)
 
 
-def ab_verdict(identical: bool, temperature: float, seed: int | None) -> str:
-    """What "identical" means: at temperature 0 both texts are the target's greedy output, token for token, so any
-    difference is a fault; above it both are samples of the target's distribution drawn along different paths
-    (rejection sampling against the draft vs the target's own sampler), so the same seed need not give the same
-    text."""
+def divergence_verdict(divergence: Mapping[str, Any] | None) -> str:
+    """A temperature-0 difference from plain decoding, as the target's logits at the first differing token explain
+    it (dflash_runtime.divergence): a near-tie that the kernels' rounding breaks either way, or a fault."""
+    if not divergence or divergence.get("kind") not in ("near-tie", "fault"):
+        detail = f" ({divergence['summary']})" if divergence and divergence.get("summary") else ""
+        return ("**Texts identical: NO, and the difference was not explained**" + detail + ". At temperature 0 a "
+                "difference is a near-tie of the kernels' rounding or a fault.")
+    n, margin, bound = divergence["position"], divergence["margin"], divergence["bound"]
+    candidates = f"{divergence['text_a']!r} (plain) and {divergence['text_b']!r}"
+    if divergence["kind"] == "near-tie":
+        return (f"**Texts differ at token {n}: a near-tie (margin {margin:.2g}, the kernels' rounding), not a "
+                f"fault.** There the target's top two candidates, {candidates}, are closer than its kernels' "
+                f"summation error can move them (bound {bound:.2g}): the verify batch and plain decoding, summing in "
+                "different orders, broke the tie differently; each text is a greedy answer of the target.")
+    return (f"**Texts differ at token {n}: fault (margin {margin:.3g}).** There the target prefers one of "
+            f"{candidates} by far more than its kernels' rounding can move (bound {bound:.2g}): at temperature 0 "
+            "both must be the target's greedy output.")
+
+
+def ab_verdict(identical: bool, temperature: float, seed: int | None,
+               divergence: Mapping[str, Any] | None = None) -> str:
+    """What "identical" means: at temperature 0 both texts are the target's greedy output, token for token, so a
+    difference is a near-tie of the kernels' rounding or a fault (`divergence` says which); above it both are samples
+    of the target's distribution drawn along different paths (rejection sampling against the draft vs the target's
+    own sampler), so the same seed need not give the same text."""
     if temperature == 0:
         if identical:
             return ("**Texts identical: yes.** At temperature 0 both are the target's greedy output, token for "
                     "token: the draft changes the speed, never the text.")  # fmt: skip
-        return ("**Texts identical: NO: this is a fault.** At temperature 0 both must be the target's greedy output, "
-                "token for token.")  # fmt: skip
+        return divergence_verdict(divergence)
     same_seed = f"the same seed ({seed})" if seed is not None else "the same seed"
     paths = (
         f"both answers are samples of the target's distribution at temperature {temperature:g}, drawn with "

@@ -37,22 +37,25 @@ shift) and drops the accepted tokens of a step that reaches that cell, while the
 
 Exits 1 on any mismatch, 2 on a usage error or when llama-server fails.
 
-Building llama-server from the vendored tree (V = the llama.cpp the wheel was built from, e.g. the sdist's
-`tar -xzf llama_cpp_python-0.3.36.tar.gz --strip-components=3 llama_cpp_python-0.3.36/vendor/llama.cpp`, since the
-wheel recipe removes its build tree; -j as the machine allows):
+Building llama-server from the vendored tree, with the wheel recipe's CPU kernels (S = the unpacked sdist the wheel was
+built from, `tar -xzf llama_cpp_python-0.3.36.tar.gz`, since the wheel recipe removes its build tree; -j as the
+machine allows):
 
-    cmake -S $V -B build-server -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF -DCMAKE_BUILD_TYPE=Release \
-        -DGGML_LLAMAFILE=OFF -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
-        -DGGML_F16C=ON -DGGML_BMI2=ON
+    python -c "import sys; sys.path.insert(0, 'prebuilt_wheels'); import build_wheel as b; from pathlib import Path; \
+        b.patch_cpu_kernels(Path(sys.argv[1]))" $S                # llamafile's sgemm for every row count
+    cmake -S $S/vendor/llama.cpp -B build-server -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF \
+        -DCMAKE_BUILD_TYPE=Release -DGGML_LLAMAFILE=ON -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON \
+        -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
     cmake --build build-server --target llama-server -j2      # -> build-server/bin/llama-server
 
-These give the server the CPU kernels of the wheel recipe's CPU build (prebuilt_wheels/build_wheel.py, see README,
-"Exactness"), and the server runs with `-fa off` as the engine opens a CPU target, so that both sides compute the
-same graphs with the same kernels: `-DGGML_LLAMAFILE=OFF` (llamafile's sgemm makes a many-row decode cheaper than
-the batch-invariant path), and x86-64-v3 instead of `-DGGML_NATIVE=ON` (on a CPU with AVX-512 or AMX, a native
+These give the server the CPU kernels of the wheel recipe's CPU build (prebuilt_wheels/build_wheel.py, see
+docs/numerics.md), and the server runs with `-fa off` as the engine opens a CPU target, so that both sides compute the
+same graphs with the same kernels: the patched sgemm sums one row as it sums many (a stock build leaves one-row
+products to another path), and x86-64-v3 instead of `-DGGML_NATIVE=ON` (on a CPU with AVX-512 or AMX, a native
 build's wider kernels make many-row decodes cheaper still). With other kernels the server's scaling with slots says
-more about the kernels than about the speculative loop, and is incomparable with the engine's on the same machine.
+more about the kernels than about the speculative loop, and is incomparable with the engine's on the same machine;
+a temperature-0 difference then is a near-tie or a fault, which `Engine.explain_divergence` tells apart.
 """
 
 from __future__ import annotations

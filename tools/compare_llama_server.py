@@ -643,9 +643,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.server_bin.is_file():
         print(f"no llama-server at {args.server_bin}", file=sys.stderr)
         return 2
-    unknown = sorted(set(args.drafts) - {*DFLASH_DRAFTS, MTP, *NGRAMS})
+    unknown = sorted(set(args.drafts) - {*DFLASH_DRAFTS, MTP, DRAFT_SIMPLE, *NGRAMS})
     if unknown:
-        print(f"unknown draft(s) {unknown}: choose from {', '.join((*DFLASH_DRAFTS, MTP, *NGRAMS))}",
+        print(f"unknown draft(s) {unknown}: choose from {', '.join((*DFLASH_DRAFTS, MTP, DRAFT_SIMPLE, *NGRAMS))}",
               file=sys.stderr)
         return 2
     if MTP in args.drafts and not args.server_only and not engine_has_mtp():

@@ -28,6 +28,7 @@ from dflash_runtime.space.endpoints import (
     sampling_note,
 )
 from dflash_runtime.space.highlight import CSS, LEGEND
+from dflash_runtime.space.openai_routes import MountV1
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT
 from dflash_runtime.space.service import SpaceService
 from dflash_runtime.space.session import ChatSession
@@ -236,6 +237,7 @@ if __name__ == "__main__":
     # dflash_runtime.space.callers).
     checked = {"chat": API_PARAMETERS, "generate": API_PARAMETERS}
     gate = Middleware(HttpGate, callers=SERVICE.callers, engine=ENGINE_CALLS, parameters=checked)
+    v1 = Middleware(MountV1, service=SERVICE)  # the OpenAI-compatible /v1 routes, behind the same gate
     demo.queue(api_open=False, max_size=QUEUE_SIZE, default_concurrency_limit=1).launch(
-        css=CSS, max_file_size=MAX_FILE_SIZE, app_kwargs={"middleware": [gate]}
+        css=CSS, max_file_size=MAX_FILE_SIZE, app_kwargs={"middleware": [gate, v1]}
     )

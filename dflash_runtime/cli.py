@@ -1,4 +1,4 @@
-"""`python -m dflash_runtime generate | bench`."""
+"""`python -m dflash_runtime generate | bench | serve`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .drafting import DFLASH, MTP
 from .errors import DFlashError
@@ -48,6 +49,17 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="speculative vs plain decoding, per draft length (or per concurrency)")
     _add_pair_args(b, required=True)
     add_bench_args(b)
+
+    from .openai_api.serve import add_serve_args  # starlette and uvicorn are imported only when serving
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models")
+    add_serve_args(s)
+    s.add_argument("--n-ctx", type=int, default=4096, help="context of each sequence")
+    s.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--draft-capacity", type=int, default=None,
+                   help="longest draft the pair is opened for (default: block_size − 1, at most 15; 7 for MTP)")
+    s.add_argument("--no-mtp", action="store_true", help="do not open the target's MTP head")
     return ap
 
 
@@ -86,7 +98,7 @@ def _lengths(args: argparse.Namespace, default: str) -> str:
     return args.draft_length if args.draft_length is not None else default
 
 
-def _open(args: argparse.Namespace, target: str, draft: str | None, parallel: int = 1):
+def _open(args: argparse.Namespace, target: str, draft: str | None, parallel: int = 1, **options: Any):
     from . import load_pair
     from .gguf_meta import read_gguf
 
@@ -96,7 +108,14 @@ def _open(args: argparse.Namespace, target: str, draft: str | None, parallel: in
         capacity = max(1, min(15, block - 1))
     return load_pair(target, draft, n_ctx=args.n_ctx, n_gpu_layers=args.gpu_layers,
                      draft_capacity=capacity if capacity is not None else 7, n_threads=args.threads,
-                     mtp=False if getattr(args, "no_mtp", False) else None, parallel=parallel)
+                     mtp=False if getattr(args, "no_mtp", False) else None, parallel=parallel, **options)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .openai_api.serve import serve
+
+    return serve(args, lambda: _open(args, args.target, args.draft, args.parallel, busy_timeout_s=args.busy_timeout,
+                                     draft_length=_draft_arg(args.draft_length)))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -154,7 +173,7 @@ def run_bench_cli(args: argparse.Namespace, pairs: list[tuple[str, str, str]]) -
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _generate(args) if args.cmd == "generate" else _bench(args)
+        return {"generate": _generate, "bench": _bench, "serve": _serve}[args.cmd](args)
     except DFlashError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

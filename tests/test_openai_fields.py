@@ -4,8 +4,10 @@ same streamed as whole, the shapes' counts the engine's."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
+from test_layering import PACKAGE, imported
 
 from dflash_runtime.openai_api import shapes
 from dflash_runtime.openai_api.errors import ApiError
@@ -112,3 +114,9 @@ def test_usage_and_timings_are_the_engines_counts() -> None:
     assert (timings["draft_n"], timings["draft_n_accepted"], timings["predicted_per_second"]) == (40, 25, 100.0)
     assert shapes.speculative_figures(stats)["method"] == "dflash"
     assert [shapes.finish_reason(r) for r in ("stop", "length", "cancelled", None)] == ["stop", "length", "stop", None]
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "openai_api").glob("*.py")), ids=lambda p: p.name)
+def test_the_api_imports_nothing_of_the_space_the_drop_in_or_the_test_models(path: Path) -> None:
+    """The Space's web process builds these objects too: no llama_cpp through the drop-in, nothing of the Space."""
+    assert not imported(path) & {"space", "testing", "llama_compat"}

@@ -81,6 +81,7 @@ def test_history_and_thinking_reach_the_template(client: openai.OpenAI, referenc
     messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello there"},
                 {"role": "user", "content": "the world"}]  # fmt: skip
     expected = split(expected_answer(reference, messages, MAX_TOKENS, thinking=True))
+    assert expected != split(expected_answer(reference, messages, MAX_TOKENS)), "the switch changes the prompt"
     answer = client.chat.completions.create(model=PRESET, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
                                             extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     message = answer.choices[0].message
@@ -133,9 +134,11 @@ def test_a_client_over_its_limit_is_refused_while_another_is_served(base_url: st
     with httpx.Client(timeout=60) as first, httpx.Client(timeout=60, transport=other_address) as other, \
             first.stream("POST", base_url + "/chat/completions", json=body) as running:  # fmt: skip
         assert running.status_code == 200
-        next(running.iter_lines())  # its answer has started
+        lines = running.iter_lines()  # kept: a dropped iterator closes the connection
+        next(lines)  # its answer has started
         again = first.post(base_url + "/chat/completions", json={**body, "stream": False})
         assert again.status_code == 429 and openai_error(again)["type"] == "rate_limit_error"
         served = other.post(base_url + "/chat/completions", json={**body, "max_tokens": 4, "stream": False})
         assert served.status_code == 200, served.text
+        next(lines)  # the first client's answer still runs
     info_when(monitor, "idle", timeout_s=30)

@@ -2,7 +2,8 @@
 
 The page's layout and its wiring only. What runs lives in `dflash_runtime.space`: the service (requests, GPU jobs,
 /info), the endpoints and event handlers, the GPU function and the engine host. API endpoints for gradio_client:
-/chat (streaming), /generate (one shot) and /info.
+/chat (streaming), /generate (one shot) and /info; the OpenAI-compatible /v1 routes on the same port
+(dflash_runtime.space.openai_routes).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ N_CTX = 4096
 KEY = "sk-test-0123456789"
 MESSAGES = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "hello world, the model"}]
 PROMPT = "the quick brown fox"
-MAX_TOKENS = 40
+MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")

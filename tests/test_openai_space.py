@@ -23,7 +23,7 @@ N_CTX = 4096
 MAX_NEW_TOKENS = 3000
 PRESET = "tiny-random"
 MESSAGES = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "hello world, the model"}]
-MAX_TOKENS = 40
+MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
 The page's layout and its wiring only. What runs lives in `dflash_runtime.space`: the service (requests, GPU jobs,
 /info), the endpoints and event handlers, the GPU function and the engine host. API endpoints for gradio_client:
-/chat (streaming), /generate (one shot) and /info.
+/chat (streaming), /generate (one shot) and /info; the OpenAI-compatible /v1 routes on the same port
+(dflash_runtime.space.openai_routes).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dflash_runtime.space.endpoints import (
     sampling_note,
 )
 from dflash_runtime.space.highlight import CSS, LEGEND
+from dflash_runtime.space.openai_routes import MountV1
 from dflash_runtime.space.panel import EMPTY_DETAILS, EMPTY_STATS
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT
 from dflash_runtime.space.service import SpaceService
@@ -253,6 +255,7 @@ if __name__ == "__main__":
     # dflash_runtime.space.callers).
     checked = {"chat": API_PARAMETERS, "generate": API_PARAMETERS}
     gate = Middleware(HttpGate, callers=SERVICE.callers, engine=ENGINE_CALLS, parameters=checked)
+    v1 = Middleware(MountV1, service=SERVICE)  # the OpenAI-compatible /v1 routes, behind the same gate
     demo.queue(api_open=False, max_size=QUEUE_SIZE, default_concurrency_limit=1).launch(
-        css=CSS, max_file_size=MAX_FILE_SIZE, app_kwargs={"middleware": [gate]}
+        css=CSS, max_file_size=MAX_FILE_SIZE, app_kwargs={"middleware": [gate, v1]}
     )

@@ -1,4 +1,8 @@
+<<<<<<< HEAD
 """`python -m dflash_runtime generate | bench | rpc-server`."""
+=======
+"""`python -m dflash_runtime generate | bench | serve`."""
+>>>>>>> openai
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .errors import DFlashError
 from .methods import REGISTRY, names
@@ -52,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_pair_args(b, required=True)
     add_bench_args(b)
 
+<<<<<<< HEAD
     r = sub.add_parser("rpc-server", help="lend this machine's devices to pairs on other machines (ggml's RPC server)",
                        description=f"Runs the wheel's ggml-rpc-server. {RPC_WARNING}")
     r.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
@@ -60,6 +66,18 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default=None, help="comma list of the devices to lend (default: the GPUs, else the CPU)")
     r.add_argument("--cache", action="store_true", help="keep received weights on disk, so a reload sends none")
     r.add_argument("--print", action="store_true", help="print the command (and its environment) instead of running it")
+=======
+    from .openai_api.serve import add_serve_args  # starlette and uvicorn are imported only when serving
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models")
+    add_serve_args(s)
+    s.add_argument("--n-ctx", type=int, default=4096, help="context of each sequence")
+    s.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--draft-capacity", type=int, default=None,
+                   help="longest draft the pair is opened for (default: block_size − 1, at most 15; 7 for MTP)")
+    s.add_argument("--no-mtp", action="store_true", help="do not open the target's MTP head")
+>>>>>>> openai
     return ap
 
 
@@ -119,7 +137,7 @@ def _lengths(args: argparse.Namespace, default: str) -> str:
     return args.draft_length if args.draft_length is not None else default
 
 
-def _open(args: argparse.Namespace, target: str, draft: str | None, parallel: int = 1):
+def _open(args: argparse.Namespace, target: str, draft: str | None, parallel: int = 1, **options: Any):
     from . import load_pair
     from .gguf_meta import read_gguf
 
@@ -133,7 +151,18 @@ def _open(args: argparse.Namespace, target: str, draft: str | None, parallel: in
         remote["tensor_split"] = [float(w) for w in split.split(",") if w.strip()]
     return load_pair(target, draft, n_ctx=args.n_ctx, n_gpu_layers=args.gpu_layers,
                      draft_capacity=capacity if capacity is not None else 7, n_threads=args.threads,
+<<<<<<< HEAD
                      mtp=False if getattr(args, "no_mtp", False) else None, parallel=parallel, **remote)
+=======
+                     mtp=False if getattr(args, "no_mtp", False) else None, parallel=parallel, **options)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .openai_api.serve import serve
+
+    return serve(args, lambda: _open(args, args.target, args.draft, args.parallel, busy_timeout_s=args.busy_timeout,
+                                     draft_length=_draft_arg(args.draft_length)))
+>>>>>>> openai
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -191,9 +220,13 @@ def run_bench_cli(args: argparse.Namespace, pairs: list[tuple[str, str, str]]) -
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+<<<<<<< HEAD
         if args.cmd == "rpc-server":
             return _rpc_server(args)
         return _generate(args) if args.cmd == "generate" else _bench(args)
+=======
+        return {"generate": _generate, "bench": _bench, "serve": _serve}[args.cmd](args)
+>>>>>>> openai
     except DFlashError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -305,3 +305,17 @@ def test_more_than_one_answer_at_once_on_zero_gpu_stops_the_app_at_start(tmp_pat
         device_api.stop()
     assert "DFLASH_PARALLEL=2 cannot take effect on ZeroGPU" in str(stopped.value)
     assert "set DFLASH_PARALLEL=1 or auto" in str(stopped.value)
+
+
+def test_the_v1_routes_say_zero_gpu_cannot_charge_their_caller(server: RunningApp, device_api: FakeDeviceApi) -> None:
+    """Outside a Gradio event `spaces` finds no request, so no visitor's X-IP-Token, and schedules the GPU on the Space
+    itself: the /v1 routes refuse to answer here (503, saying where they are served) and ask for no GPU."""
+    scheduled = len(device_api.of("/schedule"))
+    base = server.url.rstrip("/") + "/v1"
+    assert httpx.get(base + "/models", timeout=30).json()["data"][0]["id"] == "tiny-random"
+    body = {"model": "tiny-random", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    refused = httpx.post(base + "/chat/completions", json=body, timeout=60)
+    error = refused.json()["error"]
+    assert refused.status_code == 503 and error["code"] == "not_served_here", refused.text
+    assert "ZeroGPU" in error["message"] and "python -m dflash_runtime serve" in error["message"]
+    assert len(device_api.of("/schedule")) == scheduled, "no GPU was asked for"

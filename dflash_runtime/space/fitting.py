@@ -73,6 +73,17 @@ def fit_conversation(
     return FittedConversation(messages, request.dropped_turns + cut, encoded[cut], len(encoded))
 
 
+def fit_prompt(request: ChatRequest, tokenize: Callable[[str], list[int]], n_ctx: int) -> FittedConversation:
+    """A completion's prompt as it is (`request.raw_prompt`: no template), refused when it leaves no room to answer
+    (max_tokens, at most half the context)."""
+    tokens = tokenize(request.message)
+    reserve = min(request.max_tokens, n_ctx // 2)
+    if len(tokens) + reserve > n_ctx:
+        raise PromptTooLongError(too_long(f"it has {len(tokens)} tokens; with {reserve} kept for the answer the "
+                                          f"{n_ctx}-token context cannot hold it"))
+    return FittedConversation([], request.dropped_turns, tokens, 1)
+
+
 def _guess(history: list[Message], starts: list[int], all_tokens: int, budget: int) -> int:
     """The cut the characters suggest, at the measured tokens per character of the whole conversation."""
     chars = [len(message["content"]) + 1 for message in history]  # + 1: the template's per-message tokens

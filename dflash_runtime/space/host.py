@@ -39,7 +39,7 @@ from ..errors import (
 )
 from ..footprint import ParallelPlan, plan_parallel, with_remote_memory
 from ..gguf_meta import read_gguf
-from .fitting import FittedConversation, fit_conversation, prompt_tokens
+from .fitting import FittedConversation, fit_conversation, fit_prompt, prompt_tokens
 from .presets import PairPreset, ResolvedPair, draft_unavailable, has_mtp_head
 from .requests import DEFAULT_SYSTEM_PROMPT, ChatRequest, thinking_prefix
 from .views import scrub_paths
@@ -374,8 +374,11 @@ class EngineHost:
             assert facts is not None
             report.update(loaded_now=loaded_now, load_s=self.last_load_s if loaded_now else None)
             thinking = job.request.enable_thinking
-            fitted = fit_conversation(job.request, partial(prompt_tokens, engine, enable_thinking=thinking),
-                                      engine.n_ctx)  # fmt: skip
+            if job.request.raw_prompt:  # control tokens only from a template: a raw prompt's text is text
+                fitted = fit_prompt(job.request, partial(engine.tokenize, parse_special=False), engine.n_ctx)
+            else:
+                fitted = fit_conversation(job.request, partial(prompt_tokens, engine, enable_thinking=thinking),
+                                          engine.n_ctx)  # fmt: skip
             owner = self._owner_arguments(engine, facts, job.cache_owner, fitted.tokens, thinking)
             info = _public_info(engine.info())
             if self.parallel_plan is not None:

@@ -112,6 +112,8 @@ class ChatRequest:
     dropped_turns: int = 0
     seed: int | None = None  # the sampler's seed above temperature 0 (None: a random one)
     notes: tuple[str, ...] = ()  # said back with the answer (e.g. a deprecated parameter was used)
+    stop: tuple[str, ...] = ()  # stop strings (the /v1 API's `stop`)
+    raw_prompt: bool = False  # `message` is a completion's prompt as is: no template, system prompt or history
 
     @property
     def input_chars(self) -> int:
@@ -131,6 +133,7 @@ class ChatRequest:
             "draft_length": self.draft_length,
             "speculative": speculative,
             "seed": self.seed,
+            "stop": list(self.stop) or None,
         }
 
 

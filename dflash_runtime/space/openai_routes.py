@@ -1,0 +1,160 @@
+"""The /v1 routes (dflash_runtime.openai_api) on the Space's own server: a backend over the SpaceService.
+
+Every /v1 answer takes the path of the Gradio API's /chat: the service's request check, then `service.reply`, which
+runs the GPU job through the engine slot and stops it when its consumer leaves. Admission and abandonment are the
+Callers' (callers.py), as for every engine call: a /v1 call is admitted for its client (`v1_client`: the one place
+that says who the client is), counted against that client's and everybody's limits (429 over one), and its HTTP
+connection is its reader: a client that hangs up, or takes no write for the reader timeout, abandons the answer.
+
+The API is stateless (each request carries its whole conversation), so a /v1 answer is nobody's cache owner: it
+reuses nothing cached and leaves nothing parked.
+
+On ZeroGPU a GPU call is scheduled for the visitor of the Gradio event it runs in (`spaces` reads the event's request
+for the visitor's `x-ip-token`, and charges that visitor); outside a Gradio event `spaces` has no visitor to charge
+(see `zero_gpu_refusal`). There the /v1 routes answer 503 saying where they are served: a duplicate of the Space on
+dedicated hardware, or `python -m dflash_runtime serve` on one's own machine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+from ..errors import RequestError
+from ..openai_api.errors import ApiError, bad_field, busy, from_runtime, over_limit, unavailable
+from ..openai_api.fields import CHAT, ApiRequest
+from ..openai_api.server import Caller, Progress, V1Api
+from .requests import ChatRequest
+from .service import SpaceService, WorkerError
+
+V1_CALL = -1  # the Callers' fn_index of a /v1 call (Gradio numbers its own events from 0)
+ZERO_GPU_REFUSAL = (
+    "the /v1 API is not served on a ZeroGPU Space: ZeroGPU schedules (and charges) a GPU call for the visitor of "
+    "the Gradio event it runs in, and an HTTP request to /v1 is no Gradio event. Use the Space's Gradio API "
+    "(gradio_client, /chat), or run the same API on dedicated hardware (duplicate the Space onto a GPU) or locally: "
+    "python -m dflash_runtime serve TARGET DRAFT"
+)
+# A request check names the Space's fields; the API's own names for them.
+API_NAMES = {"message": "messages", "history": "messages", "system_prompt": "messages", "max_tokens": "max_tokens",
+             "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+             "thinking": "chat_template_kwargs.enable_thinking", "preset": "model"}  # fmt: skip
+
+
+def v1_client(caller: Caller, env: Mapping[str, str] | None = None) -> str:
+    """Who a /v1 call is admitted and limited for: its client's address. Behind Hugging Face's proxy (`SPACE_ID`
+    set) that is the hop the proxy added to `X-Forwarded-For` (the last one: a client may prepend others);
+    elsewhere nothing but the client sets that header, so the connection's own address counts."""
+    env = os.environ if env is None else env
+    address = caller.address or "unknown"
+    forwarded = caller.headers.get("x-forwarded-for", "") if env.get("SPACE_ID") else ""
+    hops = [hop.strip() for hop in forwarded.split(",") if hop.strip()]
+    return f"v1:{hops[-1] if hops else address}"
+
+
+def conversation(messages: tuple[dict[str, str], ...]) -> dict[str, Any]:
+    """The API's messages as the Space's request holds a conversation: the system messages at the start (joined),
+    the earlier turns, and the last message, the user's."""
+    system: list[str] = []
+    index = 0
+    while index < len(messages) and messages[index]["role"] == "system":
+        system.append(messages[index]["content"])
+        index += 1
+    rest = list(messages[index:])
+    for offset, message in enumerate(rest):
+        if message["role"] == "system":
+            raise bad_field(f"messages[{index + offset}].role", "system messages go at the start of the conversation")
+    if not rest or rest[-1]["role"] != "user":
+        raise bad_field(f"messages[{len(messages) - 1}].role", "the last message must be the user's")
+    return {"system_prompt": "\n\n".join(system), "history": rest[:-1], "message": rest[-1]["content"]}
+
+
+def zero_gpu_refusal(service: SpaceService) -> str | None:
+    return ZERO_GPU_REFUSAL if service.zero_gpu else None
+
+
+class SpaceBackend:
+    """The Space's service as a /v1 backend (see the module doc)."""
+
+    def __init__(self, service: SpaceService, env: Mapping[str, str] | None = None) -> None:
+        self.service = service
+        self.env = os.environ if env is None else env
+
+    def models(self) -> list[str]:
+        return [self.service.preset.name]
+
+    def check(self, request: ApiRequest) -> ChatRequest:
+        """The Space's request for an API request (its checks, its limits and defaults)."""
+        service = self.service
+        fields: dict[str, Any] = conversation(request.messages) if request.kind == CHAT else {"message": request.prompt}
+        fields.update(preset=service.preset.name, max_tokens=request.max_tokens or service.defaults["max_tokens"],
+                      temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+                      min_p=request.min_p, enable_thinking=bool(request.enable_thinking))  # fmt: skip
+        try:
+            checked = service.check(**fields)
+        except RequestError as error:
+            first = str(error).split(" ", 1)[0]
+            raise bad_field(API_NAMES.get(first, "messages"), str(error)) from None
+        return replace(checked, seed=request.seed, stop=request.stop, raw_prompt=request.kind != CHAT)
+
+    async def answer(self, request: ApiRequest, caller: Caller) -> AsyncIterator[Progress]:
+        refusal = zero_gpu_refusal(self.service)
+        if refusal:
+            raise unavailable(refusal)
+        checked = self.check(request)
+        callers = self.service.callers
+        client = v1_client(caller, self.env)
+        call = callers.admit(V1_CALL, 1, client)
+        if isinstance(call, str):
+            raise over_limit(call.replace("this session", "this client"))
+        reader = callers.opened(client)  # the HTTP connection reads this call's answer
+        caller.on_write.append(partial(callers.sending, reader))
+        try:
+            # owner "": nobody's cache (see the module doc); the call: admitted above, abandoned with its reader
+            async for reply in self.service.reply(checked, owner=self.service.owner_key(None), call=call.id):
+                chunk = reply.last
+                if chunk is None:
+                    continue
+                final = reply.finish_reason is not None
+                extra = None
+                if final:
+                    extra = {key: reply.stats.get(key) for key in ("finish_reason", "finish_detail", "notice",
+                             "gpu_seconds_requested", "gpu_seconds_used", "preset")}  # fmt: skip
+                yield Progress(chunk.delta, reply.finish_reason, reply.stats if final else {}, extra)
+        except WorkerError as error:
+            raise self._worker_error(error) from None
+        except RequestError as error:  # after the check: the engine slot's wait ran out
+            raise busy(str(error)) from None
+        finally:
+            callers.closed(reader)
+            callers.end(call.id)
+
+    @staticmethod
+    def _worker_error(error: WorkerError) -> ApiError:
+        if error.kind == "RequestError":  # the GPU worker's engine stayed busy
+            return busy(str(error))
+        return from_runtime(error)
+
+
+def v1_app(service: SpaceService, env: Mapping[str, str] | None = None) -> Any:
+    """The /v1 routes over the service, as an ASGI application (see `mount_v1`). `DFLASH_API_KEY`: the key asked."""
+    env = os.environ if env is None else env
+    api = V1Api(SpaceBackend(service, env), api_key=env.get("DFLASH_API_KEY") or None,
+                max_body_bytes=service.callers.settings.max_body_bytes)  # fmt: skip
+    return api.app()
+
+
+class MountV1:
+    """ASGI middleware: /v1 paths go to the /v1 application, everything else on to Gradio."""
+
+    def __init__(self, app: Any, service: SpaceService) -> None:
+        self.app = app
+        self.v1 = v1_app(service)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope.get("type") == "http" else ""
+        target = self.v1 if path == "/v1" or path.startswith("/v1/") else self.app
+        await target(scope, receive, send)
+

@@ -1,0 +1,73 @@
+"""docs/openai-api.md's blocks run as written: the bash block (it starts `python -m dflash_runtime serve` on a pair,
+asks with curl, stops it) in a fresh folder with `target.gguf` and `draft-dflash2.gguf` linked to a generated pair;
+the openai-client block (marked no-run: it needs a server left running) against a server this test starts on the same
+files, its address put in place of the doc's (the one substitution, printed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from app_fixtures import REPO_ROOT
+from openai_clients import running_serve
+
+from dflash_runtime.testing.tiny_models import tiny_pair
+
+DOC = REPO_ROOT / "docs" / "openai-api.md"
+DOC_SERVER = "http://127.0.0.1:8080"
+TIMEOUT_S = 300
+
+
+def blocks(language: str) -> list[str]:
+    text = DOC.read_text(encoding="utf-8")
+    return re.findall(rf"^```{language}[^\n]*\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pair = tiny_pair("dense", "dflash2")
+    assert pair.draft is not None
+    here = tmp_path_factory.mktemp("openai-doc")
+    (here / "target.gguf").symlink_to(pair.target)
+    (here / "draft-dflash2.gguf").symlink_to(pair.draft)
+    return here
+
+
+def block_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_API_KEY")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def test_the_curl_block_gets_a_chat_answer_from_serve(folder: Path) -> None:
+    (code,) = blocks("bash")
+    script = folder / "block.sh"
+    script.write_text(code, encoding="utf-8")
+    done = subprocess.run(["bash", "-e", str(script)], cwd=folder, env=block_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT_S)  # fmt: skip
+    print(done.stdout[-3000:])
+    assert done.returncode == 0, done.stderr[-3000:] + (folder / "serve.log").read_text()[-3000:]
+    models, answer = (json.loads(line) for line in done.stdout.splitlines() if line.strip())
+    assert models["data"][0]["id"] == "target.gguf"
+    assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["content"]
+    assert answer["usage"]["completion_tokens"] == answer["timings"]["predicted_n"] > 0
+
+
+def test_the_openai_client_block_runs_against_serve(folder: Path) -> None:
+    (code,) = blocks("python")
+    with running_serve(folder / "target.gguf", folder / "draft-dflash2.gguf",
+                       REPO_ROOT / "test-artifacts" / "openai_docs_serve.log") as server:  # fmt: skip
+        print(f"{DOC_SERVER} -> {server.url} (the test's server)")
+        script = folder / "block.py"
+        script.write_text(code.replace(DOC_SERVER, server.url), encoding="utf-8")
+        done = subprocess.run([sys.executable, str(script)], cwd=folder, env=block_env(), capture_output=True,
+                              text=True, timeout=TIMEOUT_S)  # fmt: skip
+    print(done.stdout[-3000:])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "completion_tokens=32" in done.stdout and "'drafted'" in done.stdout

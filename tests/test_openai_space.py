@@ -1,0 +1,152 @@
+"""The /v1 routes on the Space's own server (the offline demo, app.py in a subprocess), driven by the real `openai`
+SDK and raw httpx: chat and completions, streamed and not, equal at temperature 0 to the engine's own answer for the
+same messages; usage the engine's counts; a closed stream stops its answer; OpenAI-shaped errors; one client over
+its limit is refused (429) while another is served."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from app_fixtures import REPO_ROOT, RunningApp, running_app
+from gradio_client import Client
+from openai_clients import openai_error
+from space_client import expected_answer, info_when, reference_engine
+
+from dflash_runtime.openai_api.thinking import split
+
+N_CTX = 4096
+MAX_NEW_TOKENS = 3000
+PRESET = "tiny-random"
+MESSAGES = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "hello world, the model"}]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningApp]:
+    env = {"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX), "DFLASH_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
+           "DFLASH_SESSION_JOBS": "1"}  # fmt: skip
+    with running_app(env, REPO_ROOT / "test-artifacts" / "openai_space_server.log") as app:
+        yield app
+
+
+@pytest.fixture(scope="module")
+def base_url(server: RunningApp) -> str:
+    return server.url.rstrip("/") + "/v1"
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def monitor(server: RunningApp) -> Client:
+    return Client(server.url, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def reference() -> Iterator[Any]:
+    with reference_engine(N_CTX) as engine:
+        yield engine
+
+
+def test_models_is_the_preset(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [PRESET]
+
+
+def test_chat_at_temperature_0_is_the_engines_answer_streamed_or_not(client: openai.OpenAI, reference: Any) -> None:
+    expected = reference.chat(MESSAGES, enable_thinking=False, max_tokens=MAX_TOKENS, temperature=0.0)
+    whole = client.chat.completions.create(model=PRESET, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
+    assert whole.choices[0].message.content == expected.text
+    assert whole.choices[0].finish_reason == expected.finish_reason
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (expected.stats.n_prompt,
+                                                                           expected.stats.n_generated)
+    figures = whole.model_extra["dflash_stats"]
+    assert figures["method"] == "dflash" and figures["drafted"] >= figures["accepted"]
+    assert figures["gpu_seconds_used"] > 0 and figures["preset"] == PRESET
+
+    chunks = list(client.chat.completions.create(model=PRESET, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == expected.stats.n_generated
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+
+
+def test_a_stop_string_reaches_the_engine(client: openai.OpenAI, reference: Any) -> None:
+    text = expected_answer(reference, MESSAGES, MAX_TOKENS)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    answer = client.chat.completions.create(model=PRESET, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+                                            stop=stop)  # fmt: skip
+    assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == (text[: text.index(stop)], "stop")
+
+
+def test_history_and_thinking_reach_the_template(client: openai.OpenAI, reference: Any) -> None:
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello there"},
+                {"role": "user", "content": "the world"}]  # fmt: skip
+    expected = split(expected_answer(reference, messages, MAX_TOKENS, thinking=True))
+    assert expected != split(expected_answer(reference, messages, MAX_TOKENS)), "the switch changes the prompt"
+    answer = client.chat.completions.create(model=PRESET, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                            extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    message = answer.choices[0].message
+    assert ((message.model_extra or {}).get("reasoning_content", ""), message.content) == expected
+
+
+def test_completions_at_temperature_0_are_the_engines_answer(client: openai.OpenAI, reference: Any) -> None:
+    prompt = "the quick brown fox"
+    tokens = reference.tokenize(prompt, parse_special=False)
+    expected = reference.generate(tokens, max_tokens=MAX_TOKENS, temperature=0.0)
+    whole = client.completions.create(model=PRESET, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert whole.choices[0].text == expected.text
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(tokens), expected.stats.n_generated)
+    streamed = client.completions.create(model=PRESET, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                         stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == expected.text
+
+
+def test_closing_the_stream_stops_the_answer(client: openai.OpenAI, monitor: Client) -> None:
+    stream = client.chat.completions.create(model=PRESET, messages=MESSAGES, max_tokens=MAX_NEW_TOKENS, stream=True)
+    for index, _chunk in enumerate(stream):
+        if index == 3:
+            break
+    closed = time.monotonic()
+    stream.close()
+    info = info_when(monitor, "idle", timeout_s=30)
+    seconds = time.monotonic() - closed
+    print(f"closed /v1 stream: the engine was idle {seconds:.2f} s later ({MAX_NEW_TOKENS} tokens asked)")
+    assert seconds < 5.0 and info["running"] == 0
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"model": "gpt-4o", "messages": MESSAGES}, 404, "model"),
+    ({"model": PRESET, "messages": MESSAGES, "n": 2}, 400, "n"),
+    ({"model": PRESET, "messages": MESSAGES, "top_p": 0}, 400, "top_p"),
+    ({"model": PRESET, "messages": MESSAGES, "max_tokens": MAX_NEW_TOKENS + 1}, 400, "max_tokens"),
+    ({"model": PRESET, "messages": [{"role": "assistant", "content": "hi"}]}, 400, "messages[0].role"),
+    ({"model": PRESET, "messages": MESSAGES, "stream": True, "presence_penalty": 1}, 400, "presence_penalty"),
+])  # fmt: skip
+def test_errors_have_openais_shape_and_status(base_url: str, body: dict, status: int, param: str) -> None:
+    response = httpx.post(base_url + "/chat/completions", json=body, timeout=60)
+    assert response.status_code == status
+    assert openai_error(response)["param"] == param
+
+
+def test_a_client_over_its_limit_is_refused_while_another_is_served(base_url: str, monitor: Client) -> None:
+    """DFLASH_SESSION_JOBS=1 here: one answer at a time per client (by address: 127.0.0.1 and 127.0.0.2)."""
+    body = {"model": PRESET, "messages": MESSAGES, "max_tokens": MAX_NEW_TOKENS, "stream": True}
+    other_address = httpx.HTTPTransport(local_address="127.0.0.2")
+    with httpx.Client(timeout=60) as first, httpx.Client(timeout=60, transport=other_address) as other, \
+            first.stream("POST", base_url + "/chat/completions", json=body) as running:  # fmt: skip
+        assert running.status_code == 200
+        lines = running.iter_lines()  # kept: a dropped iterator closes the connection
+        next(lines)  # its answer has started
+        again = first.post(base_url + "/chat/completions", json={**body, "stream": False})
+        assert again.status_code == 429 and openai_error(again)["type"] == "rate_limit_error"
+        served = other.post(base_url + "/chat/completions", json={**body, "max_tokens": 4, "stream": False})
+        assert served.status_code == 200, served.text
+        next(lines)  # the first client's answer still runs
+    info_when(monitor, "idle", timeout_s=30)

@@ -1,8 +1,4 @@
-<<<<<<< HEAD
-"""`python -m dflash_runtime generate | bench | rpc-server`."""
-=======
-"""`python -m dflash_runtime generate | bench | serve`."""
->>>>>>> openai
+"""`python -m dflash_runtime generate | bench | serve | rpc-server`."""
 
 from __future__ import annotations
 
@@ -57,7 +53,6 @@ def _parser() -> argparse.ArgumentParser:
     _add_pair_args(b, required=True)
     add_bench_args(b)
 
-<<<<<<< HEAD
     r = sub.add_parser("rpc-server", help="lend this machine's devices to pairs on other machines (ggml's RPC server)",
                        description=f"Runs the wheel's ggml-rpc-server. {RPC_WARNING}")
     r.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
@@ -66,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default=None, help="comma list of the devices to lend (default: the GPUs, else the CPU)")
     r.add_argument("--cache", action="store_true", help="keep received weights on disk, so a reload sends none")
     r.add_argument("--print", action="store_true", help="print the command (and its environment) instead of running it")
-=======
+
     from .openai_api.serve import add_serve_args  # starlette and uvicorn are imported only when serving
 
     s = sub.add_parser("serve", help="an OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models")
@@ -77,7 +72,6 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--draft-capacity", type=int, default=None,
                    help="longest draft the pair is opened for (default: block_size − 1, at most 15; 7 for MTP)")
     s.add_argument("--no-mtp", action="store_true", help="do not open the target's MTP head")
->>>>>>> openai
     return ap
 
 
@@ -151,10 +145,8 @@ def _open(args: argparse.Namespace, target: str, draft: str | None, parallel: in
         remote["tensor_split"] = [float(w) for w in split.split(",") if w.strip()]
     return load_pair(target, draft, n_ctx=args.n_ctx, n_gpu_layers=args.gpu_layers,
                      draft_capacity=capacity if capacity is not None else 7, n_threads=args.threads,
-<<<<<<< HEAD
-                     mtp=False if getattr(args, "no_mtp", False) else None, parallel=parallel, **remote)
-=======
-                     mtp=False if getattr(args, "no_mtp", False) else None, parallel=parallel, **options)
+                     mtp=False if getattr(args, "no_mtp", False) else None, parallel=parallel, **remote,
+                     **options)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -162,7 +154,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     return serve(args, lambda: _open(args, args.target, args.draft, args.parallel, busy_timeout_s=args.busy_timeout,
                                      draft_length=_draft_arg(args.draft_length)))
->>>>>>> openai
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -220,13 +211,7 @@ def run_bench_cli(args: argparse.Namespace, pairs: list[tuple[str, str, str]]) -
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-<<<<<<< HEAD
-        if args.cmd == "rpc-server":
-            return _rpc_server(args)
-        return _generate(args) if args.cmd == "generate" else _bench(args)
-=======
-        return {"generate": _generate, "bench": _bench, "serve": _serve}[args.cmd](args)
->>>>>>> openai
+        return {"generate": _generate, "bench": _bench, "serve": _serve, "rpc-server": _rpc_server}[args.cmd](args)
     except DFlashError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -26,13 +26,13 @@ class DeviceList:
     """The devices (and weights) a pair's models are opened with, kept alive as long as the pair."""
 
     def __init__(self, remote: RemoteDevices | None, tensor_split: Sequence[float] | None) -> None:
-        local = offload_devices()
+        gpus_here = offload_devices()
         self.remote = remote
         self.names = [d.name for d in remote.devices] if remote else []
         handles = [d.handle for d in remote.devices] if remote else []
-        self.names += [name for name, _ in local]
-        handles += [handle for _, handle in local]
-        self.local_gpus = [name for name, _ in local]
+        self.names += [name for name, _ in gpus_here]
+        handles += [handle for _, handle in gpus_here]
+        self.local_gpus = [name for name, _ in gpus_here]
         self._devices = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
         self._split = None
         if tensor_split is not None:

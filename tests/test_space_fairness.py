@@ -40,7 +40,7 @@ RECORD = REPO_ROOT / "test-artifacts" / "fairness.json"
 TIMEOUT_S = 120.0
 LONG = chat_args("Tell me a long story about the sea.", max_tokens=MAX_NEW_TOKENS, draft_length="auto")
 HONEST = "Explain speculative decoding in three sentences, for a reader who knows what a language model is. " * 3
-HOSTILE = "速度词语测试漢字鍵盤" * 60  # 600 dense characters
+HOSTILE = "速度词语测试漢字鍵盤" * 12  # dense characters
 SYSTEM = "<|im_start|>system\nyou are a helpful assistant.<|im_end|>\n"
 
 
@@ -368,19 +368,26 @@ def test_one_clients_calls_leave_another_clients_parking_intact(server: RunningA
 
 
 def chat_bytes(visitor: Visitor, server: RunningApp, max_tokens: int) -> tuple[int, int, int]:
-    """A /chat answer's bytes over plain HTTP and over the queue's stream (gradio_client's), and its tokens."""
+    """A /chat answer's bytes over plain HTTP and over the queue's stream (gradio_client's), both at once, and its
+    tokens."""
     args = chat_args("Tell me a long story about the sea.", max_tokens=max_tokens, temperature=2.0, draft_length=7)
-    event, (_, stats), raw = visitor.call("chat", args)
-    assert event == "complete"
     session = f"bytes-{max_tokens}"
-    assert visitor.join(dependency_ids(server)["chat"], args, session).status_code == 200
-    queued = 0
-    with visitor.http.stream("GET", f"queue/data?session_hash={session}") as stream:
-        for line in stream.iter_lines():
-            queued += len(line) + 1
-            if '"close_stream"' in line:
-                break
-    return raw, queued, stats["n_generated"]
+
+    def queued() -> int:
+        size = 0
+        assert visitor.join(dependency_ids(server)["chat"], args, session).status_code == 200
+        with visitor.http.stream("GET", f"queue/data?session_hash={session}") as stream:
+            for line in stream.iter_lines():
+                size += len(line) + 1
+                if '"close_stream"' in line:
+                    break
+        return size
+
+    with ThreadPoolExecutor(1) as pool:
+        queue_bytes = pool.submit(queued)
+        event, (_, stats), raw = visitor.call("chat", args)
+        assert event == "complete"
+        return raw, queue_bytes.result(TIMEOUT_S * 5), stats["n_generated"]
 
 
 def test_chat_bytes_grow_linearly_with_the_answer(server: RunningApp) -> None:

@@ -9,8 +9,8 @@ A public Space serves visitors who send whatever they like: a burst of requests 
 draft's training, a high temperature) or tokenize densely must not change the time asked of everybody else. So each
 figure a visitor's answer can move (decode speed per mode, prefill speed, characters per token) is the **median of
 the recent clients' votes** (`WINDOW` clients, see clients.py: an address, not a session id, which costs nothing to
-multiply), each client voting once with the median of its own newest `PER_SOURCE` answers: however many calls a
-client makes, it moves the figure no further than to the next client's vote. Until a figure is measured it is the
+multiply), each client voting once with the median of its own newest `PER_SOURCE` answers, an odd number of votes
+counted (see RecentMedian): however many calls a client makes, it moves the figure by one vote at most. Until a figure is measured it is the
 configured default. The load time is not a visitor's doing; it follows its measurements (slower ones count more) and
 is added only when the worker may be new (the first request, or after a worker was lost).
 
@@ -79,8 +79,9 @@ def _toward(old: float, new: float, conservative_is_lower: bool) -> float:
 
 class RecentMedian:
     """One figure from the recent measurements of many sources (clients): each of the newest `window` sources votes
-    once, with the median of its own newest `per_source` measurements, and the figure is the median of the votes, so
-    one source moves it no further than to its neighbour's vote, however often it measures; `default` until the first
+    once, with the median of its own newest `per_source` measurements, and the figure is the median of an odd number
+    of votes (with an even number, the newest source's is left out), so one source moves it by one vote at most (and
+    not at all while it would only make the count even), however often it measures; `default` until the first
     measurement."""
 
     def __init__(self, default: float, window: int = WINDOW, per_source: int = PER_SOURCE) -> None:
@@ -102,7 +103,9 @@ class RecentMedian:
 
     @property
     def value(self) -> float:
-        votes = [statistics.median(own) for own in self._values.values()]
+        votes = [statistics.median(own) for own in self._values.values()]  # the newest source's last
+        if len(votes) % 2 == 0:
+            votes = votes[:-1]  # an odd count: one vote is the figure, none is averaged with its neighbour
         return statistics.median(votes) if votes else self.default
 
 

@@ -10,9 +10,10 @@ draft's training, a high temperature) or tokenize densely must not change the ti
 figure a visitor's answer can move (decode speed per mode, prefill speed, characters per token) is the **median of
 the recent clients' votes** (`WINDOW` clients, see clients.py: an address, not a session id, which costs nothing to
 multiply), each client voting once with the median of its own newest `PER_SOURCE` answers, an odd number of votes
-counted (see RecentMedian): however many calls a client makes, it moves the figure by one vote at most. Until a figure is measured it is the
-configured default. The load time is not a visitor's doing; it follows its measurements (slower ones count more) and
-is added only when the worker may be new (the first request, or after a worker was lost).
+counted (see RecentMedian): however many calls a client makes, it moves the figure by one vote at most. Until a
+figure is measured it is the configured default. The load time is not a visitor's doing; it follows its measurements
+(slower ones count more) and is added only when the worker may be new (the first request, or after a worker was
+lost).
 
 | variable | meaning | default |
 | --- | --- | --- |

@@ -310,14 +310,16 @@ def test_a_session_less_flood_moves_the_estimate_by_less_than_a_fifth(server: Ru
 
 def streamed_bytes(server: RunningApp, max_tokens: int) -> tuple[int, int, int]:
     """Bytes of a /chat answer's result stream over plain HTTP and over the queue's stream (what gradio_client
-    reads), and the tokens it wrote."""
+    reads), and the tokens it wrote. Heartbeats are not counted: they keep a stream's traffic up while its answer
+    runs, so they follow its time, not its length (see dflash_runtime.space.probes)."""
     args = chat_args("Tell me a long story about the sea.", max_tokens=max_tokens, draft_length="auto")
     with httpx.Client(timeout=300) as http:
         event_id = post_call(server, "chat", args).json()["event_id"]
-        raw, n_generated = 0, 0
+        raw, n_generated, event = 0, 0, ""
         with http.stream("GET", api(server, f"call/chat/{event_id}")) as stream:
             for line in stream.iter_lines():
-                raw += len(line) + 1
+                event = line.split(":", 1)[1].strip() if line.startswith("event:") else event
+                raw += len(line) + 1 if event != "heartbeat" else 0
                 if line.startswith("data:") and '"n_generated"' in line:
                     n_generated = json.loads(line[5:])[1]["n_generated"]
         session = f"bytes-{max_tokens}"
@@ -325,7 +327,7 @@ def streamed_bytes(server: RunningApp, max_tokens: int) -> tuple[int, int, int]:
         assert join(server, dependency_ids(server)["chat"], api_values(args), session).status_code == 200
         with http.stream("GET", api(server, f"queue/data?session_hash={session}")) as stream:
             for line in stream.iter_lines():
-                queued += len(line) + 1
+                queued += len(line) + 1 if not line.startswith('data: {"msg": "heartbeat"') else 0
                 if '"close_stream"' in line:
                     break
     return raw, queued, n_generated

@@ -664,6 +664,7 @@ def test_a_refused_message_is_told_and_leaves_the_page_usable(page: DevTools, se
     output, the text stays in the box, and the next message is answered. A message refused for its characters (here)
     and one refused for its tokens (by the GPU function) both clear the statistics, and neither leaves a traceback
     in the server's log."""
+    wait_for_page(page)
     if not bot_texts(page):  # run alone: an answer whose statistics the refusals clear
         send(page, "hello world")
         wait_for_answer(page, answers=1)

@@ -206,6 +206,7 @@ class AdaptiveLength:
             "best_length": self.best_length() if self.cost[0] is not None else None,
             "probe_interval": self.probe_interval,
             "recent_lengths": self.history[-64:],
+            "decode_rows_costed": sorted(self.row_cost),  # the target decodes' row counts its cost model has seen
         }
 
 
@@ -230,6 +231,12 @@ class Policies:
         self._policies: OrderedDict[tuple[Hashable, str, str], DraftPolicy] = OrderedDict()
         self._in_use: set[int] = set()
         self._lock = threading.Lock()
+
+    def kept(self, owner: Hashable, method: str, draft_length: int | str) -> dict[str, Any] | None:
+        """What the policy kept for (owner, method, length) has learnt (its describe()), or None: none is kept."""
+        with self._lock:
+            policy = self._policies.get((owner, method, str(draft_length)))
+            return None if policy is None else policy.describe()
 
     def get(self, owner: Hashable, method: str, draft_length: int | str, capacity: int) -> DraftPolicy:
         key = (owner, method, str(draft_length))

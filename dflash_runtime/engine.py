@@ -284,6 +284,10 @@ class Engine:
         with self._occupancy.native():
             self._parts.owners.park(owner, current=owner is None)
 
+    def draft_policy(self, owner: Hashable, method: str, draft_length: int | str = "auto") -> dict[str, Any] | None:
+        """What the draft policy kept across requests for (owner, method, length) has learnt, or None."""
+        return self._policies.kept(owner, method, draft_length)
+
     def explain_divergence(self, prompt: str | Sequence[int], plain: Sequence[int], other: Sequence[int], *,
                            verify_rows: int | None = None) -> Divergence:
         """Why two temperature-0 answers to `prompt` differ (`plain`: plain decoding's tokens, `other`: e.g. a

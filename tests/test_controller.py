@@ -100,7 +100,8 @@ def test_the_cost_model_sees_the_rows_of_the_decode_it_pays_for() -> None:
             if event.finish_reason is not None:
                 break
         plain.close()
-        policy = eng._policies.get("drafting", "dflash", "auto", 7)  # the one the request gave back
-    lengths = {n for n, cost in enumerate(policy.cost) if cost is not None}
+        policy = eng.draft_policy("drafting", "dflash", "auto")  # the one the request gave back
+    assert policy is not None
+    lengths = {n for n, cost in enumerate(policy["cost_ms_by_length"]) if cost is not None}
     assert max(lengths) > 0
-    assert set(policy.row_cost) == {2 * (n + 1) for n in lengths}
+    assert set(policy["decode_rows_costed"]) == {2 * (n + 1) for n in lengths}

@@ -123,7 +123,7 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
                     stats_box = gr.Markdown(EMPTY_STATS, elem_id="stats-summary")
                     with gr.Accordion("Details: steps, acceptance, timings", open=False, elem_id="stats-details"):
                         stats_table = gr.Markdown(EMPTY_DETAILS, elem_id="stats-table")
-                notice = gr.Markdown("", visible=False, elem_id="context-notice")
+                notice = gr.Markdown("", elem_id="context-notice")  # always mounted: see notice_line
                 with gr.Row():
                     message_box = gr.Textbox(
                         placeholder="Ask something…",

@@ -120,6 +120,43 @@ def chart_updates(stats: dict[str, Any], trace: SpeedTrace | None) -> tuple[Any,
 HIDDEN_CHARTS = (gr.update(value=None, visible=False),) * 3
 
 
+def notice_line(text: str) -> str:
+    """The notice line under the chat ("" when it has nothing to say): its text alone, the line always mounted (an
+    empty one takes no room). A plain value, never an update: see `steady_frames`."""
+    return text
+
+
+SKIP = gr.skip()
+
+
+def _is_skip(value: Any) -> bool:
+    return isinstance(value, dict) and value == SKIP
+
+
+def _is_update(value: Any) -> bool:
+    """An update that changes something (`gr.update(...)` with at least one property; `gr.skip()` changes nothing)."""
+    return isinstance(value, dict) and value.get("__type__") == "update" and len(value) > 1
+
+
+async def steady_frames(frames: AsyncIterator[tuple[Any, ...]]) -> AsyncIterator[tuple[Any, ...]]:
+    """A streaming handler's frames, with an output that an update set and the next frame skips sent as that same
+    update again.
+
+    Gradio streams a generator's frames as diffs against the frame before, and the page applies each diff to the
+    previous frame's value in place: an update followed by a skip becomes "delete its properties", applied to the
+    very object the update arrived in. When frames reach the page in one burst (the result stream opened after the
+    handler had already run, as for a refusal computed at once), the page may read that object only after the
+    deletion, and the update is lost (the refusal's notice, a chart's hiding). An update sent again diffs to
+    nothing; the page applies the same update twice, which changes nothing. Plain values (text, a chat) never
+    diff into an earlier frame's object this way, so they are left alone."""
+    previous: tuple[Any, ...] = ()
+    async for frame in frames:
+        frame = tuple(previous[i] if _is_skip(value) and i < len(previous) and _is_update(previous[i]) else value
+                      for i, value in enumerate(frame))  # fmt: skip
+        previous = frame
+        yield frame
+
+
 # -- the API --------------------------------------------------------------------------------------------------------
 
 
@@ -351,7 +388,7 @@ class PageHandlers:
         title, message = visitor_message(error)
         if toast:
             gr.Warning(f"{what}: {message}", title=title)
-        return gr.update(value=f"⚠️ **{what}:** {message}", visible=True)
+        return notice_line(f"⚠️ **{what}:** {message}")
 
     def submit(self, message: str, session: ChatSession, *settings: Any) -> tuple[Any, ...]:
         """Inputs: message, session, then the settings (system prompt, max tokens, temperature, top-p, top-k, min-p,
@@ -362,14 +399,14 @@ class PageHandlers:
         skip = gr.skip()
         if session.busy():  # said in the notice line: this event is not queued, so it can show no toast
             busy = "⚠️ The previous answer is still running: wait for it, or press Stop."
-            return skip, skip, gr.update(value=busy, visible=True), *(skip,) * 7
+            return skip, skip, notice_line(busy), *(skip,) * 7
         try:
             request = self.service.check(message=message, history=session.messages, **self._settings(settings))
         except RequestError as error:
             return (skip, skip, self._told(error, "Not sent", toast=False), skip, REFUSED_STATS, EMPTY_DETAILS,
                     *HIDDEN_CHARTS, skip)  # fmt: skip
         _, shown = session.start_turn(message, request)
-        return shown, "", gr.update(value="", visible=False), "", skip, skip, skip, skip, skip, ab_button(False)
+        return shown, "", notice_line(""), "", skip, skip, skip, skip, skip, ab_button(False)
 
     async def respond(self, session: ChatSession, request: gr.Request) -> AsyncIterator[tuple[Any, ...]]:
         """Inputs: session. Outputs: chatbot, message box, statistics, details, acceptance plot, speed chart,
@@ -379,12 +416,17 @@ class PageHandlers:
         is usable again once the answer has ended, however it ended."""
         call = call_of(request)
         try:
-            async with aclosing(self._respond(session, call)) as frames:
+            async with aclosing(steady_frames(self._respond_frames(session, call))) as frames:
                 async for frame in frames:
-                    yield (*frame, gr.skip())
-            yield (gr.skip(),) * 10 + (ab_button(True),)
+                    yield frame
         finally:
             self.service.callers.end(call)
+
+    async def _respond_frames(self, session: ChatSession, call: str | None) -> AsyncIterator[tuple[Any, ...]]:
+        async with aclosing(self._respond(session, call)) as frames:
+            async for frame in frames:
+                yield (*frame, SKIP)
+        yield (SKIP,) * 10 + (ab_button(True),)
 
     async def _respond(self, session: ChatSession, call: str | None) -> AsyncIterator[tuple[Any, ...]]:
         skip = gr.skip()
@@ -415,7 +457,7 @@ class PageHandlers:
                 notice_update = skip
                 if reply.notice and reply.notice != notice:
                     notice = reply.notice
-                    notice_update = gr.update(value=f"⚠️ {notice}", visible=True)
+                    notice_update = notice_line(f"⚠️ {notice}")
                     gr.Warning(notice)
                 thinking = info = skip
                 if first:  # the engine is known now: the thinking switch and the info box can say so
@@ -520,7 +562,7 @@ class PageHandlers:
         """Inputs: session. Outputs: chatbot, message box, statistics, details, acceptance plot, speed chart,
         acceptance chart, notice, A/B box, A/B button. Stops the running answer and forgets the conversation."""
         session.clear()
-        return ([], "", EMPTY_STATS, EMPTY_DETAILS, *HIDDEN_CHARTS, gr.update(value="", visible=False), "",
+        return ([], "", EMPTY_STATS, EMPTY_DETAILS, *HIDDEN_CHARTS, notice_line(""), "",
                 ab_button(True))  # fmt: skip
 
     def page_load(self) -> tuple[Any, ...]:

@@ -20,7 +20,8 @@ from starlette.middleware import Middleware
 from dflash_runtime.space.callers import EngineCalls, HttpGate
 from dflash_runtime.space.endpoints import (
     AB_LABEL,
-    API_PARAMETERS,
+    CHECKED_PARAMETERS,
+    CHECKED_VALUES,
     PageHandlers,
     draft_length_choices,
     engine_sharing,
@@ -184,7 +185,10 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
         # The engine's sequences (with DFLASH_PARALLEL=auto the most: the engine slot admits what the loaded engine
         # holds, see SpaceService.parallel): so many answers run at once, the rest wait.
         answers_at_once = service.parallel
-        engine = {"concurrency_limit": answers_at_once, "concurrency_id": ENGINE_QUEUE, "api_visibility": "private"}
+        # Gradio starts every admitted engine event at once: they wait for the engine in its slot, where clients take
+        # turns (see dflash_runtime.space.jobs.EngineSlot), so one client's waiting calls hold no place of another's.
+        events_at_once = max(QUEUE_SIZE, answers_at_once)
+        engine = {"concurrency_limit": events_at_once, "concurrency_id": ENGINE_QUEUE, "api_visibility": "private"}
         # A message is shown at once (outside the queue), then answered in the engine's queue (see PageHandlers).
         shown_event = gr.on(
             [message_box.submit, send_button.click],
@@ -229,8 +233,8 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
         timer.tick(handlers.download_tick, None, [download_box, timer], api_visibility="private")
 
         chat_api, generate_api, info_api, wait_api = make_api(service)
-        chat_event = gr.api(chat_api, api_name="chat", concurrency_limit=answers_at_once, concurrency_id=ENGINE_QUEUE)
-        generate_event = gr.api(generate_api, api_name="generate", concurrency_limit=answers_at_once,
+        chat_event = gr.api(chat_api, api_name="chat", concurrency_limit=events_at_once, concurrency_id=ENGINE_QUEUE)
+        generate_event = gr.api(generate_api, api_name="generate", concurrency_limit=events_at_once,
                                 concurrency_id=ENGINE_QUEUE)  # fmt: skip
         gr.api(info_api, api_name="info", queue=False)  # never waits behind an answer
         gr.api(wait_api, api_name="wait", queue=False)  # waits on the engine slot, not in the queue
@@ -240,7 +244,8 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
 
     weights = {answer_event["id"]: one, ab_event["id"]: handlers.comparison_weight, chat_event["id"]: one,
                generate_event["id"]: one}  # fmt: skip
-    return demo, EngineCalls(weights, {"chat": chat_event["id"], "generate": generate_event["id"]})
+    return demo, EngineCalls(weights, {"chat": chat_event["id"], "generate": generate_event["id"]},
+                             frozenset(demo.fns))  # fmt: skip
 
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -253,8 +258,8 @@ if __name__ == "__main__":
     # api_open=False: the REST route /run/<name> refuses queued endpoints, so every answer goes through the queue.
     # HttpGate: bounded bodies, no uploads, limits on queued answers, and no answer runs that nobody reads (see
     # dflash_runtime.space.callers).
-    checked = {"chat": API_PARAMETERS, "generate": API_PARAMETERS}
-    gate = Middleware(HttpGate, callers=SERVICE.callers, engine=ENGINE_CALLS, parameters=checked)
+    gate = Middleware(HttpGate, callers=SERVICE.callers, engine=ENGINE_CALLS, parameters=CHECKED_PARAMETERS,
+                      checks=CHECKED_VALUES)  # fmt: skip
     v1 = Middleware(MountV1, service=SERVICE)  # the OpenAI-compatible /v1 routes, behind the same gate
     demo.queue(api_open=False, max_size=QUEUE_SIZE, default_concurrency_limit=1).launch(
         css=CSS, max_file_size=MAX_FILE_SIZE, app_kwargs={"middleware": [gate, v1]}

@@ -25,8 +25,8 @@ sequence between requests while others are free: a switch happens only when sequ
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,15 +47,21 @@ class SessionPolicy:
 
     `protect_s`: a state parked less than this long ago is not evicted to make room for another owner's; the newcomer's
     state is then not kept instead. 0 (the default) is plain least-recently-used; a public service sets minutes, so
-    that a burst of new owners (one caller opening many sessions) cannot push out the states of recent visitors."""
+    that a burst of new owners (one caller opening many sessions) cannot push out the states of recent visitors.
+
+    `group_of` and `per_group`: owners grouped (e.g. a service's sessions by the client that opened them) keep at most
+    `per_group` parked states per group, a group at its share making room from its own oldest; and room for a new
+    state is made from the group that holds the most, so no group fills the store."""
 
     max_parked: int = DEFAULT_MAX_PARKED
     max_bytes: int = DEFAULT_MAX_PARKED_BYTES
     park_on_switch: bool = True
     protect_s: float = 0.0
+    group_of: Callable[[Hashable | None], Hashable] | None = None
+    per_group: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_parked < 0 or self.max_bytes < 0 or self.protect_s < 0:
+        if self.max_parked < 0 or self.max_bytes < 0 or self.protect_s < 0 or self.per_group < 0:
             raise ValueError(f"session limits must be ≥ 0 (got {self})")
 
 
@@ -185,12 +191,26 @@ class CacheOwners:
         if policy.max_parked == 0 or parked.nbytes > policy.max_bytes:
             return
         now = time.monotonic()
+        if policy.group_of is not None and policy.per_group:
+            group = policy.group_of(owner)
+            own = [other for other in self._parked if policy.group_of(other) == group]
+            for oldest in own[: max(0, len(own) + 1 - policy.per_group)]:  # a group at its share: its own oldest go
+                del self._parked[oldest], self._parked_at[oldest]
         # Make room, least recently used first, but never by evicting a state parked within protect_s.
         while self._parked and (len(self._parked) + 1 > policy.max_parked or (
                 sum(p.nbytes for p in self._parked.values()) + parked.nbytes > policy.max_bytes)):  # fmt: skip
-            oldest = next(iter(self._parked))
+            oldest = self._evictable()
             if now - self._parked_at[oldest] < policy.protect_s:
                 return  # the recent states stay; this one is not kept
             del self._parked[oldest], self._parked_at[oldest]
         self._parked[owner] = parked
         self._parked_at[owner] = now
+
+    def _evictable(self) -> Hashable | None:
+        """The parked state to evict first: the least recently parked, of the group holding the most (with groups)."""
+        group_of = self.policy.group_of
+        if group_of is None:
+            return next(iter(self._parked))
+        sizes = Counter(group_of(owner) for owner in self._parked)
+        most = max(sizes.values())
+        return next(owner for owner in self._parked if sizes[group_of(owner)] == most)

@@ -118,11 +118,14 @@ class Raw:
     text: str
 
 
-def raw_call(url: str, api_name: str, body: str, timeout_s: float = 180.0) -> RawResult:
-    """POST /gradio_api/call/<api_name> with `body`, then read its result stream to the end."""
+def raw_call(url: str, api_name: str, body: str, timeout_s: float = 180.0,
+             local_address: str | None = None) -> RawResult:  # fmt: skip
+    """POST /gradio_api/call/<api_name> with `body`, then read its result stream to the end. `local_address` (e.g.
+    "127.0.0.2": every 127.x.y.z reaches the server) makes the caller another client than the tests' 127.0.0.1."""
     base = url.rstrip("/") + "/gradio_api/call/" + api_name
     headers = {"Content-Type": "application/json"}
-    with httpx.Client(timeout=timeout_s) as http:
+    transport = httpx.HTTPTransport(local_address=local_address) if local_address else None
+    with httpx.Client(timeout=timeout_s, transport=transport) as http:
         started = http.post(base, content=body.encode(), headers=headers)
         started.raise_for_status()
         event_id = started.json()["event_id"]

@@ -44,7 +44,10 @@ OLD_DRAFT = "draft_max must be an integer in 0..7 (0 = adaptive; deprecated: use
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningApp]:
     env = {"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX), "DFLASH_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
-           "HF_TOKEN": SECRET, "DFLASH_DIAGNOSTICS": "1"}  # fmt: skip
+           "HF_TOKEN": SECRET, "DFLASH_DIAGNOSTICS": "1",
+           # Every caller here comes from 127.0.0.1, one client to the gate: up to 24 of its calls at once stand in for
+           # 24 visitors (the per-client limits have tests of their own, test_space_fairness.py).
+           "DFLASH_CLIENT_JOBS": "24"}  # fmt: skip
     with running_app(env, REPO_ROOT / "test-artifacts" / "app_probes_server.log") as app:
         yield app
 

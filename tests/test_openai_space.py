@@ -29,7 +29,7 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningApp]:
     env = {"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX), "DFLASH_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
-           "DFLASH_SESSION_JOBS": "1"}  # fmt: skip
+           "DFLASH_CLIENT_JOBS": "1"}  # fmt: skip
     with running_app(env, REPO_ROOT / "test-artifacts" / "openai_space_server.log") as app:
         yield app
 
@@ -136,7 +136,7 @@ def test_errors_have_openais_shape_and_status(base_url: str, body: dict, status:
 
 
 def test_a_client_over_its_limit_is_refused_while_another_is_served(base_url: str, monitor: Client) -> None:
-    """DFLASH_SESSION_JOBS=1 here: one answer at a time per client (by address: 127.0.0.1 and 127.0.0.2)."""
+    """DFLASH_CLIENT_JOBS=1 here: one answer at a time per client (by address: 127.0.0.1 and 127.0.0.2)."""
     body = {"model": PRESET, "messages": MESSAGES, "max_tokens": MAX_NEW_TOKENS, "stream": True}
     other_address = httpx.HTTPTransport(local_address="127.0.0.2")
     with httpx.Client(timeout=60) as first, httpx.Client(timeout=60, transport=other_address) as other, \

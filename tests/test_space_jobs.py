@@ -234,22 +234,23 @@ def test_a_reader_that_takes_no_write_counts_as_gone() -> None:
     assert not callers.alive(call.id)
 
 
-def test_limits_count_answers_per_session_for_session_less_calls_and_in_all() -> None:
-    callers = Callers(GateSettings(session_jobs=3, sessionless_jobs=2, total_jobs=6), Clock())
-    assert isinstance(callers.admit(1, 2, "s"), Call)  # an A/B run of two answers
-    refused = callers.admit(1, 2, "s")
+def test_limits_count_answers_per_client_per_session_and_in_all() -> None:
+    callers = Callers(GateSettings(client_jobs=4, session_jobs=3, total_jobs=6), Clock())
+    assert isinstance(callers.admit(1, 2, "s", "me"), Call)  # an A/B run of two answers
+    refused = callers.admit(1, 2, "s", "me")
     assert isinstance(refused, str) and "this session has 2 answers queued or running" in refused
-    ended = callers.admit(1, 1, "s")
+    ended = callers.admit(1, 1, "s", "me")
     assert isinstance(ended, Call)
     callers.end(ended.id)
-    assert isinstance(callers.admit(1, 1, "s"), Call), "an ended call frees its place"
-    first, second = callers.admit(1, 1, None), callers.admit(1, 1, None)
-    assert isinstance(first, Call) and isinstance(second, Call)
-    third = callers.admit(1, 1, None)
-    assert isinstance(third, str) and "calls without a session_hash" in third
+    assert isinstance(callers.admit(1, 1, "s", "me"), Call), "an ended call frees its place"
+    first = callers.admit(1, 1, None, "me")  # session-less: counted as its client's
+    assert isinstance(first, Call)
+    over = callers.admit(1, 1, "fresh-session", "me")
+    assert isinstance(over, str) and "you have 4 answers queued or running (in all your sessions)" in over
     callers.queued(first, None)  # Gradio refused it: its place is free again
-    assert isinstance(callers.admit(1, 1, "t"), Call) and isinstance(callers.admit(1, 1, "u"), Call)
-    full = callers.admit(1, 1, "v")
+    assert isinstance(callers.admit(1, 1, "t", "other"), Call) and isinstance(callers.admit(1, 1, "u", "more"), Call)
+    assert isinstance(callers.admit(1, 1, "w", "me"), Call)
+    full = callers.admit(1, 1, "v", "yet-another")
     assert isinstance(full, str) and "its limit is 6" in full
     alone = Callers(GateSettings(session_jobs=3), Clock())
     big = alone.admit(1, 5, "s")  # an A/B run of four methods and plain decoding, alone in its session

@@ -6,9 +6,15 @@ Gradio-free).
   takes no files): 413.
 - **Missing values.** A raw call whose `data` does not hold one value per parameter would fail in Gradio with an
   error it does not show (`{"error": null}`); it is answered here, HTTP 422, with the parameters in order.
-- **Limits on queued answers.** A call of an engine endpoint (the API's /chat and /generate, the page's answer and
-  A/B run) is admitted against three limits, counted in generations (an A/B run counts as the answers it runs):
-  per session, for all session-less raw calls together, and for everybody. Over one: HTTP 429 saying which.
+- **Malformed bodies.** A JSON body nested deeper than `MAX_DEPTH` levels is answered 400 before anything else
+  parses it; a join naming no function or one the app does not have, 422. An error quotes at most an excerpt of what
+  it refuses.
+- **Limits on queued answers, by client.** A call of an engine endpoint (the API's /chat and /generate, the page's
+  answer and A/B run) is admitted against three limits, counted in generations (an A/B run counts as the answers it
+  runs): per client (clients.py: its address as the platform gives it, never the session hash, which a client mints
+  freely), per session, and for everybody. Over one: HTTP 429 saying which. A join is read as Gradio reads it
+  (`"fn_index": "12"`, `12.0` and `12` are one function), so whatever Gradio would run is counted; and the service
+  admits any engine call that reached it without passing here (see SpaceService.reply).
 - **Nobody reads, nothing runs.** An admitted call runs only while somebody reads its result. Its readers are the
   result streams of its session: `GET /gradio_api/queue/data?session_hash=…` (the page, gradio_client) and
   `GET /gradio_api/call/<name>/<event id>` (plain HTTP). A call is abandoned when its session has no reader and
@@ -43,6 +49,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
+from pydantic import TypeAdapter, ValidationError
+
+from ..errors import RequestError
+from .clients import ClientSettings, client_of_scope
+from .probes import TrafficFloor, call_heartbeat, queue_heartbeat, tighten
 from .requests import _env_number
 
 log = logging.getLogger(__name__)
@@ -59,6 +70,10 @@ _JOIN = re.compile(r"/gradio_api/queue/join/?$")
 _QUEUE_DATA = re.compile(r"/gradio_api/queue/data/?$")
 _UPLOAD = re.compile(r"/gradio_api/upload/?$")
 _CANCEL = re.compile(r"/gradio_api/cancel/?$")
+_RUN = re.compile(r"/gradio_api/run/([^/]+)/?$")
+MAX_DEPTH = 32  # JSON nesting a body may have (the API's deepest is 3: data, history, a message)
+EXCERPT_CHARS = 60  # of a refused value an error quotes at most
+_OPTIONAL_INT = TypeAdapter(int | None)
 REMEMBERED = 4096  # event ids kept: far more than the queue holds
 
 
@@ -66,19 +81,22 @@ REMEMBERED = 4096  # event ids kept: far more than the queue holds
 class GateSettings:
     """| variable | meaning | default |
     | `DFLASH_READER_TIMEOUT_S` | how long an answer may run (or wait) with nobody reading it | 3 |
-    | `DFLASH_SESSION_JOBS` | generations one session may have queued or running | 3 |
-    | `DFLASH_SESSIONLESS_JOBS` | the same, for all session-less raw calls together | 8 |
+    | `DFLASH_CLIENT_JOBS` | generations one client (clients.py) may have queued or running | 8 |
+    | `DFLASH_SESSION_JOBS` | the same, for one session | 3 |
     | `DFLASH_TOTAL_JOBS` | the same, for everybody (at most the queue's size) | 64 |
     | `DFLASH_MAX_BODY_BYTES` | the longest request body | 1 MiB |
+    | `DFLASH_READER_PROBE_BYTES_S` | the least traffic of a result stream while its answer runs (probes.py) | 48 KiB |
     | `DFLASH_BUSY_TIMEOUT_S` | the one wait for the engine: a job for the web process's engine slot, a GPU call for the
       worker's engine lock, a stream for a consumer that stopped taking chunks | 120 |"""
 
     reader_timeout_s: float = 3.0
+    client_jobs: int = 8
     session_jobs: int = 3
-    sessionless_jobs: int = 8
     total_jobs: int = 64
     max_body_bytes: int = 1 << 20
+    probe_bytes_s: float = 48 * 1024
     busy_timeout_s: float = 120.0
+    clients: ClientSettings = field(default_factory=ClientSettings)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, queue_size: int | None = None) -> GateSettings:
@@ -86,26 +104,32 @@ class GateSettings:
         total = int(_env_number(env, "DFLASH_TOTAL_JOBS", cls.total_jobs))
         return cls(
             reader_timeout_s=_env_number(env, "DFLASH_READER_TIMEOUT_S", cls.reader_timeout_s),
+            client_jobs=int(_env_number(env, "DFLASH_CLIENT_JOBS", cls.client_jobs)),
             session_jobs=int(_env_number(env, "DFLASH_SESSION_JOBS", cls.session_jobs)),
-            sessionless_jobs=int(_env_number(env, "DFLASH_SESSIONLESS_JOBS", cls.sessionless_jobs)),
             total_jobs=min(total, queue_size) if queue_size else total,
             max_body_bytes=int(_env_number(env, "DFLASH_MAX_BODY_BYTES", cls.max_body_bytes)),
+            probe_bytes_s=_env_number(env, "DFLASH_READER_PROBE_BYTES_S", cls.probe_bytes_s),
             busy_timeout_s=_env_number(env, "DFLASH_BUSY_TIMEOUT_S", cls.busy_timeout_s),
+            clients=ClientSettings.from_env(env),
         )
 
     def describe(self) -> dict[str, Any]:
-        return {"reader_timeout_s": self.reader_timeout_s, "session_jobs": self.session_jobs,
-                "sessionless_jobs": self.sessionless_jobs, "total_jobs": self.total_jobs,
-                "max_body_bytes": self.max_body_bytes, "busy_timeout_s": self.busy_timeout_s}  # fmt: skip
+        return {"reader_timeout_s": self.reader_timeout_s, "client_jobs": self.client_jobs,
+                "session_jobs": self.session_jobs, "total_jobs": self.total_jobs,
+                "max_body_bytes": self.max_body_bytes, "busy_timeout_s": self.busy_timeout_s,
+                "reader_probe_bytes_s": self.probe_bytes_s,
+                "client_from": "X-Forwarded-For" if self.clients.trusted_proxy_hops else "socket"}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class EngineCalls:
     """The engine's endpoints as Gradio numbers them (a dependency's "id"): the weight of a call of each (the
-    generations it runs, asked when the call comes), and the API names of those callable over plain HTTP."""
+    generations it runs, asked when the call comes), the API names of those callable over plain HTTP, and every
+    function the app has (a join naming another is refused)."""
 
     weights: Mapping[int, Callable[[], int]]
     api_names: Mapping[str, int] = field(default_factory=dict)
+    functions: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -117,6 +141,7 @@ class Call:
     weight: int
     sessionless: bool
     session: str | None  # known at once, or (session-less) from the event id Gradio answers
+    client: str  # the client's key (clients.py)
     posted: float
     event_id: str | None = None
     started: bool = False
@@ -143,9 +168,9 @@ class Callers:
 
     # -- admission ---------------------------------------------------------------------------------------------------
 
-    def admit(self, fn_index: int, weight: int, session: str | None) -> Call | str:
-        """A new call (session None: session-less), or why it is refused. A call over a limit on its own (an A/B run
-        of many methods) is let in when nothing else counts against that limit."""
+    def admit(self, fn_index: int, weight: int, session: str | None, client: str = "") -> Call | str:
+        """A new call (session None: session-less) of `client` (its key), or why it is refused. A call over a limit on
+        its own (an A/B run of many methods) is let in when nothing else counts against that limit."""
         s = self.settings
         with self._lock:
             live = list(self._calls.values())
@@ -153,18 +178,18 @@ class Callers:
             if total > s.total_jobs and total > weight:
                 return (f"the server has {total - weight} answers queued or running, its limit is {s.total_jobs}: "
                         "retry in a minute")  # fmt: skip
-            if session is None:
-                used = sum(c.weight for c in live if c.sessionless)
-                if used and used + weight > s.sessionless_jobs:
-                    return (f"calls without a session_hash have {used} answers queued or running together, their "
-                            f"limit is {s.sessionless_jobs}: retry later, or send a session_hash")  # fmt: skip
-            else:
+            used = sum(c.weight for c in live if c.client == client)
+            if used and used + weight > s.client_jobs:
+                return (f"you have {used} answers queued or running (in all your sessions) and this call would add "
+                        f"{weight}; the limit is {s.client_jobs} (an A/B run counts as the answers it runs): wait for "
+                        "them, or stop them")  # fmt: skip
+            if session is not None:
                 used = sum(c.weight for c in live if c.session == session)
                 if used and used + weight > s.session_jobs:
                     return (f"this session has {used} answers queued or running and this call would add {weight}; "
                             f"the limit is {s.session_jobs} (an A/B run counts as the answers it runs): wait for "
                             "them, or stop them")  # fmt: skip
-            call = Call(secrets.token_hex(8), fn_index, weight, session is None, session, self._clock())
+            call = Call(secrets.token_hex(8), fn_index, weight, session is None, session, client, self._clock())
             self._calls[call.id] = call
             return call
 
@@ -233,6 +258,11 @@ class Callers:
                 for call in [c for c in self._calls.values() if c.session == reader.session and not c.started]:
                     del self._calls[call.id]  # Gradio drops a session's waiting events when its reader leaves
 
+    def running_for(self, session: str) -> bool:
+        """Whether an engine call of `session` has started (its answer runs, or waits for the engine)."""
+        with self._lock:
+            return any(c.session == session and c.started for c in self._calls.values())
+
     def sending(self, reader: Reader, busy: bool) -> None:
         with self._lock:
             reader.sending_since = self._clock() if busy else None
@@ -275,16 +305,68 @@ def call_of(request: Any) -> str | None:
     return state.get(STATE_KEY) if isinstance(state, dict) else None
 
 
-def missing_values(body: bytes, parameters: Sequence[str]) -> str | None:
+class AdmissionError(RequestError):
+    """A call refused by the limits on queued answers (a route answers it HTTP 429)."""
+
+
+def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
+    """A value as an error quotes it: its repr, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
+
+
+def json_depth(value: Any) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (without recursion: any depth is measured)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+@dataclass(frozen=True)
+class Body:
+    """A POST body as JSON: `value` (None when it is not JSON at all: Gradio answers that itself) or `problem`, why it
+    is refused before anybody parses it further (HTTP 400)."""
+
+    value: Any = None
+    problem: str | None = None
+
+    @classmethod
+    def parse(cls, body: bytes) -> Body:
+        try:
+            value = json.loads(body)
+        except RecursionError:
+            return cls(problem=f"the JSON body is nested too deeply (this server accepts {MAX_DEPTH} levels)")
+        except ValueError:
+            return cls()
+        if json_depth(value) > MAX_DEPTH:
+            return cls(problem=f"the JSON body is nested too deeply (this server accepts {MAX_DEPTH} levels)")
+        return cls(value)
+
+    def field(self, name: str) -> Any:
+        return self.value.get(name) if isinstance(self.value, dict) else None
+
+
+def missing_values(body: Body, parameters: Sequence[str]) -> str | None:
     """What is wrong with a list-form call body for an endpoint of these parameters, or None (also when it is not
     JSON at all: Gradio answers that itself)."""
-    try:
-        data = json.loads(body).get("data")
-    except (ValueError, AttributeError):
-        return None
+    data = body.field("data")
     if not isinstance(data, list) or len(data) == len(parameters):
         return None
-    return f"data must hold {len(parameters)} values, in this order: {', '.join(parameters)} (got {len(data)})"
+    named = f"in this order: {', '.join(parameters)}" if parameters else "none"
+    return f"data must hold {len(parameters)} values, {named} (got {len(data)})"
+
+
+def gradio_int(value: Any) -> int | ValueError | None:
+    """An integer field of Gradio's request bodies as Gradio reads it (pydantic's lax mode: "12", 12.0 and 12 are 12),
+    None when absent, or the ValueError Gradio's own check would answer (then Gradio refuses the request itself)."""
+    try:
+        return _OPTIONAL_INT.validate_python(value)
+    except ValidationError as error:
+        return ValueError(str(error))
 
 
 async def _answer(send: Send, status: int, detail: str) -> None:
@@ -298,21 +380,24 @@ async def _answer(send: Send, status: int, detail: str) -> None:
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
 
 
 class HttpGate:
     """The ASGI middleware (see the module doc). `callers` is shared with the service; `engine` names the engine's
-    endpoints; `parameters` names each checked API endpoint's parameters."""
+    endpoints; `parameters` names each checked API endpoint's parameters (its raw calls and, for endpoints outside
+    the queue, its /run route); `checks` says what is wrong with an endpoint's values (a list, in order), or None."""
 
     def __init__(self, app: ASGIApp, callers: Callers, engine: EngineCalls | None = None,
-                 parameters: Mapping[str, Sequence[str]] | None = None) -> None:  # fmt: skip
+                 parameters: Mapping[str, Sequence[str]] | None = None,
+                 checks: Mapping[str, Callable[[list[Any]], str | None]] | None = None) -> None:  # fmt: skip
         self.app = app
         self.callers = callers
         self.engine = engine
         self.parameters = dict(parameters or {})
+        self.checks = dict(checks or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http":
@@ -321,9 +406,9 @@ class HttpGate:
         path, method = scope.get("path", ""), scope.get("method")
         if method == "GET":
             if match := _RESULT.search(path):
-                await self._read(self.callers.session_of_event(match.group(1)), scope, receive, send)
+                await self._read(self.callers.session_of_event(match.group(1)), scope, receive, send, call_heartbeat)
             elif _QUEUE_DATA.search(path) and (session := _query(scope, "session_hash")):
-                await self._read(session, scope, receive, send)
+                await self._read(session, scope, receive, send, queue_heartbeat)
             else:
                 await self.app(scope, receive, send)
             return
@@ -333,39 +418,64 @@ class HttpGate:
         if _UPLOAD.search(path):
             await _answer(send, 413, "uploads are off: this Space takes no files (maximum allowed size: 0 bytes)")
             return
-        body = await self._body(scope, receive, send)
-        if body is None:
+        raw = await self._body(scope, receive, send)
+        if raw is None:
             return
-        replay = _replay(body, receive)
+        body = Body.parse(raw)
+        if body.problem is not None:
+            await _answer(send, 400, body.problem)
+            return
+        replay = _replay(raw, receive)
         if _CANCEL.search(path):
-            self.callers.withdrawn(_json_object(body).get("event_id"))
-        if (match := _CALL.search(path)) and not match.group(1) and match.group(2) in self.parameters:
-            problem = missing_values(body, self.parameters[match.group(2)])
-            if problem is not None:
-                await _answer(send, 422, problem)
-                return
+            self.callers.withdrawn(body.field("event_id"))
+        call_match, run_match = _CALL.search(path), _RUN.search(path)
+        named = call_match.group(2) if call_match and not call_match.group(1) else run_match and run_match.group(1)
+        if named and (problem := self._values_problem(named, body)):
+            await _answer(send, 422, problem)
+            return
         engine = self.engine
-        fn_index = None
-        request = _json_object(body) if engine is not None and (_JOIN.search(path) or match) else {}
-        if engine is not None and match:
-            fn_index = engine.api_names.get(match.group(2))
-        elif engine is not None and _JOIN.search(path):
-            index = request.get("fn_index")
-            fn_index = index if isinstance(index, int) and index in engine.weights else None
-        if engine is None or fn_index is None:
+        if engine is None:
             await self.app(scope, replay, send)
             return
-        session = request.get("session_hash")
-        session = session if isinstance(session, str) and session else None
-        if session is None and not match:  # a join names its session (Gradio refuses one that does not)
+        if call_match:
+            fn_index = engine.api_names.get(call_match.group(2))
+            session = body.field("session_hash")
+            session = session if isinstance(session, str) and session else None  # "" or none: session-less
+        elif _JOIN.search(path):
+            fn_index = gradio_int(body.field("fn_index"))
+            session = body.field("session_hash")
+            if isinstance(fn_index, ValueError) or not isinstance(session, str):
+                await self.app(scope, replay, send)  # Gradio refuses it (422, 400): nothing runs
+                return
+            if fn_index is None or (engine.functions and fn_index not in engine.functions):
+                await _answer(send, 422, f"fn_index must name one of the app's functions (got "
+                                         f"{excerpt(body.field('fn_index'))})")  # fmt: skip
+                return
+            if not session:
+                await _answer(send, 422, "session_hash must be a non-empty string")
+                return
+        else:
+            fn_index = None
+        if fn_index is None or fn_index not in engine.weights:
             await self.app(scope, replay, send)
             return
-        call = self.callers.admit(fn_index, engine.weights[fn_index](), session)
+        client = client_of_scope(scope, self.callers.settings.clients)
+        call = self.callers.admit(fn_index, engine.weights[fn_index](), session, client.key)
         if isinstance(call, str):
             await _answer(send, 429, call)
             return
         scope.setdefault("state", {})[STATE_KEY] = call.id
         await self._queue(call, scope, replay, send)
+
+    def _values_problem(self, name: str, body: Body) -> str | None:
+        """What is wrong with a raw call's values of a checked endpoint, or None."""
+        if name not in self.parameters:
+            return None
+        problem = missing_values(body, self.parameters[name])
+        data = body.field("data")
+        if problem is None and isinstance(data, list) and name in self.checks:
+            problem = self.checks[name](data)
+        return problem
 
     async def _body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
         """The whole body, or None once a too long one was refused (by its declared length, or as it came)."""
@@ -410,7 +520,8 @@ class HttpGate:
         finally:
             self.callers.queued(call, event_id)
 
-    async def _read(self, session: str, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _read(self, session: str, scope: Scope, receive: Receive, send: Send,
+                    padding: Callable[[int], bytes]) -> None:  # fmt: skip
         """Stream a result to one of `session`'s readers, watching for its hang-up and for writes it does not take."""
         reader = self.callers.opened(session)
         early: list[Message] = []  # what the watcher read before the app asked (a GET's empty body, the hang-up)
@@ -431,18 +542,22 @@ class HttpGate:
                 await wanted.wait()
             return early.pop(0) if early[0]["type"] != "http.disconnect" else early[0]
 
-        async def app_send(message: Message) -> None:
+        async def tracked_send(message: Message) -> None:
             self.callers.sending(reader, True)
             try:
                 await send(message)
             finally:
                 self.callers.sending(reader, False)
 
-        watcher = asyncio.create_task(watch())
+        tighten(send)  # small buffers: a client that stops reading is seen within seconds (probes.py)
+        floor = TrafficFloor(tracked_send, self.callers.settings.probe_bytes_s,
+                             lambda: self.callers.running_for(session), padding)  # fmt: skip
+        watcher, padder = asyncio.create_task(watch()), asyncio.create_task(floor.run())
         try:
-            await self.app(scope, app_receive, app_send)
+            await self.app(scope, app_receive, floor.send)
         finally:
             watcher.cancel()
+            padder.cancel()
             self.callers.closed(reader)
 
 

@@ -21,10 +21,11 @@ import pandas as pd
 from ..errors import DFlashError, PromptTooLongError, RequestError
 from ..methods import runnable as registered_methods
 from .callers import call_of
+from .clients import ClientIdentity
 from .panel import EMPTY_DETAILS, EMPTY_STATS, REFUSED_STATS, WAITING_STATS, stats_details, stats_summary
 from .provenance import ACCEPTANCE, SPEED, SpeedTrace, point_every
 from .requests import AUTO, DEFAULT_SYSTEM_PROMPT, MessageTooLongError
-from .service import Comparison, Reply, SpaceService
+from .service import Comparison, Reply, SpaceService, wait_problem
 from .session import ChatSession
 from .speedup import LiveSpeedUp
 from .views import PLAIN_LABEL, acceptance_rows, info_markdown, method_help, method_label, scrub_paths, sharing_note
@@ -35,6 +36,12 @@ ApiReply = tuple[str, dict[str, Any]]
 # (new ones go at the end: an old client's values keep their places; draft_max is the deprecated draft_length)
 API_PARAMETERS = ("message", "history", "system_prompt", "preset", "max_tokens", "temperature", "top_p", "draft_max",
                   "speculative", "thinking", "method", "draft_length", "top_k", "min_p")  # fmt: skip
+WAIT_PARAMETERS = ("until", "timeout_s")
+# What the HTTP gate checks of raw calls (callers.HttpGate): each endpoint's parameters, and /wait's values (its /run
+# route answers a handler's error HTTP 500, so they are checked before).
+CHECKED_PARAMETERS = {"chat": API_PARAMETERS, "generate": API_PARAMETERS, "wait": WAIT_PARAMETERS, "info": ()}
+CHECKED_VALUES: dict[str, Callable[[list[Any]], str | None]] = {"wait": lambda values: wait_problem(*values)}
+MESSAGE_CHARS = 600  # of an error's message a visitor reads at most (a message may quote the caller's values)
 
 
 TOO_LONG = "MessageTooLong"  # the title of a message refused for its length, by characters or by tokens
@@ -51,12 +58,17 @@ def visitor_message(error: Exception) -> tuple[str, str]:
     runtime errors may name the server's files (scrubbed); anything else is the server's fault, said without detail.
     A message too long reads the same whichever check refused it."""
     if too_long(error):
-        return TOO_LONG, str(error)
+        return TOO_LONG, _cut(str(error))
     if isinstance(error, DFlashError):
         title = getattr(error, "kind", type(error).__name__)
-        return title, str(error) if isinstance(error, RequestError) else scrub_paths(str(error))
+        return title, _cut(str(error) if isinstance(error, RequestError) else scrub_paths(str(error)))
     log.error("a request failed", exc_info=error)
     return "ServerError", f"the server failed ({type(error).__name__}); retry"
+
+
+def _cut(message: str) -> str:
+    """A message as a visitor reads it: whole, or its start (one that quotes a huge value is not sent back whole)."""
+    return message if len(message) <= MESSAGE_CHARS else message[:MESSAGE_CHARS] + "… (cut short)"
 
 
 @contextmanager
@@ -181,7 +193,7 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
             with visitor_errors():
                 checked = service.check(**fields)
                 owner = service.owner_key(session_hash(request), call)
-                async for reply in service.reply(checked, owner=owner, call=call):
+                async for reply in service.reply(checked, owner=owner, client=service.client(request), call=call):
                     yield reply
         finally:
             service.callers.end(call)
@@ -416,19 +428,22 @@ class PageHandlers:
         is usable again once the answer has ended, however it ended."""
         call = call_of(request)
         try:
-            async with aclosing(steady_frames(self._respond_frames(session, call))) as frames:
+            frames_of = self._respond_frames(session, call, self.service.client(request))
+            async with aclosing(steady_frames(frames_of)) as frames:
                 async for frame in frames:
                     yield frame
         finally:
             self.service.callers.end(call)
 
-    async def _respond_frames(self, session: ChatSession, call: str | None) -> AsyncIterator[tuple[Any, ...]]:
-        async with aclosing(self._respond(session, call)) as frames:
+    async def _respond_frames(self, session: ChatSession, call: str | None,
+                              client: ClientIdentity) -> AsyncIterator[tuple[Any, ...]]:  # fmt: skip
+        async with aclosing(self._respond(session, call, client)) as frames:
             async for frame in frames:
                 yield (*frame, SKIP)
         yield (SKIP,) * 10 + (ab_button(True),)
 
-    async def _respond(self, session: ChatSession, call: str | None) -> AsyncIterator[tuple[Any, ...]]:
+    async def _respond(self, session: ChatSession, call: str | None,
+                       client: ClientIdentity) -> AsyncIterator[tuple[Any, ...]]:  # fmt: skip
         skip = gr.skip()
         pending = session.take_pending()
         if pending is None:  # stopped or cleared while it waited in the queue: nothing changes
@@ -444,8 +459,8 @@ class PageHandlers:
                 status = f"*Downloading the model pair: {self.service.download.status().summary()}*"
                 yield skip, skip, status, skip, skip, skip, skip, skip, skip, skip
             notice, first = None, True
-            async for reply in self.service.reply(request, owner=session.owner, latest_only=True, session=session,
-                                                  call=call):  # fmt: skip
+            async for reply in self.service.reply(request, owner=session.owner, client=client, latest_only=True,
+                                                  session=session, call=call):  # fmt: skip
                 shown = session.show_reply(epoch, reply.text, reply.sources.chunks)
                 if shown is None:  # cleared meanwhile: this answer belongs to no conversation
                     break
@@ -519,15 +534,15 @@ class PageHandlers:
         call, all with the same seed."""
         call = call_of(request)
         try:
-            async with aclosing(self._compare(session, typed, settings, call)) as frames:
+            async with aclosing(self._compare(session, typed, settings, call, self.service.client(request))) as frames:
                 async for frame in frames:
                     yield frame, gr.skip()
             yield gr.skip(), ab_button(True)
         finally:
             self.service.callers.end(call)
 
-    async def _compare(self, session: ChatSession, typed: str, settings: tuple[Any, ...],
-                       call: str | None) -> AsyncIterator[str]:  # fmt: skip
+    async def _compare(self, session: ChatSession, typed: str, settings: tuple[Any, ...], call: str | None,
+                       client: ClientIdentity) -> AsyncIterator[str]:  # fmt: skip
         last = session.last_prompt()
         if last is None and not typed.strip():  # compare_start said so
             return
@@ -540,8 +555,8 @@ class PageHandlers:
             phases, labels = self.comparison_phases()
             yield f"**A/B running: {PLAIN_LABEL}** (1 of {len(phases)})…"
             comparison = Comparison(request.temperature, request.seed, labels)
-            async for reply in self.service.reply(request, phases, owner=session.owner, latest_only=True,
-                                                  session=session, call=call):  # fmt: skip
+            async for reply in self.service.reply(request, phases, owner=session.owner, client=client,
+                                                  latest_only=True, session=session, call=call):  # fmt: skip
                 yield comparison.add(reply)
         except Exception as error:  # told, not raised: see the class doc
             _, text = visitor_message(error)

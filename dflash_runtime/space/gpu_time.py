@@ -8,11 +8,12 @@ model-load time, the time it used) with its chunks.
 A public Space serves visitors who send whatever they like: a burst of requests that draft badly (text unlike the
 draft's training, a high temperature) or tokenize densely must not change the time asked of everybody else. So each
 figure a visitor's answer can move (decode speed per mode, prefill speed, characters per token) is the **median of
-the recent answers** (`WINDOW`), in which one visitor's session keeps at most `PER_SOURCE` answers: moving it takes
-more than half of the recent answers, from several sessions; raw calls without a session, which cost nothing to
-multiply, are not counted at all. Until a figure is measured it is the configured
-default. The load time is not a visitor's doing; it follows its measurements (slower ones count more) and is added
-only when the worker may be new (the first request, or after a worker was lost).
+the recent clients' votes** (`WINDOW` clients, see clients.py: an address, not a session id, which costs nothing to
+multiply), each client voting once with the median of its own newest `PER_SOURCE` answers, an odd number of votes
+counted (see RecentMedian): however many calls a client makes, it moves the figure by one vote at most. Until a
+figure is measured it is the configured default. The load time is not a visitor's doing; it follows its measurements
+(slower ones count more) and is added only when the worker may be new (the first request, or after a worker was
+lost).
 
 | variable | meaning | default |
 | --- | --- | --- |
@@ -29,7 +30,7 @@ import math
 import os
 import statistics
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,8 +42,8 @@ SAFETY = 0.8  # plan with 80 % of the estimated speeds: answers differ in how we
 CHARS_PER_TOKEN = 3.0  # until measured; ~3 characters per token is on the safe side for English and code
 MIN_DECODE_TOKENS = 16  # shorter answers say little about the speed (fixed costs dominate)
 MIN_PREFILL_TOKENS = 64
-WINDOW = 32  # recent answers behind each figure
-PER_SOURCE = 3  # of which one visitor's session keeps at most this many
+WINDOW = 32  # recent clients behind each figure
+PER_SOURCE = 3  # answers of one client behind its vote
 
 
 @dataclass(frozen=True)
@@ -78,30 +79,35 @@ def _toward(old: float, new: float, conservative_is_lower: bool) -> float:
 
 
 class RecentMedian:
-    """The median of the recent measurements of one figure, each from a source (a visitor's session): the newest
-    `window` at most, of which one source keeps its newest `per_source`; `default` until the first measurement."""
+    """One figure from the recent measurements of many sources (clients): each of the newest `window` sources votes
+    once, with the median of its own newest `per_source` measurements, and the figure is the median of an odd number
+    of votes (with an even number, the newest source's is left out), so one source moves it by one vote at most (and
+    not at all while it would only make the count even), however often it measures; `default` until the first
+    measurement."""
 
     def __init__(self, default: float, window: int = WINDOW, per_source: int = PER_SOURCE) -> None:
         self.default = default
         self._window = window
         self._per_source = per_source
-        self._values: deque[tuple[str, float]] = deque()
+        self._values: OrderedDict[str, deque[float]] = OrderedDict()
 
     def add(self, source: str, value: float) -> None:
-        own = [i for i, (who, _) in enumerate(self._values) if who == source]
-        if len(own) >= self._per_source:
-            del self._values[own[0]]
-        self._values.append((source, value))
+        own = self._values.pop(source, None) or deque(maxlen=self._per_source)
+        own.append(value)
+        self._values[source] = own  # the newest source last
         while len(self._values) > self._window:
-            self._values.popleft()
+            self._values.popitem(last=False)
 
     @property
     def measured(self) -> int:
-        return len(self._values)
+        return sum(len(own) for own in self._values.values())
 
     @property
     def value(self) -> float:
-        return statistics.median(v for _, v in self._values) if self._values else self.default
+        votes = [statistics.median(own) for own in self._values.values()]  # the newest source's last
+        if len(votes) % 2 == 0:
+            votes = votes[:-1]  # an odd count: one vote is the figure, none is averaged with its neighbour
+        return statistics.median(votes) if votes else self.default
 
 
 class GpuTimeEstimator:
@@ -136,7 +142,7 @@ class GpuTimeEstimator:
             return GpuEstimate(bounded, self._worker_may_be_new)
 
     def observe(self, stats: Mapping[str, Any], request: ChatRequest, dropped_here: int, source: str = "") -> None:
-        """Learn from one finished decode (a phase's final statistics) of `source` (the visitor's session)."""
+        """Learn from one finished decode (a phase's final statistics) of `source` (the visitor's client)."""
         with self._lock:
             decode_tok_s = stats.get("decode_tok_s") or 0
             if stats.get("n_generated", 0) >= MIN_DECODE_TOKENS and decode_tok_s > 0:
@@ -177,7 +183,7 @@ class GpuTimeEstimator:
                 "measured": sorted([*measured, *(["load"] if self._load_measured else [])]),
                 "answers_counted": {name: figure.measured for name, figure in figures.items()},
                 "window": WINDOW,
-                "per_session": PER_SOURCE,
+                "per_client": PER_SOURCE,
                 "safety": SAFETY,
                 "base_s": self.settings.base_s,
                 "seconds_min": MIN_SECONDS,

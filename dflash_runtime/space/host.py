@@ -94,7 +94,8 @@ class ReplyChunk:
     what does not change within a reply comes once."""
 
     delta: str  # the text this step added
-    stats: dict[str, Any]  # the statistics after this step, without `draft_lengths` (see below)
+    # The statistics after this step, without `draft_lengths` (see below) and, but for the last chunk, `drafted_by`.
+    stats: dict[str, Any]
     finish_reason: str | None = None
     finish_detail: str = ""
     notice: str | None = None  # on a phase's first chunk only
@@ -126,14 +127,35 @@ class ReplyChunk:
             divergences={**self.divergences, **newer.divergences},
         )
 
+    def given_up(self) -> ReplyChunk:
+        """This chunk as the last of its answer, which ends here to give its sequence to another client's waiting
+        answer (see jobs.EngineSlot): what it carries stays, its statistics say why it stopped."""
+        if self.finish_reason is not None:
+            return self
+        return replace(self, finish_reason="shared", finish_detail=SHARED_DETAIL)
+
+
+SHARED_DETAIL = "cut short: another visitor was waiting while you had answers on several of the engine's sequences"
+
+
+def owner_of(client: str, session: str) -> str:
+    """The cache owner of a session of a client (both opaque hex keys): the engine shares its parked states out by
+    the client part (see client_of_owner)."""
+    return f"{client}/{session}"
+
+
+def client_of_owner(owner: Any) -> Any:
+    """The client part of a cache owner made by owner_of (an owner of another form is its own client)."""
+    return owner.split("/", 1)[0] if isinstance(owner, str) else owner
+
 
 # What the cache holds now (tokens, checkpoints, the owners' parked states) and how many answers run: the state of
 # somebody's requests.
 PRIVATE_ENGINE_KEYS = ("n_cached", "n_cached_by_sequence", "checkpoints", "sessions", "running")
 PUBLIC_OWNER = "public prefix"  # the owner of the requests that put the public prefix back in the cache
-# A visitor's parked state is not evicted for a newer owner's within this many seconds: one caller opening many
-# sessions cannot push recent visitors' states out (a newcomer's state is then not kept instead).
-PARKED_PROTECT_S = 600.0
+# Parked states one client keeps at most (of the engine's 8): a client opening many sessions evicts its own older
+# states, never another client's; and a newcomer's state makes room by evicting from the client that holds the most.
+PARKED_PER_CLIENT = 2
 
 
 def _public_info(info: dict[str, Any]) -> dict[str, Any]:
@@ -316,7 +338,8 @@ class EngineHost:
         self._parallel = self._sequences(preset, files)
         options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
                    "parallel": self._parallel, "numerics": preset.numerics,
-                   "sessions": SessionPolicy(park_on_switch=False, protect_s=PARKED_PROTECT_S)}  # fmt: skip
+                   "sessions": SessionPolicy(park_on_switch=False, group_of=client_of_owner,
+                                             per_group=PARKED_PER_CLIENT)}  # fmt: skip
         if preset.rpc:
             options["rpc"] = list(preset.rpc)
         self.draft_problem = files.draft_problem
@@ -499,6 +522,9 @@ class EngineHost:
                 tokens += event.tokens
                 stats = event.stats.to_dict()
                 lengths = stats.pop("draft_lengths")
+                drafted_by = stats.pop("drafted_by")  # one entry per verify step: sent once, with the last chunk
+                if event.finish_reason is not None:
+                    stats["drafted_by"] = drafted_by
                 yield ReplyChunk(
                     delta=delta + event.delta,
                     stats=stats,

@@ -2,9 +2,10 @@
 
 Every /v1 answer takes the path of the Gradio API's /chat: the service's request check, then `service.reply`, which
 runs the GPU job through the engine slot and stops it when its consumer leaves. Admission and abandonment are the
-Callers' (callers.py), as for every engine call: a /v1 call is admitted for its client (`v1_client`: the one place
-that says who the client is), counted against that client's and everybody's limits (429 over one), and its HTTP
-connection is its reader: a client that hangs up, or takes no write for the reader timeout, abandons the answer.
+Callers' (callers.py), as for every engine call: a /v1 call is admitted for its client (`v1_client`: the client
+of clients.py, as for the page and the Gradio API), counted against that client's and everybody's limits (429 over
+one), and its HTTP connection is its reader: a client that hangs up, or takes no write for the reader timeout,
+abandons the answer.
 
 The API is stateless (each request carries its whole conversation), so a /v1 answer is nobody's cache owner: it
 reuses nothing cached and leaves nothing parked.
@@ -18,6 +19,7 @@ dedicated hardware, or `python -m dflash_runtime serve` on one's own machine.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from functools import partial
@@ -27,6 +29,7 @@ from ..errors import RequestError
 from ..openai_api.errors import ApiError, bad_field, busy, from_runtime, over_limit, unavailable
 from ..openai_api.fields import CHAT, ApiRequest
 from ..openai_api.server import Caller, Progress, V1Api
+from .clients import ClientIdentity, ClientSettings, client_identity
 from .requests import ChatRequest
 from .service import SpaceService, WorkerError
 
@@ -43,15 +46,11 @@ API_NAMES = {"message": "messages", "history": "messages", "system_prompt": "mes
              "thinking": "chat_template_kwargs.enable_thinking", "preset": "model"}  # fmt: skip
 
 
-def v1_client(caller: Caller, env: Mapping[str, str] | None = None) -> str:
-    """Who a /v1 call is admitted and limited for: its client's address. Behind Hugging Face's proxy (`SPACE_ID`
-    set) that is the hop the proxy added to `X-Forwarded-For` (the last one: a client may prepend others);
-    elsewhere nothing but the client sets that header, so the connection's own address counts."""
-    env = os.environ if env is None else env
-    address = caller.address or "unknown"
-    forwarded = caller.headers.get("x-forwarded-for", "") if env.get("SPACE_ID") else ""
-    hops = [hop.strip() for hop in forwarded.split(",") if hop.strip()]
-    return f"v1:{hops[-1] if hops else address}"
+def v1_client(caller: Caller, settings: ClientSettings) -> ClientIdentity:
+    """Who a /v1 call is admitted and limited for: the same client as the page's and the Gradio API's calls from
+    that address (clients.py: the trusted proxy's hop of `X-Forwarded-For` behind Hugging Face's proxy, the
+    connection's own address elsewhere), so that /v1 adds no second allowance to a client's."""
+    return client_identity(caller.headers.items(), caller.address, settings)
 
 
 def conversation(messages: tuple[dict[str, str], ...]) -> dict[str, Any]:
@@ -105,15 +104,16 @@ class SpaceBackend:
             raise unavailable(refusal)
         checked = self.check(request)
         callers = self.service.callers
-        client = v1_client(caller, self.env)
-        call = callers.admit(V1_CALL, 1, client)
+        client = v1_client(caller, callers.settings.clients)
+        reading = f"v1:{secrets.token_hex(8)}"  # this HTTP connection, the one reader of this call's answer
+        call = callers.admit(V1_CALL, 1, reading, client.key)
         if isinstance(call, str):
-            raise over_limit(call.replace("this session", "this client"))
-        reader = callers.opened(client)  # the HTTP connection reads this call's answer
+            raise over_limit(call.replace("this session", "this connection"))
+        reader = callers.opened(reading)
         caller.on_write.append(partial(callers.sending, reader))
         try:
             # owner "": nobody's cache (see the module doc); the call: admitted above, abandoned with its reader
-            async for reply in self.service.reply(checked, owner=self.service.owner_key(None), call=call.id):
+            async for reply in self.service.reply(checked, owner="", client=client, call=call.id):
                 chunk = reply.last
                 if chunk is None:
                     continue

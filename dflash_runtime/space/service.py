@@ -22,10 +22,11 @@ from typing import Any
 
 from ..errors import DFlashError, RequestError
 from ..methods import runnable as registered_methods
-from .callers import Callers, GateSettings
+from .callers import AdmissionError, Callers, GateSettings, excerpt
+from .clients import ClientIdentity, client_of_request
 from .downloads import PairDownload
 from .gpu_time import GpuTimeEstimator, GpuTimeSettings
-from .host import GpuJob, ReplyChunk, info_digest
+from .host import GpuJob, ReplyChunk, info_digest, owner_of
 from .jobs import EngineSlot, ReplyJob
 from .presets import (
     DemoFiles,
@@ -125,6 +126,15 @@ def decode_speed(stats: Mapping[str, Any]) -> float | None:
     if not steps or generated < 2 or decode_ms <= 0:
         return None
     return round((generated - 1) / (decode_ms / 1000.0), 2)
+
+
+def wait_problem(wait_until: Any, timeout_s: Any) -> str | None:
+    """What is wrong with /wait's values, or None."""
+    if wait_until not in ("idle", "busy"):
+        return f"until must be 'idle' or 'busy', got {excerpt(wait_until)}"
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 <= timeout_s <= 120:
+        return f"timeout_s must be a number in [0, 120], got {excerpt(timeout_s)}"
+    return None
 
 
 def _loses_worker(error: BaseException) -> bool:
@@ -297,12 +307,17 @@ class SpaceService:
         return files
 
     def owner_key(self, session_hash: str | None, call: str | None = None) -> str:
-        """The cache owner (and the GPU-time estimates' source) of a request: an opaque key derived from the caller's
-        session; "" for a raw call without a session (`call`, see callers.py), which the engine host runs as a fresh
-        owner it never parks (see host.EngineHost), and from which the GPU-time estimates do not learn."""
+        """The cache owner of a request: an opaque key derived from the caller's session (`reply` adds its client's,
+        see host.owner_of); "" for a raw call without a session (`call`, see callers.py), which the engine host runs
+        as a fresh owner it never parks (see host.EngineHost)."""
         if not session_hash or self.callers.sessionless(call):
             return ""
         return hmac.new(self._owner_secret, session_hash.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def client(self, request: Any) -> ClientIdentity:
+        """The client of a Gradio handler's request (see clients.py); other routes call clients.client_identity
+        with what they have."""
+        return client_of_request(request, self.callers.settings.clients)
 
     async def reply(
         self,
@@ -310,14 +325,35 @@ class SpaceService:
         phases: tuple[str, ...] = ("chat",),
         *,
         owner: str,
+        client: ClientIdentity,
         latest_only: bool = False,
         session: ChatSession | None = None,
         call: str | None = None,
     ) -> AsyncIterator[Reply]:
-        """Run `request` on the GPU for `owner` (see owner_key) and stream its reply, phase by phase, after each chunk
-        (the same Reply object, grown: read it before asking for the next). Errors reported by the worker are raised
-        as WorkerError; leaving the loop (or being cancelled) stops the engine. `call`: the engine call the HTTP gate
-        admitted (callers.py); one abandoned before it starts ends here, without asking for a GPU."""
+        """Run `request` on the GPU for `owner` (see owner_key; "" for nobody's) of `client` and stream its reply,
+        phase by phase, after each chunk (the same Reply object, grown: read it before asking for the next). Errors
+        reported by the worker are raised as WorkerError; leaving the loop (or being cancelled) stops the engine.
+
+        Every route's engine work passes here. `call`: the engine call the HTTP gate admitted (callers.py); one
+        abandoned before it starts ends here, without asking for a GPU. Without one (a route the gate does not
+        count) the call is admitted here, against the same limits (AdmissionError when over one), and ends with the
+        reply."""
+        admitted = None
+        if call is None:
+            admitted = self.callers.admit(-1, len(phases), None, client.key)
+            if isinstance(admitted, str):
+                raise AdmissionError(admitted)
+            call = admitted.id
+        owner = owner_of(client.key, owner) if owner else ""  # parked states are shared out by client (host.py)
+        try:
+            async for reply in self._reply(request, phases, owner, client, latest_only, session, call):
+                yield reply
+        finally:
+            if admitted is not None:
+                self.callers.end(admitted.id)
+
+    async def _reply(self, request: ChatRequest, phases: tuple[str, ...], owner: str, client: ClientIdentity,
+                     latest_only: bool, session: ChatSession | None, call: str) -> AsyncIterator[Reply]:  # fmt: skip
         if not self.callers.start(call):
             log.info("an answer nobody reads was dropped before it started")  # (callers.py)
             return
@@ -333,7 +369,7 @@ class SpaceService:
         job: ReplyJob[ReplyChunk] = ReplyJob(
             partial(self._run_gpu, job_spec), self.slot, is_final=lambda chunk: chunk.finish_reason is not None,
             fold=ReplyChunk.then, alive=partial(self.callers.alive, call), orphan_timeout_s=self.slot.timeout_s,
-            owner=owner or None,
+            owner=owner or None, client=client.key, shared=ReplyChunk.given_up,
         )
         if session is not None:
             session.attach(job)
@@ -352,9 +388,9 @@ class SpaceService:
                 reply = replies.setdefault(chunk.phase, Reply(chunk.phase))
                 reply.add(chunk)
                 reply.stats = self.reply_stats(chunk, reply, requested, request.notes)
-                if chunk.finish_reason and owner:  # session-less calls teach nothing (see gpu_time.py)
+                if chunk.finish_reason:  # each client's answers count as one voice (see gpu_time.py)
                     finished = {**chunk.stats, "decode_tok_s": reply.stats["decode_tok_s"]}
-                    self.estimator.observe(finished, request, chunk.dropped_turns - request.dropped_turns, owner)
+                    self.estimator.observe(finished, request, chunk.dropped_turns - request.dropped_turns, client.key)
                 yield reply
         except DFlashError:
             raise
@@ -398,10 +434,9 @@ class SpaceService:
 
     def info_when(self, wait_until: str, timeout_s: float) -> dict[str, Any]:
         """`info()` once the engine slot is idle or busy (`wait_until`), or after `timeout_s` (≤ 120 s) at most."""
-        if wait_until not in ("idle", "busy"):
-            raise RequestError(f"until must be 'idle' or 'busy', got {wait_until!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 <= timeout_s <= 120:
-            raise RequestError(f"timeout_s must be a number in [0, 120], got {timeout_s!r}")
+        problem = wait_problem(wait_until, timeout_s)
+        if problem is not None:
+            raise RequestError(problem)
         came = self.slot.wait(wait_until == "busy", float(timeout_s))
         return {**self.info(), "waited_out": not came}
 

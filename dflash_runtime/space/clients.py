@@ -1,0 +1,113 @@
+"""Who a caller is, as the platform tells it: the identity the Space's limits, turns and shares are keyed to.
+
+Gradio's `session_hash` is chosen by the client (any HTTP client may send a new one with every call), so a limit keyed
+to it limits nothing: it stays what belongs to one conversation (its cache, its readers), never who may use how much.
+A client is its network address as the platform gives it:
+
+- behind Hugging Face's proxy (`SPACE_ID` set) the socket's peer is the proxy; the visitor's address is the last hop of
+  `X-Forwarded-For`, the one the proxy appended (earlier hops are whatever the client sent);
+- elsewhere nothing but the client itself sets that header: the socket's peer address is the client;
+- behind other proxies, `DFLASH_TRUSTED_PROXY_HOPS` says how many hops at the end of `X-Forwarded-For` were appended
+  by proxies the Space trusts (the client is the first of them), 0 to ignore the header.
+
+An IPv6 client is its /64 network (one host is usually given a whole /64). The key is opaque: a digest with a secret of
+the process, so nothing that carries it (logs, owner keys) tells the address.
+
+| variable | meaning | default |
+| --- | --- | --- |
+| `DFLASH_TRUSTED_PROXY_HOPS` | hops at the end of `X-Forwarded-For` added by trusted proxies | 1 on a Space, else 0 |
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .requests import _env_number
+
+_SECRET = secrets.token_bytes(32)  # per process: client keys cannot be matched to addresses elsewhere
+UNKNOWN = "unknown"  # no address at all (an in-process call): one client, so limited as one
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    trusted_proxy_hops: int = 0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ClientSettings:
+        env = os.environ if env is None else env
+        default = 1 if env.get("SPACE_ID") else 0
+        return cls(trusted_proxy_hops=max(0, int(_env_number(env, "DFLASH_TRUSTED_PROXY_HOPS", default))))
+
+
+@dataclass(frozen=True)
+class ClientIdentity:
+    """One client: `key` (opaque, what limits and shares count by) and `source`, where the address came from
+    ("forwarded": the trusted proxy's header; "socket": the connection's peer; "none")."""
+
+    key: str
+    source: str
+
+    @property
+    def short(self) -> str:
+        """A short form of the key for logs."""
+        return self.key[:8]
+
+
+def client_identity(headers: Iterable[tuple[Any, Any]], peer: str | None,
+                    settings: ClientSettings | None = None) -> ClientIdentity:  # fmt: skip
+    """The client of a request, from its headers (ASGI pairs of bytes, or of str) and its socket's peer address:
+    the one function every route asks (see the module doc)."""
+    settings = settings or ClientSettings()
+    address, source = peer, "socket"
+    if settings.trusted_proxy_hops:
+        hops = _forwarded_hops(headers)
+        if len(hops) >= settings.trusted_proxy_hops:
+            address, source = hops[-settings.trusted_proxy_hops], "forwarded"
+    if not address:
+        return ClientIdentity(_digest(UNKNOWN), "none")
+    return ClientIdentity(_digest(_network(address)), source)
+
+
+def client_of_scope(scope: Mapping[str, Any], settings: ClientSettings | None = None) -> ClientIdentity:
+    """The client of an ASGI request (its `headers` and `client`)."""
+    peer = scope.get("client")
+    return client_identity(scope.get("headers") or (), peer[0] if peer else None, settings)
+
+
+def client_of_request(request: Any, settings: ClientSettings | None = None) -> ClientIdentity:
+    """The client of a Gradio handler's `gr.Request` (the Starlette request it wraps)."""
+    scope = getattr(getattr(request, "request", None), "scope", None)
+    return client_of_scope(scope if isinstance(scope, Mapping) else {}, settings)
+
+
+def _forwarded_hops(headers: Iterable[tuple[Any, Any]]) -> list[str]:
+    """The addresses of every X-Forwarded-For header, in order (several headers count as one list)."""
+    hops: list[str] = []
+    for name, value in headers:
+        name = name.decode("latin-1") if isinstance(name, bytes) else str(name)
+        if name.lower() == "x-forwarded-for":
+            value = value.decode("latin-1") if isinstance(value, bytes) else str(value)
+            hops.extend(hop.strip() for hop in value.split(",") if hop.strip())
+    return hops
+
+
+def _network(address: str) -> str:
+    """The address as a client: IPv4 as is, IPv6 as its /64; anything unparsable as the text it is."""
+    try:
+        parsed = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        return address[:64]
+    if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is None:
+        return str(ipaddress.ip_network(f"{parsed}/64", strict=False))
+    return str(parsed.ipv4_mapped or parsed) if isinstance(parsed, ipaddress.IPv6Address) else str(parsed)
+
+
+def _digest(text: str) -> str:
+    return hmac.new(_SECRET, text.encode(), hashlib.sha256).hexdigest()[:24]

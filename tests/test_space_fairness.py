@@ -1,0 +1,422 @@
+"""A public Space no script can take, through the real server (app.py in the offline demo, four sequences, raw HTTP
+and gradio_client): admission keyed to the client (its address as the platform gives it: here `X-Forwarded-For`, as
+Hugging Face's proxy sets it, trusted with DFLASH_TRUSTED_PROXY_HOPS=1), never to the session hash a client mints;
+every spelling of a join Gradio runs is admitted alike; malformed bodies get 4xx; one client holds no more than its
+share of sequences while another waits; the GPU-time estimate and the parked states do not follow one client; /chat
+bytes grow linearly; a client that stops reading is noticed. And the parts on their own: client identity, the
+engine slot's turns and shares, the parked store's shares by client.
+
+Each case records its figures in test-artifacts/fairness.json."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from app_fixtures import REPO_ROOT, RunningApp, running_app
+from gradio_client import Client
+from space_client import chat_args, info_when, raw_body
+
+from dflash_runtime import SessionPolicy, load_pair
+from dflash_runtime.errors import RequestError
+from dflash_runtime.space.callers import MAX_DEPTH, Body, gradio_int
+from dflash_runtime.space.clients import ClientSettings, client_identity
+from dflash_runtime.space.endpoints import API_PARAMETERS
+from dflash_runtime.space.host import client_of_owner, owner_of
+from dflash_runtime.space.jobs import EngineSlot
+from dflash_runtime.testing.tiny_models import tiny_pair
+
+N_CTX = 5120
+MAX_NEW_TOKENS = 4096
+PARALLEL = 4
+CLIENT_JOBS = 8  # the server's default (DFLASH_CLIENT_JOBS)
+RECORD = REPO_ROOT / "test-artifacts" / "fairness.json"
+TIMEOUT_S = 120.0
+LONG = chat_args("Tell me a long story about the sea.", max_tokens=MAX_NEW_TOKENS, draft_length="auto")
+HONEST = "Explain speculative decoding in three sentences, for a reader who knows what a language model is. " * 3
+HOSTILE = "速度词语测试漢字鍵盤" * 12  # dense characters
+SYSTEM = "<|im_start|>system\nyou are a helpful assistant.<|im_end|>\n"
+
+
+def record(name: str, value: Any) -> None:
+    RECORD.parent.mkdir(parents=True, exist_ok=True)
+    figures = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    figures[name] = value
+    RECORD.write_text(json.dumps(figures, indent=2, sort_keys=True))
+
+
+# -- the parts on their own ------------------------------------------------------------------------------------------
+
+
+def test_a_client_is_its_address_as_the_platform_gives_it() -> None:
+    socket_only, behind_proxy = ClientSettings(0), ClientSettings(1)
+    forwarded = [(b"x-forwarded-for", b"203.0.113.9, 198.51.100.7")]  # the client wrote the first, the proxy the last
+    assert client_identity(forwarded, "10.16.0.1", socket_only) == client_identity([], "10.16.0.1", socket_only)
+    assert client_identity(forwarded, "10.16.0.1", behind_proxy).source == "forwarded"
+    spoofed = [(b"x-forwarded-for", b"192.0.2.1, 198.51.100.7")]
+    assert client_identity(spoofed, "10.16.0.2", behind_proxy) == client_identity(forwarded, "10.16.0.1", behind_proxy)
+    assert client_identity(forwarded, "10.16.0.1", ClientSettings(2)) != client_identity(forwarded, "x", behind_proxy)
+    assert client_identity([], "10.16.0.1", behind_proxy).source == "socket", "no header: the socket's peer"
+    one_host = [client_identity([], f"2001:db8:1:2::{n}", socket_only) for n in (1, 2)]
+    assert one_host[0] == one_host[1] and one_host[0] != client_identity([], "2001:db8:1:3::1", socket_only)
+    assert client_identity([], None, socket_only).source == "none"
+    assert "198.51.100.7" not in client_identity(forwarded, "10.16.0.1", behind_proxy).key
+
+
+def test_bodies_are_read_as_gradio_reads_them() -> None:
+    assert [gradio_int(value) for value in ("12", 12.0, 12, None)] == [12, 12, 12, None]
+    assert all(isinstance(gradio_int(value), ValueError) for value in ("twelve", 12.5, [12]))
+    assert Body.parse(b"[" * 50_000 + b"]" * 50_000).problem is not None
+    assert Body.parse(b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)).problem is not None
+    assert Body.parse(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH).problem is None
+    assert Body.parse(b"not json") == Body()
+
+
+def test_clients_take_turns_and_one_holding_most_shares_with_a_newcomer() -> None:
+    """One sequence: a client with many waiting jobs does not go before another client's first. Two sequences: a
+    client holding both is asked to give one up when another client's job waits."""
+    slot = EngineSlot(timeout_s=TIMEOUT_S, capacity=1)
+    first = slot.acquire("a1", "A")
+    assert first is not None
+    order: list[str] = []
+
+    def take(owner: str, client: str) -> None:
+        seat = slot.acquire(owner, client)
+        order.append(client)
+        slot.release(seat)
+
+    threads = [threading.Thread(target=take, args=(f"a{n}", "A"), daemon=True) for n in (2, 3)]
+    threads.append(threading.Thread(target=take, args=("b1", "B"), daemon=True))
+    for thread in threads[:2]:
+        thread.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while slot.waiting() < 2:  # the two of A wait before B comes (polled to a deadline)
+        assert time.monotonic() < deadline
+    threads[2].start()
+    while slot.waiting() < 3:
+        assert time.monotonic() < deadline
+    slot.release(first)
+    for thread in threads:
+        thread.join(TIMEOUT_S)
+    assert order[0] == "B", order
+
+    slot = EngineSlot(timeout_s=TIMEOUT_S, capacity=2)
+    held = [slot.acquire("a1", "A"), slot.acquire("a2", "A")]
+    seated: list[Any] = []
+    newcomer = threading.Thread(target=lambda: seated.append(slot.acquire("b1", "B")), daemon=True)
+    newcomer.start()
+    assert held[1] is not None and held[1].shared.wait(TIMEOUT_S), "A's newest answer is asked to give its place"
+    assert held[0] is not None and not held[0].shared.is_set()
+    slot.release(held[1])
+    newcomer.join(TIMEOUT_S)
+    assert seated and seated[0] is not None and slot.shares_asked == 1
+    alone = EngineSlot(timeout_s=TIMEOUT_S, capacity=1)
+    only = alone.acquire("a1", "A")
+    gone = alone.acquire("b1", "B", alive=lambda: False)
+    assert gone is None and only is not None and not only.shared.is_set(), "a client's only answer is never cut"
+    busy = EngineSlot(timeout_s=0.0)
+    busy.acquire("c", "C")
+    with pytest.raises(RequestError, match="stayed busy"):
+        busy.acquire("d", "D")
+
+
+def test_one_client_opening_many_sessions_evicts_only_its_own_parked_states() -> None:
+    pair = tiny_pair("dense", "dflash2")
+    policy = SessionPolicy(max_parked=4, park_on_switch=False, group_of=client_of_owner, per_group=2)
+    with load_pair(pair.target, pair.draft, n_ctx=1024, sessions=policy) as engine:
+        victim = owner_of("v", "1")
+        owners = [victim, *(owner_of("a", str(n)) for n in range(8))]
+        prompts = {owner: engine.tokenize(f"{SYSTEM}{owner} one two three four") for owner in owners}
+        for owner in owners:
+            engine.generate(prompts[owner], max_tokens=4, cache_owner=owner)
+            engine.park(owner)
+        assert engine.info()["sessions"]["parked"] == 3, "the victim's and the attacker's two newest"
+        engine.generate(prompts[victim], max_tokens=1, cache_owner=owner_of("x", "1"))  # the live sequence moves on
+        kept = {owner: engine.generate(prompts[owner], max_tokens=4, cache_owner=owner).stats.n_reused > 0
+                for owner in owners}  # fmt: skip
+    assert kept[victim] and [kept[o] for o in owners[1:]] == [False] * 6 + [True, True], kept
+
+
+# -- through the running app -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningApp]:
+    env = {"DFLASH_DEMO": "tiny", "DFLASH_N_CTX": str(N_CTX), "DFLASH_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
+           "DFLASH_PARALLEL": str(PARALLEL), "DFLASH_TRUSTED_PROXY_HOPS": "1"}  # fmt: skip
+    with running_app(env, REPO_ROOT / "test-artifacts" / "space_fairness_server.log") as app:
+        yield app
+
+
+@pytest.fixture(scope="module")
+def monitor(server: RunningApp) -> Client:
+    return Client(server.url, verbose=False, headers={"X-Forwarded-For": "10.0.0.254"})
+
+
+class Visitor:
+    """One client (its address, as the proxy would forward it) over raw HTTP."""
+
+    def __init__(self, server: RunningApp, address: str) -> None:
+        self.http = httpx.Client(base_url=server.url.rstrip("/") + "/gradio_api/", timeout=TIMEOUT_S,
+                                 headers={"X-Forwarded-For": address})  # fmt: skip
+
+    def post(self, endpoint: str, args: dict[str, Any], session: str | None = None) -> httpx.Response:
+        body = json.loads(raw_body(args))
+        if session is not None:
+            body["session_hash"] = session
+        return self.http.post("call/" + endpoint, json=body)
+
+    def join(self, fn_index: Any, args: dict[str, Any], session: str) -> httpx.Response:
+        body = {"data": [args[name] for name in API_PARAMETERS], "fn_index": fn_index, "session_hash": session,
+                "event_data": None, "trigger_id": None}  # fmt: skip
+        return self.http.post("queue/join", json=body)
+
+    def result(self, endpoint: str, event_id: str) -> tuple[str, Any, int]:
+        """Read a call's result stream to its end: (event, data, bytes read)."""
+        event, size = "", 0
+        with self.http.stream("GET", f"call/{endpoint}/{event_id}") as stream:
+            for line in stream.iter_lines():
+                size += len(line) + 1
+                if line.startswith("event:"):
+                    event = line.split(":", 1)[1].strip()
+                elif line.startswith("data:") and event in ("complete", "error"):
+                    return event, json.loads(line[5:]), size
+        raise AssertionError("the result stream ended without a result")
+
+    def call(self, endpoint: str, args: dict[str, Any], session: str | None = None) -> tuple[str, Any, int]:
+        posted = self.post(endpoint, args, session)
+        posted.raise_for_status()
+        return self.result(endpoint, posted.json()["event_id"])
+
+
+def dependency_ids(server: RunningApp) -> dict[str, int]:
+    config = httpx.get(server.url.rstrip("/") + "/config", timeout=30).json()
+    return {dep["api_name"]: dep["id"] for dep in config["dependencies"] if dep.get("api_name")}
+
+
+def idle(monitor: Client) -> None:
+    info_when(monitor, "idle", timeout_s=TIMEOUT_S)
+
+
+def test_every_join_gradio_would_run_is_admitted_and_limited_alike(server: RunningApp, monitor: Client) -> None:
+    """`fn_index` as "12", 12.0 and 12: each is counted against the client's limit (fresh sessions change nothing),
+    and none of them, never read, outlives its reader timeout by much."""
+    chat = dependency_ids(server)["chat"]
+    visitor = Visitor(server, "10.1.0.1")
+    spellings = [str(chat), float(chat), chat]
+    posted = [visitor.join(spellings[n % 3], LONG, f"join-{n}") for n in range(CLIENT_JOBS + 3)]
+    last_posted = time.monotonic()
+    codes = [response.status_code for response in posted]
+    record("join_spellings_status", codes)
+    assert codes == [200] * CLIENT_JOBS + [429] * 3, [r.text[:200] for r in posted]
+    assert f"you have {CLIENT_JOBS} answers queued or running" in posted[-1].json()["detail"]
+    idle(monitor)
+    stopped_s = time.monotonic() - last_posted
+    record("unread_joins_stopped_s", round(stopped_s, 2))
+    assert stopped_s < 5.0
+    assert Visitor(server, "10.1.0.1").join(str(chat), LONG, "join-after").status_code == 200, "their places are free"
+    idle(monitor)
+
+
+def test_malformed_bodies_get_4xx_and_errors_quote_only_an_excerpt(server: RunningApp, monitor: Client) -> None:
+    visitor = Visitor(server, "10.1.0.2")
+    nested = b"[" * 50_000 + b"]" * 50_000
+    statuses = {}
+    for route in ("queue/join", "call/chat", "call/generate", "run/wait", "run/info", "call/wait"):
+        response = visitor.http.post(route, content=b'{"data": ' + nested + b"}",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        statuses[route] = response.status_code
+        assert response.status_code == 400 and len(response.content) < 300, (route, response.text[:300])
+    for fn_index in (-1, 999, None, "twelve"):
+        response = visitor.join(fn_index, LONG, "bad-fn-index")
+        statuses[f"fn_index={fn_index!r}"] = response.status_code
+        assert 400 <= response.status_code < 500 and "Traceback" not in response.text, (fn_index, response.text)
+    for values in ([], ["idle"], ["soon", 5], ["idle", "x" * 500_000], ["idle", True]):
+        response = visitor.http.post("run/wait", json={"data": values})
+        statuses[f"/run/wait {str(values)[:20]}"] = response.status_code
+        assert response.status_code == 422 and len(response.content) < 400, (values, response.text[:400])
+    event, data, _ = visitor.call("generate", chat_args("hi", method="x." * 250_000, max_tokens=4))
+    record("malformed_status", {**statuses, "huge_method_error_chars": len(str(data))})
+    assert event == "error" and len(str(data)) < 1000, str(data)[:300]
+    assert "Traceback" not in server.log()
+    idle(monitor)
+
+
+class Reading:
+    """A /chat result stream read in a thread, to the end or until closed: its items' finish reasons."""
+
+    def __init__(self, visitor: Visitor, event_id: str) -> None:
+        self.finish: list[Any] = []
+        self.items = 0
+        self.first_item = threading.Event()
+        self._stop = threading.Event()
+        self._response: httpx.Response | None = None
+        self._thread = threading.Thread(target=self._read, args=(visitor, event_id), daemon=True)
+        self._thread.start()
+
+    def _read(self, visitor: Visitor, event_id: str) -> None:
+        try:
+            with visitor.http.stream("GET", f"call/chat/{event_id}") as stream:
+                self._response = stream
+                for line in stream.iter_lines():
+                    if self._stop.is_set():
+                        return
+                    if line.startswith("data:") and '"n_generated"' in line:
+                        self.items += 1
+                        self.first_item.set()
+                        self.finish.append(json.loads(line[5:])[1]["finish_reason"])
+        except httpx.HTTPError:
+            if not self._stop.is_set():
+                raise
+
+    def join(self) -> None:
+        """Until the stream has ended."""
+        self._thread.join(TIMEOUT_S)
+        assert not self._thread.is_alive(), "the answer did not end"
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._response is not None:
+            self._response.close()
+        self._thread.join(TIMEOUT_S)
+
+
+def test_one_client_with_twenty_sessions_cannot_hold_the_engine(server: RunningApp, monitor: Client) -> None:
+    """20 fresh session hashes from one client, 4096 tokens each, read: beyond its share they are refused, its four
+    answers fill the engine, and an honest client's 64-token answer starts within 5 s (the attacker's newest answer
+    gives its sequence up) and completes."""
+    attacker, honest = Visitor(server, "10.2.0.1"), Visitor(server, "10.2.0.2")
+    posted = [attacker.post("chat", LONG, session=f"attacker-{n}") for n in range(20)]
+    codes = [response.status_code for response in posted]
+    assert codes.count(200) == CLIENT_JOBS and codes.count(429) == 20 - CLIENT_JOBS, codes
+    readings = [Reading(attacker, response.json()["event_id"]) for response in posted if response.status_code == 200]
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while monitor.predict(api_name="/info")["running"] < PARALLEL:  # polled to a deadline
+            assert time.monotonic() < deadline, "the attacker's answers did not fill the engine"
+        asked = time.monotonic()
+        answer = Reading(honest, honest.post("chat", chat_args("one two three", max_tokens=64)).json()["event_id"])
+        assert answer.first_item.wait(TIMEOUT_S)
+        started_s = time.monotonic() - asked
+        answer.join()
+        shared = sum(reading.finish.count("shared") for reading in readings)
+        record("twenty_sessions_one_client", {"accepted": codes.count(200), "refused": codes.count(429),
+                                              "honest_first_item_s": round(started_s, 2),
+                                              "attacker_answers_shared": shared})  # fmt: skip
+        assert started_s < 5.0, f"the honest client waited {started_s:.1f} s"
+        assert answer.finish[-1] == "length" and answer.items >= 1
+        assert shared >= 1, "one of the attacker's answers gave its sequence up"
+    finally:
+        for reading in readings:
+            reading.close()
+    idle(monitor)
+
+
+def planned_seconds(gpu_time: dict[str, Any], input_chars: int, max_tokens: int) -> float:
+    seconds = gpu_time["base_s"] + input_chars / gpu_time["chars_per_token"] / (gpu_time["prefill_tok_s"] *
+                                                                                  gpu_time["safety"])  # fmt: skip
+    return seconds + max_tokens / (gpu_time["decode_tok_s"]["speculative"] * gpu_time["safety"])
+
+
+def test_one_clients_hostile_calls_do_not_move_the_gpu_time(server: RunningApp, monitor: Client) -> None:
+    """Three honest clients, then 20 hostile calls (600 CJK characters, temperature 2, draft length 7) from one
+    client with fresh session hashes: the default request's and a 2,048-token request's durations move ≤ 20 %."""
+    for number in range(3):
+        event, (_, stats), _ = Visitor(server, f"10.3.0.{number + 1}").call(
+            "generate", chat_args(HONEST, max_tokens=64, draft_length="auto"), session=f"honest-{number}")
+        assert event == "complete" and stats["n_generated"] == 64
+    before = monitor.predict(api_name="/info")["gpu_time"]
+    attacker = Visitor(server, "10.3.0.9")
+    hostile = chat_args(HOSTILE, max_tokens=64, temperature=2.0, draft_length=7)
+    with ThreadPoolExecutor(4) as pool:
+        events = list(pool.map(lambda n: attacker.call("generate", hostile, session=f"hostile-{n}")[0], range(20)))
+    after = monitor.predict(api_name="/info")["gpu_time"]
+    moved = {tokens: abs(planned_seconds(after, len(HONEST), tokens) - planned_seconds(before, len(HONEST), tokens))
+             / planned_seconds(before, len(HONEST), tokens) for tokens in (512, 2048)}  # fmt: skip
+    record("estimate_after_20_hostile_calls", {"moved_percent": {k: round(100 * v, 1) for k, v in moved.items()},
+                                               "before": before["decode_tok_s"], "after": after["decode_tok_s"],
+                                               "completed": events.count("complete")})  # fmt: skip
+    assert events.count("complete") == 20, events
+    assert max(moved.values()) <= 0.20, moved
+
+
+def test_one_clients_calls_leave_another_clients_parking_intact(server: RunningApp, monitor: Client) -> None:
+    """Eight one-token calls of fresh sessions from one client, before and after a visitor's first turn: the
+    visitor's second turn reuses its whole conversation (its sequence was taken meanwhile: its state was parked)."""
+    visitor, attacker = Visitor(server, "10.4.0.1"), Visitor(server, "10.4.0.2")
+
+    def burst(tag: str) -> None:
+        for n in range(8):
+            assert attacker.call("generate", chat_args(f"burst {n}", max_tokens=1), session=f"{tag}-{n}")[0] \
+                == "complete"  # fmt: skip
+
+    burst("before")
+    message = "Tell me about the sea, the mountains and the sky, at length. " * 8
+    _, (text, first), _ = visitor.call("generate", chat_args(message, max_tokens=24), session="visitor")
+    burst("after")
+    history = [{"role": "user", "content": message}, {"role": "assistant", "content": text}]
+    _, (_, second), _ = visitor.call("generate", chat_args("And tomorrow?", history=history, max_tokens=8),
+                                     session="visitor")  # fmt: skip
+    record("parking_after_16_one_token_calls", {"first_prompt": first["n_prompt"], "reused": second["n_reused"]})
+    assert second["n_reused"] >= first["n_prompt"] - 16, (first["n_prompt"], second["n_reused"])
+
+
+def chat_bytes(visitor: Visitor, max_tokens: int) -> tuple[int, int, int]:
+    """A /chat answer's result stream over plain HTTP: the bytes of its events but heartbeats (the answer's items),
+    all its bytes (with the heartbeats that keep a stream's traffic up while its answer runs: they follow the time
+    it takes, see probes.py), and its tokens."""
+    args = chat_args("Tell me a long story about the sea.", max_tokens=max_tokens, temperature=2.0, draft_length=7)
+    event_id = visitor.post("chat", args).json()["event_id"]
+    items = total = 0
+    event, data = "", None
+    with visitor.http.stream("GET", f"call/chat/{event_id}") as stream:
+        for line in stream.iter_lines():
+            total += len(line) + 1
+            if line.startswith("event:"):
+                event = line.split(":", 1)[1].strip()
+            if event != "heartbeat":
+                items += len(line) + 1
+            if line.startswith("data:") and event == "complete":
+                data = json.loads(line[5:])
+                break
+    assert data is not None, "the stream ended without the answer"
+    return items, total, data[1]["n_generated"]
+
+
+def test_chat_bytes_grow_linearly_with_the_answer(server: RunningApp) -> None:
+    visitor = Visitor(server, "10.5.0.1")
+    short_items, short_total, short_tokens = chat_bytes(visitor, 512)
+    long_items, long_total, long_tokens = chat_bytes(visitor, 4096)
+    record("chat_bytes_512_4096", {"tokens": [short_tokens, long_tokens], "items_bytes": [short_items, long_items],
+                                   "all_bytes": [short_total, long_total]})  # fmt: skip
+    assert (short_tokens, long_tokens) == (512, 4096)
+    # Linear: a token of the long answer costs what one of the short answer does, but for the digits its figures grew
+    # by (the quadratic stream cost 5.4 times as much per token at 4096 as at 512).
+    assert long_items / long_tokens <= 1.05 * short_items / short_tokens, (short_items, long_items)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "generate"])
+def test_a_connected_client_that_stops_reading_is_noticed(server: RunningApp, monitor: Client, endpoint: str) -> None:
+    """The client keeps its connection but reads nothing more (/chat: after two items; /generate: after the
+    response's head): its answer stops within 10 s."""
+    visitor = Visitor(server, "10.6.0.1")
+    event_id = visitor.post(endpoint, LONG).json()["event_id"]
+    with visitor.http.stream("GET", f"call/{endpoint}/{event_id}") as stream:
+        if endpoint == "chat":
+            lines = stream.iter_lines()
+            items = 0
+            while items < 2:
+                items += next(lines).startswith("data:")
+        else:
+            info_when(monitor, "busy", timeout_s=TIMEOUT_S)
+        stopped_reading = time.monotonic()
+        idle(monitor)
+        seconds = time.monotonic() - stopped_reading
+    record(f"stopped_reading_{endpoint}_noticed_s", round(seconds, 2))
+    assert seconds < 10.0, f"the answer ran {seconds:.1f} s for a client that read nothing"

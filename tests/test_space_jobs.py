@@ -222,6 +222,28 @@ def test_a_reader_that_leaves_after_the_call_abandons_it_at_once() -> None:
     assert not callers.alive(later.id)
 
 
+def test_a_stream_the_server_ends_is_no_hang_up() -> None:
+    """Gradio ends a session's result stream once none of its events is pending. A call the page posted just before
+    (its next message, sent as the last answer's final frame arrived) is neither dropped nor stopped: it waits for
+    the page's next stream as a new call does; and once that stream comes it runs for as long as it is read."""
+    clock = Clock()
+    callers, reader, call = _read_call(clock)
+    reader.finished = True  # the server sent the stream's end
+    callers.closed(reader)
+    assert callers.start(call.id), "a call posted before the server ended the stream is still queued"
+    clock.now += 2.0
+    assert callers.alive(call.id), "its client opens the next stream: the grace holds"
+    callers.opened("s")
+    clock.now += 60.0
+    assert callers.alive(call.id)
+    clock = Clock()
+    callers, reader, call = _read_call(clock)
+    reader.finished = True
+    callers.closed(reader)
+    clock.now += 3.1
+    assert not callers.start(call.id), "no reader within the grace: abandoned, as any unread call"
+
+
 def test_a_reader_that_takes_no_write_counts_as_gone() -> None:
     clock = Clock()
     callers, reader, call = _read_call(clock)

@@ -26,7 +26,12 @@ Gradio-free).
   catch the queue between two of its steps and leave it stuck: the job stops itself instead.)
 
 A call counts against the limits until its handler ends, or until Gradio drops it from the queue unstarted: its
-client cancelled it, or its session's last reader left (Gradio then drops the session's waiting events).
+client cancelled it, or its session's last reader hung up (Gradio then drops the session's waiting events).
+
+A result stream that the server ends (Gradio closes a session's stream once none of its events is pending) is not a
+hang-up: the client opens a new one for its next call, and a call it posted just before the old one ended (the page's
+next message, sent as the previous answer's last frame arrived) gets `reader_timeout_s` for its reader to come, like
+any new call, and is neither dropped nor stopped at once.
 
 Over plain HTTP a call is two requests: `POST /gradio_api/call/<name>` queues it and answers its event id, then
 `GET /gradio_api/call/<name>/<event id>` streams the result. A POST without `session_hash` is session-less: Gradio
@@ -151,6 +156,15 @@ class Call:
 class Reader:
     session: str
     sending_since: float | None = None  # a write to the client that has not returned yet
+    finished: bool = False  # the server sent the stream's end (what follows is no hang-up of the client)
+
+
+@dataclass(frozen=True)
+class Departure:
+    """When a session's last reader went, and whether the client hung up (or the server ended the stream)."""
+
+    at: float
+    hung_up: bool
 
 
 class Callers:
@@ -163,7 +177,7 @@ class Callers:
         self._lock = threading.Lock()
         self._calls: dict[str, Call] = {}
         self._readers: dict[str, list[Reader]] = {}
-        self._left: dict[str, float] = {}  # session -> when its last reader left
+        self._left: dict[str, Departure] = {}  # session -> when (and how) its last reader left
         self._session_of_event: OrderedDict[str, str] = OrderedDict()
 
     # -- admission ---------------------------------------------------------------------------------------------------
@@ -254,9 +268,13 @@ class Callers:
             readers.remove(reader)
             if not readers:
                 self._readers.pop(reader.session, None)
-                self._left[reader.session] = self._clock()
-                for call in [c for c in self._calls.values() if c.session == reader.session and not c.started]:
-                    del self._calls[call.id]  # Gradio drops a session's waiting events when its reader leaves
+                now = self._clock()
+                self._left[reader.session] = Departure(now, hung_up=not reader.finished)
+                if reader.finished:
+                    return  # the server ended it: the session's waiting calls stay queued in Gradio
+                for call in [c for c in self._calls.values()
+                             if c.session == reader.session and not c.started and c.posted <= now]:  # fmt: skip
+                    del self._calls[call.id]  # Gradio drops a session's waiting events when its reader hangs up
 
     def running_for(self, session: str) -> bool:
         """Whether an engine call of `session` has started (its answer runs, or waits for the engine)."""
@@ -276,9 +294,9 @@ class Callers:
         if call.session is None or self._reading(call.session, now):
             return False
         left = self._left.get(call.session)
-        if left is not None and left >= call.posted:
-            return True  # its reader went away after the call was made
-        return now - max(call.posted, left or 0.0) > self.settings.reader_timeout_s
+        if left is not None and left.hung_up and left.at >= call.posted:
+            return True  # its reader hung up after the call was made
+        return now - max(call.posted, left.at if left else 0.0) > self.settings.reader_timeout_s
 
     def alive(self, call_id: str | None) -> bool:
         """Whether somebody still reads the call (asked by its GPU job at every step; True for a call the gate did
@@ -548,6 +566,8 @@ class HttpGate:
                 await send(message)
             finally:
                 self.callers.sending(reader, False)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                reader.finished = True  # before the server's own disconnect reaches the watcher
 
         tighten(send)  # small buffers: a client that stops reading is seen within seconds (probes.py)
         floor = TrafficFloor(tracked_send, self.callers.settings.probe_bytes_s,

@@ -93,6 +93,12 @@ def test_steady_frames_keep_every_update_through_a_burst() -> None:
         "⚠️ **Not sent:** the message is too long", HIDDEN, ab_button(True)]  # fmt: skip
 
 
+def test_steady_frames_leave_updates_with_data_alone() -> None:
+    """A chart's update carries its points: sent again, the page would draw it anew at every frame."""
+    points = gr.update(value=[[1, 2.0]], visible=True)
+    assert steady([(points,), (SKIP,)]) == [(points,), (SKIP,)]
+
+
 def test_steady_frames_pass_plain_values_and_newer_updates_as_they_are() -> None:
     frames = [(["a"], SHOWN, "x"), (SKIP, SKIP, SKIP), (["a", "b"], HIDDEN, ""), (SKIP, SKIP, SKIP)]
     assert steady(frames) == [

@@ -145,9 +145,11 @@ def _is_skip(value: Any) -> bool:
     return isinstance(value, dict) and value == SKIP
 
 
-def _is_update(value: Any) -> bool:
-    """An update that changes something (`gr.update(...)` with at least one property; `gr.skip()` changes nothing)."""
-    return isinstance(value, dict) and value.get("__type__") == "update" and len(value) > 1
+def _is_light_update(value: Any) -> bool:
+    """An update that changes something (`gr.update(...)` with at least one property; `gr.skip()` changes nothing)
+    and is cheap for the page to apply again: no data of its own (a chart's frame is drawn anew each time)."""
+    return (isinstance(value, dict) and value.get("__type__") == "update" and len(value) > 1
+            and isinstance(value.get("value"), str | int | float | bool | None))  # fmt: skip
 
 
 async def steady_frames(frames: AsyncIterator[tuple[Any, ...]]) -> AsyncIterator[tuple[Any, ...]]:
@@ -158,12 +160,13 @@ async def steady_frames(frames: AsyncIterator[tuple[Any, ...]]) -> AsyncIterator
     previous frame's value in place: an update followed by a skip becomes "delete its properties", applied to the
     very object the update arrived in. When frames reach the page in one burst (the result stream opened after the
     handler had already run, as for a refusal computed at once), the page may read that object only after the
-    deletion, and the update is lost (the refusal's notice, a chart's hiding). An update sent again diffs to
-    nothing; the page applies the same update twice, which changes nothing. Plain values (text, a chat) never
-    diff into an earlier frame's object this way, so they are left alone."""
+    deletion, and the update is lost (a switch shown, a chart's hiding). An update sent again diffs to nothing; the
+    page applies the same update twice, which changes nothing. Plain values (text, a chat) never diff into an
+    earlier frame's object this way, so they are left alone; so are updates that carry data (a chart's points): the
+    page would draw them anew at every frame, and the next such update, or the answer's last, replaces them anyway."""
     previous: tuple[Any, ...] = ()
     async for frame in frames:
-        frame = tuple(previous[i] if _is_skip(value) and i < len(previous) and _is_update(previous[i]) else value
+        frame = tuple(previous[i] if _is_skip(value) and i < len(previous) and _is_light_update(previous[i]) else value
                       for i, value in enumerate(frame))  # fmt: skip
         previous = frame
         yield frame

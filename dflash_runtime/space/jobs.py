@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import itertools
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from ..errors import RequestError
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 SERVED_REMEMBERED = 1024  # clients whose last turn the slot remembers
@@ -265,14 +268,20 @@ class ReplyJob(Generic[T]):
         try:
             seat = self._slot.acquire(self._owner, self._client, self._alive)
             if seat is None:
-                return  # nobody waits for it any more
+                log.info("an answer nobody reads any more left the wait for the engine")
+                return
             try:
                 if not self._alive():
+                    log.info("an answer nobody reads any more was not started")
                     return
                 stream = self._open_stream()
                 try:
                     for chunk in stream:
-                        if self._cancelled.is_set() or self._orphaned() or not self._alive():
+                        if self._cancelled.is_set():
+                            break
+                        if self._orphaned() or not self._alive():
+                            log.info("an answer stopped after %d chunks: %s", self.chunks_delivered,
+                                     "its reader takes nothing" if self._orphaned() else "nobody reads it any more")
                             break
                         give_up = seat.shared.is_set() and self._shared is not None
                         if give_up:  # the answer ends here: another client's turn (see EngineSlot)

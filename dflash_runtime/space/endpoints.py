@@ -49,8 +49,8 @@ TOO_LONG = "MessageTooLong"  # the title of a message refused for its length, by
 
 def too_long(error: Exception) -> bool:
     """Whether the message was refused for its length: here (characters) or by the GPU function (tokens)."""
-    return isinstance(error, MessageTooLongError | PromptTooLongError) or \
-        getattr(error, "kind", None) == PromptTooLongError.__name__  # fmt: skip
+    return (isinstance(error, MessageTooLongError | PromptTooLongError)
+            or getattr(error, "kind", None) == PromptTooLongError.__name__)  # fmt: skip
 
 
 def visitor_message(error: Exception) -> tuple[str, str]:

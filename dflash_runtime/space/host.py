@@ -224,8 +224,8 @@ class EngineFacts:
         reply so it folds whole. The template's generation prompt does not depend on the conversation."""
         if thinking not in self.thinking_prefix:
             probe = [{"role": "user", "content": "a"}]
-            self.thinking_prefix[thinking] = thinking_prefix(engine.render_chat(probe, enable_thinking=True)) \
-                if thinking else ""  # fmt: skip
+            self.thinking_prefix[thinking] = (thinking_prefix(engine.render_chat(probe, enable_thinking=True))
+                                              if thinking else "")  # fmt: skip
         return self.thinking_prefix[thinking]
 
 

@@ -84,8 +84,8 @@ class EngineSlot:
                     self._ask_to_share()
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        own = " (this session's previous answer was still running)" \
-                            if self._owner_runs(seat.owner) else ""  # fmt: skip
+                        own = (" (this session's previous answer was still running)"
+                               if self._owner_runs(seat.owner) else "")  # fmt: skip
                         raise RequestError(f"the engine stayed busy for {self.timeout_s:.0f} s{own}; retry")
                     self._state.wait(min(remaining, self.POLL_S))
                 self._running.append(seat)

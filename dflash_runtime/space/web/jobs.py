@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from ..errors import RequestError
+from ...errors import RequestError
 
 T = TypeVar("T")
 SERVED_REMEMBERED = 1024  # clients whose last turn the slot remembers

@@ -18,17 +18,26 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from ..errors import DFlashError, PromptTooLongError, RequestError
-from ..methods import runnable as registered_methods
-from .callers import call_of
-from .clients import ClientIdentity
+from ...errors import DFlashError, PromptTooLongError, RequestError
+from ...methods import runnable as registered_methods
+from ..provenance import ACCEPTANCE, SPEED, SpeedTrace, point_every
+from ..requests import AUTO, DEFAULT_SYSTEM_PROMPT, MessageTooLongError
+from ..scrub import scrub_paths
+from ..web.callers import call_of
+from ..web.clients import ClientIdentity
+from ..web.service import Reply, SpaceService, wait_problem
 from .panel import EMPTY_DETAILS, EMPTY_STATS, REFUSED_STATS, WAITING_STATS, stats_details, stats_summary
-from .provenance import ACCEPTANCE, SPEED, SpeedTrace, point_every
-from .requests import AUTO, DEFAULT_SYSTEM_PROMPT, MessageTooLongError
-from .service import Comparison, Reply, SpaceService, wait_problem
 from .session import ChatSession
 from .speedup import LiveSpeedUp
-from .views import PLAIN_LABEL, acceptance_rows, info_markdown, method_help, method_label, scrub_paths, sharing_note
+from .views import (
+    PLAIN_LABEL,
+    Comparison,
+    acceptance_rows,
+    info_markdown,
+    method_help,
+    method_label,
+    sharing_note,
+)
 
 log = logging.getLogger(__name__)
 ApiReply = tuple[str, dict[str, Any]]

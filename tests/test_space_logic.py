@@ -661,3 +661,25 @@ def test_importing_the_app_loads_no_native_code_and_needs_no_spaces(demo: str | 
     expected = "True tiny-random" if tiny else "False qwen3.8-27b-dflash2"
     assert result.stdout.strip().splitlines()[-1] == expected
 
+
+def test_the_api_parameters_are_declared_once() -> None:
+    """/chat's and /generate's signatures and documented parameters follow API_PARAMETERS; an endpoint that differs
+    is refused when the API is made."""
+    from types import SimpleNamespace
+
+    from dflash_runtime.space.page.endpoints import API_PARAMETERS, api_problems, documented_parameters, make_api
+
+    chat, generate, _, wait = make_api(SimpleNamespace(preset=SimpleNamespace(name="p"), defaults={"max_tokens": 8}))
+    assert documented_parameters(chat) == documented_parameters(generate) == API_PARAMETERS
+    assert documented_parameters(wait) == ("until", "timeout_s")
+
+    def shuffled(history: list[Any] | None = None, message: str = "", request: Any = None) -> None:
+        """Two parameters, in another order than declared.
+
+        Parameters:
+            message: the message
+            history: earlier turns
+        """
+
+    assert api_problems(shuffled, ("message", "history")) == [
+        "shuffled's signature takes ('history', 'message'), not ('message', 'history')"]

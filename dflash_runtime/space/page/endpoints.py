@@ -10,6 +10,7 @@ No `from __future__ import annotations` here: Gradio reads the endpoints' annota
 import inspect
 import logging
 import random
+import re
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import replace
@@ -42,7 +43,8 @@ from .views import (
 log = logging.getLogger(__name__)
 ApiReply = tuple[str, dict[str, Any]]
 # /chat's and /generate's parameters, in order (a raw HTTP call sends one value for each; see callers.py)
-# (new ones go at the end: an old client's values keep their places; draft_max is the deprecated draft_length)
+# (new ones go at the end: an old client's values keep their places; draft_max is the deprecated draft_length).
+# Declared here once: make_api refuses endpoints whose signature or documented parameters differ (api_problems).
 API_PARAMETERS = ("message", "history", "system_prompt", "preset", "max_tokens", "temperature", "top_p", "draft_max",
                   "speculative", "thinking", "method", "draft_length", "top_k", "min_p")  # fmt: skip
 WAIT_PARAMETERS = ("until", "timeout_s")
@@ -189,6 +191,30 @@ def step_stats(reply: Reply) -> dict[str, Any]:
     return {**reply.stats, "source_runs": runs, "draft_lengths": list(last.draft_lengths) if last else []}
 
 
+def documented_parameters(function: Callable[..., Any]) -> tuple[str, ...]:
+    """The parameters a function's docstring lists under "Parameters:" (what Gradio shows of each), in order."""
+    lines = (inspect.getdoc(function) or "").splitlines()
+    start = lines.index("Parameters:") + 1 if "Parameters:" in lines else len(lines)
+    names: list[str] = []
+    for line in lines[start:]:
+        if line and not line.startswith(" "):  # the next section ("Returns:")
+            break
+        if (found := re.match(r" {4}(\w+): ", line)) is not None:
+            names.append(found.group(1))
+    return tuple(names)
+
+
+def api_problems(function: Callable[..., Any], parameters: tuple[str, ...] = API_PARAMETERS) -> list[str]:
+    """How an endpoint's signature (but Gradio's own `request`) and documented parameters differ from `parameters`."""
+    problems = []
+    signature = tuple(name for name in inspect.signature(function).parameters if name != "request")
+    if signature != parameters:
+        problems.append(f"{function.__name__}'s signature takes {signature}, not {parameters}")
+    if documented_parameters(function) != parameters:
+        problems.append(f"{function.__name__}'s docstring lists {documented_parameters(function)}, not {parameters}")
+    return problems
+
+
 def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
     """The /chat, /generate, /info and /wait endpoints. Parameters keep JSON's types: integers, floats, booleans and
     strings are checked as such (service.check), never coerced."""
@@ -315,6 +341,9 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
         with visitor_errors():
             return service.info_when(until, timeout_s)
 
+    problems = [*api_problems(chat), *api_problems(generate), *api_problems(wait, WAIT_PARAMETERS)]
+    if problems:  # one declaration (API_PARAMETERS): a raw call's values are checked and placed by it
+        raise TypeError("; ".join(problems))
     return chat, generate, info, wait
 
 

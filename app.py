@@ -76,7 +76,7 @@ def build_service() -> SpaceService:
 
 
 def trace_chart(title: str, y_title: str, elem_id: str, y_lim: list[float] | None = None) -> gr.LinePlot:
-    """One live chart of a trace (see `provenance`) against tokens generated, hidden until an answer has
+    """One live chart of a trace (see `page/speedup.py`) against tokens generated, hidden until an answer has
     points. One series, so no legend: the title says what it is."""
     return gr.LinePlot(
         None,

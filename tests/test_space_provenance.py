@@ -16,8 +16,9 @@ import pytest
 from dflash_runtime.space.crossing import ReplyChunk
 from dflash_runtime.space.page.highlight import DRAFT_CLASS, ReplyView, reply_html
 from dflash_runtime.space.page.session import ChatSession
+from dflash_runtime.space.page.speedup import ACCEPTANCE, SPEED, SpeedTrace
 from dflash_runtime.space.page.views import ab_markdown, ab_verdict
-from dflash_runtime.space.provenance import ACCEPTANCE, SPEED, SourceRuns, SpeedTrace, draft_text, merged
+from dflash_runtime.space.provenance import SourceRuns, draft_text, merged
 from dflash_runtime.space.web.jobs import EngineSlot, ReplyJob
 from dflash_runtime.stats import Stats
 

@@ -21,7 +21,6 @@ import pandas as pd
 
 from ...errors import DFlashError, PromptTooLongError, RequestError
 from ...methods import runnable as registered_methods
-from ..provenance import ACCEPTANCE, SPEED, SpeedTrace, point_every
 from ..requests import AUTO, DEFAULT_SYSTEM_PROMPT, MessageTooLongError
 from ..scrub import scrub_paths
 from ..web.callers import call_of
@@ -29,7 +28,7 @@ from ..web.clients import ClientIdentity
 from ..web.service import Reply, SpaceService, wait_problem
 from .panel import EMPTY_DETAILS, EMPTY_STATS, REFUSED_STATS, WAITING_STATS, stats_details, stats_summary
 from .session import ChatSession
-from .speedup import LiveSpeedUp
+from .speedup import ACCEPTANCE, SPEED, LiveSpeedUp, SpeedTrace, point_every
 from .views import (
     PLAIN_LABEL,
     Comparison,

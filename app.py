@@ -3,7 +3,7 @@
 The page's layout and its wiring only. What runs lives in `dflash_runtime.space`: the service (requests, GPU jobs,
 /info), the endpoints and event handlers, the GPU function and the engine host. API endpoints for gradio_client:
 /chat (streaming), /generate (one shot) and /info; the OpenAI-compatible /v1 routes on the same port
-(dflash_runtime.space.openai_routes).
+(dflash_runtime.space.web.openai_routes).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import gradio as gr
 from starlette.middleware import Middleware
 
-from dflash_runtime.space.callers import EngineCalls, HttpGate
-from dflash_runtime.space.endpoints import (
+from dflash_runtime.space.gpu import zerogpu
+from dflash_runtime.space.page.endpoints import (
     AB_LABEL,
     CHECKED_PARAMETERS,
     CHECKED_VALUES,
@@ -31,14 +31,15 @@ from dflash_runtime.space.endpoints import (
     plot_frame,
     sampling_note,
 )
-from dflash_runtime.space.highlight import CSS, LEGEND
-from dflash_runtime.space.openai_routes import MountV1
-from dflash_runtime.space.panel import EMPTY_DETAILS, EMPTY_STATS
+from dflash_runtime.space.page.highlight import CSS, LEGEND
+from dflash_runtime.space.page.panel import EMPTY_DETAILS, EMPTY_STATS
+from dflash_runtime.space.page.session import ChatSession
+from dflash_runtime.space.page.views import mode_banner
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT
-from dflash_runtime.space.service import SpaceService
-from dflash_runtime.space.session import ChatSession
-from dflash_runtime.space.startup import run_startup_check
-from dflash_runtime.space.views import mode_banner
+from dflash_runtime.space.setup.startup import run_startup_check
+from dflash_runtime.space.web.callers import EngineCalls, HttpGate
+from dflash_runtime.space.web.openai_routes import MountV1
+from dflash_runtime.space.web.service import SpaceService
 
 log = logging.getLogger("dflash_space")
 # Every generating event shares one queue whose concurrency is the engine's parallel sequences (DFLASH_PARALLEL).
@@ -66,7 +67,8 @@ def build_service() -> SpaceService:
     """The native build's self-check (probed in a child process: no CUDA here), then the service it allows."""
     status, details = run_startup_check()
     log.info("llama.cpp build: %s", status)
-    service = SpaceService.from_env(status, details, demo_files=demo_files)
+    service = SpaceService.from_env(status, details, demo_files=demo_files, run_gpu=zerogpu.run_on_gpu,
+                                    quota_seconds=zerogpu.quota_seconds, gpu_size=zerogpu.GPU_SIZE)
     log.info("mode: %s (%s)", "offline demo" if service.mode.tiny else service.preset.name, service.mode.reason)
     for problem in service.mode.problems:
         log.warning("not serving the model pair: %s", problem)
@@ -74,7 +76,7 @@ def build_service() -> SpaceService:
 
 
 def trace_chart(title: str, y_title: str, elem_id: str, y_lim: list[float] | None = None) -> gr.LinePlot:
-    """One live chart of a trace (see `provenance`) against tokens generated, hidden until an answer has
+    """One live chart of a trace (see `page/speedup.py`) against tokens generated, hidden until an answer has
     points. One series, so no legend: the title says what it is."""
     return gr.LinePlot(
         None,
@@ -91,7 +93,7 @@ def trace_chart(title: str, y_title: str, elem_id: str, y_lim: list[float] | Non
 
 
 def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
-    """The page, and its engine endpoints as the HTTP gate counts them (see dflash_runtime.space.callers)."""
+    """The page, and its engine endpoints as the HTTP gate counts them (see dflash_runtime.space.web.callers)."""
     handlers = PageHandlers(service)
     preset, limits, defaults = service.preset, service.limits, service.defaults
     with gr.Blocks(title="DFlash 2 speculative decoding") as demo:
@@ -186,7 +188,8 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
         # holds, see SpaceService.parallel): so many answers run at once, the rest wait.
         answers_at_once = service.parallel
         # Gradio starts every admitted engine event at once: they wait for the engine in its slot, where clients take
-        # turns (see dflash_runtime.space.jobs.EngineSlot), so one client's waiting calls hold no place of another's.
+        # turns (see dflash_runtime.space.web.jobs.EngineSlot), so one client's waiting calls hold no place of
+        # another's.
         events_at_once = max(QUEUE_SIZE, answers_at_once)
         engine = {"concurrency_limit": events_at_once, "concurrency_id": ENGINE_QUEUE, "api_visibility": "private"}
         # A message is shown at once (outside the queue), then answered in the engine's queue (see PageHandlers).
@@ -257,7 +260,7 @@ if __name__ == "__main__":
     SERVICE.download.start()  # the web process fetches the files while the page is already up
     # api_open=False: the REST route /run/<name> refuses queued endpoints, so every answer goes through the queue.
     # HttpGate: bounded bodies, no uploads, limits on queued answers, and no answer runs that nobody reads (see
-    # dflash_runtime.space.callers).
+    # dflash_runtime.space.web.callers).
     gate = Middleware(HttpGate, callers=SERVICE.callers, engine=ENGINE_CALLS, parameters=CHECKED_PARAMETERS,
                       checks=CHECKED_VALUES)  # fmt: skip
     v1 = Middleware(MountV1, service=SERVICE)  # the OpenAI-compatible /v1 routes, behind the same gate

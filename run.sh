@@ -179,7 +179,7 @@ check_build() {  # check_build VARIANT: the installed llama-cpp-python is the wh
 rm -rf .venv/.dflash-run, run again)" "$LOG_DIR/check.log" python -c '
 import sys
 from pathlib import Path
-from dflash_runtime.space.startup import check_manifests, installed_record_hashes, installed_version
+from dflash_runtime.space.setup.startup import check_manifests, installed_record_hashes, installed_version
 check = check_manifests([Path(sys.argv[1])], installed_record_hashes(), installed_version())
 print("\n".join(check.problems) or "installed build matches its wheel manifest")
 sys.exit(0 if check.matches else 1)' "$DFLASH_WHEEL_MANIFEST"

@@ -17,8 +17,8 @@ import httpx
 from gradio_client import Client
 
 from dflash_runtime import load_pair
-from dflash_runtime.space.endpoints import API_PARAMETERS
-from dflash_runtime.space.presets import DEMO_PAIR
+from dflash_runtime.space.page.endpoints import API_PARAMETERS
+from dflash_runtime.space.setup.presets import DEMO_PAIR
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
 
 Message = dict[str, str]

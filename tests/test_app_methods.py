@@ -21,10 +21,11 @@ from space_client import chat_args
 from test_app_browser import open_page, set_temperature, text_of, wait_for_page
 
 from dflash_runtime import load_pair
-from dflash_runtime.space.downloads import PairDownload
-from dflash_runtime.space.host import EngineHost, GpuJob, ReplyChunk
-from dflash_runtime.space.presets import ModelSource, PairPreset, ResolvedPair
+from dflash_runtime.space.crossing import GpuJob, ReplyChunk
+from dflash_runtime.space.gpu.host import EngineHost
 from dflash_runtime.space.requests import Limits, build_request
+from dflash_runtime.space.setup.downloads import PairDownload
+from dflash_runtime.space.setup.presets import ModelSource, PairPreset, ResolvedPair
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair, write_broken_draft
 
 ARTIFACTS = REPO_ROOT / "test-artifacts"
@@ -219,7 +220,7 @@ def test_a_draft_that_cannot_be_downloaded_leaves_the_target_alone(tmp_path: Pat
 
 
 def test_info_box_lists_methods_and_warns_of_a_missing_draft() -> None:
-    from dflash_runtime.space.views import info_markdown
+    from dflash_runtime.space.page.views import info_markdown
 
     preset = PairPreset(name="p", label="p", target=ModelSource(repo="a/b", filename="t.gguf"),
                         draft=ModelSource(repo="a/c", filename="d.gguf"))  # fmt: skip

@@ -19,8 +19,8 @@ from space_client import chat_args, raw_body, raw_call
 
 from dflash_runtime import load_pair
 from dflash_runtime.errors import DownloadError, ModelFileError
-from dflash_runtime.space.downloads import PairDownload, fetch_model_file
-from dflash_runtime.space.presets import (
+from dflash_runtime.space.setup.downloads import PairDownload, fetch_model_file
+from dflash_runtime.space.setup.presets import (
     DEFAULT_DRAFT,
     DEFAULT_PRESET_NAME,
     DEFAULT_TARGET,
@@ -108,11 +108,11 @@ def test_bad_numbers_in_the_environment_name_the_variable(name: str, value: str)
 
 
 def test_the_old_draft_capacity_variable_is_read_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="dflash_runtime.space.presets"):
+    with caplog.at_level("WARNING", logger="dflash_runtime.space.setup.presets"):
         assert preset_from_env({"DFLASH_DRAFT_MAX": "5"}).draft_capacity == 5
     assert "DFLASH_DRAFT_MAX is deprecated: set DFLASH_DRAFT_CAPACITY" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="dflash_runtime.space.presets"):
+    with caplog.at_level("WARNING", logger="dflash_runtime.space.setup.presets"):
         assert preset_from_env({"DFLASH_DRAFT_CAPACITY": "3", "DFLASH_DRAFT_MAX": "5"}).draft_capacity == 3
     assert "deprecated" not in caplog.text, "the new name wins, and the old one is then ignored"
 

@@ -44,9 +44,55 @@ def test_the_drop_in_imports_nothing_of_the_space_or_the_test_models(path: Path)
     assert not imported(path) & {"space", "testing"}
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "space").glob("*.py")), ids=lambda p: p.name)
+SPACE = PACKAGE / "space"
+
+
+def space_id(path: Path) -> str:
+    return str(path.relative_to(SPACE))
+
+
+@pytest.mark.parametrize("path", sorted(SPACE.rglob("*.py")), ids=space_id)
 def test_the_space_imports_nothing_of_the_test_models(path: Path) -> None:
     assert "testing" not in imported(path)  # app.py hands the offline demo its generated pair
+
+
+def space_imports(graph: dict[str, set[str]], part: str) -> dict[str, set[str]]:
+    """What each module of one part of the Space (`web`, `page`, `gpu`, ...) imports of the Space's other modules."""
+    return {module: {m for m in targets if m.startswith("space.")}
+            for module, targets in graph.items() if module.startswith(f"space.{part}.")}
+
+
+def reaches(imports: dict[str, set[str]], part: str) -> dict[str, set[str]]:
+    return {module: found for module, targets in imports.items()
+            if (found := {m for m in targets if m.startswith(f"space.{part}.")})}
+
+
+def test_the_space_is_laid_out_by_its_two_processes() -> None:
+    """The web side (the page and the web process's GPU calls) imports nothing of the GPU side, only the data that
+    crosses (app.py hands the GPU function in); the GPU side imports nothing of the page nor of the web side."""
+    graph = module_graph(PACKAGE)
+    assert {"space.web.service", "space.page.endpoints", "space.gpu.host", "space.crossing"} <= set(graph)
+    assert reaches(space_imports(graph, "web"), "gpu") == {}
+    assert reaches(space_imports(graph, "page"), "gpu") == {}
+    assert reaches(space_imports(graph, "gpu"), "page") == {}
+    assert reaches(space_imports(graph, "gpu"), "web") == {}
+    assert reaches(space_imports(graph, "web"), "page") == {}  # the page sits above the web side, never below it
+    setup = space_imports(graph, "setup")
+    assert {part: reaches(setup, part) for part in ("page", "web", "gpu")} == {"page": {}, "web": {}, "gpu": {}}
+    shared = {"space.crossing", "space.requests", "space.provenance", "space.scrub"}
+    assert not {m for s in shared for m in graph[s] if m.startswith(("space.page.", "space.web.", "space.gpu."))}
+
+
+def test_the_process_check_sees_an_import_of_the_gpu_side(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    for sub in ("space", "space/web", "space/gpu"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "space" / "gpu" / "host.py").write_text("")
+    (package / "space" / "web" / "service.py").write_text("def f():\n    from ..gpu import host\n")
+    found = reaches(space_imports(module_graph(package), "web"), "gpu")
+    assert found == {"space.web.service": {"space.gpu.__init__", "space.gpu.host"}}  # a lazy import is an arrow too
 
 
 def test_the_check_sees_imports_across_levels() -> None:
@@ -56,7 +102,7 @@ def test_the_check_sees_imports_across_levels() -> None:
 
 
 def module_graph(package: Path) -> dict[str, set[str]]:
-    """Every module of a package (dotted below it: "pair", "space.host", "__init__" for a package's facade) and the
+    """Every module of a package (dotted below it: "pair", "space.gpu.host", "__init__" for a package's facade) and the
     modules of the same package it imports, wherever the import stands (module level, in a function, under
     TYPE_CHECKING): an arrow is an arrow."""
     files = {p: ".".join(p.relative_to(package).with_suffix("").parts) for p in package.rglob("*.py")}

@@ -19,7 +19,7 @@ import pytest
 from pairs import pair_files
 
 from dflash_runtime import backends, load_pair
-from dflash_runtime.space import startup
+from dflash_runtime.space.setup import startup
 
 ROOT = Path(__file__).resolve().parent.parent
 ABSENT = "libdflash-absent-driver.so.1"
@@ -143,7 +143,7 @@ def test_the_same_module_loads_once_its_library_is_found(package_with_stand_in: 
 
 def test_startup_check_reports_a_cuda_build_running_on_the_cpu(package_with_stand_in: tuple[Path, Path]) -> None:
     site, _ = package_with_stand_in
-    out = run_child(site, "-m", "dflash_runtime.space.startup", "--json")
+    out = run_child(site, "-m", "dflash_runtime.space.setup.startup", "--json")
     line, details = out.stdout.split("\n", 1)
     info = json.loads(details)
     assert info["cuda_build"] is True and info["gpu_offload"] is False and info["loadable_backends"] is True

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import pytest
 
-from dflash_runtime.space import startup
+from dflash_runtime.space.setup import startup
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "prebuilt_wheels" / "build_wheel.py"

@@ -17,7 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dflash_runtime import load_pair
 from dflash_runtime.gguf_meta import read_gguf
-from dflash_runtime.space.highlight import reply_html
+from dflash_runtime.space.page.highlight import reply_html
 from dflash_runtime.space.requests import THINK_CLOSE, THINK_OPEN, strip_thinking, thinking_prefix
 from dflash_runtime.testing.real_layout import SAMPLING_DEFAULTS, RealLayoutPair, real_layout_pair, vendored_file
 from dflash_runtime.testing.tiny_models import tiny_pair

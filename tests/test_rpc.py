@@ -21,9 +21,10 @@ from dflash_runtime import RemoteDeviceError, load_pair
 from dflash_runtime.engine import Engine
 from dflash_runtime.pair import live_handles
 from dflash_runtime.rpc import server_command
-from dflash_runtime.space.host import EngineHost, GpuJob
-from dflash_runtime.space.presets import DEMO_PAIRS, ResolvedPair, configured_preset, parallel_from_env
+from dflash_runtime.space.crossing import GpuJob
+from dflash_runtime.space.gpu.host import EngineHost
 from dflash_runtime.space.requests import Limits, build_request
+from dflash_runtime.space.setup.presets import DEMO_PAIRS, ResolvedPair, configured_preset, parallel_from_env
 from dflash_runtime.testing.rpc_server import LoopbackServer, free_port
 from dflash_runtime.testing.tiny_models import pair_paths, tiny_pair
 

@@ -24,7 +24,7 @@ from app_fixtures import REPO_ROOT, RunningApp, running_app
 from gradio_client import Client
 from space_client import chat_args, info_when, raw_body, raw_call
 
-from dflash_runtime.space.endpoints import API_PARAMETERS
+from dflash_runtime.space.page.endpoints import API_PARAMETERS
 
 N_CTX = 4096
 MAX_NEW_TOKENS = 3000
@@ -311,7 +311,7 @@ def test_a_session_less_flood_moves_the_estimate_by_less_than_a_fifth(server: Ru
 def streamed_bytes(server: RunningApp, max_tokens: int) -> tuple[int, int, int]:
     """Bytes of a /chat answer's result stream over plain HTTP and over the queue's stream (what gradio_client
     reads), and the tokens it wrote. Heartbeats are not counted: they keep a stream's traffic up while its answer
-    runs, so they follow its time, not its length (see dflash_runtime.space.probes)."""
+    runs, so they follow its time, not its length (see dflash_runtime.space.web.probes)."""
     args = chat_args("Tell me a long story about the sea.", max_tokens=max_tokens, draft_length="auto")
     with httpx.Client(timeout=300) as http:
         event_id = post_call(server, "chat", args).json()["event_id"]

@@ -20,8 +20,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.tags import Tag
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from dflash_runtime.space import startup
-from dflash_runtime.space.presets import DEFAULT_DRAFT, DEFAULT_TARGET
+from dflash_runtime.space.setup import startup
+from dflash_runtime.space.setup.presets import DEFAULT_DRAFT, DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parent.parent
 # The platform's image provides these; CUDA comes from the host driver and the pip packages requirements.txt names.

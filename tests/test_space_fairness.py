@@ -25,11 +25,11 @@ from space_client import chat_args, info_when, raw_body
 
 from dflash_runtime import SessionPolicy, load_pair
 from dflash_runtime.errors import RequestError
-from dflash_runtime.space.callers import MAX_DEPTH, Body, gradio_int
-from dflash_runtime.space.clients import ClientSettings, client_identity
-from dflash_runtime.space.endpoints import API_PARAMETERS
-from dflash_runtime.space.host import client_of_owner, owner_of
-from dflash_runtime.space.jobs import EngineSlot
+from dflash_runtime.space.crossing import client_of_owner, owner_of
+from dflash_runtime.space.page.endpoints import API_PARAMETERS
+from dflash_runtime.space.web.callers import MAX_DEPTH, Body, gradio_int
+from dflash_runtime.space.web.clients import ClientSettings, client_identity
+from dflash_runtime.space.web.jobs import EngineSlot
 from dflash_runtime.testing.tiny_models import tiny_pair
 
 N_CTX = 5120

@@ -18,7 +18,7 @@ from typing import Any
 import gradio as gr
 from gradio.utils import diff
 
-from dflash_runtime.space.endpoints import SKIP, ab_button, notice_line, steady_frames
+from dflash_runtime.space.page.endpoints import SKIP, ab_button, notice_line, steady_frames
 
 HIDDEN = gr.update(value=None, visible=False)
 SHOWN = gr.update(value="points", visible=True)

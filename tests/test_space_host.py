@@ -17,9 +17,10 @@ from dflash_runtime import load_pair
 from dflash_runtime.backends import FreeMemory
 from dflash_runtime.footprint import DEFAULT_RESERVE_BYTES, sequence_footprint
 from dflash_runtime.gguf_meta import read_gguf
-from dflash_runtime.space.host import PRIVATE_ENGINE_KEYS, EngineHost, GpuJob, ReplyChunk, info_digest
-from dflash_runtime.space.presets import ResolvedPair, configured_preset
+from dflash_runtime.space.crossing import GpuJob, ReplyChunk, info_digest
+from dflash_runtime.space.gpu.host import PRIVATE_ENGINE_KEYS, EngineHost
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT, Limits, build_request
+from dflash_runtime.space.setup.presets import ResolvedPair, configured_preset
 from dflash_runtime.testing.tiny_models import pair_paths
 
 N_CTX = 1024

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from dflash_runtime.errors import RequestError
-from dflash_runtime.space.callers import Call, Callers, GateSettings
-from dflash_runtime.space.jobs import EngineSlot, ReplyJob
+from dflash_runtime.space.web.callers import Call, Callers, GateSettings
+from dflash_runtime.space.web.jobs import EngineSlot, ReplyJob
 
 TIMEOUT_S = 30.0
 

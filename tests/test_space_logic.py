@@ -18,12 +18,20 @@ from app_fixtures import REPO_ROOT
 from space_client import reference_engine
 
 from dflash_runtime.errors import PromptTooLongError, RequestError
-from dflash_runtime.space.fitting import fit_conversation, prompt_tokens
-from dflash_runtime.space.gpu_time import GpuTimeEstimator, GpuTimeSettings
-from dflash_runtime.space.host import GpuJob, ReplyChunk
-from dflash_runtime.space.panel import stats_details as panel
-from dflash_runtime.space.panel import stats_summary
-from dflash_runtime.space.presets import AUTO_PARALLEL, ResolvedPair, parallel_from_env, preset_from_env
+from dflash_runtime.space.crossing import GpuJob, ReplyChunk
+from dflash_runtime.space.gpu.fitting import fit_conversation, prompt_tokens
+from dflash_runtime.space.page.panel import stats_details as panel
+from dflash_runtime.space.page.panel import stats_summary
+from dflash_runtime.space.page.session import ChatSession
+from dflash_runtime.space.page.speedup import Estimate, LiveSpeedUp, Pending
+from dflash_runtime.space.page.views import (
+    ab_markdown,
+    acceptance_rows,
+    comparison_markdown,
+    info_markdown,
+    mode_banner,
+    sharing_note,
+)
 from dflash_runtime.space.requests import (
     ChatRequest,
     Limits,
@@ -34,7 +42,9 @@ from dflash_runtime.space.requests import (
     thinking_prefix,
     turn_starts,
 )
-from dflash_runtime.space.runmode import (
+from dflash_runtime.space.scrub import scrub_paths
+from dflash_runtime.space.setup.presets import AUTO_PARALLEL, ResolvedPair, parallel_from_env, preset_from_env
+from dflash_runtime.space.setup.runmode import (
     FIX_COMMAND,
     RunMode,
     choose_run_mode,
@@ -42,17 +52,7 @@ from dflash_runtime.space.runmode import (
     gpu_build_problems,
     settle_run_mode,
 )
-from dflash_runtime.space.session import ChatSession
-from dflash_runtime.space.speedup import Estimate, LiveSpeedUp, Pending
-from dflash_runtime.space.views import (
-    ab_markdown,
-    acceptance_rows,
-    comparison_markdown,
-    info_markdown,
-    mode_banner,
-    scrub_paths,
-    sharing_note,
-)
+from dflash_runtime.space.web.gpu_time import GpuTimeEstimator, GpuTimeSettings
 from dflash_runtime.stats import Stats
 
 LIMITS = Limits(max_new_tokens=4096, max_input_chars=32000, max_history_messages=256, draft_capacity=7)
@@ -638,7 +638,7 @@ IMPORT_CHECK = """
 import inspect, sys
 sys.modules["spaces"] = None  # as if the package were not installed: the identity decorator stands in
 import app
-from dflash_runtime.space import zerogpu
+from dflash_runtime.space.gpu import zerogpu
 maps = open("/proc/self/maps").read()
 assert "libllama" not in maps and "libcuda" not in maps and "llama_cpp" not in sys.modules, "native code loaded"
 assert inspect.isgeneratorfunction(zerogpu.run_on_gpu)
@@ -660,3 +660,26 @@ def test_importing_the_app_loads_no_native_code_and_needs_no_spaces(demo: str | 
     tiny = demo == "tiny" or (demo is None and not cuda_device_present())
     expected = "True tiny-random" if tiny else "False qwen3.8-27b-dflash2"
     assert result.stdout.strip().splitlines()[-1] == expected
+
+
+def test_the_api_parameters_are_declared_once() -> None:
+    """/chat's and /generate's signatures and documented parameters follow API_PARAMETERS; an endpoint that differs
+    is refused when the API is made."""
+    from types import SimpleNamespace
+
+    from dflash_runtime.space.page.endpoints import API_PARAMETERS, api_problems, documented_parameters, make_api
+
+    chat, generate, _, wait = make_api(SimpleNamespace(preset=SimpleNamespace(name="p"), defaults={"max_tokens": 8}))
+    assert documented_parameters(chat) == documented_parameters(generate) == API_PARAMETERS
+    assert documented_parameters(wait) == ("until", "timeout_s")
+
+    def shuffled(history: list[Any] | None = None, message: str = "", request: Any = None) -> None:
+        """Two parameters, in another order than declared.
+
+        Parameters:
+            message: the message
+            history: earlier turns
+        """
+
+    assert api_problems(shuffled, ("message", "history")) == [
+        "shuffled's signature takes ('history', 'message'), not ('message', 'history')"]

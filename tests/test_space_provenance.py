@@ -13,12 +13,13 @@ from html.parser import HTMLParser
 import gradio as gr
 import pytest
 
-from dflash_runtime.space.highlight import DRAFT_CLASS, ReplyView, reply_html
-from dflash_runtime.space.host import ReplyChunk
-from dflash_runtime.space.jobs import EngineSlot, ReplyJob
-from dflash_runtime.space.provenance import ACCEPTANCE, SPEED, SourceRuns, SpeedTrace, draft_text, merged
-from dflash_runtime.space.session import ChatSession
-from dflash_runtime.space.views import ab_markdown, ab_verdict
+from dflash_runtime.space.crossing import ReplyChunk
+from dflash_runtime.space.page.highlight import DRAFT_CLASS, ReplyView, reply_html
+from dflash_runtime.space.page.session import ChatSession
+from dflash_runtime.space.page.speedup import ACCEPTANCE, SPEED, SpeedTrace
+from dflash_runtime.space.page.views import ab_markdown, ab_verdict
+from dflash_runtime.space.provenance import SourceRuns, draft_text, merged
+from dflash_runtime.space.web.jobs import EngineSlot, ReplyJob
 from dflash_runtime.stats import Stats
 
 TIMEOUT_S = 30.0

@@ -14,9 +14,9 @@ from typing import Any
 
 from space_client import reference_engine
 
+from dflash_runtime.space.page.speedup import Estimate, LiveSpeedUp
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT
-from dflash_runtime.space.service import decode_speed
-from dflash_runtime.space.speedup import Estimate, LiveSpeedUp
+from dflash_runtime.space.web.service import decode_speed
 
 # Three of the page's examples whose answers on the demo pair take plain steps early enough (the demo's target follows
 # stretches of phrases: a stretch the draft predicts takes none), from about 50 to over 100 in 256 tokens.

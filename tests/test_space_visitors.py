@@ -18,7 +18,7 @@ from app_fixtures import REPO_ROOT, RunningApp, running_app
 from gradio_client import Client
 from space_client import chat_args, info_when, raw_body, raw_call, reference_engine, stream_chat
 
-from dflash_runtime.space.endpoints import API_PARAMETERS
+from dflash_runtime.space.page.endpoints import API_PARAMETERS
 
 N_CTX = 1024
 MAX_NEW_TOKENS = 3000

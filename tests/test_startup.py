@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_runtime.space import startup
+from dflash_runtime.space.setup import startup
 
 CUDA13_FILES = ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libnvblas.so.13", "libcudadevrt.a")
 

@@ -34,7 +34,7 @@ from space_client import (
 )
 from zerogpu_fake import FakeDeviceApi
 
-from dflash_runtime.space.runmode import FIX_COMMAND
+from dflash_runtime.space.setup.runmode import FIX_COMMAND
 
 ARTIFACTS = REPO_ROOT / "test-artifacts"
 N_CTX = 1024

@@ -174,7 +174,7 @@ def prepare_carry(folder: Path, wheel: Path) -> int:
 
 
 def environment(cpu: bool) -> dict[str, Any]:
-    from dflash_runtime.space.startup import run_startup_check
+    from dflash_runtime.space.setup.startup import run_startup_check
 
     # The Space's own start-up check, in this process and before llama_cpp is imported: the CUDA runtime preloaded,
     # the build against its manifest, GPUs and compute capabilities against the compiled architectures.

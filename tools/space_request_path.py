@@ -17,10 +17,11 @@ import statistics
 import time
 from typing import Any
 
-from dflash_runtime.space.host import EngineHost, GpuJob
-from dflash_runtime.space.presets import ResolvedPair, configured_preset
+from dflash_runtime.space.crossing import GpuJob
+from dflash_runtime.space.gpu.host import EngineHost
+from dflash_runtime.space.page.session import ChatSession
 from dflash_runtime.space.requests import Limits, build_request
-from dflash_runtime.space.session import ChatSession
+from dflash_runtime.space.setup.presets import ResolvedPair, configured_preset
 from dflash_runtime.testing.tiny_models import pair_paths, tiny_pair
 
 PROMPT = "Explain speculative decoding in three sentences."

@@ -4,5 +4,5 @@
 stream chunks (OpenAI's objects, llama-server's `timings` and the engine's figures under `dflash_stats`), `thinking`
 splits a thinking model's text into `reasoning_content` and `content`, `server` is the ASGI application over a
 `Backend` (what answers), `engine_backend` the backend of one loaded engine (`python -m dflash_runtime serve`). The
-Space mounts the same application over its own backend (dflash_runtime.space.openai_routes).
+Space mounts the same application over its own backend (dflash_runtime.space.web.openai_routes).
 """

@@ -1,11 +1,14 @@
-"""The Space's own modules, apart from the runtime's core.
+"""The Space's own modules, apart from the runtime's core, laid out by the way a message travels.
 
-Web process: `service` (configuration, request checks, GPU jobs, /info) with `requests` (limits and field checks),
-`runmode` (offline demo or the configured pair, and the GPU-build check), `presets`, `downloads` (Hub), `gpu_time`
-(ZeroGPU durations from measured speeds), `jobs` (a GPU call as a cancellable job), `session` (a tab's conversation),
-`views` (text shown), `startup` (the native build's self-check), `callers` (the HTTP gate, ASGI middleware:
-bounded bodies, no uploads, limits on queued answers, and no answer runs that nobody reads) and `endpoints` (the
-API and page handlers: the one module that imports gradio).
-Where generation runs: `zerogpu` (the GPU function) and `host` (the engine host, with `fitting`). Nothing here
+`setup/`: what the Space is started with (the native build's self-check `startup`, the run mode `runmode`, the
+`presets`, the pair's `downloads` from the Hub, and `settings`, where environment settings are read).
+`page/`: the page and the API (`endpoints`, the one module that imports gradio, with `session`, a tab's
+conversation, and the text it shows: `views`, `panel`, `highlight`, `speedup`).
+`web/`: the web side of a GPU call (`service`: request checks, GPU jobs, /info; `jobs`, a GPU call as a cancellable
+job; `callers`, the HTTP gate; `clients`, `probes`, `gpu_time`, `openai_routes`).
+`gpu/`: where generation runs (`zerogpu`, the GPU function, and `host`, the engine host, with `fitting`).
+Between them, plain data both processes share: `crossing` (the job and its reply chunks), `requests` (a checked
+request), `provenance` (who wrote a reply), `scrub` (paths cut from what a visitor reads). The web side imports
+nothing of `gpu/`, which imports nothing of the page: app.py hands the GPU function to the service. Nothing here
 touches CUDA at import time, so the web process can import all of it.
 """

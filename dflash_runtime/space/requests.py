@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import methods as draft_methods
 from ..errors import RequestError
+from .setup.settings import env_number
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # The page's system prompt: every visitor can send it, so the prompt tokens it renders to are public (see host.py).
@@ -41,19 +42,6 @@ def too_long(detail: str) -> str:
     return f"the message is too long: {detail}: shorten the message or the system prompt"
 
 
-def _env_number(env: Mapping[str, str], name: str, default: float) -> float:
-    text = env.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive number, got {text!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class Limits:
     """Bounds of a request (all overridable by env). `max_history_messages` and `max_input_chars` bound the work one
@@ -68,9 +56,9 @@ class Limits:
     def from_env(cls, draft_capacity: int, env: Mapping[str, str] | None = None) -> Limits:
         env = os.environ if env is None else env
         return cls(
-            max_new_tokens=int(_env_number(env, "DFLASH_MAX_NEW_TOKENS", cls.max_new_tokens)),
-            max_input_chars=int(_env_number(env, "DFLASH_MAX_INPUT_CHARS", cls.max_input_chars)),
-            max_history_messages=int(_env_number(env, "DFLASH_MAX_HISTORY_MESSAGES", cls.max_history_messages)),
+            max_new_tokens=int(env_number(env, "DFLASH_MAX_NEW_TOKENS", cls.max_new_tokens)),
+            max_input_chars=int(env_number(env, "DFLASH_MAX_INPUT_CHARS", cls.max_input_chars)),
+            max_history_messages=int(env_number(env, "DFLASH_MAX_HISTORY_MESSAGES", cls.max_history_messages)),
             draft_capacity=draft_capacity,
         )
 

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from ..errors import RequestError
+from ...errors import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,8 @@ class EngineSlot:
                     self._ask_to_share()
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        own = " (this session's previous answer was still running)" \
-                            if self._owner_runs(seat.owner) else ""  # fmt: skip
+                        own = (" (this session's previous answer was still running)"
+                               if self._owner_runs(seat.owner) else "")  # fmt: skip
                         raise RequestError(f"the engine stayed busy for {self.timeout_s:.0f} s{own}; retry")
                     self._state.wait(min(remaining, self.POLL_S))
                 self._running.append(seat)

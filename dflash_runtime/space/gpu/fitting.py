@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import PromptTooLongError
-from .requests import ChatRequest, Message, too_long, turn_starts
+from ...errors import PromptTooLongError
+from ..requests import ChatRequest, Message, too_long, turn_starts
 
 
 def prompt_tokens(engine: Any, messages: list[Message], enable_thinking: bool) -> list[int]:

@@ -18,9 +18,9 @@ import secrets
 import threading
 from typing import Any
 
+from ..provenance import Run
+from ..requests import THINK_CLOSE, THINK_OPEN, ChatRequest, Message
 from .highlight import ReplyView
-from .provenance import Run
-from .requests import THINK_CLOSE, THINK_OPEN, ChatRequest, Message
 
 _TAGS = {THINK_OPEN: "&lt;think&gt;", THINK_CLOSE: "&lt;/think&gt;"}
 

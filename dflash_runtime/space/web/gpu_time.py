@@ -35,7 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .requests import ChatRequest, _env_number
+from ..requests import ChatRequest
+from ..setup.settings import env_number
 
 MIN_SECONDS = 5
 SAFETY = 0.8  # plan with 80 % of the estimated speeds: answers differ in how well the draft does
@@ -58,11 +59,11 @@ class GpuTimeSettings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> GpuTimeSettings:
         env = os.environ if env is None else env
         return cls(
-            seconds_max=int(_env_number(env, "DFLASH_GPU_SECONDS_MAX", cls.seconds_max)),
-            base_s=_env_number(env, "DFLASH_GPU_SECONDS_BASE", cls.base_s),
-            load_s=_env_number(env, "DFLASH_GPU_LOAD_SECONDS", cls.load_s),
-            decode_tok_s=_env_number(env, "DFLASH_GPU_DECODE_TOK_S", cls.decode_tok_s),
-            prefill_tok_s=_env_number(env, "DFLASH_GPU_PREFILL_TOK_S", cls.prefill_tok_s),
+            seconds_max=int(env_number(env, "DFLASH_GPU_SECONDS_MAX", cls.seconds_max)),
+            base_s=env_number(env, "DFLASH_GPU_SECONDS_BASE", cls.base_s),
+            load_s=env_number(env, "DFLASH_GPU_LOAD_SECONDS", cls.load_s),
+            decode_tok_s=env_number(env, "DFLASH_GPU_DECODE_TOK_S", cls.decode_tok_s),
+            prefill_tok_s=env_number(env, "DFLASH_GPU_PREFILL_TOK_S", cls.prefill_tok_s),
         )
 
 

@@ -3,24 +3,16 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from .. import methods as draft_methods
-from .presets import PairPreset
-from .requests import Limits
-from .runmode import RunMode
-
-# An absolute path (two or more components) that starts a word: /home/user/.cache/x.gguf -> x.gguf. Slashes inside
-# words or after a colon (tok/s, 1/2, https://host/...) are left alone.
-_PATH = re.compile(r"(?<![\w.~:/-])(?:/[^\s/'\"():,;<>`]+)+/([^\s/'\"():,;<>`]+)")
-
-
-def scrub_paths(text: str) -> str:
-    """`text` with the server's absolute file-system paths cut down to their file names, for anything a visitor
-    reads (the info box, /info, error messages)."""
-    return _PATH.sub(r"\1", text)
+from ... import methods as draft_methods
+from ..requests import Limits
+from ..scrub import scrub_paths
+from ..setup.presets import PairPreset
+from ..setup.runmode import RunMode
+from ..web.service import Reply
 
 
 def acceptance_rows(stats: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -303,3 +295,34 @@ def info_markdown(
         if engine_info.get("draft_problem"):
             lines.append(f"- ⚠️ {scrub_paths(str(engine_info['draft_problem']))}")
     return "\n".join(lines)
+
+
+@dataclass
+class Comparison:
+    """The A/B view's state: the latest reply of each phase of one request (plain decoding and each draft method),
+    all run with the same seed. `labels`: each method phase's row name."""
+
+    temperature: float
+    seed: int
+    labels: dict[str, str]
+    phases: dict[str, Reply] = field(default_factory=dict)
+    divergences: dict[str, dict[str, Any]] = field(default_factory=dict)  # phase → why it differs from plain
+
+    def add(self, reply: Reply) -> str:
+        self.phases[reply.phase] = reply
+        if reply.last is not None:
+            self.divergences.update(reply.last.divergences)
+        plain = self.phases.get("plain")
+        plain_done = plain is not None and plain.finish_reason is not None
+        methods: dict[str, dict[str, Any] | None] = {}
+        identical: dict[str, bool | None] = {}
+        for phase, label in self.labels.items():
+            run = self.phases.get(phase)
+            methods[label] = run.stats if run else None
+            done = plain_done and run is not None and run.finish_reason is not None
+            identical[label] = (run.text == plain.text) if done and run and plain else None
+        divergences = {label: self.divergences[phase] for phase, label in self.labels.items()
+                       if phase in self.divergences}
+        return comparison_markdown(methods, plain.stats if plain else None, identical,
+                                   temperature=self.temperature, seed=self.seed,
+                                   divergences=divergences)  # fmt: skip

@@ -59,8 +59,8 @@ def stats_summary(stats: Mapping[str, Any], estimate: Estimate | Pending | None 
     pace = f" at **{speed:.1f} tok/s**" if speed else ""
     if _speculative(stats):
         accepted = int(stats.get("accepted") or 0)
-        wrote = f"The draft wrote **{accepted} of these {_plural(n, 'token')}**" if accepted else \
-            f"The draft has had none of these {_plural(n, 'token')} accepted"  # fmt: skip
+        wrote = (f"The draft wrote **{accepted} of these {_plural(n, 'token')}**" if accepted
+                 else f"The draft has had none of these {_plural(n, 'token')} accepted")  # fmt: skip
         line = f"{wrote}{pace}; {speed_up_phrase(estimate, finished is not None)}."
     else:
         line = f"Plain decoding: **{_plural(n, 'token')}**{pace}, one step of the target each (no draft)."

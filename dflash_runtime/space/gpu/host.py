@@ -13,22 +13,19 @@ engine is loaded, so the web process knows when the next request must plan a loa
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .. import methods as draft_methods
-from ..backends import FreeMemory, free_memory
-from ..errors import (
+from ...backends import FreeMemory, free_memory
+from ...errors import (
     DecodeError,
     DFlashError,
     EngineClosedError,
@@ -37,116 +34,18 @@ from ..errors import (
     RemoteDeviceError,
     RequestError,
 )
-from ..footprint import ParallelPlan, plan_parallel, with_remote_memory
-from ..gguf_meta import read_gguf
+from ...footprint import ParallelPlan, plan_parallel, with_remote_memory
+from ...gguf_meta import read_gguf
+from ..crossing import GpuJob, ReplyChunk, client_of_owner, info_digest, phase_decoding
+from ..requests import DEFAULT_SYSTEM_PROMPT, ChatRequest, thinking_prefix
+from ..scrub import scrub_paths
+from ..setup.presets import PairPreset, ResolvedPair, draft_unavailable, has_mtp_head
 from .fitting import FittedConversation, fit_conversation, fit_prompt, prompt_tokens
-from .presets import PairPreset, ResolvedPair, draft_unavailable, has_mtp_head
-from .requests import DEFAULT_SYSTEM_PROMPT, ChatRequest, thinking_prefix
-from .views import scrub_paths
 
-# Each phase's decoding: None for the request's own `speculative` and method; True for speculative with the request's
-# method; False for plain decoding; a method name for speculative decoding with that method (an A/B comparison).
-PHASES: dict[str, bool | str | None] = {"chat": None, "speculative": True, "plain": False,
-                                        **{m: m for m in draft_methods.runnable(lambda needs: True)}}  # fmt: skip
 log = logging.getLogger(__name__)
 # Errors after which the engine's state is not to be trusted: it is closed, and the next request loads it again.
 # Any other runtime error (a bad request, a prompt too long, a busy engine) leaves it as it is.
 ENGINE_FAILURES = (DecodeError, EngineClosedError, RemoteDeviceError)
-
-
-@dataclass(frozen=True)
-class GpuJob:
-    """Everything the GPU function needs (plain data: it is pickled into the ZeroGPU worker)."""
-
-    request: ChatRequest
-    preset: PairPreset
-    files: ResolvedPair
-    phases: tuple[str, ...] = ("chat",)  # e.g. ("dflash", "mtp", "plain") for an A/B comparison
-    gpu_seconds: int = 60  # the duration asked of ZeroGPU, decided in the web process
-    # Whose text this is (an opaque key per visitor's session): the engine reuses cached tokens only for the same
-    # owner, beyond the prompt's public prefix. Empty: a fresh owner, nothing of anybody else's is reused.
-    cache_owner: str = ""
-    engine_info_seen: str = ""  # the digest of the engine description the web process holds (see info_digest)
-
-    def __post_init__(self) -> None:
-        unknown = [phase for phase in self.phases if phase not in PHASES]
-        if unknown or not self.phases:
-            raise ValueError(f"phases must be some of {list(PHASES)}, got {self.phases}")
-
-    def speculative_phases(self) -> tuple[bool, ...]:
-        return tuple(phase_decoding(self.request, p)[0] for p in self.phases)
-
-
-def phase_decoding(request: ChatRequest, phase: str) -> tuple[bool, str | None]:
-    """(speculative, method) of one phase: method None means the request's own."""
-    decoding = PHASES[phase]
-    if decoding is None:
-        return request.speculative, None
-    if isinstance(decoding, str):
-        return True, decoding
-    return decoding, None
-
-
-@dataclass
-class ReplyChunk:
-    """What a streaming reply sends after each engine step (plain data: it crosses the ZeroGPU process line). Its
-    size does not grow with the answer: the text and everything that accumulates come as what this step added, and
-    what does not change within a reply comes once."""
-
-    delta: str  # the text this step added
-    # The statistics after this step, without `draft_lengths` (see below) and, but for the last chunk, `drafted_by`.
-    stats: dict[str, Any]
-    finish_reason: str | None = None
-    finish_detail: str = ""
-    notice: str | None = None  # on a phase's first chunk only
-    phase: str = "chat"  # "chat", or "speculative" / "plain" during an A/B comparison
-    engine_info: dict[str, Any] | None = None  # when it differs from what this host sent before
-    worker: dict[str, Any] = field(default_factory=dict)  # on a job's first and last chunk: loads, load_s, ...
-    used_s: float | None = None  # the GPU function's time so far
-    dropped_turns: int = 0
-    error_type: str | None = None  # set on a final chunk that reports an error instead of raising it
-    error: str | None = None
-    # Who wrote `delta`: runs of (n_chars, "draft" | "target") covering it exactly.
-    source_runs: list[tuple[int, str]] = field(default_factory=list)
-    draft_lengths: list[int] = field(default_factory=list)  # the draft lengths chosen in this step's rounds
-    # On an A/B comparison's last chunk at temperature 0: each phase whose answer differs from plain decoding's →
-    # Divergence.to_dict() (dflash_runtime.divergence): where, and whether a near-tie or a fault.
-    divergences: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def then(self, newer: ReplyChunk) -> ReplyChunk:
-        """This chunk and the `newer` one after it as one (for a reader that skips chunks a newer one replaced):
-        what accumulates is joined, what comes once is kept."""
-        return replace(
-            newer,
-            delta=self.delta + newer.delta,
-            notice=newer.notice or self.notice,
-            engine_info=newer.engine_info or self.engine_info,
-            worker={**self.worker, **newer.worker},
-            source_runs=[*self.source_runs, *newer.source_runs],
-            draft_lengths=[*self.draft_lengths, *newer.draft_lengths],
-            divergences={**self.divergences, **newer.divergences},
-        )
-
-    def given_up(self) -> ReplyChunk:
-        """This chunk as the last of its answer, which ends here to give its sequence to another client's waiting
-        answer (see jobs.EngineSlot): what it carries stays, its statistics say why it stopped."""
-        if self.finish_reason is not None:
-            return self
-        return replace(self, finish_reason="shared", finish_detail=SHARED_DETAIL)
-
-
-SHARED_DETAIL = "cut short: another visitor was waiting while you had answers on several of the engine's sequences"
-
-
-def owner_of(client: str, session: str) -> str:
-    """The cache owner of a session of a client (both opaque hex keys): the engine shares its parked states out by
-    the client part (see client_of_owner)."""
-    return f"{client}/{session}"
-
-
-def client_of_owner(owner: Any) -> Any:
-    """The client part of a cache owner made by owner_of (an owner of another form is its own client)."""
-    return owner.split("/", 1)[0] if isinstance(owner, str) else owner
 
 
 # What the cache holds now (tokens, checkpoints, the owners' parked states) and how many answers run: the state of
@@ -176,19 +75,13 @@ def _public_info(info: dict[str, Any]) -> dict[str, Any]:
 
 def without_endpoints(text: str, endpoints: tuple[str, ...]) -> str:
     """`text` with the RPC servers' addresses (as given and as parsed) replaced by "<DFLASH_RPC>"."""
-    from ..rpc import parse_endpoint
+    from ...rpc import parse_endpoint
 
     for endpoint in endpoints:
         host, port = parse_endpoint(endpoint)
         for spelling in (endpoint, f"{host}:{port}"):
             text = text.replace(spelling, "<DFLASH_RPC>")
     return text
-
-
-def info_digest(info: dict[str, Any]) -> str:
-    """A short digest of an engine description: the web process says which one it holds, the host sends its own only
-    when it differs."""
-    return hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -224,8 +117,8 @@ class EngineFacts:
         reply so it folds whole. The template's generation prompt does not depend on the conversation."""
         if thinking not in self.thinking_prefix:
             probe = [{"role": "user", "content": "a"}]
-            self.thinking_prefix[thinking] = thinking_prefix(engine.render_chat(probe, enable_thinking=True)) \
-                if thinking else ""  # fmt: skip
+            self.thinking_prefix[thinking] = (thinking_prefix(engine.render_chat(probe, enable_thinking=True))
+                                              if thinking else "")  # fmt: skip
         return self.thinking_prefix[thinking]
 
 
@@ -331,7 +224,7 @@ class EngineHost:
         key = (preset, files)
         self._close()
         started = time.monotonic()
-        from ..sessions import SessionPolicy  # the core's cache modules import libllama: only where engines run
+        from ...sessions import SessionPolicy  # the core's cache modules import libllama: only where engines run
 
         # Only a visitor's own request parks its state (see run): nobody's request pays for, or times, another's.
         # `parallel` sequences of n_ctx tokens each: the requests that run at once (see presets.parallel_from_env).
@@ -369,7 +262,7 @@ class EngineHost:
             return preset.parallel
         memory = self._memory(preset.n_gpu_layers)
         if preset.rpc:
-            from ..rpc import remote_memory
+            from ...rpc import remote_memory
 
             memory = with_remote_memory(memory, remote_memory(preset.rpc))
         try:

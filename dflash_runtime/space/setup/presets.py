@@ -1,5 +1,5 @@
 """The model pair as a named preset read from environment variables, or the offline demo's generated test models
-(the run mode that picks between them: dflash_runtime.space.runmode).
+(the run mode that picks between them: dflash_runtime.space.setup.runmode).
 
 | variable | meaning | default |
 | --- | --- | --- |
@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..hub import ModelSource
+from ...hub import ModelSource
 
 log = logging.getLogger(__name__)
 DEFAULT_PRESET_NAME = "qwen3.8-27b-dflash2"
@@ -93,7 +93,7 @@ class ResolvedPair:
 
 def has_mtp_head(target_path: Path) -> bool:
     """Whether a target GGUF carries an MTP head (nextn layers), from its header: no model is opened."""
-    from ..gguf_meta import read_gguf
+    from ...gguf_meta import read_gguf
 
     info = read_gguf(target_path)
     return int(info.keys.get(f"{info.arch}.nextn_predict_layers", 0) or 0) > 0
@@ -106,7 +106,7 @@ def draft_unavailable(why: str) -> str:
 
 def header_sampling_defaults(target_path: Path) -> dict[str, float | int]:
     """The target's recommended sampling from its GGUF header, read in the web process without opening the model."""
-    from ..gguf_meta import read_gguf, sampling_defaults
+    from ...gguf_meta import read_gguf, sampling_defaults
 
     return sampling_defaults(read_gguf(target_path).keys.get)
 
@@ -198,7 +198,7 @@ def preset_from_env(env: Mapping[str, str] | None = None) -> PairPreset:
 
 def rpc_from_env(env: Mapping[str, str]) -> tuple[str, ...]:
     """DFLASH_RPC: host:port endpoints, comma separated (checked here, so a typo stops the start)."""
-    from ..rpc import parse_endpoint
+    from ...rpc import parse_endpoint
 
     endpoints = tuple(e.strip() for e in (env_text(env, "DFLASH_RPC") or "").split(",") if e.strip())
     for endpoint in endpoints:

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..errors import DownloadError, ModelFileError
-from ..hub import ModelSource, fetch_model_file
+from ...errors import DownloadError, ModelFileError
+from ...hub import ModelSource, fetch_model_file
 from .presets import PairPreset, ResolvedPair, draft_unavailable, env_text, has_mtp_head
 
 log = logging.getLogger(__name__)

@@ -56,10 +56,10 @@ from urllib.parse import parse_qs
 
 from pydantic import TypeAdapter, ValidationError
 
-from ..errors import RequestError
+from ...errors import RequestError
+from ..setup.settings import BUSY_TIMEOUT_S, busy_timeout_from_env, env_number
 from .clients import ClientSettings, client_of_scope
 from .probes import TrafficFloor, call_heartbeat, queue_heartbeat, tighten
-from .requests import _env_number
 
 log = logging.getLogger(__name__)
 Scope = MutableMapping[str, Any]
@@ -100,21 +100,21 @@ class GateSettings:
     total_jobs: int = 64
     max_body_bytes: int = 1 << 20
     probe_bytes_s: float = 48 * 1024
-    busy_timeout_s: float = 120.0
+    busy_timeout_s: float = BUSY_TIMEOUT_S
     clients: ClientSettings = field(default_factory=ClientSettings)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, queue_size: int | None = None) -> GateSettings:
         env = os.environ if env is None else env
-        total = int(_env_number(env, "DFLASH_TOTAL_JOBS", cls.total_jobs))
+        total = int(env_number(env, "DFLASH_TOTAL_JOBS", cls.total_jobs))
         return cls(
-            reader_timeout_s=_env_number(env, "DFLASH_READER_TIMEOUT_S", cls.reader_timeout_s),
-            client_jobs=int(_env_number(env, "DFLASH_CLIENT_JOBS", cls.client_jobs)),
-            session_jobs=int(_env_number(env, "DFLASH_SESSION_JOBS", cls.session_jobs)),
+            reader_timeout_s=env_number(env, "DFLASH_READER_TIMEOUT_S", cls.reader_timeout_s),
+            client_jobs=int(env_number(env, "DFLASH_CLIENT_JOBS", cls.client_jobs)),
+            session_jobs=int(env_number(env, "DFLASH_SESSION_JOBS", cls.session_jobs)),
             total_jobs=min(total, queue_size) if queue_size else total,
-            max_body_bytes=int(_env_number(env, "DFLASH_MAX_BODY_BYTES", cls.max_body_bytes)),
-            probe_bytes_s=_env_number(env, "DFLASH_READER_PROBE_BYTES_S", cls.probe_bytes_s),
-            busy_timeout_s=_env_number(env, "DFLASH_BUSY_TIMEOUT_S", cls.busy_timeout_s),
+            max_body_bytes=int(env_number(env, "DFLASH_MAX_BODY_BYTES", cls.max_body_bytes)),
+            probe_bytes_s=env_number(env, "DFLASH_READER_PROBE_BYTES_S", cls.probe_bytes_s),
+            busy_timeout_s=busy_timeout_from_env(env),
             clients=ClientSettings.from_env(env),
         )
 

@@ -1,4 +1,6 @@
-"""A live estimate of how much faster an answer runs than plain decoding would, from the answer's own steps.
+"""An answer's speed as the page shows it: a live estimate of how much faster it runs than plain decoding would, from
+the answer's own steps, and the chart's trace of its decode speed and acceptance (`SpeedTrace`: a point per stretch of
+generated tokens, so the chart's updates follow the work done, not the clock).
 
 Plain decoding writes one token per step of the target. A speculative answer with an adaptive draft length takes
 plain steps too (one token, no draft) wherever drafting would not pay, so the time of those steps, measured inside
@@ -97,3 +99,50 @@ def trimmed(samples: list[tuple[int, float]], share: float = TRIM) -> list[tuple
     cut = int(len(samples) * share)
     ordered = sorted(samples, key=lambda sample: sample[1] / sample[0])
     return ordered[cut : len(ordered) - cut] if cut else ordered
+
+
+# -- the chart's trace -------------------------------------------------------------------------------------------------
+
+SPEED, ACCEPTANCE = "decode speed (tok/s)", "acceptance (%)"  # each series has a chart (and a y axis) of its own
+MIN_POINT_EVERY = 4
+POINTS_PER_ANSWER = 48
+
+
+def point_every(max_tokens: int) -> int:
+    """Tokens between two chart points: about POINTS_PER_ANSWER points for an answer of max_tokens."""
+    return max(MIN_POINT_EVERY, max_tokens // POINTS_PER_ANSWER)
+
+
+@dataclass
+class SpeedTrace:
+    """Decode speed and acceptance so far, a point each time `every` more tokens were generated, and at the end. The
+    last point is what the statistics panel shows."""
+
+    every: int
+    points: list[tuple[int, float, float | None]] = field(default_factory=list)  # (tokens, tok/s, acceptance %)
+    _next: int = 0
+
+    def __post_init__(self) -> None:
+        # The first point waits for a stretch of tokens: the speed of the first few (the first is the prefill's own
+        # sample, timed at almost nothing) is meaningless and would set the chart's scale.
+        self._next = self.every
+
+    def add(self, stats: Mapping[str, Any], final: bool = False) -> bool:
+        """Take a point from the statistics after a step (the API's: acceptance as the engine counted it, the decode
+        speed of the steps so far, None before the first); whether one was taken."""
+        n = int(stats.get("n_generated") or 0)
+        speed = stats.get("decode_tok_s")
+        again = bool(self.points) and self.points[-1][0] == n
+        if n <= 0 or speed is None or (again and not final) or (n < self._next and not final):
+            return False
+        acceptance = round(100.0 * stats["acceptance_rate"], 1) if stats.get("drafted") else None  # none drafted
+        if again:  # the final statistics of a step already charted replace its point
+            self.points.pop()
+        self.points.append((n, round(float(speed), 1), acceptance))
+        self._next = (n // self.every + 1) * self.every
+        return True
+
+    def rows(self, series: str) -> list[dict[str, Any]]:
+        """The points of one series (SPEED or ACCEPTANCE) as its line chart reads them."""
+        column = 1 if series == SPEED else 2
+        return [{"tokens": p[0], "value": p[column]} for p in self.points if p[column] is not None]

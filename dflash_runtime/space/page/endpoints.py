@@ -10,6 +10,7 @@ No `from __future__ import annotations` here: Gradio reads the endpoints' annota
 import inspect
 import logging
 import random
+import re
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import replace
@@ -18,22 +19,31 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from ..errors import DFlashError, PromptTooLongError, RequestError
-from ..methods import runnable as registered_methods
-from .callers import call_of
-from .clients import ClientIdentity
+from ...errors import DFlashError, PromptTooLongError, RequestError
+from ...methods import runnable as registered_methods
+from ..requests import AUTO, DEFAULT_SYSTEM_PROMPT, MessageTooLongError
+from ..scrub import scrub_paths
+from ..web.callers import call_of
+from ..web.clients import ClientIdentity
+from ..web.service import Reply, SpaceService, wait_problem
 from .panel import EMPTY_DETAILS, EMPTY_STATS, REFUSED_STATS, WAITING_STATS, stats_details, stats_summary
-from .provenance import ACCEPTANCE, SPEED, SpeedTrace, point_every
-from .requests import AUTO, DEFAULT_SYSTEM_PROMPT, MessageTooLongError
-from .service import Comparison, Reply, SpaceService, wait_problem
 from .session import ChatSession
-from .speedup import LiveSpeedUp
-from .views import PLAIN_LABEL, acceptance_rows, info_markdown, method_help, method_label, scrub_paths, sharing_note
+from .speedup import ACCEPTANCE, SPEED, LiveSpeedUp, SpeedTrace, point_every
+from .views import (
+    PLAIN_LABEL,
+    Comparison,
+    acceptance_rows,
+    info_markdown,
+    method_help,
+    method_label,
+    sharing_note,
+)
 
 log = logging.getLogger(__name__)
 ApiReply = tuple[str, dict[str, Any]]
 # /chat's and /generate's parameters, in order (a raw HTTP call sends one value for each; see callers.py)
-# (new ones go at the end: an old client's values keep their places; draft_max is the deprecated draft_length)
+# (new ones go at the end: an old client's values keep their places; draft_max is the deprecated draft_length).
+# Declared here once: make_api refuses endpoints whose signature or documented parameters differ (api_problems).
 API_PARAMETERS = ("message", "history", "system_prompt", "preset", "max_tokens", "temperature", "top_p", "draft_max",
                   "speculative", "thinking", "method", "draft_length", "top_k", "min_p")  # fmt: skip
 WAIT_PARAMETERS = ("until", "timeout_s")
@@ -49,8 +59,8 @@ TOO_LONG = "MessageTooLong"  # the title of a message refused for its length, by
 
 def too_long(error: Exception) -> bool:
     """Whether the message was refused for its length: here (characters) or by the GPU function (tokens)."""
-    return isinstance(error, MessageTooLongError | PromptTooLongError) or \
-        getattr(error, "kind", None) == PromptTooLongError.__name__  # fmt: skip
+    return (isinstance(error, MessageTooLongError | PromptTooLongError)
+            or getattr(error, "kind", None) == PromptTooLongError.__name__)  # fmt: skip
 
 
 def visitor_message(error: Exception) -> tuple[str, str]:
@@ -183,6 +193,30 @@ def step_stats(reply: Reply) -> dict[str, Any]:
     return {**reply.stats, "source_runs": runs, "draft_lengths": list(last.draft_lengths) if last else []}
 
 
+def documented_parameters(function: Callable[..., Any]) -> tuple[str, ...]:
+    """The parameters a function's docstring lists under "Parameters:" (what Gradio shows of each), in order."""
+    lines = (inspect.getdoc(function) or "").splitlines()
+    start = lines.index("Parameters:") + 1 if "Parameters:" in lines else len(lines)
+    names: list[str] = []
+    for line in lines[start:]:
+        if line and not line.startswith(" "):  # the next section ("Returns:")
+            break
+        if (found := re.match(r" {4}(\w+): ", line)) is not None:
+            names.append(found.group(1))
+    return tuple(names)
+
+
+def api_problems(function: Callable[..., Any], parameters: tuple[str, ...] = API_PARAMETERS) -> list[str]:
+    """How an endpoint's signature (but Gradio's own `request`) and documented parameters differ from `parameters`."""
+    problems = []
+    signature = tuple(name for name in inspect.signature(function).parameters if name != "request")
+    if signature != parameters:
+        problems.append(f"{function.__name__}'s signature takes {signature}, not {parameters}")
+    if documented_parameters(function) != parameters:
+        problems.append(f"{function.__name__}'s docstring lists {documented_parameters(function)}, not {parameters}")
+    return problems
+
+
 def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
     """The /chat, /generate, /info and /wait endpoints. Parameters keep JSON's types: integers, floats, booleans and
     strings are checked as such (service.check), never coerced."""
@@ -309,6 +343,9 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
         with visitor_errors():
             return service.info_when(until, timeout_s)
 
+    problems = [*api_problems(chat), *api_problems(generate), *api_problems(wait, WAIT_PARAMETERS)]
+    if problems:  # one declaration (API_PARAMETERS): a raw call's values are checked and placed by it
+        raise TypeError("; ".join(problems))
     return chat, generate, info, wait
 
 

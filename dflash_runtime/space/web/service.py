@@ -1,8 +1,8 @@
 """The Space as the web process runs it: configuration, request checks, GPU jobs and what they report, and the
-server's description (/info). Gradio-free: the endpoints and the page call it (dflash_runtime.space.endpoints).
+server's description (/info). Gradio-free: the endpoints and the page call it (dflash_runtime.space.page.endpoints).
 
 Everything that can be checked is checked here, before a GPU is asked for; the GPU function runs the job
-(dflash_runtime.space.zerogpu) and its chunks come back through a ReplyJob, which cancels the work when the caller
+(dflash_runtime.space.gpu.zerogpu) and its chunks come back through a ReplyJob, which cancels the work when the caller
 leaves. The running estimates of GPU time learn from every finished answer.
 """
 
@@ -18,17 +18,16 @@ import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
-from ..errors import DFlashError, RequestError
-from ..methods import runnable as registered_methods
-from .callers import AdmissionError, Callers, GateSettings, excerpt
-from .clients import ClientIdentity, client_of_request
-from .downloads import PairDownload
-from .gpu_time import GpuTimeEstimator, GpuTimeSettings
-from .host import GpuJob, ReplyChunk, info_digest, owner_of
-from .jobs import EngineSlot, ReplyJob
-from .presets import (
+from ...errors import DFlashError, RequestError
+from ...methods import runnable as registered_methods
+from ..crossing import GpuJob, ReplyChunk, info_digest, owner_of
+from ..provenance import SourceRuns
+from ..requests import AUTO, ChatRequest, Limits, build_request
+from ..scrub import scrub_paths
+from ..setup.downloads import PairDownload
+from ..setup.presets import (
     DemoFiles,
     PairPreset,
     ResolvedPair,
@@ -39,11 +38,11 @@ from .presets import (
     overrides_in_env,
     parallel_from_env,
 )
-from .provenance import SourceRuns
-from .requests import AUTO, ChatRequest, Limits, build_request
-from .runmode import RunMode, choose_run_mode, cuda_device_present, on_zero_gpu, settle_run_mode
-from .session import ChatSession
-from .views import comparison_markdown, scrub_paths
+from ..setup.runmode import RunMode, choose_run_mode, cuda_device_present, on_zero_gpu, settle_run_mode
+from .callers import AdmissionError, Callers, GateSettings, excerpt
+from .clients import ClientIdentity, client_of_request
+from .gpu_time import GpuTimeEstimator, GpuTimeSettings
+from .jobs import EngineSlot, ReplyJob
 
 log = logging.getLogger(__name__)
 BUILD_KEYS = (
@@ -55,6 +54,15 @@ SCHEDULING_ERRORS = (
     "ZeroGPU quota exceeded", "ZeroGPU illegal duration", "ZeroGPU queue timeout", "ZeroGPU pending credits exceeded",
     "ZeroGPU client error",
 )  # fmt: skip
+
+
+class JobHolder(Protocol):
+    """Who holds a reply's running job while it streams (a tab's conversation: page.session.ChatSession), so that
+    Stop and Clear reach it."""
+
+    def attach(self, job: ReplyJob[ReplyChunk]) -> None: ...
+
+    def detach(self, job: ReplyJob[ReplyChunk]) -> None: ...
 
 
 class WorkerError(DFlashError):
@@ -86,37 +94,6 @@ class Reply:
         self.draft_lengths.extend(chunk.draft_lengths)
         self.notice = chunk.notice or self.notice
         self.finish_reason = chunk.finish_reason
-
-
-@dataclass
-class Comparison:
-    """The A/B view's state: the latest reply of each phase of one request (plain decoding and each draft method),
-    all run with the same seed. `labels`: each method phase's row name."""
-
-    temperature: float
-    seed: int
-    labels: dict[str, str]
-    phases: dict[str, Reply] = field(default_factory=dict)
-    divergences: dict[str, dict[str, Any]] = field(default_factory=dict)  # phase → why it differs from plain
-
-    def add(self, reply: Reply) -> str:
-        self.phases[reply.phase] = reply
-        if reply.last is not None:
-            self.divergences.update(reply.last.divergences)
-        plain = self.phases.get("plain")
-        plain_done = plain is not None and plain.finish_reason is not None
-        methods: dict[str, dict[str, Any] | None] = {}
-        identical: dict[str, bool | None] = {}
-        for phase, label in self.labels.items():
-            run = self.phases.get(phase)
-            methods[label] = run.stats if run else None
-            done = plain_done and run is not None and run.finish_reason is not None
-            identical[label] = (run.text == plain.text) if done and run and plain else None
-        divergences = {label: self.divergences[phase] for phase, label in self.labels.items()
-                       if phase in self.divergences}
-        return comparison_markdown(methods, plain.stats if plain else None, identical,
-                                   temperature=self.temperature, seed=self.seed,
-                                   divergences=divergences)  # fmt: skip
 
 
 def decode_speed(stats: Mapping[str, Any]) -> float | None:
@@ -152,7 +129,7 @@ def _scrubbed(value: Any) -> Any:
 
 def web_process_facts() -> dict[str, Any]:
     """What this process has loaded (it must load no llama.cpp backend, model or context on ZeroGPU)."""
-    from .. import backends
+    from ... import backends
 
     pair = sys.modules.get("dflash_runtime.pair")  # never imported here: then it holds nothing
     return {
@@ -219,12 +196,13 @@ class SpaceService:
     @classmethod
     def from_env(
         cls, build_status: str, build: Mapping[str, Any], env: Mapping[str, str] | None = None,
-        demo_files: DemoFiles | None = None,
+        demo_files: DemoFiles | None = None, *, run_gpu: Callable[[GpuJob], Iterator[ReplyChunk]],
+        quota_seconds: Callable[[int], int | None], gpu_size: str | None,
     ) -> SpaceService:
-        """The service as the environment configures it, given the start-up check's result; `demo_files` makes the
-        offline demo's generated models (see presets.DemoFiles)."""
-        from . import zerogpu
-
+        """The service as the environment configures it, given the start-up check's result and the GPU function
+        (`run_gpu`, with what ZeroGPU charges for a duration and the GPU size asked: dflash_runtime.space.gpu.zerogpu,
+        which the composition root hands in); `demo_files` makes the offline demo's generated models (see
+        presets.DemoFiles)."""
         env = os.environ if env is None else env
         zero_gpu, has_cuda = on_zero_gpu(env), cuda_device_present()
         mode = choose_run_mode(env, overrides_in_env(env), has_cuda)
@@ -239,11 +217,11 @@ class SpaceService:
             download=PairDownload.from_env(preset, env),
             build_status=build_status,
             build=build,
-            run_gpu=zerogpu.run_on_gpu,
-            quota_seconds=zerogpu.quota_seconds,
+            run_gpu=run_gpu,
+            quota_seconds=quota_seconds,
             gpu_time=GpuTimeSettings.from_env(env),
             zero_gpu=zero_gpu,
-            gpu_size=zerogpu.GPU_SIZE,
+            gpu_size=gpu_size,
             show_diagnostics=env.get("DFLASH_DIAGNOSTICS", "").strip() in ("1", "true", "yes"),
             gate=GateSettings.from_env(env),
         )
@@ -327,7 +305,7 @@ class SpaceService:
         owner: str,
         client: ClientIdentity,
         latest_only: bool = False,
-        session: ChatSession | None = None,
+        session: JobHolder | None = None,
         call: str | None = None,
     ) -> AsyncIterator[Reply]:
         """Run `request` on the GPU for `owner` (see owner_key; "" for nobody's) of `client` and stream its reply,
@@ -353,7 +331,7 @@ class SpaceService:
                 self.callers.end(admitted.id)
 
     async def _reply(self, request: ChatRequest, phases: tuple[str, ...], owner: str, client: ClientIdentity,
-                     latest_only: bool, session: ChatSession | None, call: str) -> AsyncIterator[Reply]:  # fmt: skip
+                     latest_only: bool, session: JobHolder | None, call: str) -> AsyncIterator[Reply]:  # fmt: skip
         if not self.callers.start(call):
             log.info("an answer nobody reads was dropped before it started")  # (callers.py)
             return

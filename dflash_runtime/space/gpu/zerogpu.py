@@ -11,8 +11,9 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .callers import GateSettings
-from .host import EngineHost, GpuJob, ReplyChunk
+from ..crossing import GpuJob, ReplyChunk
+from ..setup.settings import busy_timeout_from_env
+from .host import EngineHost
 
 try:  # ZeroGPU provides `spaces`; elsewhere its decorator is a no-op, and without it an identity stands in
     import spaces
@@ -36,13 +37,13 @@ def gpu_size_from_env() -> str | None:
 
 
 def _load_pair(*args: Any, **kwargs: Any) -> Any:
-    from .. import load_pair  # imported where generation runs: the web process of a ZeroGPU Space never loads it
+    from ... import load_pair  # imported where generation runs: the web process of a ZeroGPU Space never loads it
 
     return load_pair(*args, **kwargs)
 
 
 GPU_SIZE = gpu_size_from_env()
-HOST = EngineHost(_load_pair, GateSettings.from_env().busy_timeout_s)  # the Space's one wait for the engine
+HOST = EngineHost(_load_pair, busy_timeout_from_env())  # the Space's one wait for the engine
 
 
 def _requested_seconds(job: GpuJob) -> int:

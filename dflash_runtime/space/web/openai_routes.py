@@ -25,12 +25,12 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from ..errors import RequestError
-from ..openai_api.errors import ApiError, bad_field, busy, from_runtime, over_limit, unavailable
-from ..openai_api.fields import CHAT, ApiRequest
-from ..openai_api.server import Caller, Progress, V1Api
+from ...errors import RequestError
+from ...openai_api.errors import ApiError, bad_field, busy, from_runtime, over_limit, unavailable
+from ...openai_api.fields import CHAT, ApiRequest
+from ...openai_api.server import Caller, Progress, V1Api
+from ..requests import ChatRequest
 from .clients import ClientIdentity, ClientSettings, client_identity
-from .requests import ChatRequest
 from .service import SpaceService, WorkerError
 
 V1_CALL = -1  # the Callers' fn_index of a /v1 call (Gradio numbers its own events from 0)

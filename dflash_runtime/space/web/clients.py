@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .requests import _env_number
+from ..setup.settings import env_number
 
 _SECRET = secrets.token_bytes(32)  # per process: client keys cannot be matched to addresses elsewhere
 UNKNOWN = "unknown"  # no address at all (an in-process call): one client, so limited as one
@@ -43,7 +43,7 @@ class ClientSettings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClientSettings:
         env = os.environ if env is None else env
         default = 1 if env.get("SPACE_ID") else 0
-        return cls(trusted_proxy_hops=max(0, int(_env_number(env, "DFLASH_TRUSTED_PROXY_HOPS", default))))
+        return cls(trusted_proxy_hops=max(0, int(env_number(env, "DFLASH_TRUSTED_PROXY_HOPS", default))))
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .provenance import DRAFT, Run
-from .requests import THINK_CLOSE, THINK_OPEN
+from ..provenance import DRAFT, Run
+from ..requests import THINK_CLOSE, THINK_OPEN
 
 DRAFT_CLASS = "dflash-draft"
 TEXT_CLASS = "dflash-text"

@@ -1,0 +1,1 @@
+"""Where generation runs (the GPU worker on ZeroGPU): the GPU function and the engine host it keeps."""

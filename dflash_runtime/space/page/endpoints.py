@@ -144,42 +144,16 @@ HIDDEN_CHARTS = (gr.update(value=None, visible=False),) * 3
 
 def notice_line(text: str) -> str:
     """The notice line under the chat ("" when it has nothing to say): its text alone, the line always mounted (an
-    empty one takes no room). A plain value, never an update: see `steady_frames`."""
+    empty one takes no room). A plain value, never an update: Gradio streams a handler's frames as diffs against the
+    frame before, and the page applies each diff in place to the previous frame's value. An update followed by a skip
+    becomes "delete its properties", applied to the very object the update arrived in; when the frames reach the
+    page in one burst (the result stream opened after the handler had already run, as for a refusal computed at
+    once), the page reads that object only after the deletion and the update is lost. A plain value diffs into a new
+    value instead, so a refusal's notice always shows."""
     return text
 
 
 SKIP = gr.skip()
-
-
-def _is_skip(value: Any) -> bool:
-    return isinstance(value, dict) and value == SKIP
-
-
-def _is_light_update(value: Any) -> bool:
-    """An update that changes something (`gr.update(...)` with at least one property; `gr.skip()` changes nothing)
-    and is cheap for the page to apply again: no data of its own (a chart's frame is drawn anew each time)."""
-    return (isinstance(value, dict) and value.get("__type__") == "update" and len(value) > 1
-            and isinstance(value.get("value"), str | int | float | bool | None))  # fmt: skip
-
-
-async def steady_frames(frames: AsyncIterator[tuple[Any, ...]]) -> AsyncIterator[tuple[Any, ...]]:
-    """A streaming handler's frames, with an output that an update set and the next frame skips sent as that same
-    update again.
-
-    Gradio streams a generator's frames as diffs against the frame before, and the page applies each diff to the
-    previous frame's value in place: an update followed by a skip becomes "delete its properties", applied to the
-    very object the update arrived in. When frames reach the page in one burst (the result stream opened after the
-    handler had already run, as for a refusal computed at once), the page may read that object only after the
-    deletion, and the update is lost (a switch shown, a chart's hiding). An update sent again diffs to nothing; the
-    page applies the same update twice, which changes nothing. Plain values (text, a chat) never diff into an
-    earlier frame's object this way, so they are left alone; so are updates that carry data (a chart's points): the
-    page would draw them anew at every frame, and the next such update, or the answer's last, replaces them anyway."""
-    previous: tuple[Any, ...] = ()
-    async for frame in frames:
-        frame = tuple(previous[i] if _is_skip(value) and i < len(previous) and _is_light_update(previous[i]) else value
-                      for i, value in enumerate(frame))  # fmt: skip
-        previous = frame
-        yield frame
 
 
 # -- the API --------------------------------------------------------------------------------------------------------
@@ -468,8 +442,7 @@ class PageHandlers:
         is usable again once the answer has ended, however it ended."""
         call = call_of(request)
         try:
-            frames_of = self._respond_frames(session, call, self.service.client(request))
-            async with aclosing(steady_frames(frames_of)) as frames:
+            async with aclosing(self._respond_frames(session, call, self.service.client(request))) as frames:
                 async for frame in frames:
                     yield frame
         finally:

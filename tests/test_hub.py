@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -242,6 +243,41 @@ def test_the_app_downloads_the_pair_in_the_web_process(tmp_path: Path) -> None:
         messages = [{"role": "user", "content": "hello world"}]
         assert text == engine.chat(messages, enable_thinking=False, max_tokens=24, temperature=0.0).text
     assert stats["n_generated"] == 24 and stats["preset"] == "fake-hub-pair"
+
+
+def test_an_api_call_waits_for_the_download_no_longer_than_the_busy_timeout(tmp_path: Path) -> None:
+    """While the pair still downloads, an API call waits for it at most DFLASH_BUSY_TIMEOUT_S, then is told to retry
+    (with the download's progress); once the files are there, calls are answered."""
+    tiny = tiny_pair(target="dense", draft="dflash2", head="shaped")
+    fake = FakeHub(gate=threading.Event()).start()  # the download waits until the test lets it go
+    fake.add_file("test-org/tiny-target-GGUF", "tiny-target-F32.gguf", tiny.target.read_bytes())
+    fake.add_file("test-org/tiny-draft-GGUF", "tiny-draft-F32.gguf", tiny.draft.read_bytes())
+    env = {
+        "HF_ENDPOINT": fake.endpoint,
+        "DFLASH_CACHE_DIR": str(tmp_path / "hub-cache"),
+        "DFLASH_TARGET_REPO": "test-org/tiny-target-GGUF",
+        "DFLASH_TARGET_FILE": "tiny-target-F32.gguf",
+        "DFLASH_DRAFT_REPO": "test-org/tiny-draft-GGUF",
+        "DFLASH_DRAFT_FILE": "tiny-draft-F32.gguf",
+        "DFLASH_PRESET_NAME": "fake-hub-pair",
+        "DFLASH_N_CTX": "1024",
+        "DFLASH_BUSY_TIMEOUT_S": "2",
+    }
+    app = launch_app(env, tmp_path / "server.log")
+    try:
+        client = Client(app.url, verbose=False)
+        started = time.monotonic()
+        with pytest.raises(AppError, match="still downloading") as refused:
+            client.predict("hello world", api_name="/generate", max_tokens=4)
+        waited = time.monotonic() - started
+        fake.gate.set()
+        text, stats = client.predict("hello world", api_name="/generate", max_tokens=4)
+    finally:
+        stop_app(app.process)
+        fake.stop()
+    assert 2.0 <= waited < 30.0, waited
+    assert "retry in a few minutes" in str(refused.value)
+    assert stats["n_generated"] == 4 and text
 
 
 class OutageHub(FakeHub):

@@ -31,10 +31,12 @@ class RecordingLoader:
 
     def __init__(self) -> None:
         self.engines: list[Any] = []
+        self.options: list[dict[str, Any]] = []  # what each load was asked for
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         engine = load_pair(*args, **kwargs)
         self.engines.append(engine)
+        self.options.append(kwargs)
         return engine
 
 
@@ -291,6 +293,18 @@ def test_one_owner_runs_one_request_at_a_time_and_waits_are_bounded() -> None:
         full.release()
         after = final(engine_host.run(parallel_job("one two three", "visitor", 8)))
         assert after.error is None and after.stats["n_generated"] == 8
+    finally:
+        engine_host.close()
+
+
+def test_the_engine_waits_as_long_as_the_space_does() -> None:
+    """The engine the host opens waits for a sequence as long as the Space's one setting says (not the library's
+    default)."""
+    loader = RecordingLoader()
+    engine_host = EngineHost(loader, busy_timeout_s=7.5)
+    try:
+        assert final(engine_host.run(job("one two", max_tokens=2))).error is None
+        assert [options["busy_timeout_s"] for options in loader.options] == [7.5]
     finally:
         engine_host.close()
 

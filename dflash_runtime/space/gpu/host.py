@@ -229,8 +229,9 @@ class EngineHost:
         # Only a visitor's own request parks its state (see run): nobody's request pays for, or times, another's.
         # `parallel` sequences of n_ctx tokens each: the requests that run at once (see presets.parallel_from_env).
         self._parallel = self._sequences(preset, files)
+        # The engine's own wait for a sequence is the Space's one wait (DFLASH_BUSY_TIMEOUT_S), not the library's.
         options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
-                   "parallel": self._parallel, "numerics": preset.numerics,
+                   "parallel": self._parallel, "numerics": preset.numerics, "busy_timeout_s": self._busy_timeout_s,
                    "sessions": SessionPolicy(park_on_switch=False, group_of=client_of_owner,
                                              per_group=PARKED_PER_CLIENT)}  # fmt: skip
         if preset.rpc:

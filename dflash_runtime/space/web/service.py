@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -280,8 +281,13 @@ class SpaceService:
         return files
 
     async def files(self) -> ResolvedPair:
+        """The pair's local files, waiting for the download at most the Space's busy timeout (then RequestError: an
+        API call does not wait out a download of many gigabytes; the page shows its progress meanwhile)."""
+        deadline = time.monotonic() + self.slot.timeout_s
         while (files := await self.poll_files()) is None:
-            pass
+            if time.monotonic() >= deadline:
+                progress = scrub_paths(self.download.status().summary())
+                raise RequestError(f"the model pair is still downloading ({progress}): retry in a few minutes")
         return files
 
     def owner_key(self, session_hash: str | None, call: str | None = None) -> str:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from typing import Any
 
 import huggingface_hub.constants
 import pytest
@@ -202,16 +203,14 @@ def test_download_status_reads_from_env(hub: FakeHub, tmp_path: Path) -> None:
     assert os.environ.get("HF_TOKEN") != "hf_env"
 
 
-def test_the_app_downloads_the_pair_in_the_web_process(tmp_path: Path) -> None:
-    """Model variables set → the app runs the configured pair: it fetches both files from the (fake) Hub while the
-    page is already up, reports progress on /info, then answers with them like an engine on the same bytes."""
+def gated_hub_pair(tmp_path: Path) -> tuple[Any, FakeHub, dict[str, str]]:
+    """A tiny pair on a fake Hub whose downloads wait for its gate, and the Space's settings that name it."""
     tiny = tiny_pair(target="dense", draft="dflash2", head="shaped")
-    fake = FakeHub(gate=threading.Event()).start()  # downloads wait until the test has seen the page up
+    fake = FakeHub(gate=threading.Event()).start()
     fake.add_file("test-org/tiny-target-GGUF", "tiny-target-F32.gguf", tiny.target.read_bytes())
     fake.add_file("test-org/tiny-draft-GGUF", "tiny-draft-F32.gguf", tiny.draft.read_bytes())
     env = {
         "HF_ENDPOINT": fake.endpoint,
-        "HF_TOKEN": "hf_space_secret",
         "DFLASH_CACHE_DIR": str(tmp_path / "hub-cache"),
         "DFLASH_TARGET_REPO": "test-org/tiny-target-GGUF",
         "DFLASH_TARGET_FILE": "tiny-target-F32.gguf",
@@ -220,6 +219,14 @@ def test_the_app_downloads_the_pair_in_the_web_process(tmp_path: Path) -> None:
         "DFLASH_PRESET_NAME": "fake-hub-pair",
         "DFLASH_N_CTX": "1024",
     }
+    return tiny, fake, env
+
+
+def test_the_app_downloads_the_pair_in_the_web_process(tmp_path: Path) -> None:
+    """Model variables set → the app runs the configured pair: it fetches both files from the (fake) Hub while the
+    page is already up, reports progress on /info, then answers with them like an engine on the same bytes."""
+    tiny, fake, env = gated_hub_pair(tmp_path)  # downloads wait until the test has seen the page up
+    env["HF_TOKEN"] = "hf_space_secret"
     app = launch_app(env, tmp_path / "server.log")
     try:
         client = Client(app.url, verbose=False)
@@ -248,21 +255,8 @@ def test_the_app_downloads_the_pair_in_the_web_process(tmp_path: Path) -> None:
 def test_an_api_call_waits_for_the_download_no_longer_than_the_busy_timeout(tmp_path: Path) -> None:
     """While the pair still downloads, an API call waits for it at most DFLASH_BUSY_TIMEOUT_S, then is told to retry
     (with the download's progress); once the files are there, calls are answered."""
-    tiny = tiny_pair(target="dense", draft="dflash2", head="shaped")
-    fake = FakeHub(gate=threading.Event()).start()  # the download waits until the test lets it go
-    fake.add_file("test-org/tiny-target-GGUF", "tiny-target-F32.gguf", tiny.target.read_bytes())
-    fake.add_file("test-org/tiny-draft-GGUF", "tiny-draft-F32.gguf", tiny.draft.read_bytes())
-    env = {
-        "HF_ENDPOINT": fake.endpoint,
-        "DFLASH_CACHE_DIR": str(tmp_path / "hub-cache"),
-        "DFLASH_TARGET_REPO": "test-org/tiny-target-GGUF",
-        "DFLASH_TARGET_FILE": "tiny-target-F32.gguf",
-        "DFLASH_DRAFT_REPO": "test-org/tiny-draft-GGUF",
-        "DFLASH_DRAFT_FILE": "tiny-draft-F32.gguf",
-        "DFLASH_PRESET_NAME": "fake-hub-pair",
-        "DFLASH_N_CTX": "1024",
-        "DFLASH_BUSY_TIMEOUT_S": "2",
-    }
+    _, fake, env = gated_hub_pair(tmp_path)  # the download waits until the test lets it go
+    env["DFLASH_BUSY_TIMEOUT_S"] = "2"
     app = launch_app(env, tmp_path / "server.log")
     try:
         client = Client(app.url, verbose=False)

@@ -14,6 +14,7 @@ import pytest
 from dflash_runtime.errors import RequestError
 from dflash_runtime.space.web.callers import Call, Callers, GateSettings
 from dflash_runtime.space.web.jobs import EngineSlot, ReplyJob
+from dflash_runtime.space.web.probes import Message, TrafficFloor, queue_heartbeat
 
 TIMEOUT_S = 30.0
 
@@ -228,8 +229,7 @@ def test_a_stream_the_server_ends_is_no_hang_up() -> None:
     the page's next stream as a new call does; and once that stream comes it runs for as long as it is read."""
     clock = Clock()
     callers, reader, call = _read_call(clock)
-    reader.finished = True  # the server sent the stream's end
-    callers.closed(reader)
+    callers.closed(reader, hung_up=False)  # the server sent the stream's end
     assert callers.start(call.id), "a call posted before the server ended the stream is still queued"
     clock.now += 2.0
     assert callers.alive(call.id), "its client opens the next stream: the grace holds"
@@ -238,8 +238,7 @@ def test_a_stream_the_server_ends_is_no_hang_up() -> None:
     assert callers.alive(call.id)
     clock = Clock()
     callers, reader, call = _read_call(clock)
-    reader.finished = True
-    callers.closed(reader)
+    callers.closed(reader, hung_up=False)
     clock.now += 3.1
     assert not callers.start(call.id), "no reader within the grace: abandoned, as any unread call"
 
@@ -422,3 +421,22 @@ def test_two_seats_stream_two_jobs_at_once() -> None:
 
     assert run(both()) == (["first 1", "first 2"], ["second 1", "second 2"])
     assert not slot.busy()
+
+
+def test_the_traffic_floor_knows_when_the_server_ended_the_stream() -> None:
+    """What tells the gate a stream's end from a hang-up: the floor has seen the app write the response's end."""
+    written: list[Message] = []
+
+    async def send(message: Message) -> None:
+        written.append(message)
+
+    async def stream() -> list[bool]:
+        floor = TrafficFloor(send, 0, lambda: True, queue_heartbeat)
+        seen = [floor.finished]
+        await floor.send({"type": "http.response.start", "status": 200, "headers": []})
+        await floor.send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        seen.append(floor.finished)
+        await floor.send({"type": "http.response.body", "body": b"", "more_body": False})
+        return [*seen, floor.finished]
+
+    assert asyncio.run(stream()) == [False, False, True] and len(written) == 3

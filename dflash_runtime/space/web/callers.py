@@ -156,7 +156,6 @@ class Call:
 class Reader:
     session: str
     sending_since: float | None = None  # a write to the client that has not returned yet
-    finished: bool = False  # the server sent the stream's end (what follows is no hang-up of the client)
 
 
 @dataclass(frozen=True)
@@ -260,7 +259,8 @@ class Callers:
             self._readers.setdefault(session, []).append(reader)
         return reader
 
-    def closed(self, reader: Reader) -> None:
+    def closed(self, reader: Reader, hung_up: bool = True) -> None:
+        """The reader's stream ended: the client hung up, or (`hung_up` False) the server sent the stream's end."""
         with self._lock:
             readers = self._readers.get(reader.session, [])
             if reader not in readers:
@@ -269,8 +269,8 @@ class Callers:
             if not readers:
                 self._readers.pop(reader.session, None)
                 now = self._clock()
-                self._left[reader.session] = Departure(now, hung_up=not reader.finished)
-                if reader.finished:
+                self._left[reader.session] = Departure(now, hung_up)
+                if not hung_up:
                     return  # the server ended it: the session's waiting calls stay queued in Gradio
                 for call in [c for c in self._calls.values()
                              if c.session == reader.session and not c.started and c.posted <= now]:  # fmt: skip
@@ -550,8 +550,8 @@ class HttpGate:
                 message = await receive()
                 early.append(message)
                 wanted.set()
-                if message["type"] == "http.disconnect":
-                    self.callers.closed(reader)
+                if message["type"] == "http.disconnect":  # also the server's own, once it sent the stream's end
+                    self.callers.closed(reader, hung_up=not floor.finished)
                     return
 
         async def app_receive() -> Message:
@@ -566,8 +566,6 @@ class HttpGate:
                 await send(message)
             finally:
                 self.callers.sending(reader, False)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                reader.finished = True  # before the server's own disconnect reaches the watcher
 
         tighten(send)  # small buffers: a client that stops reading is seen within seconds (probes.py)
         floor = TrafficFloor(tracked_send, self.callers.settings.probe_bytes_s,
@@ -578,7 +576,7 @@ class HttpGate:
         finally:
             watcher.cancel()
             padder.cancel()
-            self.callers.closed(reader)
+            self.callers.closed(reader, hung_up=not floor.finished)
 
 
 

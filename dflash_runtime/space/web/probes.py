@@ -100,6 +100,11 @@ class TrafficFloor:
         self._finished = False
         self._sent = 0  # bytes written since the last tick
 
+    @property
+    def finished(self) -> bool:
+        """Whether the app has written the response's end (set before that write goes out)."""
+        return self._finished
+
     async def send(self, message: Message) -> None:
         """The app's write."""
         async with self._lock:

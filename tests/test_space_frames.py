@@ -16,8 +16,9 @@ from typing import Any
 import gradio as gr
 from gradio.utils import diff
 
-from dflash_runtime.space.page.endpoints import SKIP, ab_button, notice_line
+from dflash_runtime.space.page.endpoints import ab_button, notice_line
 
+SKIP = gr.skip()
 HIDDEN = gr.update(value=None, visible=False)
 SHOWN = gr.update(value="points", visible=True)
 

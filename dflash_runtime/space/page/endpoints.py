@@ -153,8 +153,6 @@ def notice_line(text: str) -> str:
     return text
 
 
-SKIP = gr.skip()
-
 
 # -- the API --------------------------------------------------------------------------------------------------------
 
@@ -442,18 +440,12 @@ class PageHandlers:
         is usable again once the answer has ended, however it ended."""
         call = call_of(request)
         try:
-            async with aclosing(self._respond_frames(session, call, self.service.client(request))) as frames:
+            async with aclosing(self._respond(session, call, self.service.client(request))) as frames:
                 async for frame in frames:
-                    yield frame
+                    yield (*frame, gr.skip())
+            yield (gr.skip(),) * 10 + (ab_button(True),)
         finally:
             self.service.callers.end(call)
-
-    async def _respond_frames(self, session: ChatSession, call: str | None,
-                              client: ClientIdentity) -> AsyncIterator[tuple[Any, ...]]:  # fmt: skip
-        async with aclosing(self._respond(session, call, client)) as frames:
-            async for frame in frames:
-                yield (*frame, SKIP)
-        yield (SKIP,) * 10 + (ab_button(True),)
 
     async def _respond(self, session: ChatSession, call: str | None,
                        client: ClientIdentity) -> AsyncIterator[tuple[Any, ...]]:  # fmt: skip

@@ -279,9 +279,10 @@ class ReplyJob(Generic[T]):
                     for chunk in stream:
                         if self._cancelled.is_set():
                             break
-                        if self._orphaned() or not self._alive():
-                            log.info("an answer stopped after %d chunks: %s", self.chunks_delivered,
-                                     "its reader takes nothing" if self._orphaned() else "nobody reads it any more")
+                        gone = ("its reader takes nothing" if self._orphaned()
+                                else None if self._alive() else "nobody reads it any more")  # fmt: skip
+                        if gone is not None:
+                            log.info("an answer stopped after %d chunks: %s", self.chunks_delivered, gone)
                             break
                         give_up = seat.shared.is_set() and self._shared is not None
                         if give_up:  # the answer ends here: another client's turn (see EngineSlot)

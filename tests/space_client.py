@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
 from gradio_client import Client
 
 from dflash_runtime import load_pair
 from dflash_runtime.space.page.endpoints import API_PARAMETERS
+from dflash_runtime.space.page.items import GROWING, GROWING_PER_POSITION, ITEM_OWN
 from dflash_runtime.space.setup.presets import DEMO_PAIR
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
 
@@ -69,19 +71,46 @@ def chat_args(message: str, **changes: Any) -> dict[str, Any]:
     return args
 
 
+def trimmed(counts: list[int]) -> list[int]:
+    """Counts per position without trailing zeros."""
+    counts = list(counts)
+    while counts and counts[-1] == 0:
+        counts.pop()
+    return counts
+
+
 def rebuilt(items: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
-    """/chat's items (the text each step added, with its runs and draft lengths) as a client rebuilds them: the text
-    so far, and the runs (neighbours of one source joined) and draft lengths so far."""
+    """/chat's items as a client rebuilds them (see dflash_runtime/space/page/items.py): the text so far, and the
+    statistics so far: each item's changed figures merged in, its `added` summed (per position, element by element),
+    its runs (neighbours of one source joined) and draft lengths appended. On the last item the sums must equal the
+    complete statistics it carries."""
     text, runs, lengths, out = "", [], [], []
+    figures: dict[str, Any] = {}
+    totals: dict[str, Any] = {key: 0 for key in GROWING if key != "gpu_seconds_used"}
     for delta, stats in items:
         text += delta
+        for key, grown in stats["added"].items():
+            if isinstance(grown, list):
+                before = totals.get(key, [])
+                totals[key] = [(before[i] if i < len(before) else 0) + (grown[i] if i < len(grown) else 0)
+                               for i in range(max(len(before), len(grown)))]  # fmt: skip
+            else:
+                totals[key] = round(totals.get(key, 0) + grown, 3)
         for n, source in stats["source_runs"]:
             if runs and runs[-1][1] == source:
                 runs[-1] = [runs[-1][0] + n, source]
             else:
                 runs.append([n, source])
         lengths += stats["draft_lengths"]
-        out.append((text, {**stats, "source_runs": [list(run) for run in runs], "draft_lengths": list(lengths)}))
+        figures.update({key: value for key, value in stats.items() if key not in ("added", *ITEM_OWN)})
+        if stats.get("finish_reason") is not None:
+            for key, total in totals.items():
+                complete = stats.get(key) or (0 if key not in GROWING_PER_POSITION else [])
+                if key in GROWING_PER_POSITION:  # a position never accepted is a trailing 0 there
+                    total, complete = trimmed(total), trimmed(complete)
+                assert total == pytest.approx(complete, abs=1e-3 * len(out) + 1e-6), (key, total, complete)
+        out.append((text, {**figures, **totals, **({} if stats.get("finish_reason") is None else stats),
+                           "source_runs": [list(run) for run in runs], "draft_lengths": list(lengths)}))  # fmt: skip
     return out
 
 

@@ -320,8 +320,8 @@ def streamed_bytes(server: RunningApp, max_tokens: int) -> tuple[int, int, int]:
             for line in stream.iter_lines():
                 event = line.split(":", 1)[1].strip() if line.startswith("event:") else event
                 raw += len(line) + 1 if event != "heartbeat" else 0
-                if line.startswith("data:") and '"n_generated"' in line:
-                    n_generated = json.loads(line[5:])[1]["n_generated"]
+                if line.startswith("data:") and '"n_generated"' in line:  # the totals: on the last item
+                    n_generated = json.loads(line[5:])[1].get("n_generated", n_generated)
         session = f"bytes-{max_tokens}"
         queued = 0
         assert join(server, dependency_ids(server)["chat"], api_values(args), session).status_code == 200

@@ -26,6 +26,7 @@ from ..scrub import scrub_paths
 from ..web.callers import call_of
 from ..web.clients import ClientIdentity
 from ..web.service import Reply, SpaceService, wait_problem
+from .items import item_stats
 from .panel import EMPTY_DETAILS, EMPTY_STATS, REFUSED_STATS, WAITING_STATS, stats_details, stats_summary
 from .session import ChatSession
 from .speedup import ACCEPTANCE, SPEED, LiveSpeedUp, SpeedTrace, point_every
@@ -157,12 +158,11 @@ def notice_line(text: str) -> str:
 # -- the API --------------------------------------------------------------------------------------------------------
 
 
-def step_stats(reply: Reply) -> dict[str, Any]:
-    """A /chat item's statistics: the reply's, with what grows with the answer (`source_runs`, `draft_lengths`) for
-    the item's own text only, so a stream's bytes grow linearly with the answer."""
+def own_item(reply: Reply) -> dict[str, Any]:
+    """What a /chat item carries for its own text only: who wrote it, and its steps' draft lengths."""
     last = reply.last
     runs = [[n, source] for n, source in (last.source_runs if last else []) if n > 0]
-    return {**reply.stats, "source_runs": runs, "draft_lengths": list(last.draft_lengths) if last else []}
+    return {"source_runs": runs, "draft_lengths": list(last.draft_lengths) if last else []}
 
 
 def documented_parameters(function: Callable[..., Any]) -> tuple[str, ...]:
@@ -244,16 +244,20 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
             top_k: keep the k most likely tokens, 0..1000 (0 = off); null: the server's default
             min_p: drop tokens below min_p × the top probability, [0, 0.99]; null: the server's default
         Returns:
-            (text added, statistics): the engine's statistics so far, finish_reason, finish_detail, notice, preset
-            and GPU time; source_runs and draft_lengths for this item's text only
+            (text added, statistics): what changed since the item before: "added" (the counts and times that
+            grew, by how much), the figures whose value changed (all on the first item), source_runs and
+            draft_lengths for this item's text; the last item (finish_reason set) also the complete statistics
         """
         async with aclosing(answer(
             request, message=message, history=history, system_prompt=system_prompt, preset=preset,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, method=method,
             draft_length=draft_length, draft_max=draft_max, speculative=speculative, enable_thinking=thinking,
         )) as replies:  # fmt: skip
+            before: dict[str, Any] = {}  # the statistics after the item sent before
             async for reply in replies:
-                yield reply.last.delta if reply.last else "", step_stats(reply)
+                yield (reply.last.delta if reply.last else "",
+                       item_stats(reply.stats, before, own_item(reply), finished=reply.finish_reason is not None))
+                before = reply.stats
 
     async def generate(
         message: str,

@@ -13,6 +13,15 @@ every prompt of these drafts.
 Draft `draft-simple` is a small model of the target's vocabulary (the generator's `tiny_draft_model`: a dense
 model of the target's head and seed): the server runs `-md DRAFT --spec-type draft-simple`, the engine
 `load_pair(target, DRAFT)` with `method="draft-simple"`, the same n-max, n-min and p-min.
+On a hybrid target the server's `draft-simple` counts differ by design, the tokens not: llama-server classifies a
+hybrid memory for `draft-simple` as cut-only-whole (`need_n_rs_seq()` in common/common.h keeps recurrent states per
+draft position for MTP, EAGLE3 and DFlash only), so after a partly accepted draft it loads its context checkpoint
+and replays the accepted tokens and the correction in a step of their own (tools/server/server-context.cpp:
+`slot.spec_is_replay`, `spec_draft` kept, `pre_decode` leaves such a slot out of `drafting`). That step drafts
+nothing, so the server drafts only after a fully accepted step or a replay: about every other step where most drafts
+are cut short (297 drafted in 101 steps against the engine's 590 in 180 on one such run). The engine puts the
+recurrent state back within the step (checkpoints, see docs/how-it-works.md) and drafts at every step; the rows
+compare tokens there, and counts on dense targets.
 `--server-only` runs the server side alone and prints its acceptance (for an engine without that method).
 Both must emit the same tokens and text, and count the same drafted tokens, accepted tokens and verify steps
 (the server's `timings.draft_n`, `timings.draft_n_accepted` and its `spec_decode_num_drafts_total` metric).
@@ -122,9 +131,22 @@ class Row:
     tokenize_ok: bool  # the server tokenizes the prompt text into the same ids
 
     @property
+    def compared(self) -> tuple[str, ...]:
+        """What must be equal: everything, but the counts of draft-simple on a hybrid target (the server replays a
+        cut-short draft in a step that drafts nothing: see the module doc)."""
+        target, draft = self.pair.split("/")[:2]
+        if target == "hybrid" and draft == DRAFT_SIMPLE:
+            return ("tokens", "text")
+        return ("tokens", "text", "drafted", "accepted", "verify_steps")
+
+    def differences(self) -> list[str]:
+        if self.engine is None:
+            return []
+        return [k for k in self.compared if getattr(self.server, k) != getattr(self.engine, k)]
+
+    @property
     def ok(self) -> bool:
-        same = self.engine is None or self.server == self.engine
-        return same and self.plain_ok and self.tokenize_ok
+        return not self.differences() and self.plain_ok and self.tokenize_ok
 
 
 class ServerError(RuntimeError):
@@ -361,8 +383,7 @@ def print_table(rows: Sequence[Row]) -> None:
     print(head)
     print("-" * len(head))
     for r in rows:
-        diff = [k for k in ("tokens", "text", "drafted", "accepted", "verify_steps")
-                if r.engine is not None and getattr(r.server, k) != getattr(r.engine, k)]
+        diff = r.differences()
         if not r.plain_ok:
             diff.append("server≠plain" if r.engine is None else "engine≠plain")
         if not r.tokenize_ok:
@@ -392,7 +413,7 @@ def print_acceptance(rows: Sequence[Row]) -> None:
         rate = f"{accepted / drafted:.1%}" if drafted else "-"
         per_step = f"{generated / steps:.2f}" if steps else "-"
         engine = "n/a" if any(r.engine is None for r in group) else (
-            "same" if all(r.server == r.engine for r in group) else "DIFFERENT")
+            "same" if all(not r.differences() for r in group) else "DIFFERENT")
         print(f"{pair:<24} {n_max:>2} {drafted:>8} {accepted:>8} {rate:>7} {steps:>6} {per_step:>8}  {engine}")
 
 

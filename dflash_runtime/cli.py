@@ -19,7 +19,9 @@ def _add_pair_args(p: argparse.ArgumentParser, *, required: bool) -> None:
                                    "(draft-simple); omit for target-only decoding")
     p.add_argument("--n-ctx", type=int, default=4096)
     p.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="threads of one-row decodes (default: half the cores)")
+    p.add_argument("--threads-batch", type=int, default=None,
+                   help="threads of decodes of more rows: verifies, prompts (default: every core)")
     p.add_argument("--draft-capacity", type=int, default=None,
                    help="longest draft the pair is opened for (default: block_size − 1, at most 15; 7 for MTP)")
     p.add_argument("--no-mtp", action="store_true", help="do not open the target's MTP head")
@@ -68,7 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_args(s)
     s.add_argument("--n-ctx", type=int, default=4096, help="context of each sequence")
     s.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
-    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--threads", type=int, default=None, help="threads of one-row decodes (default: half the cores)")
+    s.add_argument("--threads-batch", type=int, default=None,
+                   help="threads of decodes of more rows: verifies, prompts (default: every core)")
     s.add_argument("--draft-capacity", type=int, default=None,
                    help="longest draft the pair is opened for (default: block_size − 1, at most 15; 7 for MTP)")
     s.add_argument("--no-mtp", action="store_true", help="do not open the target's MTP head")
@@ -145,8 +149,8 @@ def _open(args: argparse.Namespace, target: str, draft: str | None, parallel: in
         remote["tensor_split"] = [float(w) for w in split.split(",") if w.strip()]
     return load_pair(target, draft, n_ctx=args.n_ctx, n_gpu_layers=args.gpu_layers,
                      draft_capacity=capacity if capacity is not None else 7, n_threads=args.threads,
-                     mtp=False if getattr(args, "no_mtp", False) else None, parallel=parallel, **remote,
-                     **options)
+                     n_threads_batch=args.threads_batch, mtp=False if getattr(args, "no_mtp", False) else None,
+                     parallel=parallel, **remote, **options)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ from .features import FeatureBridge
 from .gguf_meta import GGUFInfo
 from .memory import SequenceMemory
 from .native import DFlashApi, dflash_api
-from .pair import LinkedPair, new_context
+from .pair import LinkedPair, Threads, new_context
 from .proposal import DraftSampling, Proposal, draw
 from .states import WHOLE, load_seq, save_seq
 from .validation import DraftSpec, validate_pair
@@ -212,7 +212,7 @@ class DFlashFile:
         for lid in pair.spec.target_layer_ids:
             dflash_api().set_embeddings_layer_inp(pair.target_ctx, lid, True)
 
-    def open_context(self, pair: LinkedPair, threads: int) -> Any:
+    def open_context(self, pair: LinkedPair, threads: Threads) -> Any:
         spec, api, model = pair.spec, dflash_api(), pair.draft_model
         params = ll.llama_context_default_params()
         # One injection chunk per target ubatch, and every sequence's block in one ubatch.
@@ -223,7 +223,7 @@ class DFlashFile:
         params.kv_unified = False
         params.n_ctx = pair.n_ctx * pair.parallel
         params.n_rs_seq = 0
-        params.n_threads = params.n_threads_batch = threads
+        threads.apply(params)
         params.ctx_other = pair.target_ctx
         ctx = new_context(model, params, "draft")
         try:

@@ -32,7 +32,7 @@ from .errors import DecodeError, PairMismatchError
 from .footprint import HYBRID_ARCHS
 from .gguf_meta import GGUFInfo
 from .memory import SequenceMemory
-from .pair import LinkedPair, new_context
+from .pair import LinkedPair, Threads, new_context
 from .proposal import Proposal
 from .states import WHOLE, load_seq, save_seq
 from .validation import check_vocab
@@ -69,7 +69,7 @@ class DraftModelFile:
     def prepare_target(self, pair: LinkedPair) -> None:
         pass  # the draft reads tokens only
 
-    def open_context(self, pair: LinkedPair, threads: int) -> Any:
+    def open_context(self, pair: LinkedPair, threads: Threads) -> Any:
         params = ll.llama_context_default_params()
         # A prompt chunk of the target catches up in one decode; every sequence's draft row in one ubatch.
         params.n_batch = params.n_ubatch = max(pair.n_ubatch, pair.parallel * (pair.draft_capacity + 1))
@@ -77,7 +77,7 @@ class DraftModelFile:
         params.kv_unified = False  # a KV stream per sequence, as the target's
         params.n_ctx = pair.n_ctx * pair.parallel
         params.n_rs_seq = 0
-        params.n_threads = params.n_threads_batch = threads
+        threads.apply(params)
         if pair.n_gpu_layers == 0:
             params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED  # a row's numbers do not depend on its batch
         return new_context(pair.draft_model, params, "draft model")

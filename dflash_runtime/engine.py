@@ -350,6 +350,7 @@ class Engine:
                 "n_embd": pair.n_embd,
                 "n_cached": sum(len(c) for c in caches),  # every sequence's (n_cached_by_sequence: each one's)
                 "parallel": pair.parallel,
+                "threads": {"decode": pair.threads.decode, "batch": pair.threads.batch},
                 "running": self._parts.owners.running,
                 "n_cached_by_sequence": [len(cache) for cache in self._parts.caches],
                 "batch_invariant": pair.batch_invariant,

@@ -16,6 +16,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -175,6 +176,42 @@ def _meta_str(model: Any, key: str) -> str | None:
         size = n + 1  # the value was cut: n is its full length
 
 
+def available_cores() -> int:
+    """The CPUs this process may run on (its affinity where the platform says, else the machine's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Threads:
+    """The CPU threads of a context, as llama.cpp takes them: `decode` for a one-row decode (a plain step), `batch`
+    for more rows (a verify, a draft block, a prompt chunk, several sequences' rows). A row's numbers do not depend
+    on either (every CPU kernel of the exact build splits work by output rows, never a sum: tests/test_threads.py)."""
+
+    decode: int
+    batch: int
+
+    @classmethod
+    def default(cls, decode: int | None = None, batch: int | None = None) -> Threads:
+        """llama-cpp-python's defaults: half the cores for one-row decodes (memory-bound: more threads busy-wait and
+        stall each other on a shared machine), every core for batches (compute-bound: a verify's rows pay for
+        them). 0 or None: the default."""
+        cores = available_cores()
+        return cls(decode or max(1, cores // 2), batch or cores)
+
+    def __post_init__(self) -> None:
+        for name in ("decode", "batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"n_threads{'' if name == 'decode' else '_batch'} must be an integer ≥ 1 "
+                                 f"(got {value!r})")  # fmt: skip
+
+    def apply(self, params: Any) -> None:
+        """Set a context's parameters to these threads."""
+        params.n_threads, params.n_threads_batch = self.decode, self.batch
+
+
 class DraftFile(Protocol):
     """What a method with a model of its own declares to the pair (its module implements it, drafting.Implementation
     names it)."""
@@ -194,7 +231,7 @@ class DraftFile(Protocol):
         """What the target's context must do for this draft before its first decode (e.g. layer taps)."""
         ...
 
-    def open_context(self, pair: LinkedPair, threads: int) -> Any:
+    def open_context(self, pair: LinkedPair, threads: Threads) -> Any:
         """A context of `pair.draft_model` (the pair owns and frees it)."""
         ...
 
@@ -247,6 +284,7 @@ class LinkedPair:
         draft_capacity: int | None = None,
         n_batch: int = 512,
         n_threads: int | None = None,
+        n_threads_batch: int | None = None,
         n_rs_seq: int | None = None,
         verbose: bool = False,
         mtp: bool | None = None,
@@ -305,8 +343,7 @@ class LinkedPair:
         self.target_layers: dict[int, str] = {}
         self.draft_layers: dict[int, str] = {}
         self.cpu_kernels = n_gpu_layers == 0
-        # Half the cores, as llama-cpp-python does: busy-waiting threads on a shared machine stall each other.
-        threads = n_threads or max(1, (os.cpu_count() or 2) // 2)
+        self.threads = threads = Threads.default(n_threads, n_threads_batch)
         try:
             _init_backend()
             if rpc is not None:
@@ -337,7 +374,7 @@ class LinkedPair:
 
     # -- construction -------------------------------------------------------------------------------------------
 
-    def _open_target(self, n_ctx: int, n_gpu_layers: int, n_batch: int, threads: int) -> None:
+    def _open_target(self, n_ctx: int, n_gpu_layers: int, n_batch: int, threads: Threads) -> None:
         self.target_model = self.own(
             # On the CPU the target's rows must not depend on their batch (see batch_invariant): repacked weights
             # take a many-row kernel from four rows up and a one-row kernel below.
@@ -362,7 +399,7 @@ class LinkedPair:
         params.n_seq_max = self.parallel
         params.kv_unified = False
         params.n_ctx = n_ctx * self.parallel
-        params.n_threads = params.n_threads_batch = threads
+        threads.apply(params)
         if self._exact_cpu:
             # Exactness across requests needs a row's numbers not to depend on the rows decoded beside it: the CPU
             # FlashAttention kernel tiles many-row batches and splits single rows across threads differently, the
@@ -385,7 +422,7 @@ class LinkedPair:
             self.draft_file.prepare_target(self)
         self.n_embd_out = int(ll.llama_model_n_embd_out(self.target_model))
 
-    def _open_draft(self, draft_file: DraftFile, n_gpu_layers: int, threads: int) -> None:
+    def _open_draft(self, draft_file: DraftFile, n_gpu_layers: int, threads: Threads) -> None:
         assert self.draft_info is not None
         devices = self.devices.for_draft() if self.devices is not None else None
         self.draft_model = self.own(load_model(self.draft_info.path, n_gpu_layers, devices=devices),
@@ -399,7 +436,7 @@ class LinkedPair:
         """Take a native handle into the pair: freed with it, in reverse order of creation."""
         return self._owned.push(handle, free)
 
-    def _open_mtp(self, threads: int) -> None:
+    def _open_mtp(self, threads: Threads) -> None:
         """The MTP context: the target model again, its nextn head's graph, a KV cache of the nextn layer only."""
         from llama_cpp import llama_cpp_ext as lx
 
@@ -410,7 +447,7 @@ class LinkedPair:
         params.kv_unified = False
         params.n_ctx = self.n_ctx * self.parallel
         params.n_rs_seq = 0
-        params.n_threads = params.n_threads_batch = threads
+        threads.apply(params)
         try:
             if int(ll.llama_model_n_layer_nextn(self.target_model)) < 1:
                 raise ContextCreationError("libllama reads no nextn layer in the target")

@@ -61,7 +61,7 @@ __all__ = ["ArrayDraft", "DFlashDraftModel", "DFlashLlama", "as_intc_tokens"]
 StrPath = str | os.PathLike[str]
 
 # Llama constructor arguments the engine takes over; every other one must keep its `Llama` default.
-_ENGINE_ARGUMENTS = ("n_ctx", "n_batch", "n_gpu_layers", "n_threads", "verbose", "seed")
+_ENGINE_ARGUMENTS = ("n_ctx", "n_batch", "n_gpu_layers", "n_threads", "n_threads_batch", "verbose", "seed")
 _LLAMA_DEFAULTS: dict[str, Any] = {
     name: parameter.default
     for name, parameter in inspect.signature(Llama.__init__).parameters.items()
@@ -191,7 +191,8 @@ class DFlashLlama(Llama):
     Constructor: `draft_model_path` or `draft_model=DFlashDraftModel(...)` (neither: the target runs alone, or with
     its own MTP head when it has one); `draft_capacity`: the longest draft the pair is opened for (default: the
     draft model's `num_pred_tokens`, 7; `draft_max=` is its deprecated spelling). Of `Llama`'s arguments
-    n_ctx, n_batch, n_gpu_layers, n_threads, seed and verbose apply; any other must keep its default.
+    n_ctx, n_batch, n_gpu_layers, n_threads, n_threads_batch, seed and verbose apply; any other must keep its
+    default.
     A Python draft (any other `LlamaDraftModel`) runs in llama-cpp-python's own loop, see the module docstring.
     """
 
@@ -231,6 +232,7 @@ class DFlashLlama(Llama):
             draft_capacity=draft.num_pred_tokens if draft else DEFAULT_DRAFT_CAPACITY,
             n_batch=options["n_batch"],
             n_threads=options["n_threads"],
+            n_threads_batch=options["n_threads_batch"],
             verbose=options["verbose"],
         )
         self.n_batch = self._engine.n_batch

@@ -21,7 +21,7 @@ def _add_pair_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
     p.add_argument("--threads", type=int, default=None, help="threads of one-row decodes (default: half the cores)")
     p.add_argument("--threads-batch", type=int, default=None,
-                   help="threads of decodes of more rows: verifies, prompts (default: every core)")
+                   help="threads of decodes of more rows: verifies, prompts (default: --threads)")
     p.add_argument("--draft-capacity", type=int, default=None,
                    help="longest draft the pair is opened for (default: block_size − 1, at most 15; 7 for MTP)")
     p.add_argument("--no-mtp", action="store_true", help="do not open the target's MTP head")
@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
     s.add_argument("--threads", type=int, default=None, help="threads of one-row decodes (default: half the cores)")
     s.add_argument("--threads-batch", type=int, default=None,
-                   help="threads of decodes of more rows: verifies, prompts (default: every core)")
+                   help="threads of decodes of more rows: verifies, prompts (default: --threads)")
     s.add_argument("--draft-capacity", type=int, default=None,
                    help="longest draft the pair is opened for (default: block_size − 1, at most 15; 7 for MTP)")
     s.add_argument("--no-mtp", action="store_true", help="do not open the target's MTP head")

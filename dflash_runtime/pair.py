@@ -187,18 +187,19 @@ def available_cores() -> int:
 class Threads:
     """The CPU threads of a context, as llama.cpp takes them: `decode` for a one-row decode (a plain step), `batch`
     for more rows (a verify, a draft block, a prompt chunk, several sequences' rows). A row's numbers do not depend
-    on either (every CPU kernel of the exact build splits work by output rows, never a sum: tests/test_threads.py)."""
+    on either (the exact build's CPU kernels share work between threads by output rows: tests/test_threads.py)."""
 
     decode: int
     batch: int
 
     @classmethod
     def default(cls, decode: int | None = None, batch: int | None = None) -> Threads:
-        """llama-cpp-python's defaults: half the cores for one-row decodes (memory-bound: more threads busy-wait and
-        stall each other on a shared machine), every core for batches (compute-bound: a verify's rows pay for
-        them). 0 or None: the default."""
-        cores = available_cores()
-        return cls(decode or max(1, cores // 2), batch or cores)
+        """Half the cores for one-row decodes, as llama-cpp-python (busy-waiting threads on a shared machine stall
+        each other), and as many for batches: a plain step and a verify then run on the same threads, so a speed-up
+        is the method's, not a core that plain decoding left idle. (llama-cpp-python gives batches every core; pass
+        `batch` for more.) 0 or None: the default."""
+        decode = decode or max(1, available_cores() // 2)
+        return cls(decode, batch or decode)
 
     def __post_init__(self) -> None:
         for name in ("decode", "batch"):

@@ -62,8 +62,8 @@ def test_an_item_sends_only_what_changed(sampled: Any) -> None:
     assert first["method"] == "dflash" and first["n_prompt"] == final["n_prompt"]  # the first: every figure
     for key in ("method", "n_prompt", "draft_capacity", "verify_mode", "speculative"):
         assert key not in middle, key  # unchanged since the first
-    for key in (*GROWING, *GROWING_PER_POSITION, "drafted_by"):
-        assert key not in middle, key  # counts come as what they grew by, under "added"
+    for key in (*GROWING, *GROWING_PER_POSITION, "drafted_by", "controller"):
+        assert key not in middle, key  # counts come as what they grew by, under "added"; the rest at the end
     assert middle["added"]["n_generated"] >= 1
     complete = {key: value for key, value in final.items() if key not in ITEM_OWN}
     assert {key: last[key] for key in complete} == complete  # the last: complete, drafted_by included

@@ -270,7 +270,8 @@ class Reading:
                     if line.startswith("data:") and '"n_generated"' in line:
                         self.items += 1
                         self.first_item.set()
-                        self.finish.append(json.loads(line[5:])[1]["finish_reason"])
+                        # an item sends its finish reason where it changed: null on the first, the reason on the last
+                        self.finish.append(json.loads(line[5:])[1].get("finish_reason"))
         except httpx.HTTPError:
             if not self._stop.is_set():
                 raise

@@ -1,6 +1,6 @@
-"""Threads: one-row decodes on half the cores, batches (verifies, draft blocks, prompts) on every core, as
-llama-cpp-python opens a context; and a row's numbers the same whatever the thread counts, which exactness across
-requests now also rests on (a plain step and a verify run on different counts)."""
+"""Threads: one-row decodes and batches (verifies, draft blocks, prompts) each on their own count, as llama.cpp takes
+them (`n_threads`, `n_threads_batch`); and a row's numbers the same whatever the counts, so that exactness holds
+when a plain step and a verify run on different ones."""
 
 from __future__ import annotations
 
@@ -38,11 +38,13 @@ def logits_by_splits(engine: Engine, prompt: Sequence[int], splits: Sequence[int
     return np.concatenate(out)
 
 
-def test_the_defaults_are_llama_cpp_pythons() -> None:
+def test_batches_take_the_decodes_threads_unless_told() -> None:
     pair = tiny_pair("dense", "dflash2")
-    cores = available_cores()
+    half = max(1, available_cores() // 2)
     with load_pair(pair.target, pair.draft, n_ctx=256) as engine:
-        assert engine.info()["threads"] == {"decode": max(1, cores // 2), "batch": cores}
+        assert engine.info()["threads"] == {"decode": half, "batch": half}
+    with load_pair(pair.target, pair.draft, n_ctx=256, n_threads=2) as engine:
+        assert engine.info()["threads"] == {"decode": 2, "batch": 2}
     with load_pair(pair.target, pair.draft, n_ctx=256, n_threads=3, n_threads_batch=5) as engine:
         assert engine.info()["threads"] == {"decode": 3, "batch": 5}
         assert ll.llama_n_threads(engine.target_ctx) == 3 and ll.llama_n_threads_batch(engine.target_ctx) == 5

@@ -60,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--gpu-layers", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads-batch", type=int, default=None)
     parser.add_argument("--draft-capacity", type=int, default=7)
     add_bench_args(parser)
     args = parser.parse_args(argv)

@@ -9,9 +9,10 @@ An item is (the text one step added, its statistics). Its statistics hold:
 - `source_runs` and `draft_lengths`: who wrote this item's text, and the draft lengths of its steps (concatenated,
   the answer's);
 - every other figure whose value changed since the item before (all of them on the first item): the rates so far
-  (`decode_tok_s`, `acceptance_rate`, `mean_accepted_length`), `notice`, `controller`, ...;
-- on the last item (`finish_reason` set): the complete statistics as well, as /generate returns them
-  (`drafted_by` included), so a client that reads only the last item has everything.
+  (`decode_tok_s`, `acceptance_rate`, `mean_accepted_length`), `notice`, `method`, ...;
+- on the last item (`finish_reason` set): the complete statistics as well, as /generate returns them, so a client
+  that reads only the last item has everything. `drafted_by` (one entry per step) and `controller` (the adaptive
+  draft length's model: about a kilobyte, new at every step) come there only.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ GROWING = ("n_generated", "verify_steps", "plain_steps", "target_steps", "drafte
 GROWING_PER_POSITION = ("accepted_per_position", "drafted_per_position")
 # What an item carries for its own text only (the reply's statistics hold them for the whole answer).
 ITEM_OWN = ("source_runs", "draft_lengths")
-# Sent whole on the last item only: it grows by one entry per step.
-LAST_ONLY = ("drafted_by",)
+# Sent on the last item only: `drafted_by` grows by one entry per step, `controller` is a diagnostic of about a
+# kilobyte that changes at every step (it would be most of an item's bytes).
+LAST_ONLY = ("drafted_by", "controller")
 
 
 def grown_by(now: Any, before: Any) -> Any:

@@ -79,6 +79,20 @@ def trimmed(counts: list[int]) -> list[int]:
     return counts
 
 
+def add_up(totals: dict[str, Any], added: dict[str, Any]) -> dict[str, Any]:
+    """`totals` with an item's `added` summed in: numbers (times to 3 decimals, as sent), per-position counts element
+    by element."""
+    out = dict(totals)
+    for key, grown in added.items():
+        if isinstance(grown, list):
+            before = out.get(key, [])
+            out[key] = [(before[i] if i < len(before) else 0) + (grown[i] if i < len(grown) else 0)
+                        for i in range(max(len(before), len(grown)))]  # fmt: skip
+        else:
+            out[key] = round(out.get(key, 0) + grown, 3)
+    return out
+
+
 def rebuilt(items: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
     """/chat's items as a client rebuilds them (see dflash_runtime/space/page/items.py): the text so far, and the
     statistics so far: each item's changed figures merged in, its `added` summed (per position, element by element),
@@ -89,13 +103,7 @@ def rebuilt(items: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str
     totals: dict[str, Any] = {key: 0 for key in GROWING if key != "gpu_seconds_used"}
     for delta, stats in items:
         text += delta
-        for key, grown in stats["added"].items():
-            if isinstance(grown, list):
-                before = totals.get(key, [])
-                totals[key] = [(before[i] if i < len(before) else 0) + (grown[i] if i < len(grown) else 0)
-                               for i in range(max(len(before), len(grown)))]  # fmt: skip
-            else:
-                totals[key] = round(totals.get(key, 0) + grown, 3)
+        totals = add_up(totals, stats["added"])
         for n, source in stats["source_runs"]:
             if runs and runs[-1][1] == source:
                 runs[-1] = [runs[-1][0] + n, source]

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 import pytest
-from space_client import rebuilt, reference_engine, trimmed
+from space_client import add_up, rebuilt, reference_engine, trimmed
 
 from dflash_runtime.space.page.items import GROWING, GROWING_PER_POSITION, ITEM_OWN, item_stats
 
@@ -40,13 +40,7 @@ def test_the_counts_added_up_are_the_answers_totals(sampled: Any) -> None:
     assert len(items) > 50
     sums: dict[str, Any] = {}
     for _, stats in items:
-        for key, grown in stats["added"].items():
-            if isinstance(grown, list):
-                before = sums.get(key, [])
-                sums[key] = [(before[i] if i < len(before) else 0) + (grown[i] if i < len(grown) else 0)
-                             for i in range(max(len(before), len(grown)))]  # fmt: skip
-            else:
-                sums[key] = sums.get(key, 0) + grown
+        sums = add_up(sums, stats["added"])
     for key in ("n_generated", "drafted", "accepted", "verify_steps", "target_steps"):
         assert sums[key] == final[key], key
     for key in ("decode_ms", "verify_ms", "draft_ms"):

@@ -31,6 +31,8 @@ ITEM_OWN = ("source_runs", "draft_lengths")
 # Sent on the last item only: `drafted_by` grows by one entry per step, `controller` is a diagnostic of about a
 # kilobyte that changes at every step (it would be most of an item's bytes).
 LAST_ONLY = ("drafted_by", "controller")
+# What an item sends otherwise than as its new value.
+NOT_AS_VALUES = frozenset({*GROWING, *GROWING_PER_POSITION, *ITEM_OWN, *LAST_ONLY})
 
 
 def grown_by(now: Any, before: Any) -> Any:
@@ -73,8 +75,7 @@ def item_stats(stats: Mapping[str, Any], before: Mapping[str, Any], own: Mapping
     if finished:
         item.update(stats)
     else:
-        skipped = {*GROWING, *GROWING_PER_POSITION, *ITEM_OWN, *LAST_ONLY}
         item.update({key: value for key, value in stats.items()
-                     if key not in skipped and (key not in before or before[key] != value)})  # fmt: skip
+                     if key not in NOT_AS_VALUES and (key not in before or before[key] != value)})  # fmt: skip
     item.update({key: own[key] for key in ITEM_OWN})
     return item

@@ -200,9 +200,7 @@ class DFlashFile:
 
     needs = "draft"
     kind = "a DFlash draft (architecture 'dflash')"
-
-    def claims(self, draft: GGUFInfo) -> bool:
-        return draft.arch == "dflash"
+    runs_alone = False  # no embeddings or output head of its own: it reads its target's
 
     def validate(self, target: GGUFInfo, draft: GGUFInfo, capacity: int) -> DraftSpec:
         return validate_pair(target, draft, capacity)

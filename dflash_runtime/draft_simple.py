@@ -53,9 +53,7 @@ class DraftModelFile:
 
     needs = "draft-model"
     kind = "a model of the target's vocabulary (draft-simple)"
-
-    def claims(self, draft: GGUFInfo) -> bool:
-        return draft.arch != "dflash"
+    runs_alone = True
 
     def validate(self, target: GGUFInfo, draft: GGUFInfo, capacity: int) -> DraftModelSpec:
         if draft.arch in HYBRID_ARCHS:

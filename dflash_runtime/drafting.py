@@ -23,8 +23,10 @@ A method whose state is per sequence and whose drafting has no pass to share (n-
 for one sequence and opens it through `PerSequence`.
 
 A method's module declares what it opens in one `Implementation`: how its drafter opens, the options it takes, and,
-for a method with a model of its own, its `DraftFile` (which files are its drafts, their checks, their context),
-which the pair opens (pair.py). The registry (methods.py) names each method and where its implementation is.
+for a method with a model of its own, its `DraftFile` (its drafts' checks, what the target does for them, their
+context) or its `TargetPart` (a context of the target model: MTP's nextn head), which the pair opens (pair.py). The
+registry line (methods.py) names the method and says what the rest of the project reads without loading it: its
+label and help, which draft files it claims (and at which priority), whether a target holds its part.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, overload
 
 if TYPE_CHECKING:
-    from .pair import DraftFile
+    from .pair import DraftFile, TargetPart
     from .proposal import DraftSampling, Proposal
 
 DFLASH, MTP = "dflash", "mtp"
@@ -174,9 +176,10 @@ class PerSequence:
 class Implementation:
     """What a method's module declares: how its drafter opens — (the opened pair, each sequence's `TokenView`, the
     longest draft, **its options) → a `Drafter` —, the names of the options it takes and their defaults (for
-    `Engine(method_options=...)`), and its draft file when it has a model of its own (None: it drafts from the
-    target or from the tokens alone)."""
+    `Engine(method_options=...)`), its draft file when it has a model of its own, or the part of the target it
+    opens (None for both: it drafts from the target's rows or from the tokens alone)."""
 
     open: Callable[..., Drafter]
     options: Mapping[str, Any] = field(default_factory=dict)
     draft_file: DraftFile | None = None
+    target_part: TargetPart | None = None

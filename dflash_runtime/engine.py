@@ -26,9 +26,10 @@ from .controller import Policies
 from .decoding import Decoding, Parts, Request
 from .deprecated import renamed, renamed_keyword
 from .divergence import Divergence, explain
-from .drafting import TokenView
+from .drafting import MTP, TokenView
 from .errors import EngineBusyError, EngineClosedError, RequestError
-from .pair import LinkedPair
+from .gguf_meta import read_gguf
+from .pair import LinkedPair, PairOptions
 from .request_checks import check_length, checked_owner, checked_request, prompt_tokens
 from .results import Result, StreamEvent
 from .sampling import SamplingParams
@@ -60,10 +61,19 @@ class Engine:
                  draft_length: str | int | None = None, checkpoints: CheckpointPolicy | None = None,
                  sessions: SessionPolicy | None = None, verifiers: Verifiers | None = None,
                  busy_timeout_s: float | None = DEFAULT_BUSY_TIMEOUT_S, draft_policy: str | int | None = None,
-                 method_options: Mapping[str, Mapping[str, Any]] | None = None, **pair_options: Any) -> None:
+                 method_options: Mapping[str, Mapping[str, Any]] | None = None, mtp: bool | None = None,
+                 **pair_options: Any) -> None:
         length = renamed_keyword("draft_policy", "draft_length", draft_policy, draft_length, "auto")
         methods.check_options(method_options or {})
-        self.pair = LinkedPair(target_path, draft_path, draft_files=methods.draft_files(), **pair_options)
+        options = PairOptions.from_keywords(**pair_options)
+        # Each header read once per load: the registry claims the draft from it, the pair opens from it.
+        target = read_gguf(target_path)
+        draft = read_gguf(draft_path) if draft_path is not None else None
+        if draft is None:
+            methods.refuse_alone(target)
+        self.pair = LinkedPair(target, draft, options,
+                               draft_file=methods.draft_file(draft) if draft is not None else None,
+                               target_parts=methods.target_parts({MTP: mtp}))
         try:
             self._open(length, checkpoints or CheckpointPolicy(), sessions or SessionPolicy(),
                        verifiers or Verifiers(), busy_timeout_s, dict(method_options or {}))
@@ -338,8 +348,9 @@ class Engine:
                 "hybrid": pair.is_recurrent,
                 "methods": list(self.methods),
                 "default_method": self.default_method,
-                "mtp_capacity": pair.mtp_capacity,
-                "mtp_error": pair.mtp_error,
+                "mtp_capacity": methods.capacity(pair, MTP),
+                "mtp_error": next(iter(pair.part_errors.values()), None),
+                "part_errors": dict(pair.part_errors),
                 "sampling_defaults": pair.sampling_defaults(),
                 **draft,
                 "draft_capacity": pair.draft_capacity,

@@ -44,6 +44,11 @@ class GGUFInfo:
         return self.keys.get(f"{self.arch}.{name}", default)
 
     @property
+    def n_nextn(self) -> int:
+        """The nextn (MTP) layers after the trunk."""
+        return int(self.key("nextn_predict_layers", 0) or 0)
+
+    @property
     def is_hybrid(self) -> bool:
         return f"{self.arch}.ssm.conv_kernel" in self.keys or f"{self.arch}.full_attention_interval" in self.keys
 

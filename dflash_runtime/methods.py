@@ -1,32 +1,39 @@
 """The draft methods, one registry: what each is called, what the pair must hold for it, and where its implementation
 is — the registry sits above the pair and the drafters, and nothing below it names a method.
 
-A method is detected from the pair: a draft file that its module claims (`needs` is then the `DraftFile.needs` of
-its module: "draft" for a DFlash draft), the target's own nextn (MTP) layers (`needs="nextn"`), or nothing at all
-(`needs=""`, the n-gram methods, which draft from the sequence's own tokens). Every method drafts at most the
-pair's longest draft (`draft_capacity`), so its verify batch is that many rows plus one. The engine hands the pair
-the draft files the methods declare (`draft_files`) and opens a drafter for each method the open pair runs
-(`open_drafters`), each with its own options; a drafter reads the sequence's tokens through the read-only view it
-is opened with.
+A method is detected from the pair: a draft file that its registry line claims (`claims`, read from the file's
+header; of several claimants the highest `priority` wins, and two at one priority are refused: no first-match
+accidents), a part of the target that its module opens (`target_has`, from the target's header: MTP's nextn layers),
+or nothing at all (`needs=""`, the n-gram methods, which draft from the sequence's own tokens). `needs` names what
+the open pair then holds: the `DraftFile.needs` or `TargetPart.needs` of its module. Its line also carries what
+the Space shows of it (`label`, `help`, `about`): the Space reads methods, their help and the fallbacks from here.
+
+Every method drafts at most the pair's longest draft (`draft_capacity`), so its verify batch is that many rows plus
+one. The engine hands the pair the declaration of the draft file's claimant (`draft_file`) and the target parts the
+methods declare (`target_parts`), and opens a drafter for each method the open pair runs (`open_drafters`), each
+with its own options; a drafter reads the sequence's tokens through the read-only view it is opened with.
 
 A request names one method or a chain, "a,b" in order of preference (llama.cpp's `--spec-type a,b`): each step
 drafts with the first member that proposes something (see `Chain`). Adding a method is one module with its
-`Implementation` (drafting.py) and one line in `REGISTRY`. A method's implementation is loaded when a pair opens,
-never by listing the methods: the Space's web process lists them without loading libllama.
+`Implementation` (drafting.py) and one line in `REGISTRY` (`register` adds one from outside the package). A
+method's implementation is loaded when a pair opens, never by listing the methods: the Space's web process lists
+them without loading libllama.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import ngram
 from .drafting import DFLASH, MTP, DraftAsk, Drafter, Implementation, TokenView
-from .errors import RequestError
+from .errors import PairMismatchError, RequestError
 
 if TYPE_CHECKING:
-    from .pair import DraftFile, LinkedPair
+    from .gguf_meta import GGUFInfo
+    from .pair import DraftFile, LinkedPair, TargetPart
     from .proposal import Proposal
 
 CHAIN_SEPARATOR = ","
@@ -40,6 +47,14 @@ class Method:
     needs: str  # NOTHING, NEXTN (the target's MTP layers), or the `needs` of the draft file its module declares
     implementation: Callable[[], Implementation]  # its module's (loaded with libllama for the methods with a model)
     auto: bool = True  # a candidate for the pair's default method (a request that names none)
+    help: str = ""  # what it is, in one line of the Space's method menu
+    about: str = ""  # its label with what it is, where the label alone does not say (the Space's About box)
+    # A method with a draft file of its own: whether a file's header is its draft (libllama-free: the Space's web
+    # process lists methods from headers), and which claimant wins where several claim a file (highest first).
+    claims: Callable[[GGUFInfo], bool] | None = None
+    priority: int = 0
+    # A method that opens a part of the target (its `Implementation.target_part`): whether a target has it.
+    target_has: Callable[[GGUFInfo], bool] | None = None
 
     def ready(self, pair: LinkedPair) -> bool:
         """Once the contexts are open: whether the pair can run this method."""
@@ -64,16 +79,57 @@ def _draft_simple() -> Implementation:
     return draft_simple.IMPLEMENTATION
 
 
+def _is_dflash(draft: GGUFInfo) -> bool:
+    return draft.arch == "dflash"
+
+
+def _any_model(draft: GGUFInfo) -> bool:
+    return True  # any model of the target's vocabulary (validated when the pair opens), below every other claimant
+
+
+def _has_nextn(target: GGUFInfo) -> bool:
+    return target.n_nextn > 0
+
+
 REGISTRY: tuple[Method, ...] = (
-    Method(DFLASH, "DFlash 2", "draft", _dflash),
-    Method(MTP, "MTP", NEXTN, _mtp),
-    Method("draft-simple", "Draft model", "draft-model", _draft_simple),
-    Method(ngram.NGRAM_MOD, "ngram-mod", NOTHING, lambda: ngram.MOD, auto=False),
-    Method(ngram.NGRAM_MAP_K, "ngram-map-k", NOTHING, lambda: ngram.MAP_K, auto=False),
+    Method(DFLASH, "DFlash 2", "draft", _dflash, claims=_is_dflash, priority=100,
+           help="a small draft model writes a block of tokens in one pass, from the target's own hidden features"),
+    Method(MTP, "MTP", NEXTN, _mtp, target_has=_has_nextn,
+           help="the target's own multi-token-prediction head guesses the next tokens",
+           about="MTP (the target's own multi-token-prediction head)"),
+    Method("draft-simple", "Draft model", "draft-model", _draft_simple, claims=_any_model, priority=0,
+           help="a small model of the target's vocabulary guesses the next tokens one by one (llama.cpp's "
+                "draft-simple)"),
+    Method(ngram.NGRAM_MOD, "ngram-mod", NOTHING, lambda: ngram.MOD, auto=False,
+           help="no draft model: the tokens that followed the last few tokens where they occurred before, in the "
+                "prompt or the answer (llama.cpp's ngram-mod)"),
+    Method(ngram.NGRAM_MAP_K, "ngram-map-k", NOTHING, lambda: ngram.MAP_K, auto=False,
+           help="no draft model: what followed the newest earlier occurrence of the last 12 tokens (llama.cpp's "
+                "ngram-map-k)"),
 )
 # Chains the pair lists beside its methods when all their members run (any other chain may still be asked for):
 # the n-gram draft where the answer copies its prompt, DFlash everywhere else.
 LISTED_CHAINS: tuple[tuple[str, ...], ...] = ((ngram.NGRAM_MOD, DFLASH),)
+
+
+def register(method: Method) -> None:
+    """Add a method from outside the package (before any pair opens with it); ValueError for a name taken or a
+    claim priority another claimant holds."""
+    global REGISTRY
+    _check_line(method, REGISTRY)
+    REGISTRY = (*REGISTRY, method)
+
+
+def unregister(name: str) -> None:
+    global REGISTRY
+    REGISTRY = tuple(m for m in REGISTRY if m.name != name)
+
+
+def _check_line(method: Method, others: Sequence[Method]) -> None:
+    if any(m.name == method.name for m in others) or CHAIN_SEPARATOR in method.name:
+        raise ValueError(f"a draft method is named {method.name!r} already, or the name holds {CHAIN_SEPARATOR!r}")
+    if method.claims is not None and any(m.claims is not None and m.priority == method.priority for m in others):
+        raise ValueError(f"claim priority {method.priority} of {method.name!r} is another method's")
 
 
 def registry() -> dict[str, Method]:
@@ -95,12 +151,42 @@ def split(name: str) -> tuple[str, ...]:
 
 
 def holds(pair: LinkedPair, needs: str) -> bool:
-    """Whether the opened pair holds what a method needs: nothing, an MTP context, or a draft of that file kind."""
-    if needs == NOTHING:
-        return True
-    if needs == NEXTN:
-        return pair.mtp_ctx is not None
-    return pair.draft_ctx is not None and pair.draft_file is not None and pair.draft_file.needs == needs
+    """Whether the opened pair holds what a method needs: nothing, a part of the target, or a draft of that kind."""
+    return needs == NOTHING or needs in pair.holds
+
+
+# -- from the files' headers (no libllama) ---------------------------------------------------------------------
+
+def claimant(draft: GGUFInfo) -> Method:
+    """The method whose draft a file is: of the methods that claim it, the one of highest priority;
+    PairMismatchError names the drafts there are."""
+    method = _claiming(draft)
+    if method is None:
+        kinds = ", ".join(m.label for m in REGISTRY if m.claims is not None) or "none"
+        raise PairMismatchError(f"{draft.path.name} is not a draft of any method: its architecture is "
+                                f"'{draft.arch}' (drafts: {kinds})")
+    return method
+
+
+def _claiming(draft: GGUFInfo) -> Method | None:
+    claiming = [m for m in REGISTRY if m.claims is not None and m.claims(draft)]
+    return max(claiming, key=lambda m: m.priority, default=None)
+
+
+def from_headers(target: GGUFInfo, draft: GGUFInfo | None) -> tuple[str, ...]:
+    """The methods (and listed chains) a pair of these files runs, from their headers: what the Space lists before
+    a pair opens. A draft no method claims adds nothing."""
+    held = {m.needs for m in REGISTRY if m.target_has is not None and m.target_has(target)}
+    if draft is not None:
+        with contextlib.suppress(PairMismatchError):
+            held.add(claimant(draft).needs)
+    return runnable(lambda needs: needs in held)
+
+
+def target_alone(target: GGUFInfo) -> tuple[str, ...]:
+    """The methods with a model that a target runs without a draft file (MTP with its nextn head): where a draft
+    is unusable, the pair opens without it when there is one."""
+    return tuple(m.name for m in REGISTRY if m.target_has is not None and m.target_has(target))
 
 
 def available(pair: LinkedPair) -> tuple[str, ...]:
@@ -146,10 +232,37 @@ def check(name: str, runs: Sequence[str]) -> tuple[str, ...]:
 
 # -- opening (with libllama) -------------------------------------------------------------------------------------
 
-def draft_files() -> tuple[DraftFile, ...]:
-    """What the methods with a model of their own declare about their files, for the pair to open (pair.py)."""
-    files = (m.implementation().draft_file for m in REGISTRY if m.needs not in (NOTHING, NEXTN))
-    return tuple(f for f in files if f is not None)
+def draft_file(draft: GGUFInfo) -> DraftFile:
+    """The draft file declaration of the method that claims this file, for the pair to open (pair.py)."""
+    method = claimant(draft)
+    declared = method.implementation().draft_file
+    if declared is None:
+        raise PairMismatchError(f"draft method {method.name!r} claims {draft.path.name} but declares no draft file")
+    return declared
+
+
+def refuse_alone(target: GGUFInfo) -> None:
+    """A target path that is a draft which cannot run alone (a DFlash draft reads its target's features):
+    PairMismatchError says to open it with its target."""
+    method = _claiming(target)
+    declared = method.implementation().draft_file if method is not None else None
+    if method is not None and declared is not None and not getattr(declared, "runs_alone", True):
+        raise PairMismatchError(
+            f"{target.path.name} is a {method.label} draft: it has no embeddings or output head of its own and "
+            "must be opened together with its target, load_pair(target_path, draft_path)")
+
+
+def target_parts(asked: Mapping[str, bool | None]) -> tuple[tuple[TargetPart, bool], ...]:
+    """The target parts the methods declare, for the pair to open: each with whether it is required (`asked[name]`
+    True) or opened where the target has it (None, the default); False leaves it closed."""
+    parts = []
+    for m in REGISTRY:
+        if m.target_has is None or asked.get(m.name) is False:
+            continue
+        part = m.implementation().target_part
+        if part is not None:
+            parts.append((part, bool(asked.get(m.name))))
+    return tuple(parts)
 
 
 def check_options(method_options: Mapping[str, Mapping[str, Any]]) -> None:
@@ -244,4 +357,5 @@ def draft_all(asks: Sequence[tuple[Chain, DraftAsk]]) -> list[tuple[Proposal, st
 
 
 __all__ = ["CHAIN_SEPARATOR", "REGISTRY", "Chain", "Method", "available", "capacity", "check", "check_options",
-           "default", "draft_all", "draft_files", "label", "names", "open_drafters"]
+           "claimant", "default", "draft_all", "draft_file", "from_headers", "label", "names",
+           "open_drafters", "register", "target_alone", "target_parts", "unregister"]

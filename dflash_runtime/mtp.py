@@ -26,9 +26,10 @@ from llama_cpp import llama_cpp_ext as lx
 
 from .batches import decode_error
 from .drafting import MTP, DraftAsk, Implementation, Rows
-from .errors import ContextCreationError, DecodeError
+from .errors import ContextCreationError, DecodeError, PairMismatchError
+from .gguf_meta import GGUFInfo
 from .memory import SequenceMemory
-from .pair import LinkedPair
+from .pair import LinkedPair, Threads, new_context
 from .proposal import Proposal
 from .rpc import raise_if_lost
 from .states import WHOLE, load_seq, save_seq
@@ -231,9 +232,50 @@ class MTPDrafter:
             raise decode_error(what, rc, 0)
 
 
+NEXTN = "nextn"  # what the pair holds once the MTP context is open
+
+
+class MTPHead:
+    """The MTP context, a part of the target the pair opens (pair.TargetPart): the target model again, its nextn
+    head's graph, a KV cache of the nextn layer only."""
+
+    needs = NEXTN
+
+    def wanted(self, target: GGUFInfo, required: bool) -> bool:
+        if required and target.n_nextn == 0:
+            raise PairMismatchError(f"{target.path.name} has no MTP head (nextn_predict_layers is 0)")
+        return target.n_nextn > 0
+
+    def prepare_load(self, params: Any) -> None:
+        params.load_mtp = True  # the nextn layers' tensors are skipped unless asked for
+
+    def open_context(self, pair: LinkedPair, threads: Threads) -> Any:
+        if int(ll.llama_model_n_layer_nextn(pair.target_model)) < 1:
+            raise ContextCreationError("libllama reads no nextn layer in the target")
+        params = ll.llama_context_default_params()
+        params.ctx_type = ll.LLAMA_CONTEXT_TYPE_MTP
+        params.n_batch = params.n_ubatch = pair.n_ubatch
+        params.n_seq_max = pair.parallel
+        params.kv_unified = False
+        params.n_ctx = pair.n_ctx * pair.parallel
+        params.n_rs_seq = 0
+        threads.apply(params)
+        return new_context(pair.target_model, params, "MTP")
+
+    def link(self, pair: LinkedPair, ctx: Any) -> None:
+        # The target outputs its nextn hidden row for every decoded row (before its first decode: this re-reserves
+        # the graph); the MTP context for its output rows only.
+        lx.llama_set_embeddings_nextn(pair.target_ctx, True, False)
+        lx.llama_set_embeddings_nextn(ctx, True, True)
+
+    def placement(self, pair: LinkedPair) -> dict[str, Any]:
+        trunk = pair.target_info.n_layer - pair.target_info.n_nextn
+        return {"mtp_head": pair.target_layers.get(trunk)}
+
+
 def open_drafter(pair: LinkedPair, views: Sequence[Sequence[int]], capacity: int) -> MTPDrafter:
-    return MTPDrafter(pair.target_ctx, pair.mtp_ctx, views, n_embd=pair.n_embd_out, n_vocab=pair.n_vocab,
+    return MTPDrafter(pair.target_ctx, pair.parts[NEXTN], views, n_embd=pair.n_embd_out, n_vocab=pair.n_vocab,
                       n_batch=pair.n_ubatch, capacity=capacity)
 
 
-IMPLEMENTATION = Implementation(open_drafter)  # the MTP context is the target's own: the pair opens it (mtp=...)
+IMPLEMENTATION = Implementation(open_drafter, target_part=MTPHead())

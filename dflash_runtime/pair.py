@@ -1,9 +1,12 @@
-"""The pair: the target model and its context, the target's MTP context, and the draft model of the method whose file
-the draft is, in the context that method opens (a DFlash draft's borrows the target's through ctx_other).
+"""The pair: the target model and its context, the parts of the target that methods open (MTP's context of the
+nextn head), and the draft model of the method whose file the draft is, in the context that method opens (a DFlash
+draft's borrows the target's through ctx_other).
 
-The pair knows no method by name: the methods with a model of their own declare a `DraftFile` (which files are
-theirs, their checks, what the target must do for them, their context), and whoever opens the pair hands it those
-(the engine: the registry's, methods.py)."""
+The pair knows no method by name: the methods with a model of their own declare a `DraftFile` (their checks, what
+the target must do for them, their context) or a `TargetPart` (a context of the target model), and whoever opens the
+pair hands it those (the engine: the registry's, methods.py, which also says which method a draft file is).
+The pair's settings come grouped (`PairOptions`: sizes, `Threads`, numerics, `Placement`).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -140,12 +143,15 @@ class _Owned:
             _count(-1)
 
 
-def load_model(path: Path, n_gpu_layers: int, *, load_mtp: bool = False, repack: bool = True,
-               devices: DeviceList | None = None) -> Any:
+def load_model(path: Path, n_gpu_layers: int, *, repack: bool = True, devices: DeviceList | None = None,
+               prepare: Sequence[Callable[[Any], None]] = ()) -> Any:
+    """Load a model; `prepare`: what the parts opened on it set in its load parameters (e.g. loading the nextn
+    layers' tensors, which are skipped unless asked for)."""
     params = ll.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers
     params.use_extra_bufts = repack  # CPU weight repacking (Q4_0, Q4_K, IQ4_NL, ...): one kernel per row count
-    params.load_mtp = load_mtp  # the nextn layers' tensors are skipped unless asked for
+    for step in prepare:
+        step(params)
     if devices is not None:
         devices.apply(params)
     _log.lines.clear()
@@ -215,14 +221,12 @@ class Threads:
 
 class DraftFile(Protocol):
     """What a method with a model of its own declares to the pair (its module implements it, drafting.Implementation
-    names it)."""
+    names it). Which files are its drafts is said by its registry line (methods.py: `claims`, `priority`), read
+    from headers without libllama."""
 
     needs: str  # what the pair holds once such a draft is open, as the registry's methods name it (methods.py)
-    kind: str  # the file in words, for the message that refuses a file no method claims
-
-    def claims(self, draft: GGUFInfo) -> bool:
-        """Whether a draft file is this method's (from its header)."""
-        ...
+    kind: str  # the file in words
+    runs_alone: bool  # whether such a file opens as a model by itself (a DFlash draft does not: no output head)
 
     def validate(self, target: GGUFInfo, draft: GGUFInfo, capacity: int) -> Any:
         """The draft's spec, checked against the target; PairMismatchError says what does not fit."""
@@ -241,125 +245,178 @@ class DraftFile(Protocol):
         ...
 
 
-def _claim(draft: GGUFInfo, files: Sequence[DraftFile]) -> DraftFile:
-    """The draft file declaration that claims this file; PairMismatchError names the kinds there are."""
-    claimed = next((f for f in files if f.claims(draft)), None)
-    if claimed is None:
-        kinds = " or ".join(f.kind for f in files) or "none: no method with a model of its own was given"
-        raise PairMismatchError(f"{draft.path.name} is not a draft of any method: its architecture is "
-                                f"'{draft.arch}' (drafts: {kinds})")
-    return claimed
+class TargetPart(Protocol):
+    """What a method that drafts from a part of the target declares to the pair (drafting.Implementation's
+    `target_part`): e.g. MTP's context of the target's nextn head."""
+
+    needs: str  # what the pair holds once the part is open (`pair.parts[needs]` is its context)
+
+    def wanted(self, target: GGUFInfo, required: bool) -> bool:
+        """Whether to open it on this target; PairMismatchError when `required` and the target lacks it."""
+        ...
+
+    def prepare_load(self, params: Any) -> None:
+        """The target model's load parameters (`llama_model_params`), before it loads."""
+        ...
+
+    def open_context(self, pair: LinkedPair, threads: Threads) -> Any:
+        """A context of `pair.target_model` (the pair owns and frees it); ContextCreationError: not available."""
+        ...
+
+    def link(self, pair: LinkedPair, ctx: Any) -> None:
+        """What the target's context and the part's own must set once it is open (before the first decode)."""
+        ...
+
+    def placement(self, pair: LinkedPair) -> dict[str, Any]:
+        """The part's entries in `pair.placement()`."""
+        ...
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the layers go: `n_gpu_layers` of the target (and `draft_gpu_layers` of the draft, default the same) to
+    the local GPUs and the devices of the `rpc` servers, weighted by `tensor_split`; `rpc_cpu`: the servers compute
+    with this build's CPU backend; `rpc_timeout_s`: how long a server's reply may take."""
+
+    n_gpu_layers: int = 0
+    draft_gpu_layers: int | None = None
+    rpc: Sequence[str] | None = None
+    tensor_split: Sequence[float] | None = None
+    rpc_cpu: bool = False
+    rpc_timeout_s: float = REPLY_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class PairOptions:
+    """A pair's settings, grouped: the contexts' sizes, their threads, the numerics asked, the placement."""
+
+    n_ctx: int = 4096
+    n_batch: int = 512
+    draft_capacity: int = DEFAULT_DRAFT_CAPACITY
+    n_rs_seq: int | None = None
+    parallel: int = 1
+    numerics: str = "exact"
+    verbose: bool = False
+    threads: Threads | None = None  # None: Threads.default()
+    placement: Placement = field(default_factory=Placement)
+
+    _PLACEMENT = ("n_gpu_layers", "draft_gpu_layers", "rpc", "tensor_split", "rpc_cpu", "rpc_timeout_s")
+
+    @classmethod
+    def from_keywords(cls, *, n_threads: int | None = None, n_threads_batch: int | None = None,
+                      draft_max: int | None = None, draft_capacity: int | None = None, **keywords: Any) -> PairOptions:
+        """The options from `load_pair`'s flat keywords (n_ctx, n_gpu_layers, n_threads, rpc, ...); TypeError names
+        an unknown one. `draft_max=` is the deprecated spelling of `draft_capacity=`."""
+        capacity = renamed_keyword("draft_max", "draft_capacity", draft_max, draft_capacity, DEFAULT_DRAFT_CAPACITY,
+                                   stacklevel=4)
+        placement = {k: keywords.pop(k) for k in cls._PLACEMENT if k in keywords}
+        unknown = sorted(set(keywords) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(f"unknown pair options {unknown}")
+        return cls(draft_capacity=capacity, threads=Threads.default(n_threads, n_threads_batch),
+                   placement=Placement(**placement), **keywords)
+
+    def check(self) -> None:
+        capacity = self.draft_capacity
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"draft_capacity must be an integer ≥ 0 (got {capacity!r})")
+        if self.n_ctx < 16 or self.n_batch < 1:
+            raise ValueError(f"n_ctx must be ≥ 16 and n_batch ≥ 1 (got n_ctx={self.n_ctx}, n_batch={self.n_batch})")
+        parallel = self.parallel
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= MAX_PARALLEL:
+            raise ValueError(f"parallel must be an integer in 1..{MAX_PARALLEL} (got {parallel!r})")
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)} (got {self.numerics!r})")
+
+
+def _info(path: str | os.PathLike[str] | GGUFInfo) -> GGUFInfo:
+    return path if isinstance(path, GGUFInfo) else read_gguf(path)
 
 
 class LinkedPair:
-    """Owns the target model/context, optionally a draft model and the context its method opens, and optionally the
-    target's own MTP context (a second context of the target model running its nextn head). `draft_files`: what the
-    methods with a model of their own declare (the first that claims the draft file opens it).
+    """Owns the target model/context, optionally a draft model and the context its method opens (`draft_file`:
+    what the method that claims the draft declares, methods.draft_file), and the parts of the target that methods
+    open (`target_parts`: each a `TargetPart` and whether it is required; an optional one that fails to open is
+    kept in `part_errors`). The files are paths or their headers as read already (`GGUFInfo`: read once per load).
 
-    `draft_capacity` is the longest draft the pair is opened for: it sizes the verify ubatch and, for a hybrid
-    (recurrent) target, the `n_rs_seq` recurrent-state snapshots that let rejected drafts be rolled back (pass
-    `n_rs_seq` to override; 0 disables rollback, and speculative requests then fail loudly). A request may draft
-    less (its `draft_length`), never more. `draft_max=` is the deprecated spelling of `draft_capacity`.
-    `mtp`: None opens the MTP context when the target has an MTP head (a failure is kept in `mtp_error`), True
-    requires it, False skips it. `parallel` is the number of sequences every context holds (requests that run at
-    once); `n_ctx` is each sequence's context.
-    `rpc`: RPC servers ("host:port", started with `python -m dflash_runtime rpc-server`) whose devices join the
-    local GPUs, remote first; `n_gpu_layers` layers go to those devices, weighted by `tensor_split` (one weight per
-    device, remote first; default: by free memory), the rest stay on the local CPU (see placement.py, rpc.py). The
-    draft's layers follow `draft_gpu_layers` (default `n_gpu_layers`) on the same devices (its graph reads the
-    target's output head and token embeddings wherever they are), on the local GPUs where there are some.
-    `rpc_cpu=True` says the servers compute with the CPU backend of this same build, so the pair keeps its CPU
-    numerics (and batch invariance). `rpc_timeout_s` is how long a server's reply may take before the server counts
-    as gone.
+    `options` (`PairOptions`, or its flat keywords as `load_pair` takes them): `draft_capacity` is the longest draft
+    the pair is opened for: it sizes the verify ubatch and, for a hybrid (recurrent) target, the `n_rs_seq`
+    recurrent-state snapshots that let rejected drafts be rolled back (pass `n_rs_seq` to override; 0 disables
+    rollback, and speculative requests then fail loudly). A request may draft less (its `draft_length`), never
+    more. `parallel` is the number of sequences every context holds (requests that run at once); `n_ctx` is each
+    sequence's context. `placement.rpc`: RPC servers ("host:port", started with `python -m dflash_runtime
+    rpc-server`) whose devices join the local GPUs, remote first; `n_gpu_layers` layers go to those devices,
+    weighted by `tensor_split` (one weight per device, remote first; default: by free memory), the rest stay on the
+    local CPU (see placement.py, rpc.py). The draft's layers follow `draft_gpu_layers` (default `n_gpu_layers`) on
+    the same devices (its graph reads the target's output head and token embeddings wherever they are), on the
+    local GPUs where there are some. `rpc_cpu=True` says the servers compute with the CPU backend of this same
+    build, so the pair keeps its CPU numerics (and batch invariance).
     Raw pointers are exposed as `.target_model`, `.target_ctx`, `.draft_model`, `.draft_ctx` for callers that
     drive libllama themselves. Free with `close()` or a `with` block; the draft goes before the target.
     """
 
     def __init__(
         self,
-        target_path: str | os.PathLike[str],
-        draft_path: str | os.PathLike[str] | None = None,
+        target_path: str | os.PathLike[str] | GGUFInfo,
+        draft_path: str | os.PathLike[str] | GGUFInfo | None = None,
+        options: PairOptions | None = None,
         *,
-        n_ctx: int = 4096,
-        n_gpu_layers: int = 0,
-        draft_capacity: int | None = None,
-        n_batch: int = 512,
-        n_threads: int | None = None,
-        n_threads_batch: int | None = None,
-        n_rs_seq: int | None = None,
-        verbose: bool = False,
-        mtp: bool | None = None,
-        draft_max: int | None = None,
-        parallel: int = 1,
-        draft_files: Sequence[DraftFile] = (),
-        rpc: Sequence[str] | None = None,
-        tensor_split: Sequence[float] | None = None,
-        draft_gpu_layers: int | None = None,
-        rpc_cpu: bool = False,
-        rpc_timeout_s: float = REPLY_TIMEOUT_S,
-        numerics: str = "exact",
+        draft_file: DraftFile | None = None,
+        target_parts: Sequence[tuple[TargetPart, bool]] = (),
+        **keywords: Any,
     ) -> None:
-        capacity = renamed_keyword("draft_max", "draft_capacity", draft_max, draft_capacity, DEFAULT_DRAFT_CAPACITY,
-                                   stacklevel=4)
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-            raise ValueError(f"draft_capacity must be an integer ≥ 0 (got {capacity!r})")
-        _logger.set_verbose(verbose)
-        self.target_info: GGUFInfo = read_gguf(target_path)
-        self.draft_info: GGUFInfo | None = read_gguf(draft_path) if draft_path is not None else None
+        if options is None:
+            options = PairOptions.from_keywords(**keywords)
+        elif keywords:
+            raise TypeError(f"pass either options or keywords, not both (got {sorted(keywords)})")
+        options.check()
+        self.options = options
+        _logger.set_verbose(options.verbose)
+        capacity = options.draft_capacity
+        self.target_info: GGUFInfo = _info(target_path)
+        self.draft_info: GGUFInfo | None = _info(draft_path) if draft_path is not None else None
         self.spec: Any = None  # the draft's, as its method's validation returns it
-        self.draft_file: DraftFile | None = None
+        self.draft_file: DraftFile | None = draft_file if self.draft_info is not None else None
         if self.draft_info is not None:
-            self.draft_file = _claim(self.draft_info, draft_files)
-            self.spec = self.draft_file.validate(self.target_info, self.draft_info, capacity)
-        elif self.target_info.arch == "dflash":
-            raise PairMismatchError(
-                f"{self.target_info.path.name} is a DFlash draft: it has no embeddings or output head of its own and "
-                "must be opened together with its target, load_pair(target_path, draft_path)"
-            )
-        if n_ctx < 16 or n_batch < 1:
-            raise ValueError(f"n_ctx must be ≥ 16 and n_batch ≥ 1 (got n_ctx={n_ctx}, n_batch={n_batch})")
-        if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= MAX_PARALLEL:
-            raise ValueError(f"parallel must be an integer in 1..{MAX_PARALLEL} (got {parallel!r})")
-        if numerics not in NUMERICS:
-            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)} (got {numerics!r})")
-        self.numerics_asked = numerics
-        self.parallel = parallel
-        # The MTP head: one nextn layer after the trunk (a failure to open it is kept when it is optional).
-        n_nextn = int(self.target_info.keys.get(f"{self.target_info.arch}.nextn_predict_layers", 0) or 0)
-        if mtp and n_nextn == 0:
-            raise PairMismatchError(f"{self.target_info.path.name} has no MTP head (nextn_predict_layers is 0)")
-        self.wants_mtp = n_nextn > 0 and mtp is not False
-        self.mtp_error: str | None = None
-        self._mtp_required = bool(mtp)
+            if draft_file is None:
+                raise PairMismatchError(f"{self.draft_info.path.name} came without the draft file declaration of "
+                                        "the method that claims it (methods.draft_file)")
+            self.spec = draft_file.validate(self.target_info, self.draft_info, capacity)
+        self.numerics_asked = options.numerics
+        self.parallel = options.parallel
+        self._parts = [(part, required) for part, required in target_parts
+                       if part.wanted(self.target_info, required)]
+        self.parts: dict[str, Any] = {}  # needs → the context of an open target part
+        self.part_errors: dict[str, str] = {}  # needs → why an optional part did not open
         self.longest_draft = capacity  # every method's drafts, and so the verify batches and rollback snapshots
-        self.mtp_capacity = capacity if self.wants_mtp else 0
         self.draft_capacity = capacity if self.draft_file else 0
-        self.n_gpu_layers = n_gpu_layers
-        self._n_rs_seq_request = n_rs_seq
+        placement = options.placement
+        self.n_gpu_layers = n_gpu_layers = placement.n_gpu_layers
+        self._n_rs_seq_request = options.n_rs_seq
         self._owned = _Owned()
         self._closed = False
-        self.target_model = self.target_ctx = self.draft_model = self.draft_ctx = self.mtp_ctx = None
+        self.target_model = self.target_ctx = self.draft_model = self.draft_ctx = None
         self.remote: RemoteDevices | None = None
         self.devices: DeviceList | None = None
         self.target_layers: dict[int, str] = {}
         self.draft_layers: dict[int, str] = {}
         self.cpu_kernels = n_gpu_layers == 0
-        self.threads = threads = Threads.default(n_threads, n_threads_batch)
+        self.threads = threads = options.threads or Threads.default()
         try:
             _init_backend()
-            if rpc is not None:
-                self.remote = RemoteDevices(rpc, reply_timeout_s=rpc_timeout_s)
-            if self.remote is not None or tensor_split is not None:
-                self.devices = DeviceList(self.remote, tensor_split)
+            if placement.rpc is not None:
+                self.remote = RemoteDevices(placement.rpc, reply_timeout_s=placement.rpc_timeout_s)
+            if self.remote is not None or placement.tensor_split is not None:
+                self.devices = DeviceList(self.remote, placement.tensor_split)
             # The CPU's numerics rules hold when every layer runs ggml's CPU kernels (see batch_invariant).
-            self.cpu_kernels = n_gpu_layers == 0 or (self.remote is not None and rpc_cpu
+            self.cpu_kernels = n_gpu_layers == 0 or (self.remote is not None and placement.rpc_cpu
                                                      and not self.devices.local_gpus)
-            self._open_target(n_ctx, n_gpu_layers, n_batch, threads)
+            self._open_target(options.n_ctx, n_gpu_layers, options.n_batch, threads)
             if self.draft_file is not None:
-                self._open_draft(self.draft_file, n_gpu_layers if draft_gpu_layers is None else draft_gpu_layers,
-                                 threads)
-            if self.wants_mtp:
-                self._open_mtp(threads)
+                draft_layers = placement.draft_gpu_layers
+                self._open_draft(self.draft_file, n_gpu_layers if draft_layers is None else draft_layers, threads)
+            for part, required in self._parts:
+                self._open_part(part, required, threads)
             if self.remote is not None:
                 self.remote.raise_if_lost()
             # Read once: a description that changed between requests would tell one visitor of another's.
@@ -373,14 +430,22 @@ class LinkedPair:
                 raise RemoteDeviceError(why) from error
             raise
 
+    @property
+    def holds(self) -> frozenset[str]:
+        """What the open pair holds for the methods (their `needs`): its draft's kind and its open target parts."""
+        held = set(self.parts)
+        if self.draft_ctx is not None and self.draft_file is not None:
+            held.add(self.draft_file.needs)
+        return frozenset(held)
+
     # -- construction -------------------------------------------------------------------------------------------
 
     def _open_target(self, n_ctx: int, n_gpu_layers: int, n_batch: int, threads: Threads) -> None:
         self.target_model = self.own(
             # On the CPU the target's rows must not depend on their batch (see batch_invariant): repacked weights
             # take a many-row kernel from four rows up and a one-row kernel below.
-            load_model(self.target_info.path, n_gpu_layers, load_mtp=self.wants_mtp, repack=not self._exact_cpu,
-                       devices=self.devices),
+            load_model(self.target_info.path, n_gpu_layers, repack=not self._exact_cpu, devices=self.devices,
+                       prepare=[part.prepare_load for part, _ in self._parts]),
             ll.llama_model_free,
         )
         self.target_layers = dict(_log.layer_devices)
@@ -437,32 +502,18 @@ class LinkedPair:
         """Take a native handle into the pair: freed with it, in reverse order of creation."""
         return self._owned.push(handle, free)
 
-    def _open_mtp(self, threads: Threads) -> None:
-        """The MTP context: the target model again, its nextn head's graph, a KV cache of the nextn layer only."""
-        from llama_cpp import llama_cpp_ext as lx
-
-        params = ll.llama_context_default_params()
-        params.ctx_type = ll.LLAMA_CONTEXT_TYPE_MTP
-        params.n_batch = params.n_ubatch = self.n_ubatch
-        params.n_seq_max = self.parallel
-        params.kv_unified = False
-        params.n_ctx = self.n_ctx * self.parallel
-        params.n_rs_seq = 0
-        threads.apply(params)
+    def _open_part(self, part: TargetPart, required: bool, threads: Threads) -> None:
+        """A part of the target that a method opens (a failure is kept in `part_errors` when it is optional)."""
         try:
-            if int(ll.llama_model_n_layer_nextn(self.target_model)) < 1:
-                raise ContextCreationError("libllama reads no nextn layer in the target")
-            self.mtp_ctx = self.own(new_context(self.target_model, params, "MTP"), ll.llama_free)
-            self._watch(self.mtp_ctx)
+            ctx = self.own(part.open_context(self, threads), ll.llama_free)
         except ContextCreationError as error:
-            if self._mtp_required:
+            if required:
                 raise
-            self.mtp_error, self.mtp_capacity = str(error), 0
+            self.part_errors[part.needs] = str(error)
             return
-        # The target outputs its nextn hidden row for every decoded row (before its first decode: this re-reserves
-        # the graph); the MTP context for its output rows only.
-        lx.llama_set_embeddings_nextn(self.target_ctx, True, False)
-        lx.llama_set_embeddings_nextn(self.mtp_ctx, True, True)
+        self._watch(ctx)
+        self.parts[part.needs] = ctx
+        part.link(self, ctx)
 
     @property
     def _exact_cpu(self) -> bool:
@@ -518,7 +569,8 @@ class LinkedPair:
             self._closed = True
             self._unwatch()
             self._owned.free_all()
-            self.target_model = self.target_ctx = self.draft_model = self.draft_ctx = self.mtp_ctx = None
+            self.target_model = self.target_ctx = self.draft_model = self.draft_ctx = None
+            self.parts = {}
 
     def __enter__(self) -> LinkedPair:
         return self
@@ -550,20 +602,21 @@ class LinkedPair:
             watch(ctx, self.remote)
 
     def _unwatch(self) -> None:
-        for ctx in (self.target_ctx, self.draft_ctx, self.mtp_ctx):
+        for ctx in (self.target_ctx, self.draft_ctx, *self.parts.values()):
             if ctx:
                 unwatch(ctx)
 
     def placement(self) -> dict[str, Any]:
         """Which layers live on which device (libllama's own account at load), each device's memory when the pair was
         opened, and for remote devices the traffic through their relays since the process began."""
-        trunk = self.target_info.n_layer - int(self.target_info.key("nextn_predict_layers", 0) or 0)
         out: dict[str, Any] = {
             "devices": self.device_memory,
             "target": layer_ranges(self.target_layers, self.target_info.n_layer),
             "draft": layer_ranges(self.draft_layers, self.draft_info.n_layer) if self.draft_info else [],
-            "mtp_head": self.target_layers.get(trunk) if self.mtp_ctx else None,
         }
+        for part, _ in self._parts:
+            if part.needs in self.parts:
+                out.update(part.placement(self))
         if self.remote is not None:
             out["rpc"] = self.remote.traffic()
         return out

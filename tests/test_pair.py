@@ -31,7 +31,8 @@ from dflash_runtime.testing.tiny_models import write_broken_draft
 @pytest.mark.parametrize(("target", "draft"), ALL_PAIRS, ids=PAIR_IDS)
 def test_pair_links_draft_to_target(target: str, draft: str, no_leaks: None) -> None:
     files = pair_files(target, draft)
-    with LinkedPair(files.target, files.draft, n_ctx=256, draft_capacity=7, draft_files=methods.draft_files()) as pair:
+    header = read_gguf(files.draft)
+    with LinkedPair(files.target, header, n_ctx=256, draft_capacity=7, draft_file=methods.draft_file(header)) as pair:
         api = dflash_api()
         assert api.get_ctx_other(pair.draft_ctx) == pair.target_ctx
         assert pair.spec is not None and pair.spec.is_dflash2 == (draft == "dflash2")
@@ -136,7 +137,8 @@ def test_missing_symbols_are_named(tmp_path: Path) -> None:
 @pytest.mark.parametrize("target", ["dense", "hybrid"])
 def test_tapped_features_have_the_expected_shape(target: str) -> None:
     files = pair_files(target, "dflash2")
-    with LinkedPair(files.target, files.draft, n_ctx=256, draft_capacity=7, draft_files=methods.draft_files()) as pair:
+    header = read_gguf(files.draft)
+    with LinkedPair(files.target, header, n_ctx=256, draft_capacity=7, draft_file=methods.draft_file(header)) as pair:
         assert pair.spec is not None
         tokens = list(range(10, 23))
         batch = TokenBatch(len(tokens))

@@ -49,6 +49,7 @@ class Method:
     auto: bool = True  # a candidate for the pair's default method (a request that names none)
     help: str = ""  # what it is, in one line of the Space's method menu
     about: str = ""  # its label with what it is, where the label alone does not say (the Space's About box)
+    source: str = ""  # what it drafts with, in words, where the Space says so ("drafting with the target's MTP head")
     # A method with a draft file of its own: whether a file's header is its draft (libllama-free: the Space's web
     # process lists methods from headers), and which claimant wins where several claim a file (highest first).
     claims: Callable[[GGUFInfo], bool] | None = None
@@ -96,7 +97,7 @@ REGISTRY: tuple[Method, ...] = (
            help="a small draft model writes a block of tokens in one pass, from the target's own hidden features"),
     Method(MTP, "MTP", NEXTN, _mtp, target_has=_has_nextn,
            help="the target's own multi-token-prediction head guesses the next tokens",
-           about="MTP (the target's own multi-token-prediction head)"),
+           about="MTP (the target's own multi-token-prediction head)", source="the target's MTP head"),
     Method("draft-simple", "Draft model", "draft-model", _draft_simple, claims=_any_model, priority=0,
            help="a small model of the target's vocabulary guesses the next tokens one by one (llama.cpp's "
                 "draft-simple)"),

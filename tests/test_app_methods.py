@@ -177,7 +177,7 @@ def test_a_draft_that_fails_validation_leaves_the_target_drafting_with_its_mtp_h
         assert answer.error is None, answer.error
         info = answer.engine_info
         assert info is not None and info["methods"] == ["mtp", "ngram-mod", "ngram-map-k"]
-        assert info["draft_problem"].startswith("DFlash draft unavailable: ")
+        assert info["draft_problem"].startswith("Draft unavailable: ")
         assert info["draft_problem"].endswith("; drafting with the target's MTP head")
         assert str(tmp_path) not in info["draft_problem"], "no server paths"
         assert answer.stats["method"] == "mtp" and answer.stats["drafted"] > 0
@@ -213,7 +213,7 @@ def test_a_draft_that_cannot_be_downloaded_leaves_the_target_alone(tmp_path: Pat
     try:
         answer = run_job(host, files)
         assert answer.engine_info is not None and answer.engine_info["methods"] == ["mtp", "ngram-mod", "ngram-map-k"]
-        assert "DFlash draft unavailable: Could not download the draft" in answer.engine_info["draft_problem"]
+        assert "Draft unavailable: Could not download the draft" in answer.engine_info["draft_problem"]
         assert answer.stats["method"] == "mtp"
     finally:
         host.close()
@@ -225,7 +225,7 @@ def test_info_box_lists_methods_and_warns_of_a_missing_draft() -> None:
     preset = PairPreset(name="p", label="p", target=ModelSource(repo="a/b", filename="t.gguf"),
                         draft=ModelSource(repo="a/c", filename="d.gguf"))  # fmt: skip
     text = info_markdown(preset, Limits(), {}, {"methods": ["mtp"], "draft_kind": None,
-                                                "draft_problem": "DFlash draft unavailable: gone; drafting with the "
+                                                "draft_problem": "Draft unavailable: gone; drafting with the "
                                                 "target's MTP head"})  # fmt: skip
     assert "- Draft methods: MTP (the target's own multi-token-prediction head)" in text
-    assert "⚠️ DFlash draft unavailable: gone" in text
+    assert "⚠️ Draft unavailable: gone" in text

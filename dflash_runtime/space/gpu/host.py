@@ -39,7 +39,7 @@ from ...gguf_meta import read_gguf
 from ..crossing import GpuJob, ReplyChunk, client_of_owner, info_digest, phase_decoding
 from ..requests import DEFAULT_SYSTEM_PROMPT, ChatRequest, thinking_prefix
 from ..scrub import scrub_paths
-from ..setup.presets import PairPreset, ResolvedPair, draft_unavailable, has_mtp_head
+from ..setup.presets import PairPreset, ResolvedPair, draft_unavailable, fallback_methods
 from .fitting import FittedConversation, fit_conversation, fit_prompt, prompt_tokens
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,8 @@ class EngineHost:
         self.requests = 0
         self.last_load_s: float | None = None
         self.previous_request: dict[str, Any] = {}
-        self.draft_problem: str | None = None  # why the loaded engine runs without its DFlash draft
+        self.draft_problem: str | None = None  # why the loaded engine runs without its draft
+        self._fallback: tuple[str, ...] = ()  # the methods it then drafts with (the target's own)
 
     def close(self) -> None:
         """Close the engine once no request runs on it (or after busy_timeout_s)."""
@@ -237,15 +238,17 @@ class EngineHost:
         if preset.rpc:
             options["rpc"] = list(preset.rpc)
         self.draft_problem = files.draft_problem
+        self._fallback = fallback_methods(files.target_path) if files.draft_problem else ()
         if files.draft_path is None:
             self._engine = self._loader(files.target_path, None, **options)
         else:
             try:
                 self._engine = self._loader(files.target_path, files.draft_path, **options)
             except (PairMismatchError, ModelFileError) as error:
-                # A draft that fails validation: the target alone still accelerates when it has an MTP head. (If
-                # the target itself is at fault, opening it alone raises that error.)
-                if not has_mtp_head(files.target_path):
+                # A draft that fails validation: the target alone still accelerates when it runs a method with a
+                # model of its own (an MTP head). (If the target itself is at fault, opening it alone raises that.)
+                self._fallback = fallback_methods(files.target_path)
+                if not self._fallback:
                     raise
                 self._engine = self._loader(files.target_path, None, **options)
                 self.draft_problem = str(error)
@@ -301,7 +304,7 @@ class EngineHost:
             if self.parallel_plan is not None:
                 info["parallel_plan"] = self.parallel_plan.describe()
             if self.draft_problem:
-                info["draft_problem"] = scrub_paths(draft_unavailable(self.draft_problem))
+                info["draft_problem"] = scrub_paths(draft_unavailable(self.draft_problem, self._fallback))
             info_known = info_digest(info) == job.engine_info_seen
             first = True
             answers: dict[str, list[int]] = {}

@@ -25,8 +25,6 @@ def acceptance_rows(stats: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-METHOD_LABELS = {m.name: m.label for m in draft_methods.REGISTRY}
-METHOD_DESCRIPTIONS = {"mtp": "MTP (the target's own multi-token-prediction head)"}
 PLAIN_LABEL = "Plain"
 VERIFY_MODES = {"greedy": "greedy match (temperature 0)", "sample": "rejection sampling",
                 "match": "sample and match"}  # fmt: skip
@@ -38,23 +36,14 @@ def method_label(method: str | None, draft_kind: str | None = None) -> str:
         return "DFlash"
     if method and draft_methods.CHAIN_SEPARATOR in method:
         return " → ".join(method_label(m, draft_kind) for m in draft_methods.split(method))
-    return METHOD_LABELS.get(method or "", "speculative")
+    known = draft_methods.registry().get(method or "")
+    return known.label if known else "speculative"
 
 
 def method_description(method: str | None, draft_kind: str | None = None) -> str:
-    """A method's label with what it is, where the label alone does not say (the About box)."""
-    return METHOD_DESCRIPTIONS.get(method or "", method_label(method, draft_kind))
-
-
-# What each method is, in one line of the method menu's help.
-METHOD_HELP = {
-    "dflash": "a small draft model writes a block of tokens in one pass, from the target's own hidden features",
-    "mtp": "the target's own multi-token-prediction head guesses the next tokens",
-    "ngram-mod": "no draft model: the tokens that followed the last few tokens where they occurred before, in the "
-                 "prompt or the answer (llama.cpp's ngram-mod)",
-    "ngram-map-k": "no draft model: what followed the newest earlier occurrence of the last 12 tokens (llama.cpp's "
-                   "ngram-map-k)",
-}
+    """A method's label with what it is, where the label alone does not say (the About box: the registry's)."""
+    known = draft_methods.registry().get(method or "")
+    return known.about if known and known.about else method_label(method, draft_kind)
 
 
 def method_help(methods: list[str], draft_kind: str | None = None, default: str | None = None) -> str:
@@ -67,7 +56,8 @@ def method_help(methods: list[str], draft_kind: str | None = None, default: str 
             what = (f"each step drafted by {names[0]} where it finds something (the answer copies its prompt), "
                     f"by {' then '.join(names[1:])} elsewhere")  # fmt: skip
         else:
-            what = METHOD_HELP.get(method, "a draft method of this pair")
+            known = draft_methods.registry().get(method)
+            what = known.help if known and known.help else "a draft method of this pair"
         lines.append(f"- **{method_label(method, draft_kind)}**: {what}")
     return "\n".join(lines)
 

@@ -12,17 +12,17 @@ from pathlib import Path
 
 from ...errors import DownloadError, ModelFileError
 from ...hub import ModelSource, fetch_model_file
-from .presets import PairPreset, ResolvedPair, draft_unavailable, env_text, has_mtp_head
+from .presets import PairPreset, ResolvedPair, draft_unavailable, env_text, fallback_methods
 
 log = logging.getLogger(__name__)
 
-def _drafts_alone(target: Path) -> bool:
-    """Whether the target can accelerate without its draft (an MTP head); an unreadable header says no (the load
-    reports it)."""
+def _drafts_alone(target: Path) -> tuple[str, ...]:
+    """The methods with a model that the target runs without its draft (an MTP head); an unreadable header says none
+    (the load reports it)."""
     try:
-        return has_mtp_head(target)
+        return fallback_methods(target)
     except ModelFileError:
-        return False
+        return ()
 
 
 @dataclass
@@ -156,9 +156,10 @@ class PairDownload:
         try:
             return ResolvedPair(target, self._fetch(1, self.preset.draft))
         except (DownloadError, ModelFileError) as error:
-            if not _drafts_alone(target):
+            fallback = _drafts_alone(target)
+            if not fallback:
                 raise
-            log.warning("%s", draft_unavailable(str(error)))
+            log.warning("%s", draft_unavailable(str(error), fallback))
             return ResolvedPair(target, None, draft_problem=str(error))
 
     def _fetch(self, index: int, source: ModelSource) -> Path:

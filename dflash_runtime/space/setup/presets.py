@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ... import methods
 from ...hub import ModelSource
 
 log = logging.getLogger(__name__)
@@ -91,17 +92,27 @@ class ResolvedPair:
     draft_problem: str | None = None
 
 
-def has_mtp_head(target_path: Path) -> bool:
-    """Whether a target GGUF carries an MTP head (nextn layers), from its header: no model is opened."""
+def fallback_methods(target_path: Path) -> tuple[str, ...]:
+    """The methods with a model that the target runs without its draft (the registry's `target_alone`: MTP with a
+    nextn head), from its header: no model is opened. Where the draft is unusable, the pair opens without it when
+    there is one."""
     from ...gguf_meta import read_gguf
 
-    info = read_gguf(target_path)
-    return int(info.keys.get(f"{info.arch}.nextn_predict_layers", 0) or 0) > 0
+    return methods.target_alone(read_gguf(target_path))
 
 
-def draft_unavailable(why: str) -> str:
-    """What the Space says when it drafts with the target's MTP head because the DFlash draft is not usable."""
-    return f"DFlash draft unavailable: {why}; drafting with the target's MTP head"
+def pair_methods(target_path: Path, draft_path: Path | None) -> list[str]:
+    """The methods a pair of these files runs, from their headers (the registry's `from_headers`)."""
+    from ...gguf_meta import read_gguf
+
+    return list(methods.from_headers(read_gguf(target_path), read_gguf(draft_path) if draft_path else None))
+
+
+def draft_unavailable(why: str, fallback: Sequence[str]) -> str:
+    """What the Space says when the pair drafts without its draft file, with the target's own `fallback` methods."""
+    known = methods.registry()
+    drafting = " or ".join(known[m].source or known[m].label for m in fallback if m in known) or "the target alone"
+    return f"Draft unavailable: {why}; drafting with {drafting}"
 
 
 def header_sampling_defaults(target_path: Path) -> dict[str, float | int]:

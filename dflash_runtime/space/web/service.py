@@ -22,7 +22,6 @@ from functools import partial
 from typing import Any, Protocol
 
 from ...errors import DFlashError, RequestError
-from ...methods import runnable as registered_methods
 from ..crossing import GpuJob, ReplyChunk, info_digest, owner_of
 from ..provenance import SourceRuns
 from ..requests import AUTO, ChatRequest, Limits, build_request
@@ -34,9 +33,10 @@ from ..setup.presets import (
     ResolvedPair,
     configured_preset,
     draft_unavailable,
-    has_mtp_head,
+    fallback_methods,
     header_sampling_defaults,
     overrides_in_env,
+    pair_methods,
     parallel_from_env,
 )
 from ..setup.runmode import RunMode, choose_run_mode, cuda_device_present, on_zero_gpu, settle_run_mode
@@ -260,14 +260,13 @@ class SpaceService:
         if self.file_facts:
             return
         try:
-            mtp = has_mtp_head(files.target_path)
+            methods = pair_methods(files.target_path, files.draft_path)
+            fallback = fallback_methods(files.target_path)
             sampling = {} if self.mode.tiny else header_sampling_defaults(files.target_path)
         except DFlashError as error:  # the load reports it properly; here it only means "not known"
-            log.warning("could not read the target's header: %s", error)
+            log.warning("could not read the pair's headers: %s", error)
             return
-        holds = {"draft": files.draft_path is not None, "nextn": mtp}
-        methods = list(registered_methods(lambda needs: holds.get(needs, False)))  # other draft kinds: not here
-        problem = draft_unavailable(scrub_paths(files.draft_problem)) if files.draft_problem else None
+        problem = draft_unavailable(scrub_paths(files.draft_problem), fallback) if files.draft_problem else None
         self.file_facts = {"methods": methods, "draft_problem": problem}
         if sampling:
             self.defaults.update(sampling)

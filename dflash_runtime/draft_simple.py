@@ -11,10 +11,14 @@ is a top-k 10 chain, and it cuts the draft below p_min); above temperature 0 wit
 sampled from the request's chain over the draft's logits, its q recorded. The drafted cells are removed afterwards:
 the accepted tokens come back with the sequence's tokens.
 
-What it opens (`DRAFT_MODEL_FILE`): any model file that is not a DFlash draft, attention only (its drafted cells
-are removed after every draft), with the target's vocabulary (size, tokenizer model and special tokens), in a plain
-context of its own. Its memory per sequence is that KV cache (footprint.py's `draft_kv`: n_ctx cells of its
-layers). It takes no options of its own: the request's draft length, n_min and p_min apply.
+A hybrid (recurrent) draft model — the small models of the Qwen3.5 family, the classic draft of a Qwen3.5/3.8
+target — is rolled back exactly (memory.DraftSequence): the recurrent state where drafting began is copied and
+restored after the draft, and the target's rows are decoded into it only when it drafts (never a rejected row).
+
+What it opens (`DraftModelFile`): any model file with the target's vocabulary (size, tokenizer model and special
+tokens) that no other method claims first (its registry line claims any model, at the lowest priority), in a plain
+context of its own. Its memory per sequence is that cache (footprint.py's `draft_kv`: n_ctx cells of its layers).
+It takes no options of its own: the request's draft length, n_min and p_min apply.
 """
 
 from __future__ import annotations
@@ -29,12 +33,10 @@ from llama_cpp import llama_cpp as ll
 from .batches import TokenBatch
 from .drafting import DraftAsk, Implementation, Rows
 from .errors import DecodeError, PairMismatchError
-from .footprint import HYBRID_ARCHS
 from .gguf_meta import GGUFInfo
-from .memory import SequenceMemory
+from .memory import DraftSequence
 from .pair import LinkedPair, Threads, new_context
 from .proposal import Proposal
-from .states import WHOLE, load_seq, save_seq
 from .validation import check_vocab
 
 DRAFT_SIMPLE = "draft-simple"
@@ -56,9 +58,6 @@ class DraftModelFile:
     runs_alone = True
 
     def validate(self, target: GGUFInfo, draft: GGUFInfo, capacity: int) -> DraftModelSpec:
-        if draft.arch in HYBRID_ARCHS:
-            raise PairMismatchError(f"{draft.path.name} is a recurrent ({draft.arch}) model: a draft-simple draft is "
-                                    "attention only, its drafted cells are removed after every draft")
         check_vocab(target, draft, "a draft model must use its target's tokenizer")
         if capacity < 1:
             raise PairMismatchError(f"a draft capacity of {capacity} tokens leaves no room for a drafted token")
@@ -90,30 +89,24 @@ class _Parked:
     n_fed: int
 
 
-class _Sequence:
-    def __init__(self, ctx: Any, seq: int) -> None:
-        self.memory = SequenceMemory(ctx, "draft", seq)
-        self.n_known = 0  # the target cache's length as the last decode left it
-        self.n_fed = 0  # positions decoded into the draft context
-
-
 class DraftSimpleDrafter:
     method = DRAFT_SIMPLE
 
     def __init__(self, draft_ctx: Any, views: Sequence[Sequence[int]], *, n_vocab: int, n_batch: int,
-                 capacity: int) -> None:
+                 capacity: int, recurrent: bool = False) -> None:
         self.capacity = capacity
         self._ctx = draft_ctx
         self._views = views  # each sequence's target-cache tokens (read only)
-        self._seqs = [_Sequence(draft_ctx, seq) for seq in range(len(views))]
+        self._seqs = [DraftSequence(draft_ctx, "draft", seq, recurrent=recurrent) for seq in range(len(views))]
+        self._recurrent = recurrent
         self._n_vocab = n_vocab
         self._batch = TokenBatch(n_batch)
 
     def process(self, rows: Sequence[Rows]) -> None:
         for r in rows:
-            self.keep(r.seq, r.pos0)
-            self._seqs[r.seq].n_known = r.pos0 + len(r.tokens)
-        eager = [r.seq for r in rows if r.eager]
+            self._seqs[r.seq].known(r.pos0, len(r.tokens))
+        # A recurrent draft takes the rows when it drafts: a rejected row fed now would cost a roll back to the mark.
+        eager = [r.seq for r in rows if r.eager and not self._recurrent]
         if eager:
             self.catch_up(eager)
 
@@ -144,6 +137,8 @@ class DraftSimpleDrafter:
     def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
         """Every ask's chain in the same decodes: step i decodes the i-th row of each ask still drafting."""
         self.catch_up([a.seq for a in asks])
+        for ask in asks:
+            self._seqs[ask.seq].drafting()
         out = [Proposal.start(a.sampling) for a in asks]
         current = [a.id_last for a in asks]
         going = [i for i, a in enumerate(asks) if a.n > 0]
@@ -171,38 +166,26 @@ class DraftSimpleDrafter:
                 going = still
                 step += 1
         finally:
-            refused = [a for a in asks if not self._seqs[a.seq].memory.remove_from(a.pos0)]
+            refused = [a for a in asks if not self._seqs[a.seq].drop_drafts(a.pos0)]
         if refused:
             raise self._seqs[refused[0].seq].memory.refused(f"drop its drafts at position {refused[0].pos0}")
-        for ask in asks:
-            state = self._seqs[ask.seq]
-            state.n_fed = min(state.n_fed, ask.pos0)
         return [p.at_least(a.n_min, a.sampling) for p, a in zip(out, asks, strict=True)]
 
     def accept(self, seq: int, n_accepted: int) -> None:
         pass  # the accepted tokens come with the sequence's tokens; keep() drops the rest
 
     def keep(self, seq: int, n: int) -> None:
-        state = self._seqs[seq]
-        state.n_known = min(state.n_known, n)
-        if state.n_fed > n:
-            state.memory.cut(n)
-            state.n_fed = n
+        self._seqs[seq].keep(n)
 
     def clear(self, seq: int) -> None:
-        state = self._seqs[seq]
-        state.memory.clear()
-        state.n_known = state.n_fed = 0
+        self._seqs[seq].clear()
 
     def save(self, seq: int) -> _Parked:
         self.catch_up([seq])
-        return _Parked(save_seq(self._ctx, WHOLE, seq=seq), self._seqs[seq].n_fed)
+        return _Parked(self._seqs[seq].save(), self._seqs[seq].n_fed)
 
     def restore(self, seq: int, parked: _Parked) -> None:
-        state = self._seqs[seq]
-        state.memory.clear()
-        load_seq(self._ctx, parked.kv, WHOLE, seq)
-        state.n_known = state.n_fed = parked.n_fed
+        self._seqs[seq].restore(parked.kv, parked.n_fed)
 
     def state_bytes(self, state: _Parked) -> int:
         return int(state.kv.nbytes)
@@ -213,7 +196,9 @@ class DraftSimpleDrafter:
 
 def open_drafter(pair: LinkedPair, views: Sequence[Sequence[int]], capacity: int) -> DraftSimpleDrafter:
     n_batch = max(pair.n_ubatch, pair.parallel * (pair.draft_capacity + 1))  # the draft context's (open_context)
-    return DraftSimpleDrafter(pair.draft_ctx, views, n_vocab=pair.n_vocab, n_batch=n_batch, capacity=capacity)
+    recurrent = bool(ll.llama_model_is_recurrent(pair.draft_model) or ll.llama_model_is_hybrid(pair.draft_model))
+    return DraftSimpleDrafter(pair.draft_ctx, views, n_vocab=pair.n_vocab, n_batch=n_batch, capacity=capacity,
+                              recurrent=recurrent)
 
 
 IMPLEMENTATION = Implementation(open_drafter, draft_file=DraftModelFile())

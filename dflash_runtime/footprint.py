@@ -10,7 +10,8 @@ llama-memory-recurrent.cpp, llama-hparams.cpp, models/qwen35.cpp):
   rolls back;
 - context checkpoints: copies of the recurrent state in host memory, up to CheckpointPolicy's count and bytes;
 - draft KV: the draft's own layers (a DFlash draft's, or a draft-simple model's attention layers), n_ctx cells each
-  (the draft context is as long as the target's);
+  (the draft context is as long as the target's), and a hybrid draft model's recurrent state (its host copy where
+  drafting began counts with the checkpoints);
 - MTP KV: the MTP context's cache holds the nextn layer(s) only.
 Compute buffers and weights are shared by all sequences and are not counted here.
 
@@ -116,13 +117,17 @@ def sequence_footprint(
     with_mtp = n_nextn > 0 and mtp is not False
     nextn = range(trunk_layers(target_info), target_info.n_layer)
     kept = min(checkpoint_count, checkpoint_bytes // state) if state else 0
+    # A hybrid draft model (draft-simple): KV cells of its attention layers, its recurrent state, and on the host the
+    # copy of that state where drafting began (memory.DraftSequence).
+    draft_state = recurrent_cell_bytes(draft_info) if draft_info else 0
+    draft_attention = [il for il, r in enumerate(recurrent_layers(draft_info)) if not r] if draft_info else []
     parts = {
         "target_kv": cells * kv_row_bytes(target_info, attention, **kv),
         "recurrent_state": state,
         "rollback_snapshots": snapshots * state,
-        "draft_kv": cells * kv_row_bytes(draft_info, range(draft_info.n_layer), **kv) if draft_info else 0,
+        "draft_kv": cells * kv_row_bytes(draft_info, draft_attention, **kv) + draft_state if draft_info else 0,
         "mtp_kv": cells * kv_row_bytes(target_info, nextn, **kv) if with_mtp else 0,
-        "checkpoints": kept * state,
+        "checkpoints": kept * state + draft_state,
     }
     parts["device"] = sum(parts[k] for k in DEVICE_PARTS)
     parts["host"] = sum(parts[k] for k in HOST_PARTS)

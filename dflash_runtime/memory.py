@@ -1,14 +1,16 @@
 """One sequence's cache in a context (libllama's `llama_memory_*`; a context holds `parallel` sequences, by id), with
 the error a refused cut raises: the target, each drafter and the checkpoints cut through this, never through
-libllama."""
+libllama. `DraftSequence`: the bookkeeping every drafter with a context of its own shares for one sequence."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from .errors import RollbackError
+from .states import PARTIAL_ONLY, WHOLE, load_seq, save_seq
 
 
 class SequenceMemory:
@@ -33,3 +35,78 @@ class SequenceMemory:
         """Remove every position of this sequence (the other sequences of the context keep theirs)."""
         if not ll.llama_memory_seq_rm(self._mem, self.seq, -1, -1):
             raise self.refused("clear")
+
+
+class DraftSequence:
+    """What a drafter with a context of its own (draft-simple's model, MTP's head) keeps of one sequence there: how
+    far the target's cache is known (`n_known`) and how far it went into the context (`n_fed`), and the one way of
+    going back in it — after a cut of the target's cache (`keep`), after its own drafted cells (`drafting`,
+    `drop_drafts`), for parking (`save`, `restore`).
+
+    An attention-only context cuts any suffix. A recurrent (hybrid) context cannot cut its recurrent state, and its
+    chained one-row draft decodes leave nothing a snapshot could undo, so, as the target's checkpoints do, it keeps a
+    copy of the recurrent state where drafting began (`PARTIAL_ONLY`) and restores it: the drafts are dropped
+    exactly, and so is anything fed after that point later; a cut below it starts the sequence over (the drafter then
+    decodes the target's tokens again)."""
+
+    def __init__(self, ctx: Any, name: str, seq: int, *, recurrent: bool = False) -> None:
+        self.memory = SequenceMemory(ctx, name, seq)
+        self._ctx = ctx
+        self.seq = seq
+        self.recurrent = recurrent
+        self.n_known = 0  # the target cache's length as the last decode left it
+        self.n_fed = 0  # positions decoded into the drafter's context
+        self._mark: tuple[int, np.ndarray] | None = None  # (n_fed, recurrent state) where drafting last began
+
+    def known(self, pos0: int, n: int) -> None:
+        """A target decode held this sequence's positions pos0..pos0+n-1: anything of ours from pos0 on is stale."""
+        self.keep(pos0)
+        self.n_known = pos0 + n
+
+    def keep(self, n: int) -> None:
+        """The target's cache was cut to n tokens: so is ours (RollbackError where libllama refuses)."""
+        self.n_known = min(self.n_known, n)
+        if self.n_fed <= n:
+            return
+        if not self.recurrent:
+            self.memory.cut(n)
+            self.n_fed = n
+        elif self._mark is not None and self._mark[0] <= n:
+            self._back_to_mark()
+        else:
+            self.clear()
+
+    def drafting(self) -> None:
+        """Drafted cells are about to follow position n_fed: a recurrent state is copied to come back to."""
+        if self.recurrent:
+            self._mark = (self.n_fed, save_seq(self._ctx, PARTIAL_ONLY, seq=self.seq))
+
+    def drop_drafts(self, pos0: int) -> bool:
+        """Remove the drafted cells from pos0 on (where drafting began); False when libllama refuses."""
+        if self.recurrent and self._mark is not None:
+            load_seq(self._ctx, self._mark[1], PARTIAL_ONLY, self.seq)
+        removed = self.memory.remove_from(pos0)
+        self.n_fed = min(self.n_fed, pos0)
+        return removed
+
+    def clear(self) -> None:
+        self.memory.clear()
+        self.n_known = self.n_fed = 0
+        self._mark = None
+
+    def save(self) -> np.ndarray:
+        """A copy of everything the sequence holds in the context (its tokens up to n_fed)."""
+        return save_seq(self._ctx, WHOLE, seq=self.seq)
+
+    def restore(self, data: np.ndarray, n: int) -> None:
+        """Bring back a `save` copy of n tokens in place of what the sequence holds."""
+        self.clear()
+        load_seq(self._ctx, data, WHOLE, self.seq)
+        self.n_known = self.n_fed = n
+
+    def _back_to_mark(self) -> None:
+        assert self._mark is not None
+        n, state = self._mark
+        load_seq(self._ctx, state, PARTIAL_ONLY, self.seq)
+        self.memory.cut(n)  # the recurrent state now ends at n: removing the attention suffix is a plain cut
+        self.n_fed = n

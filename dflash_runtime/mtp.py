@@ -28,11 +28,10 @@ from .batches import decode_error
 from .drafting import MTP, DraftAsk, Implementation, Rows
 from .errors import ContextCreationError, DecodeError, PairMismatchError
 from .gguf_meta import GGUFInfo
-from .memory import SequenceMemory
+from .memory import DraftSequence
 from .pair import LinkedPair, Threads, new_context
 from .proposal import Proposal
 from .rpc import raise_if_lost
-from .states import WHOLE, load_seq, save_seq
 
 
 @dataclass
@@ -41,14 +40,13 @@ class _Parked:
     hidden: np.ndarray
 
 
-class _Sequence:
-    """What the drafter keeps of one sequence: the target's row per position, and how far the MTP context got."""
+class _Sequence(DraftSequence):
+    """What the drafter keeps of one sequence: the target's row per position, and how far the MTP context got
+    (n_known: positions whose token and target row are held)."""
 
     def __init__(self, ctx: Any, seq: int, n_embd: int) -> None:
-        self.memory = SequenceMemory(ctx, "MTP", seq)
+        super().__init__(ctx, "MTP", seq)
         self.hidden = np.zeros((256, n_embd), dtype=np.float32)  # target row per position, grown on demand
-        self.n_known = 0  # positions whose token and target row are held (the target cache's length)
-        self.n_fed = 0    # positions decoded into the MTP context
 
     def grow(self, n: int) -> None:
         if n > len(self.hidden):
@@ -92,8 +90,7 @@ class MTPDrafter:
             n, state = len(r.tokens), self._seqs[r.seq]
             state.grow(r.pos0 + n)
             state.hidden[r.pos0:r.pos0 + n] = hidden[r.row0:r.row0 + n]
-            self.keep(r.seq, r.pos0)
-            state.n_known = r.pos0 + n
+            state.known(r.pos0, n)
         eager = [r.seq for r in rows if r.eager]
         if eager:
             self.catch_up(eager)
@@ -161,12 +158,9 @@ class MTPDrafter:
                 going = still
                 step += 1
         finally:
-            refused = [a for a in asks if not self._seqs[a.seq].memory.remove_from(a.pos0)]  # verify rows come next
+            refused = [a for a in asks if not self._seqs[a.seq].drop_drafts(a.pos0)]  # verify rows come next
         if refused:
             raise self._seqs[refused[0].seq].memory.refused(f"drop its drafts at position {refused[0].pos0}")
-        for ask in asks:
-            state = self._seqs[ask.seq]
-            state.n_fed = min(state.n_fed, ask.pos0)
         return [p.at_least(a.n_min, a.sampling) for p, a in zip(out, asks, strict=True)]
 
     def accept(self, seq: int, n_accepted: int) -> None:
@@ -175,29 +169,22 @@ class MTPDrafter:
     # -- the cache ----------------------------------------------------------------------------------------------
 
     def keep(self, seq: int, n: int) -> None:
-        state = self._seqs[seq]
-        state.n_known = min(state.n_known, n)
-        if state.n_fed > n:
-            state.memory.cut(n)
-            state.n_fed = n
+        self._seqs[seq].keep(n)
 
     def clear(self, seq: int) -> None:
-        state = self._seqs[seq]
-        state.memory.clear()
-        state.n_known = state.n_fed = 0
+        self._seqs[seq].clear()
 
     def save(self, seq: int) -> _Parked:
         self.catch_up([seq])
         state = self._seqs[seq]
-        return _Parked(save_seq(self._ctx, WHOLE, seq=seq), state.hidden[:state.n_known].copy())
+        return _Parked(state.save(), state.hidden[:state.n_known].copy())
 
     def restore(self, seq: int, parked: _Parked) -> None:
         state = self._seqs[seq]
-        load_seq(self._ctx, parked.kv, WHOLE, seq)
         n = len(parked.hidden)
+        state.restore(parked.kv, n)
         state.grow(n)
         state.hidden[:n] = parked.hidden
-        state.n_known = state.n_fed = n
 
     def state_bytes(self, state: _Parked) -> int:
         return int(state.kv.nbytes + state.hidden.nbytes)

@@ -1,29 +1,37 @@
 """draft-simple: a small autoregressive model of the target's vocabulary drafts (llama.cpp's --spec-type
 draft-simple). At temperature 0 every answer is the target's own, alone, chained and with parallel sequences, on
-dense and hybrid targets; the file is refused clearly where it cannot draft. (Above temperature 0:
+dense and hybrid targets, with a dense or a hybrid (recurrent, rolled back exactly) draft model; the file is refused
+clearly where it cannot draft. (Above temperature 0:
 tests/test_distribution.py; against llama-server: tools/compare_llama_server.py --draft draft-simple.)"""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from pairs import PROMPTS
 
-from dflash_runtime import PairMismatchError, load_pair
+from dflash_runtime import load_pair
 from dflash_runtime.footprint import sequence_footprint
 from dflash_runtime.gguf_meta import read_gguf
 from dflash_runtime.testing.tiny_models import tiny_draft_model, tiny_pair
 
 KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB")  # as tests/test_footprint.py reads libllama's log
+RS_LINE = re.compile(r"llama_memory_recurrent: size = +([\d.]+) MiB")
 
 METHOD = "draft-simple"
 
 
-@pytest.fixture(scope="module", params=["dense", "hybrid"])
+@pytest.fixture(scope="module", params=[("dense", "dense"), ("hybrid", "dense"), ("hybrid", "hybrid")],
+                ids=["dense", "hybrid", "hybrid-hybrid-draft"])
 def pair(request: pytest.FixtureRequest):
-    target = tiny_pair(request.param, None, head="phrase")
-    return target, tiny_draft_model(target)
+    target_kind, draft_kind = request.param
+    target = tiny_pair(target_kind, None, head="phrase")
+    return target, tiny_draft_model(target, kind=draft_kind)
 
 
 def test_a_small_model_drafts_and_every_answer_is_the_targets_own(pair) -> None:
@@ -72,19 +80,22 @@ def test_parallel_sequences_and_owners_answer_as_one_request_alone(pair) -> None
         assert len(info["n_cached_by_sequence"]) == 3 and info["n_cached"] == sum(info["n_cached_by_sequence"])
 
 
-def test_the_target_itself_drafts_every_token_right() -> None:
-    target = tiny_pair("dense", None, head="phrase")
-    with load_pair(target.target, target.target, n_ctx=256, draft_capacity=4) as engine:
-        result = engine.generate(PROMPTS[1], max_tokens=24, method=METHOD, draft_length=4)
-        assert result.tokens == engine.generate(PROMPTS[1], max_tokens=24, speculative=False).tokens
-        assert result.stats.drafted > 0 and result.stats.accepted == result.stats.drafted
-
-
-def test_a_recurrent_model_is_refused_as_a_draft() -> None:
-    hybrid = tiny_pair("hybrid", None, head="phrase")
-    dense = tiny_pair("dense", None, head="phrase")
-    with pytest.raises(PairMismatchError, match=r"recurrent .* attention only"):
-        load_pair(dense.target, hybrid.target, n_ctx=256)
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_the_target_itself_drafts_every_token_right(kind: str) -> None:
+    """A draft that is the target proposes the target's own tokens only while its state is exactly the target's: for
+    a hybrid draft, after every partial acceptance (a chained draft's cells dropped, the recurrent state restored),
+    every prefix cut of a following request, and parked owners."""
+    target = tiny_pair(kind, None, head="random")  # a head that never repeats: rejections come from the state alone
+    with load_pair(target.target, target.target, n_ctx=256, draft_capacity=4, parallel=2) as engine:
+        info = engine.info()
+        assert info["draft_kind"] == METHOD and info["hybrid"] == (kind == "hybrid")
+        follow_up = PROMPTS[1] + " and then"  # shares a prefix with the first request: its cache is cut back
+        for i, prompt in enumerate((PROMPTS[1], follow_up, PROMPTS[2], PROMPTS[1])):
+            for length in (4, 3):
+                result = engine.generate(prompt, max_tokens=24, method=METHOD, draft_length=length,
+                                         cache_owner=f"owner-{i % 3}")
+                assert result.tokens == engine.generate(prompt, max_tokens=24, speculative=False).tokens
+                assert result.stats.drafted > 0 and result.stats.accepted == result.stats.drafted, (kind, i, length)
 
 
 def test_its_memory_per_sequence_is_what_libllama_allocates(capfd: pytest.CaptureFixture[str]) -> None:
@@ -104,3 +115,31 @@ def test_its_memory_per_sequence_is_what_libllama_allocates(capfd: pytest.Captur
         logged.append(kv[1])
     assert one["draft_kv"] / 2**20 > 0.1
     assert logged == pytest.approx([one["draft_kv"] / 2**20, 2 * one["draft_kv"] / 2**20], abs=0.012)
+
+
+def test_a_hybrid_draft_models_memory_is_its_kv_and_its_recurrent_state(capfd: pytest.CaptureFixture[str]) -> None:
+    dense = tiny_pair("dense", None, head="phrase")
+    draft = tiny_draft_model(dense, kind="hybrid")
+    part = sequence_footprint(read_gguf(dense.target), read_gguf(draft), n_ctx=1024)["draft_kv"]
+    capfd.readouterr()
+    with load_pair(dense.target, draft, n_ctx=1024, verbose=True):
+        pass
+    err = capfd.readouterr().err
+    kv = [float(m.group(1)) for m in KV_LINE.finditer(err)]
+    state = [float(m.group(1)) for m in RS_LINE.finditer(err)]
+    assert len(kv) == 2 and len(state) == 1, (kv, state)  # the target's KV, the draft's KV and recurrent state
+    assert part / 2**20 == pytest.approx(kv[1] + state[0], abs=0.012) and state[0] > 0
+
+
+@pytest.mark.skipif(not os.environ.get("DFLASH_LLAMA_SERVER"),
+                    reason="not run: set DFLASH_LLAMA_SERVER to a llama-server binary built from the same vendored "
+                           "llama.cpp (see tools/compare_llama_server.py)")
+def test_a_hybrid_draft_model_answers_as_llama_server_does() -> None:
+    """The same tokens as `llama-server -md DRAFT --spec-type draft-simple` with a hybrid small model, on dense and
+    hybrid targets (the counts differ by design: the server replays a cut-short draft, see the tool's doc)."""
+    tool = Path(__file__).resolve().parents[1] / "tools" / "compare_llama_server.py"
+    run = subprocess.run([sys.executable, str(tool), "--server-bin", os.environ["DFLASH_LLAMA_SERVER"],
+                          "--drafts", "draft-simple-hybrid", "--heads", "phrase", "--n-max", "4",
+                          "--max-tokens", "32"], capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "rows identical" in run.stdout

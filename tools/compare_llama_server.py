@@ -11,7 +11,8 @@ ngram-mod` / `ngram-map-k`, the key length `--ngram-n`, the draft length n as `-
 for as long as it runs, the engine rebuilds them from each request's tokens: the server is started afresh for
 every prompt of these drafts.
 Draft `draft-simple` is a small model of the target's vocabulary (the generator's `tiny_draft_model`: a dense
-model of the target's head and seed): the server runs `-md DRAFT --spec-type draft-simple`, the engine
+model of the target's head and seed; `draft-simple-hybrid`: a hybrid one, as a Qwen3.5 target's small sibling, whose
+counts differ for the same reason as below): the server runs `-md DRAFT --spec-type draft-simple`, the engine
 `load_pair(target, DRAFT)` with `method="draft-simple"`, the same n-max, n-min and p-min.
 On a hybrid target the server's `draft-simple` counts differ by design, the tokens not: llama-server classifies a
 hybrid memory for `draft-simple` as cut-only-whole (`need_n_rs_seq()` in common/common.h keeps recurrent states per
@@ -107,6 +108,8 @@ DECODE_METRIC = "llamacpp:n_decode_total"  # the server's llama_decode calls (it
 DFLASH_DRAFTS = ("dflash2", "dflash1")
 MTP = "mtp"  # the target's own nextn block
 DRAFT_SIMPLE = "draft-simple"  # a small model of the target's vocabulary
+DRAFT_SIMPLE_HYBRID = "draft-simple-hybrid"  # the same method with a small hybrid (qwen35) model as the draft
+DRAFT_MODELS = {DRAFT_SIMPLE: "dense", DRAFT_SIMPLE_HYBRID: "hybrid"}  # draft-simple's rows: the draft model's kind
 NGRAMS = ("ngram-mod", "ngram-map-k")  # no draft file: the sequence drafts itself
 NGRAM_KEY = {"ngram-mod": "n_match", "ngram-map-k": "size_n"}  # the key length's engine option
 
@@ -135,7 +138,7 @@ class Row:
         """What must be equal: everything, but the counts of draft-simple on a hybrid target (the server replays a
         cut-short draft in a step that drafts nothing: see the module doc)."""
         target, draft = self.pair.split("/")[:2]
-        if target == "hybrid" and draft == DRAFT_SIMPLE:
+        if draft in DRAFT_MODELS and (target == "hybrid" or DRAFT_MODELS[draft] == "hybrid"):
             return ("tokens", "text")
         return ("tokens", "text", "drafted", "accepted", "verify_steps")
 
@@ -257,7 +260,7 @@ def spec_args(args: argparse.Namespace, kind: str, draft: Path | None, n_max: in
     if kind == "ngram-map-k":
         return ["--spec-type", kind, "--spec-ngram-map-k-size-n", str(args.ngram_n), "--spec-ngram-map-k-size-m",
                 str(n_max)]
-    if kind == DRAFT_SIMPLE:
+    if kind in DRAFT_MODELS:
         assert draft is not None
         return ["-md", str(draft), "--spec-type", DRAFT_SIMPLE]
     return ["--spec-type", "draft-mtp"] if draft is None else ["-md", str(draft), "--spec-type", "draft-dflash"]
@@ -289,9 +292,9 @@ def running_server(
 def generated_pair(args: argparse.Namespace, target: str, draft: str | None, head: str, **extra: int) -> TinyPair:
     """The generated pair of a row: the tiny sizes, or from --n-embd 256 up the benchmarks' Qwen-like scaled ones;
     draft-simple: the target and a small model of its vocabulary as the draft."""
-    if draft == DRAFT_SIMPLE:
+    if draft in DRAFT_MODELS:
         alone = generated_pair(args, target, None, head, **extra)
-        return replace(alone, draft=tiny_draft_model(alone), draft_kind=DRAFT_SIMPLE)
+        return replace(alone, draft=tiny_draft_model(alone, kind=DRAFT_MODELS[draft]), draft_kind=DRAFT_SIMPLE)
     return tiny_pair(target, draft, head=head, n_embd=args.n_embd, dims="scaled" if args.n_embd >= 256 else "tiny",
                      **extra)
 
@@ -305,7 +308,7 @@ def engine_outcome(engine: Engine, args: argparse.Namespace, tokens: list[int], 
     if not args.reuse:
         engine.reset()
     common = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=args.p_min)
-    method = draft if draft in (MTP, DRAFT_SIMPLE, *NGRAMS) else "dflash"
+    method = DRAFT_SIMPLE if draft in DRAFT_MODELS else draft if draft in (MTP, *NGRAMS) else "dflash"
     r = engine.generate(tokens, method=method, draft_length=n_max, **common)
     s = r.stats
     return Outcome(tuple(r.tokens), r.text, s.drafted, s.accepted, s.verify_steps)
@@ -530,7 +533,7 @@ def compare_parallel(args: argparse.Namespace, target: str, draft: str, head: st
         plain = tuple(plain_tokens(eng, x, args.max_tokens) for x in ids)
         for n_max in args.n_max:
             options = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=args.p_min, draft_length=n_max,
-                           method=draft if draft in (MTP, DRAFT_SIMPLE) else "dflash")
+                           method=DRAFT_SIMPLE if draft in DRAFT_MODELS else draft if draft == MTP else "dflash")
             log = logs / f"{target}-{draft}-{head}-n{n_max}-np{n_par}.log"
             with running_server(args, pair.target, draft, pair.draft, n_max, log, n_parallel=n_par) as server:
                 server.generate(ids[0], 8)  # warm-up, both sides: first-touch of the weights
@@ -623,7 +626,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--targets", type=_csv(str), default=["dense", "hybrid"])
     p.add_argument("--drafts", type=_csv(str), default=list(DFLASH_DRAFTS),
                    help=f"{', '.join(DFLASH_DRAFTS)} (draft files), {MTP} (the hybrid target's nextn block), "
-                        f"{DRAFT_SIMPLE} (a small model of the target's vocabulary) or {', '.join(NGRAMS)} (the "
+                        f"{DRAFT_SIMPLE} (a small model of the target's vocabulary; {DRAFT_SIMPLE_HYBRID}: a hybrid "
+                        "one) or {', '.join(NGRAMS)} (the "
                         "target alone)")
     p.add_argument("--heads", type=_csv(str), default=["shaped", "regime"])
     p.add_argument("--n-max", type=_csv(int), default=[3, 7], help="fixed draft lengths")
@@ -664,9 +668,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.server_bin.is_file():
         print(f"no llama-server at {args.server_bin}", file=sys.stderr)
         return 2
-    unknown = sorted(set(args.drafts) - {*DFLASH_DRAFTS, MTP, DRAFT_SIMPLE, *NGRAMS})
+    kinds = (*DFLASH_DRAFTS, MTP, *DRAFT_MODELS, *NGRAMS)
+    unknown = sorted(set(args.drafts) - set(kinds))
     if unknown:
-        print(f"unknown draft(s) {unknown}: choose from {', '.join((*DFLASH_DRAFTS, MTP, DRAFT_SIMPLE, *NGRAMS))}",
+        print(f"unknown draft(s) {unknown}: choose from {', '.join(kinds)}",
               file=sys.stderr)
         return 2
     if MTP in args.drafts and not args.server_only and not engine_has_mtp():

@@ -110,18 +110,23 @@ def tiny_pair(
     return TinyPair(target=target_path, draft=draft_path, target_arch=spec.target.arch, draft_kind=draft, spec=spec)
 
 
-def tiny_draft_model(pair: TinyPair, *, n_layer: int = 1, cache_dir: Path | None = None) -> Path:
+def tiny_draft_model(pair: TinyPair, *, n_layer: int | None = None, kind: str = "dense",
+                     cache_dir: Path | None = None) -> Path:
     """A draft for the `draft-simple` method (llama.cpp's `--spec-type draft-simple`) of `pair`'s target: a dense
-    (qwen3) model of `n_layer` layers with the target's vocabulary, head, width and seed. Where the head decides
-    (every head but `random`, see heads.py) it predicts what the target says; elsewhere its own layers differ."""
+    (qwen3) model, or with `kind="hybrid"` a hybrid (qwen35: Gated DeltaNet + attention, as the small models of the
+    Qwen3.5 family) one, of `n_layer` layers (1 dense, 2 hybrid: one recurrent, one attention) with the target's
+    vocabulary, head, width and seed. Where the head decides (every head but `random`, see heads.py) it predicts
+    what the target says; elsewhere its own layers differ."""
     if pair.spec is None:
         raise ValueError("tiny_draft_model needs a pair generated here (its spec)")
     t = pair.spec.target
-    spec = resolve_pair_spec("dense", None, head=t.head, n_embd=t.n_embd, dims="tiny", seed=t.seed,
+    n_layer = n_layer if n_layer is not None else (2 if kind == "hybrid" else 1)
+    spec = resolve_pair_spec(kind, None, head=t.head, n_embd=t.n_embd, dims="tiny", seed=t.seed,
                              overrides={"n_layer": n_layer, "bos_template": t.bos_template})
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    name = f"draft-simple-{t.head}-e{t.n_embd}-l{n_layer}-{spec.target_digest()}.gguf"
-    return _ensure(cache / name, lambda path: TARGET_WRITERS["dense"](path, spec))
+    prefix = "draft-simple" if kind == "dense" else f"draft-simple-{kind}"
+    name = f"{prefix}-{t.head}-e{t.n_embd}-l{n_layer}-{spec.target_digest()}.gguf"
+    return _ensure(cache / name, lambda path: TARGET_WRITERS[kind](path, spec))
 
 
 def pair_paths(spec: Mapping[str, Any]) -> tuple[Path, Path]:

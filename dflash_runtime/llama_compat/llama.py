@@ -308,7 +308,7 @@ class DFlashLlama(Llama):
         extras = _pop_extras(kwargs, REQUEST_EXTRAS)
         options = _bind(Llama.create_completion, self, prompt, *args, **kwargs)
         reject_unsupported({name: options[name] for name in COMPLETION_OPTIONS_OFF}, COMPLETION_OPTIONS_OFF)
-        ids = ResponseIds.new(options["model"] or self.model_path)
+        ids = ResponseIds.new(options["model"] or self.model_path, chat=False)
         echo = self._echo_text(prompt) if options["echo"] else ""
         events = self._engine.stream(prompt, **self._sampling(options), **extras)
         if options["stream"]:
@@ -324,7 +324,7 @@ class DFlashLlama(Llama):
         extras = _pop_extras(kwargs, {**REQUEST_EXTRAS, "enable_thinking": None})
         options = _bind(Llama.create_chat_completion, self, messages, *args, **kwargs)
         reject_unsupported({name: options[name] for name in CHAT_OPTIONS_OFF}, CHAT_OPTIONS_OFF)
-        ids = ResponseIds.new(options["model"] or self.model_path, prefix="chatcmpl-")
+        ids = ResponseIds.new(options["model"] or self.model_path, chat=True)
         events = self._engine.stream_chat(messages, **self._sampling(options), **extras)
         if options["stream"]:
             return chat_chunks(ids, events)

@@ -1,21 +1,19 @@
 """OpenAI-style requests and responses for `DFlashLlama`.
 
 Maps llama-cpp-python's request parameters onto the engine's, refuses the ones the engine cannot honour, and
-builds the completion / chat-completion objects and stream chunks with the shapes `llama_cpp.Llama` returns,
-plus the speculative statistics under `"dflash_stats"`.
+builds the completion / chat-completion objects and stream chunks with the shapes `llama_cpp.Llama` returns (the
+envelopes and choices of openai_api/shapes.py), plus every statistic under `"dflash_stats"`.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..errors import RequestError
-
-STATS_KEY = "dflash_stats"
+from ..openai_api import shapes
+from ..openai_api.shapes import STATS_KEY, ResponseIds, envelope, message_choice, text_choice
 
 # Options of `Llama.create_completion` the engine has no equivalent for, with the value that leaves them off.
 # A request that leaves them off runs unchanged; one that turns them on is refused, never silently ignored.
@@ -142,74 +140,45 @@ def gather(events: Iterable[EventLike]) -> Outcome:
     return outcome
 
 
-@dataclass(frozen=True)
-class ResponseIds:
-    """The id, creation time and model name that every object of one response shares."""
-
-    id: str
-    created: int
-    model: str
-
-    @classmethod
-    def new(cls, model: str, prefix: str = "cmpl-") -> ResponseIds:
-        return cls(id=f"{prefix}{uuid.uuid4()}", created=int(time.time()), model=model)
+def _counts(outcome: Outcome) -> dict[str, int]:
+    """llama-cpp-python's usage: the prompt's tokens and the answer's."""
+    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.n_tokens,
+            "total_tokens": outcome.prompt_tokens + outcome.n_tokens}  # fmt: skip
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def _envelope(ids: ResponseIds, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
-    return {"id": ids.id, "object": obj, "created": ids.created, "model": ids.model, "choices": [choice]}
-
-
-def _response(ids: ResponseIds, obj: str, choice: dict[str, Any], outcome: Outcome) -> dict[str, Any]:
-    """A whole response: the envelope, the token usage and the statistics."""
-    response = _envelope(ids, obj, choice)
-    response["usage"] = usage(outcome.prompt_tokens, outcome.n_tokens)
+def _whole(response: dict[str, Any], outcome: Outcome) -> dict[str, Any]:
+    """A whole response: the envelope, the token usage and every statistic."""
+    response["usage"] = _counts(outcome)
     response[STATS_KEY] = outcome.stats
     return response
 
 
-def _chunk(ids: ResponseIds, obj: str, choice: dict[str, Any], stats: dict[str, Any] | None) -> dict[str, Any]:
-    """A stream chunk: the envelope, and the statistics on the last one."""
-    chunk = _envelope(ids, obj, choice)
+def _last(chunk: dict[str, Any], stats: dict[str, Any] | None) -> dict[str, Any]:
+    """A stream chunk, and every statistic on the last one."""
     if stats is not None:
         chunk[STATS_KEY] = stats
     return chunk
 
 
 def completion_response(ids: ResponseIds, outcome: Outcome) -> dict[str, Any]:
-    choice = {"text": outcome.text, "index": 0, "logprobs": None, "finish_reason": outcome.finish_reason}
-    return _response(ids, "text_completion", choice, outcome)
+    return _whole(envelope(ids, "text_completion", [text_choice(outcome.text, outcome.finish_reason)]), outcome)
 
 
 def completion_chunk(
     ids: ResponseIds, text: str, finish_reason: str | None = None, stats: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
-    return _chunk(ids, "text_completion", choice, stats)
+    return _last(shapes.completion_chunk(ids, text, finish_reason), stats)
 
 
 def chat_response(ids: ResponseIds, outcome: Outcome) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": outcome.text},
-        "logprobs": None,
-        "finish_reason": outcome.finish_reason,
-    }
-    return _response(ids, "chat.completion", choice, outcome)
+    message = {"role": "assistant", "content": outcome.text}
+    return _whole(envelope(ids, "chat.completion", [message_choice(message, outcome.finish_reason)]), outcome)
 
 
 def chat_chunk(
     ids: ResponseIds, delta: dict[str, str], finish_reason: str | None = None, stats: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return _chunk(ids, "chat.completion.chunk", choice, stats)
+    return _last(shapes.chat_chunk(ids, delta, finish_reason), stats)
 
 
 def completion_chunks(ids: ResponseIds, events: Iterator[EventLike], echo: str = "") -> Iterator[dict[str, Any]]:

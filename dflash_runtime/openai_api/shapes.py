@@ -7,7 +7,8 @@
 - `dflash_stats`: the speculative figures in the engine's names (method, draft length, drafted, accepted,
   acceptance, tokens per verify step, decode tok/s, ...), as `DFlashLlama` returns them.
 
-Kept free of llama_cpp (the drop-in's shapes import it): the Space's web process builds these too.
+Kept free of llama_cpp: the Space's web process builds these too, and the drop-in (llama_compat/openai.py) builds
+its objects from the same envelopes and choices, in llama-cpp-python's keys (no `timings`, every statistic).
 """
 
 from __future__ import annotations
@@ -80,8 +81,21 @@ def speculative_figures(stats: Mapping[str, Any], extra: Mapping[str, Any] | Non
     return {**figures, **(extra or {})}
 
 
-def _envelope(ids: ResponseIds, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+def envelope(ids: ResponseIds, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": ids.id, "object": obj, "created": ids.created, "model": ids.model, "choices": choices}
+
+
+def text_choice(text: str, reason: str | None) -> dict[str, Any]:
+    """A text_completion's choice (whole or a chunk's)."""
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+
+
+def message_choice(message: dict[str, Any], reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(reason)}
+
+
+def delta_choice(delta: dict[str, str], reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason)}
 
 
 def _finished(response: dict[str, Any], stats: Mapping[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -100,25 +114,21 @@ def chat_message(reasoning: str, content: str) -> dict[str, Any]:
 
 def chat_response(ids: ResponseIds, reasoning: str, content: str, reason: str | None, stats: Mapping[str, Any],
                   extra: Mapping[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    choice = {"index": 0, "message": chat_message(reasoning, content), "logprobs": None,
-              "finish_reason": finish_reason(reason)}  # fmt: skip
-    return _finished(_envelope(ids, "chat.completion", [choice]), stats, extra)
+    return _finished(envelope(ids, "chat.completion", [message_choice(chat_message(reasoning, content), reason)]),
+                     stats, extra)
 
 
 def completion_response(ids: ResponseIds, text: str, reason: str | None, stats: Mapping[str, Any],
                         extra: Mapping[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
-    return _finished(_envelope(ids, "text_completion", [choice]), stats, extra)
+    return _finished(envelope(ids, "text_completion", [text_choice(text, reason)]), stats, extra)
 
 
 def chat_chunk(ids: ResponseIds, delta: dict[str, str], reason: str | None = None) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason)}
-    return _envelope(ids, "chat.completion.chunk", [choice])
+    return envelope(ids, "chat.completion.chunk", [delta_choice(delta, reason)])
 
 
 def completion_chunk(ids: ResponseIds, text: str, reason: str | None = None) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
-    return _envelope(ids, "text_completion", [choice])
+    return envelope(ids, "text_completion", [text_choice(text, reason)])
 
 
 def last_chunk(chunk: dict[str, Any], stats: Mapping[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -130,7 +140,7 @@ def last_chunk(chunk: dict[str, Any], stats: Mapping[str, Any], extra: Mapping[s
 
 def usage_chunk(ids: ResponseIds, obj: str, stats: Mapping[str, Any]) -> dict[str, Any]:
     """`stream_options.include_usage`: one more chunk, no choices, the usage."""
-    return {**_envelope(ids, obj, []), "usage": usage(stats)}
+    return {**envelope(ids, obj, []), "usage": usage(stats)}
 
 
 def model_list(models: list[str], owner: str = "dflash_runtime") -> dict[str, Any]:

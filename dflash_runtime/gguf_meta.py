@@ -9,6 +9,7 @@ merges costs a fraction of a second instead of the half-minute `gguf.GGUFReader`
 
 from __future__ import annotations
 
+import functools
 import itertools
 import mmap
 import struct
@@ -182,9 +183,17 @@ def _read_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]
 
 
 def read_gguf(path: str | Path) -> GGUFInfo:
-    """Parse a GGUF header; ModelFileError for a missing, foreign or truncated file."""
+    """Parse a GGUF header; ModelFileError for a missing, foreign or truncated file. A file is read once while it is
+    unchanged (same path, size, modification time and inode): the registry, the pair, the memory plan and the Space
+    all ask for the same headers during one load. The info is shared: read it, never change it."""
     path = Path(path)
     _check_file(path)
+    stat = path.stat()
+    return _read_unchanged(path, stat.st_size, stat.st_mtime_ns, stat.st_ino)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_unchanged(path: Path, size: int, mtime_ns: int, inode: int) -> GGUFInfo:
     try:
         keys, shapes, types = _read_header(path)
     except (ValueError, OSError, struct.error, OverflowError) as exc:

@@ -212,3 +212,24 @@ def test_a_truncated_header_is_a_model_file_error(tmp_path: Path) -> None:
         bad.write_bytes(source[:cut])
         with pytest.raises(ModelFileError, match="not a readable GGUF file"):
             read_gguf(bad)
+
+
+def test_a_load_reads_each_header_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The registry (which method claims the draft), the pair, the memory plan and the Space ask for the same
+    headers during one load: each file is parsed once while it is unchanged, again once it changed."""
+    from dflash_runtime import gguf_meta
+
+    files = pair_files("dense", "dflash2")
+    target, draft = tmp_path / "target.gguf", tmp_path / "draft.gguf"
+    target.write_bytes(files.target.read_bytes())
+    draft.write_bytes(files.draft.read_bytes())
+    parsed: list[str] = []
+    parse = gguf_meta._read_header
+    monkeypatch.setattr(gguf_meta, "_read_header", lambda path: parsed.append(path.name) or parse(path))
+    with load_pair(target, draft, n_ctx=256) as engine:
+        assert engine.info()["draft_kind"] == "dflash2"
+    read_gguf(target)
+    assert sorted(parsed) == ["draft.gguf", "target.gguf"]
+    draft.write_bytes(files.draft.read_bytes() + b"\0" * 32)  # changed: read again (and its check applies anew)
+    read_gguf(draft)
+    assert parsed.count("draft.gguf") == 2

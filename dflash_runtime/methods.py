@@ -23,6 +23,7 @@ them without loading libllama.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 CHAIN_SEPARATOR = ","
 NOTHING, NEXTN = "", "nextn"  # what a method without a file of its own needs
+LEGACY_PRIORITY = 50  # a draft file that claims files itself (no `claims` on its line): between draft-simple and DFlash
 
 
 @dataclass(frozen=True)
@@ -158,10 +160,10 @@ def holds(pair: LinkedPair, needs: str) -> bool:
 
 # -- from the files' headers (no libllama) ---------------------------------------------------------------------
 
-def claimant(draft: GGUFInfo) -> Method:
+def claimant(draft: GGUFInfo, *, loaded: bool = False) -> Method:
     """The method whose draft a file is: of the methods that claim it, the one of highest priority;
     PairMismatchError names the drafts there are."""
-    method = _claiming(draft)
+    method = _claiming(draft, loaded=loaded)
     if method is None:
         kinds = ", ".join(m.label for m in REGISTRY if m.claims is not None) or "none"
         raise PairMismatchError(f"{draft.path.name} is not a draft of any method: its architecture is "
@@ -169,8 +171,17 @@ def claimant(draft: GGUFInfo) -> Method:
     return method
 
 
-def _claiming(draft: GGUFInfo) -> Method | None:
+def _claiming(draft: GGUFInfo, *, loaded: bool = False) -> Method | None:
+    """The highest-priority claimant. `loaded` (when a pair opens) also asks the draft file of a line that declares
+    no `claims` of its own, as modules did before claims moved to the registry line (`DraftFile.claims`, at its
+    `priority` or 50: above draft-simple, below DFlash)."""
     claiming = [m for m in REGISTRY if m.claims is not None and m.claims(draft)]
+    if loaded:
+        for m in REGISTRY:
+            if m.claims is None and m.needs not in (NOTHING, NEXTN) and m.target_has is None:
+                declared = m.implementation().draft_file
+                if declared is not None and hasattr(declared, "claims") and declared.claims(draft):
+                    claiming.append(dataclasses.replace(m, priority=getattr(declared, "priority", LEGACY_PRIORITY)))
     return max(claiming, key=lambda m: m.priority, default=None)
 
 
@@ -235,7 +246,7 @@ def check(name: str, runs: Sequence[str]) -> tuple[str, ...]:
 
 def draft_file(draft: GGUFInfo) -> DraftFile:
     """The draft file declaration of the method that claims this file, for the pair to open (pair.py)."""
-    method = claimant(draft)
+    method = claimant(draft, loaded=True)
     declared = method.implementation().draft_file
     if declared is None:
         raise PairMismatchError(f"draft method {method.name!r} claims {draft.path.name} but declares no draft file")
@@ -245,7 +256,7 @@ def draft_file(draft: GGUFInfo) -> DraftFile:
 def refuse_alone(target: GGUFInfo) -> None:
     """A target path that is a draft which cannot run alone (a DFlash draft reads its target's features):
     PairMismatchError says to open it with its target."""
-    method = _claiming(target)
+    method = _claiming(target, loaded=True)
     declared = method.implementation().draft_file if method is not None else None
     if method is not None and declared is not None and not getattr(declared, "runs_alone", True):
         raise PairMismatchError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from gradio_client import Client
 from space_client import chat_args
 
 from dflash_runtime import methods
+from dflash_runtime.drafting import Implementation
 from dflash_runtime.errors import PairMismatchError
 from dflash_runtime.gguf_meta import read_gguf
 from dflash_runtime.testing.tiny_models import tiny_draft_model, tiny_pair
@@ -59,6 +61,11 @@ def test_the_highest_claim_priority_wins_whatever_the_order_of_the_lines() -> No
                                             claims=lambda d: True, priority=100))
         with pytest.raises(ValueError, match="named 'dflash' already"):
             methods.register(methods.Method("dflash", "Again", "", lambda: LINE.implementation()))
+        # A module written before claims moved to the registry line: its draft file claims, at priority 50.
+        legacy = SimpleNamespace(needs="legacy", claims=lambda d: d.arch == small.arch)
+        methods.register(methods.Method("legacy", "Legacy", "legacy", lambda: Implementation(open, draft_file=legacy)))
+        assert methods.claimant(small, loaded=True).name == "legacy" and methods.claimant(small).name != "legacy"
+        assert methods.claimant(dflash, loaded=True).name == "dflash"
     finally:
         methods.REGISTRY = saved
     assert methods.from_headers(read_gguf(pair.target), small)[:1] == ("draft-simple",)

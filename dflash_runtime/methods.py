@@ -76,6 +76,12 @@ def _mtp() -> Implementation:
     return mtp.IMPLEMENTATION
 
 
+def _eagle3() -> Implementation:
+    from . import eagle3  # as _dflash
+
+    return eagle3.IMPLEMENTATION
+
+
 def _draft_simple() -> Implementation:
     from . import draft_simple  # as _dflash
 
@@ -84,6 +90,10 @@ def _draft_simple() -> Implementation:
 
 def _is_dflash(draft: GGUFInfo) -> bool:
     return draft.arch == "dflash"
+
+
+def _is_eagle3(draft: GGUFInfo) -> bool:
+    return draft.arch == "eagle3"
 
 
 def _any_model(draft: GGUFInfo) -> bool:
@@ -100,6 +110,9 @@ REGISTRY: tuple[Method, ...] = (
     Method(MTP, "MTP", NEXTN, _mtp, target_has=_has_nextn,
            help="the target's own multi-token-prediction head guesses the next tokens",
            about="MTP (the target's own multi-token-prediction head)", source="the target's MTP head"),
+    Method("eagle3", "EAGLE-3", "eagle3", _eagle3, claims=_is_eagle3, priority=60,
+           help="a one-layer draft model reads three of the target's layers and guesses the next tokens one by one "
+                "(llama.cpp's draft-eagle3)"),
     Method("draft-simple", "Draft model", "draft-model", _draft_simple, claims=_any_model, priority=0,
            help="a small model of the target's vocabulary guesses the next tokens one by one (llama.cpp's "
                 "draft-simple)"),

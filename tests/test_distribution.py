@@ -149,6 +149,8 @@ CASES = [(*combo, VARIANTS[(i + j) % len(VARIANTS)]) for i, combo in enumerate(C
 # A small model drafts, sampled with its q, verified by rejection sampling (the verifiers are every method's; the
 # hybrid target and sample-and-match run its drafts at temperature 0 in tests/test_draft_simple.py).
 CASES += [("dense", DRAFT_SIMPLE, "sample", VARIANTS[0])]
+# EAGLE-3 (its own head over a draft vocabulary: -inf logits outside it), sampled with its q and matched.
+CASES += [("dense", "eagle3", "sample", VARIANTS[1]), ("hybrid", "eagle3", "match", VARIANTS[2])]
 
 
 def ngram_prompt(engine: Engine) -> str:
@@ -227,7 +229,8 @@ class AcceptEverything:
 
 
 @pytest.mark.parametrize(("target", "draft"), [("dense", "dflash2"), ("dense", "dflash1"), ("hybrid", "mtp"),
-                                               ("dense", "ngram-mod"), ("hybrid", "ngram-map-k")])
+                                               ("dense", "ngram-mod"), ("hybrid", "ngram-map-k"),
+                                               ("hybrid", "eagle3")])
 def test_a_broken_verifier_fails_the_distribution_test(target, draft, markov) -> None:
     engine, reference = markov(target, draft, verifiers=Verifiers(sample=AcceptEverything))
     zs = check_distribution(engine, reference, Chain(1.0), "sample", n=1200)

@@ -14,6 +14,8 @@ Draft `draft-simple` is a small model of the target's vocabulary (the generator'
 model of the target's head and seed; `draft-simple-hybrid`: a hybrid one, as a Qwen3.5 target's small sibling, whose
 counts differ for the same reason as below): the server runs `-md DRAFT --spec-type draft-simple`, the engine
 `load_pair(target, DRAFT)` with `method="draft-simple"`, the same n-max, n-min and p-min.
+Draft `eagle3` is the generator's EAGLE-3 draft of the target: the server runs `-md DRAFT --spec-type draft-eagle3`,
+the engine `load_pair(target, DRAFT)` with `method="eagle3"`.
 On a hybrid target the server's `draft-simple` counts differ by design, the tokens not: llama-server classifies a
 hybrid memory for `draft-simple` as cut-only-whole (`need_n_rs_seq()` in common/common.h keeps recurrent states per
 draft position for MTP, EAGLE3 and DFlash only), so after a partly accepted draft it loads its context checkpoint
@@ -35,13 +37,13 @@ streams; every stream's tokens must equal the server's for that prompt and the e
 aggregate tok/s of both (all streams' tokens / the wall time from the first request sent to the last answer; the
 median of `--rounds` rounds, the engine's and the server's alternating) as a markdown table; `--json PATH` keeps
 every figure, the server's own per-request `timings` (prompt_ms, predicted_ms, predicted_per_second, per slot) and
-its `n_decode_total` included. The model drafts only (DFlash, MTP, draft-simple).
+its `n_decode_total` included. The model drafts only (DFlash, MTP, draft-simple, EAGLE-3).
 
 Requests must end before the context does: there llama-server stops one cell early (it keeps room for a context
 shift) and drops the accepted tokens of a step that reaches that cell, while the engine fills the context.
 
     python tools/compare_llama_server.py --server-bin /path/to/llama-server [--targets dense,hybrid]
-        [--drafts dflash2,dflash1,mtp,draft-simple,ngram-mod,ngram-map-k] [--heads shaped,regime] [--n-max 3,7]
+        [--drafts dflash2,dflash1,mtp,draft-simple,eagle3,ngram-mod,ngram-map-k] [--heads shaped,regime] [--n-max 3,7]
         [--max-tokens 48] [--n-embd 128] [--n-ctx 512] [--ngram-n 3] [--server-only] [--parallel N] [--scaling 1,2,4,8]
         [--rounds 3] [--json PATH]
 
@@ -110,6 +112,7 @@ MTP = "mtp"  # the target's own nextn block
 DRAFT_SIMPLE = "draft-simple"  # a small model of the target's vocabulary
 DRAFT_SIMPLE_HYBRID = "draft-simple-hybrid"  # the same method with a small hybrid (qwen35) model as the draft
 DRAFT_MODELS = {DRAFT_SIMPLE: "dense", DRAFT_SIMPLE_HYBRID: "hybrid"}  # draft-simple's rows: the draft model's kind
+EAGLE3 = "eagle3"  # a one-layer draft reading three target layers (the server's draft-eagle3)
 NGRAMS = ("ngram-mod", "ngram-map-k")  # no draft file: the sequence drafts itself
 NGRAM_KEY = {"ngram-mod": "n_match", "ngram-map-k": "size_n"}  # the key length's engine option
 
@@ -263,6 +266,9 @@ def spec_args(args: argparse.Namespace, kind: str, draft: Path | None, n_max: in
     if kind in DRAFT_MODELS:
         assert draft is not None
         return ["-md", str(draft), "--spec-type", DRAFT_SIMPLE]
+    if kind == EAGLE3:
+        assert draft is not None
+        return ["-md", str(draft), "--spec-type", "draft-eagle3"]
     return ["--spec-type", "draft-mtp"] if draft is None else ["-md", str(draft), "--spec-type", "draft-dflash"]
 
 
@@ -308,7 +314,7 @@ def engine_outcome(engine: Engine, args: argparse.Namespace, tokens: list[int], 
     if not args.reuse:
         engine.reset()
     common = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=args.p_min)
-    method = DRAFT_SIMPLE if draft in DRAFT_MODELS else draft if draft in (MTP, *NGRAMS) else "dflash"
+    method = DRAFT_SIMPLE if draft in DRAFT_MODELS else draft if draft in (MTP, EAGLE3, *NGRAMS) else "dflash"
     r = engine.generate(tokens, method=method, draft_length=n_max, **common)
     s = r.stats
     return Outcome(tuple(r.tokens), r.text, s.drafted, s.accepted, s.verify_steps)
@@ -514,7 +520,8 @@ def engine_round(eng: Engine, prompts: Sequence[list[int]], options: dict[str, A
 def compare_parallel(args: argparse.Namespace, target: str, draft: str, head: str, logs: Path) -> list[Level]:
     """Every level of --scaling on one server (-np N) and one engine (parallel=N), for each draft length."""
     if draft in NGRAMS:
-        raise UsageError("--parallel compares the model drafts (dflash2, dflash1, mtp, draft-simple), not the n-gram "
+        raise UsageError("--parallel compares the model drafts (dflash2, dflash1, mtp, draft-simple, eagle3), not the "
+                         "n-gram "
                          "ones")
     if draft == MTP and target != "hybrid":
         raise UsageError(f"draft {MTP} needs the hybrid target (only qwen35 targets carry an MTP block)")
@@ -532,8 +539,9 @@ def compare_parallel(args: argparse.Namespace, target: str, draft: str, head: st
             raise UsageError(f"prompt + --max-tokens {args.max_tokens} reach the context end ({eng.n_ctx})")
         plain = tuple(plain_tokens(eng, x, args.max_tokens) for x in ids)
         for n_max in args.n_max:
+            method = DRAFT_SIMPLE if draft in DRAFT_MODELS else draft if draft in (MTP, EAGLE3) else "dflash"
             options = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=args.p_min, draft_length=n_max,
-                           method=DRAFT_SIMPLE if draft in DRAFT_MODELS else draft if draft == MTP else "dflash")
+                           method=method)
             log = logs / f"{target}-{draft}-{head}-n{n_max}-np{n_par}.log"
             with running_server(args, pair.target, draft, pair.draft, n_max, log, n_parallel=n_par) as server:
                 server.generate(ids[0], 8)  # warm-up, both sides: first-touch of the weights
@@ -627,7 +635,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--drafts", type=_csv(str), default=list(DFLASH_DRAFTS),
                    help=f"{', '.join(DFLASH_DRAFTS)} (draft files), {MTP} (the hybrid target's nextn block), "
                         f"{DRAFT_SIMPLE} (a small model of the target's vocabulary; {DRAFT_SIMPLE_HYBRID}: a hybrid "
-                        "one) or {', '.join(NGRAMS)} (the "
+                        f"one), {EAGLE3} (an EAGLE-3 draft) or {', '.join(NGRAMS)} (the "
                         "target alone)")
     p.add_argument("--heads", type=_csv(str), default=["shaped", "regime"])
     p.add_argument("--n-max", type=_csv(int), default=[3, 7], help="fixed draft lengths")
@@ -668,7 +676,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.server_bin.is_file():
         print(f"no llama-server at {args.server_bin}", file=sys.stderr)
         return 2
-    kinds = (*DFLASH_DRAFTS, MTP, *DRAFT_MODELS, *NGRAMS)
+    kinds = (*DFLASH_DRAFTS, MTP, *DRAFT_MODELS, EAGLE3, *NGRAMS)
     unknown = sorted(set(args.drafts) - set(kinds))
     if unknown:
         print(f"unknown draft(s) {unknown}: choose from {', '.join(kinds)}",

@@ -18,7 +18,8 @@ from .tokenizer import IM_END
 GENERATOR_VERSION = 2
 
 TARGET_ARCHS = {"dense": "qwen3", "hybrid": "qwen35"}
-DRAFT_KINDS = ("dflash2", "dflash1")
+DRAFT_KINDS = ("dflash2", "dflash1", "eagle3")
+EAGLE3_TAPS = 3  # an EAGLE-3 draft reads three target layers (low, middle, high)
 DIMS = ("tiny", "scaled")
 WEIGHT_TYPES = ("f32", "f16")
 
@@ -98,6 +99,10 @@ class DraftSpec:
     @property
     def is_dflash2(self) -> bool:
         return self.kind == "dflash2"
+
+    @property
+    def is_eagle3(self) -> bool:
+        return self.kind == "eagle3"
 
 
 @dataclass(frozen=True)
@@ -262,16 +267,19 @@ def _target_spec(kind: str, head: str, seed: int, n_embd: int, sizes: dict[str, 
 
 
 def _draft_spec(kind: str, seed: int, n_embd: int, sizes: dict[str, Any], *, mrope: bool) -> DraftSpec:
-    taps = sizes.get("target_layers") or spread_layers(sizes["n_layer"], sizes["n_taps"])
+    """An EAGLE-3 draft is one decoder layer reading three taps, positioned by plain RoPE (its own)."""
+    eagle3 = kind == "eagle3"
+    n_taps = EAGLE3_TAPS if eagle3 else sizes["n_taps"]
+    taps = sizes.get("target_layers") or spread_layers(sizes["n_layer"], n_taps)
     return _from_sizes(
         DraftSpec,
         sizes,
         kind=kind,
         seed=seed,
         n_embd=n_embd,
-        n_layer=sizes["draft_layers"],
+        n_layer=1 if eagle3 else sizes["draft_layers"],
         target_layers=tuple(int(t) for t in taps),
-        mrope=mrope,
+        mrope=mrope and not eagle3,
     )
 
 
@@ -302,9 +310,13 @@ def _validate_draft(t: TargetSpec, d: DraftSpec) -> None:
     _require(d.n_embd % d.n_head == 0, "the draft's n_embd must be a multiple of n_head")
     _require(d.head_dim % 2 == 0, "the draft's head dim (n_embd / n_head) must be even for RoPE")
     _require(len(d.target_layers) > 0, "target_layers must not be empty")
-    # taps read trunk layers: the nextn blocks after them never run in the target's pass
-    _require(all(0 <= i < t.n_layer for i in d.target_layers), f"target_layers must lie in [0, {t.n_layer})")
+    # taps read trunk layers: the nextn blocks after them never run in the target's pass; an EAGLE-3 draft may also
+    # read the last hidden row (id n_layer, through the nextn embeddings: qwen35 targets without an MTP block)
+    top = t.n_layer + (d.is_eagle3 and t.hybrid is not None and not t.mtp_layers)
+    _require(all(0 <= i < top for i in d.target_layers), f"target_layers must lie in [0, {top})")
     _require(d.block_size >= 2, "block_size must be at least 2 (one drafted token)")
+    if d.is_eagle3:
+        _require(len(d.target_layers) == EAGLE3_TAPS, f"an EAGLE-3 draft reads exactly {EAGLE3_TAPS} target layers")
     if d.is_dflash2:
         _require(d.n_embd % d.conv_group_size == 0, "n_embd must be a multiple of conv_group_size")
         top_k = d.selector_top_k

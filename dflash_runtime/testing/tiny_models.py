@@ -3,7 +3,8 @@
 Targets: `dense` (arch qwen3) and `hybrid` (arch qwen35: Gated DeltaNet + gated attention, IMROPE). A hybrid
 target may carry a Qwen3.5 MTP (nextn) block after its trunk (`mtp_layers=1`), which llama.cpp drafts with
 (`--spec-type draft-mtp`); it predicts as well as the head allows (see heads.py).
-Drafts: `dflash2` (dynamic conv + candidate selector) and `dflash1`, both arch `dflash`; or none (`draft=None`:
+Drafts: `dflash2` (dynamic conv + candidate selector) and `dflash1`, both arch `dflash`; `eagle3` (arch `eagle3`, as
+the converter writes an EAGLE-3 checkpoint: see writers.write_eagle3_draft); or none (`draft=None`:
 the target alone, e.g. a hybrid target with MTP). `tiny_draft_model(pair)` writes a draft for llama.cpp's
 `draft-simple`: a small dense model of the same vocabulary and head.
 Heads (see heads.py): `random` (≈0 % acceptance), `shaped` (one accepted token per step), `const`
@@ -55,7 +56,7 @@ class TinyPair:
     target: Path
     draft: Path | None  # None: the target alone
     target_arch: str  # "qwen3" | "qwen35"
-    draft_kind: str | None  # "dflash2" | "dflash1" | None
+    draft_kind: str | None  # "dflash2" | "dflash1" | "eagle3" | None
     spec: PairSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property

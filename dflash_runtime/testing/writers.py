@@ -1,8 +1,9 @@
 """One GGUF writer per model kind: dense `qwen3` target, hybrid `qwen35` target (optionally with an MTP block),
-DFlash 2 / v1 draft.
+DFlash 2 / v1 draft, EAGLE-3 draft.
 
-Keys and tensor shapes follow libllama's loaders (src/models/qwen3.cpp, qwen35.cpp, dflash.cpp) and, for the MTP
-block, the layout convert_hf_to_gguf.py writes for Qwen3.5 (conversion/qwen.py, _QwenMtpMixin).
+Keys and tensor shapes follow libllama's loaders (src/models/qwen3.cpp, qwen35.cpp, dflash.cpp, eagle3.cpp) and, for
+the MTP block, the layout convert_hf_to_gguf.py writes for Qwen3.5 (conversion/qwen.py, _QwenMtpMixin), for the
+EAGLE-3 draft the one it writes for an EAGLE-3 checkpoint (conversion/llama.py, is_eagle3).
 numpy shapes are (n_out, n_in), i.e. ggml {n_in, n_out}.
 """
 
@@ -20,6 +21,7 @@ from .heads import (
     build_head,
     mtp_input_projection,
     phrase_selector,
+    plain_ids,
     reserved_channels,
 )
 from .specs import DraftSpec, HybridDims, PairSpec, TargetSpec
@@ -252,10 +254,14 @@ def _add_selector(sink: TensorSink, src: TensorSource, d: DraftSpec, vocab: Tiny
 
 
 def write_draft(path: Path, spec: PairSpec) -> None:
-    """A DFlash draft without token_embd/output: libllama borrows the target's through ctx_other."""
+    """A DFlash draft without token_embd/output: libllama borrows the target's through ctx_other. An EAGLE-3 draft
+    as `write_eagle3_draft` writes it."""
     d = spec.draft
     if d is None:
         raise ValueError("a target-only spec has no draft to write")
+    if d.is_eagle3:
+        write_eagle3_draft(path, spec)
+        return
     vocab = build_vocab(d.extra_tokens)
     sink = TensorSink(path, "dflash", d.weight_type)
     add_llm_keys(sink, d, rope_base=1e6)
@@ -277,6 +283,57 @@ def write_draft(path: Path, spec: PairSpec) -> None:
             _add_dynamic_conv(sink, src, prefix + "ffn", d)
     if d.is_dflash2:
         _add_selector(sink, src, d, vocab, spec.target.head)
+    sink.finish()
+
+
+def write_eagle3_draft(path: Path, spec: PairSpec) -> None:
+    """An EAGLE-3 draft as the converter writes one for a Llama-3.1-style checkpoint: arch `eagle3`, the target's
+    tokenizer, `target_layers` / `target_hidden_size` / `norm_before_residual` / `norm_before_fc`, the fusion `fc`
+    over three taps, one decoder layer whose attention reads concat(attn_norm(token embedding), hidden_norm(g))
+    (`attn_norm_2`), its own head over a draft vocabulary and `d2t` (absolute target ids, I64); no token_embd, which
+    libllama borrows from the target through ctx_other.
+
+    The draft vocabulary is the target's plain-text tokens, their head rows the target's. `fc` copies the first tap's
+    control channels (heads.py) into g, and nothing the layer writes touches them, so the draft predicts what the
+    target's head says after the tapped position's token: on `const` and `regime` (once in it) the target's next
+    tokens, on `random` chance, on `shaped` the token the target just said (never accepted)."""
+    d = spec.draft
+    t = spec.target
+    if d is None or not d.is_eagle3:
+        raise ValueError("write_eagle3_draft needs an eagle3 draft spec")
+    vocab = build_vocab(d.extra_tokens)
+    sink = TensorSink(path, "eagle3", d.weight_type)
+    add_llm_keys(sink, d, rope_base=1e6)
+    sink.arch_u32("vocab_size", vocab.n_vocab)
+    sink.arch_u32("rope.dimension_count", d.head_dim)
+    sink.writer.add_array(f"{sink.arch}.target_layers", list(d.target_layers))  # INT32 array
+    sink.arch_u32("target_hidden_size", t.n_embd)
+    sink.writer.add_bool(f"{sink.arch}.norm_before_residual", False)
+    sink.writer.add_bool(f"{sink.arch}.norm_before_fc", False)
+    sink.writer.add_string(SPEC_KEY, spec.to_json())
+    add_tokenizer(sink, vocab, eos_token=d.eos_token, with_mask=False, bos_template=t.bos_template)
+    reserved = reserved_channels(t.head)
+    src = TensorSource(d.seed, f"draft-{t.kind}-eagle3", reserved)
+    n_in = len(d.target_layers) * t.n_embd
+    fc = src.matrix(d.n_embd, n_in)
+    fc[list(reserved), :] = 0.0
+    fc[list(reserved), list(reserved)] = 1.0  # the first tap's control channels, as they are
+    sink.matrix("fc.weight", fc)
+    prefix = "blk.0."
+    sink.exact(prefix + "attn_norm.weight", unit_gains(d.n_embd))
+    sink.exact(prefix + "attn_norm_2.weight", unit_gains(d.n_embd))  # the checkpoint's hidden_norm
+    q_rows, kv_rows = d.n_head * d.head_dim, d.n_head_kv * d.head_dim
+    sink.matrix(prefix + "attn_q.weight", src.matrix(q_rows, 2 * d.n_embd))
+    sink.matrix(prefix + "attn_k.weight", src.matrix(kv_rows, 2 * d.n_embd))
+    sink.matrix(prefix + "attn_v.weight", src.matrix(kv_rows, 2 * d.n_embd))
+    sink.matrix(prefix + "attn_output.weight", src.residual_write(d.n_embd, q_rows, 1))
+    sink.exact(prefix + "ffn_norm.weight", unit_gains(d.n_embd))
+    _add_ffn(sink, src, prefix, d)
+    sink.exact("output_norm.weight", unit_gains(d.n_embd))
+    head = build_head(t.head, build_vocab(), t.n_embd, TensorSource(t.seed, f"head-{t.kind}"))
+    d2t = plain_ids(vocab).astype(np.int64)
+    sink.matrix("output.weight", head.output[d2t])
+    sink.writer.add_tensor("d2t", d2t, raw_dtype=gguf.GGMLQuantizationType.I64)
     sink.finish()
 
 

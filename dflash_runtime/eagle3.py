@@ -1,0 +1,378 @@
+"""The EAGLE-3 method: a one-layer draft reading three target layers, as llama.cpp's `--spec-type draft-eagle3`.
+
+An EAGLE-3 draft (architecture `eagle3`) has two graphs in one context. Its encoder fuses the target's hidden rows at
+three layers (`target_layers`: the input of layer l, or the target's last hidden row for l = n_layer) into one row
+g_p per position (`fc`; read back through the nextn embeddings). Its decoder, at position p, reads the pair
+(token_{p+1}, g_p) — the token *after* the one whose target rows made g_p — and outputs logits for token_{p+2} and
+its own pre-norm row, which stands in for g at the next position when it chains. It borrows the target's token
+embedding (and head, when it has none of its own) through `ctx_other`.
+
+So a sequence's draft cache holds positions 0..n-2 of its n target tokens; the last, whose next token is the one the
+target has just sampled (`id_last`), is the seed of every draft: (id_last, g_{pos0-1}) at pos0 - 1, then
+(d_i, h_i) at pos0 - 1 + i; n drafts cost n small decodes, every drafting sequence's rows in the same ones. The seed
+and drafted cells are removed afterwards (the verify rows then come in through `process`, as in llama.cpp), which
+leaves the draft cache at what the target's tokens say. g rows are encoded after every target decode (llama.cpp's
+`process`) and kept per sequence and position in host memory, so that after any cut of the caches the row before it
+is at hand; the decoder's cells are caught up when the request drafts (`eager`) or when it resumes drafting.
+Each step drafts the draft's argmax under p_min, as llama.cpp's top-10 sampler does (or samples the request's
+chain at temperature > 0: see proposal.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from llama_cpp import llama_cpp as ll
+from llama_cpp import llama_cpp_ext as lx
+
+from .batches import decode_error
+from .drafting import DraftAsk, Implementation, Rows, TokenView
+from .errors import ContextCreationError, DecodeError, PairMismatchError
+from .gguf_meta import GGUFInfo
+from .memory import SequenceMemory
+from .native import DFlashApi, dflash_api
+from .pair import LinkedPair, Threads, new_context
+from .proposal import Proposal
+from .rpc import raise_if_lost
+from .states import WHOLE, load_seq, save_seq
+from .validation import check_vocab
+
+EAGLE3 = "eagle3"
+N_TAPS = 3  # libllama's EAGLE-3 reads exactly three target layers
+
+
+@dataclass(frozen=True)
+class Eagle3Spec:
+    """What the pair checked of an EAGLE-3 draft: its taps, widths and draft vocabulary."""
+
+    target_layer_ids: tuple[int, ...]
+    n_embd_target: int
+    n_embd: int
+    n_draft_vocab: int  # the rows of its head (the target's vocabulary when it has no d2t)
+
+
+class Eagle3File:
+    """An EAGLE-3 draft, as the pair opens it (pair.DraftFile)."""
+
+    needs = EAGLE3
+    kind = "an EAGLE-3 draft (architecture 'eagle3')"
+
+    def validate(self, target: GGUFInfo, draft: GGUFInfo, capacity: int) -> Eagle3Spec:
+        name = draft.path.name
+        raw = draft.key("target_layers")
+        if not isinstance(raw, list) or len(raw) != N_TAPS:
+            raise PairMismatchError(f"{name}: an EAGLE-3 draft names exactly {N_TAPS} target layers "
+                                    f"(eagle3.target_layers is {raw!r})")
+        ids = tuple(int(x) for x in raw)
+        bad = [i for i in ids if not 0 <= i <= target.n_layer]
+        if bad:
+            raise PairMismatchError(f"{name} reads target layers {bad}, outside 0..{target.n_layer} (the target's "
+                                    "layer inputs, and its last hidden row at n_layer)")
+        hidden = int(draft.key("target_hidden_size", 0) or 0)
+        if hidden != target.n_embd:
+            raise PairMismatchError(f"{name} was trained on a target of hidden size {hidden}, "
+                                    f"{target.path.name} has {target.n_embd}")
+        if draft.n_layer != 1:
+            raise PairMismatchError(f"{name}: an EAGLE-3 draft has one decoder layer (block_count is {draft.n_layer})")
+        check_vocab(target, draft, "an EAGLE-3 draft uses its target's tokenizer")
+        if capacity < 1:
+            raise PairMismatchError(f"a draft capacity of {capacity} tokens leaves no room for a drafted token")
+        d2t = draft.tensor_shapes.get("d2t")
+        return Eagle3Spec(ids, target.n_embd, draft.n_embd, int(d2t[0]) if d2t else target.n_vocab)
+
+    def prepare_target(self, pair: LinkedPair) -> None:
+        # Taps must be on before the first decode: enabling them re-reserves the compute graph.
+        n_layer = int(ll.llama_model_n_layer(pair.target_model))
+        for lid in pair.spec.target_layer_ids:
+            if lid < n_layer:
+                dflash_api().set_embeddings_layer_inp(pair.target_ctx, lid, True)
+            else:  # the last hidden row, every decoded row (as the MTP head reads it)
+                lx.llama_set_embeddings_nextn(pair.target_ctx, True, False)
+
+    def open_context(self, pair: LinkedPair, threads: Threads) -> Any:
+        spec, api, model = pair.spec, dflash_api(), pair.draft_model
+        params = ll.llama_context_default_params()
+        # A target ubatch's rows encode (and catch up) in one pass, every sequence's draft row in one ubatch.
+        params.n_batch = params.n_ubatch = max(pair.n_ubatch, pair.parallel * (pair.draft_capacity + 1))
+        params.n_seq_max = pair.parallel
+        params.kv_unified = False  # a KV stream per sequence, as the target's
+        params.n_ctx = pair.n_ctx * pair.parallel
+        params.n_rs_seq = 0
+        threads.apply(params)
+        if pair.batch_invariant:  # the target's attention kernels (as llama-server's -fa reaches both contexts)
+            params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.ctx_other = pair.target_ctx  # its token embedding (and head) are the target's
+        ctx = new_context(model, params, "EAGLE-3 draft")
+        try:
+            if api.get_ctx_other(ctx) != pair.target_ctx:
+                raise ContextCreationError("the draft context is not linked to the target context (ctx_other)")
+            layer_ids = tuple(api.target_layer_ids(model))
+            if layer_ids != spec.target_layer_ids:
+                raise PairMismatchError(f"libllama reads layer ids {layer_ids}, the header {spec.target_layer_ids}")
+        except BaseException:
+            ll.llama_free(ctx)
+            raise
+        # g rows (encoder) and the decoder's pre-norm rows, for the output rows only.
+        lx.llama_set_embeddings_nextn(ctx, True, True)
+        return ctx
+
+    def describe(self, spec: Eagle3Spec) -> dict[str, Any]:
+        return {"draft_kind": EAGLE3, "block_size": None, "target_layer_ids": list(spec.target_layer_ids)}
+
+
+@dataclass
+class _Parked:
+    kv: np.ndarray
+    g: np.ndarray
+
+
+class _Sequence:
+    """One sequence: its g row per position, and how far the draft cache got."""
+
+    def __init__(self, ctx: Any, seq: int, n_embd: int) -> None:
+        self.memory = SequenceMemory(ctx, "EAGLE-3 draft", seq)
+        self.g = np.zeros((256, n_embd), dtype=np.float32)  # grown on demand
+        self.n_known = 0  # positions whose token and g row are held (the target cache's length)
+        self.n_fed = 0    # positions decoded into the draft cache (at most n_known - 1)
+
+    def grow(self, n: int) -> None:
+        if n > len(self.g):
+            g = np.zeros((max(n, 2 * len(self.g)), self.g.shape[1]), dtype=np.float32)
+            g[:len(self.g)] = self.g
+            self.g = g
+
+
+class Eagle3Drafter:
+    method = EAGLE3
+
+    def __init__(self, api: DFlashApi, target_ctx: Any, draft_ctx: Any, views: Sequence[Sequence[int]],
+                 spec: Eagle3Spec, *, n_layer_target: int, n_vocab: int, capacity: int) -> None:
+        self.capacity = capacity
+        self._api = api
+        self._views = views  # each sequence's target-cache tokens (read only)
+        self._target = target_ctx
+        self._ctx = draft_ctx
+        self._spec = spec
+        self._n_layer_target = n_layer_target
+        self._n_embd = spec.n_embd
+        self._n_vocab = n_vocab
+        self._n_ubatch = int(ll.llama_n_ubatch(draft_ctx))
+        self._seqs = [_Sequence(draft_ctx, seq, spec.n_embd) for seq in range(len(views))]
+        self._features = np.zeros((self._n_ubatch, N_TAPS * spec.n_embd_target), dtype=np.float32)
+        self._chain = np.zeros((len(views), capacity + 1, spec.n_embd), dtype=np.float32)
+        self._pos = (ll.llama_pos * 4)()
+        batch = ll.llama_batch_ext_init(draft_ctx)
+        if not batch:
+            raise ContextCreationError("libllama could not create a batch for the EAGLE-3 draft context")
+        self._batch = batch
+
+    # -- the target's rows --------------------------------------------------------------------------------------
+
+    def process(self, rows: Sequence[Rows]) -> None:
+        """Encode the last target decode's tapped rows into each sequence's g rows (they are valid until the next
+        decode); the decoder's cells follow at once for `eager` rows."""
+        if not rows:
+            return
+        n_rows = max(r.row0 + len(r.tokens) for r in rows)
+        width = self._spec.n_embd_target
+        layers = []
+        for lid in self._spec.target_layer_ids:
+            ptr = (self._api.get_embeddings_layer_inp(self._target, lid) if lid < self._n_layer_target
+                   else lx.llama_get_embeddings_nextn(self._target))
+            if not ptr:
+                raise DecodeError(f"target layer {lid} rows were not extracted (taps not enabled?)")
+            layers.append(np.ctypeslib.as_array(ptr, shape=(n_rows, width)))
+        for r in rows:
+            state = self._seqs[r.seq]
+            self.keep(r.seq, r.pos0)
+            state.grow(r.pos0 + len(r.tokens))
+            for start in range(0, len(r.tokens), self._n_ubatch):
+                n = min(self._n_ubatch, len(r.tokens) - start)
+                src = r.row0 + start
+                for k, layer in enumerate(layers):
+                    self._features[:n, k * width:(k + 1) * width] = layer[src:src + n]
+                at = r.pos0 + start
+                state.g[at:at + n] = self._encode(n)
+            state.n_known = r.pos0 + len(r.tokens)
+        eager = [r.seq for r in rows if r.eager]
+        if eager:
+            self.catch_up(eager)
+
+    def _encode(self, n: int) -> np.ndarray:
+        """g rows of the first n feature rows: the draft's encoder graph (positions are placeholders to it)."""
+        batch = self._batch
+        ll.llama_batch_ext_clear(batch)
+        base = self._features.ctypes.data
+        stride = self._features.strides[0]
+        f32p = ctypes.POINTER(ctypes.c_float)
+        first = int(ll.llama_memory_seq_pos_max(ll.llama_get_memory(self._ctx), 0)) + 1  # as llama.cpp places them
+        for i in range(n):
+            embd = ll.llama_embd(ctypes.cast(base + i * stride, f32p), 1, self._features.shape[1])
+            idx = ll.llama_batch_ext_add_embd(batch, 0, embd)
+            if idx < 0:
+                raise DecodeError(f"the EAGLE-3 encoder batch refused feature row {i} (error {idx})")
+            self._pos[0] = self._pos[1] = self._pos[2] = first + i
+            if not (ll.llama_batch_ext_set_pos(batch, idx, self._pos)
+                    and ll.llama_batch_ext_set_output_embd(batch, idx, True)):
+                raise DecodeError(f"the EAGLE-3 encoder batch refused the row {i}")
+        rc = int(ll.llama_process(self._ctx, ll.LLAMA_PROCESS_TYPE_ENCODE, batch))
+        raise_if_lost(self._ctx)
+        if rc != 0:
+            raise decode_error("EAGLE-3 encoder", rc, n)
+        ptr = lx.llama_get_embeddings_nextn(self._ctx)
+        if not ptr:
+            raise DecodeError("the EAGLE-3 encoder produced no g rows")
+        return np.ctypeslib.as_array(ptr, shape=(n, self._n_embd))
+
+    def catch_up(self, seqs: Sequence[int]) -> None:
+        """Decode the positions the draft cache lacks, for these sequences together: (token_{p+1}, g_p) at p."""
+        while True:
+            ll.llama_batch_ext_clear(self._batch)
+            room, fed = self._n_ubatch, []
+            for seq in seqs:
+                state = self._seqs[seq]
+                stop = min(state.n_known - 1, state.n_fed + room)
+                if stop <= state.n_fed:
+                    continue
+                tokens = self._views[seq]
+                for p in range(state.n_fed, stop):
+                    self._add(seq, int(tokens[p + 1]), p, state.g[p], output=False)
+                room -= stop - state.n_fed
+                fed.append((state, stop))
+                if room == 0:
+                    break
+            if not fed:
+                return
+            self._process(f"EAGLE-3 catch-up at {fed[0][0].n_fed}")
+            for state, stop in fed:
+                state.n_fed = stop
+
+    def begin(self, seq: int) -> None:
+        pass  # the rows come with every decode (process)
+
+    # -- drafting -----------------------------------------------------------------------------------------------
+
+    def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
+        """Every ask's chain in the same decodes: the seed (id_last, g_{pos0-1}) at pos0 - 1, then each drafted
+        token with the pre-norm row that produced it."""
+        self.catch_up([a.seq for a in asks])
+        out = [Proposal.start(a.sampling) for a in asks]
+        current = []
+        for a in asks:
+            if a.pos0 < 1 or self._seqs[a.seq].n_known != a.pos0:
+                raise DecodeError(f"the EAGLE-3 draft holds {self._seqs[a.seq].n_known} target rows of sequence "
+                                  f"{a.seq}, a draft after position {a.pos0 - 1} needs them all")
+            current.append((a.id_last, self._seqs[a.seq].g[a.pos0 - 1]))
+        going = [i for i, a in enumerate(asks) if a.n > 0]
+        try:
+            step = 0
+            while going:
+                ll.llama_batch_ext_clear(self._batch)
+                for i in going:
+                    token, h = current[i]
+                    self._add(asks[i].seq, token, asks[i].pos0 - 1 + step, h, output=True)
+                self._process("EAGLE-3 draft step")
+                still = []
+                for row, i in enumerate(going):
+                    ask = asks[i]
+                    ptr = ll.llama_get_logits_ith(self._ctx, row)
+                    if not ptr:
+                        raise DecodeError("the EAGLE-3 draft produced no logits")
+                    logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+                    token = out[i].add_from_logits(logits, ask.p_min, ask.sampling)
+                    if token is None or step + 1 >= ask.n:
+                        continue
+                    h_ptr = lx.llama_get_embeddings_nextn_ith(self._ctx, row)
+                    if not h_ptr:
+                        raise DecodeError("the EAGLE-3 draft produced no pre-norm row")
+                    chain = self._chain[ask.seq]
+                    chain[step + 1] = np.ctypeslib.as_array(h_ptr, shape=(self._n_embd,))
+                    current[i] = (token, chain[step + 1])
+                    still.append(i)
+                going = still
+                step += 1
+        finally:
+            # the seed's and the drafts' cells go; the verify rows come next (process)
+            refused = [a for a in asks if not self._seqs[a.seq].memory.remove_from(max(a.pos0 - 1, 0))]
+        if refused:
+            raise self._seqs[refused[0].seq].memory.refused(f"drop its drafts at position {refused[0].pos0 - 1}")
+        for ask in asks:
+            state = self._seqs[ask.seq]
+            state.n_fed = min(state.n_fed, max(ask.pos0 - 1, 0))
+        return [p.at_least(a.n_min, a.sampling) for p, a in zip(out, asks, strict=True)]
+
+    def accept(self, seq: int, n_accepted: int) -> None:
+        pass  # the g row of every kept position is held; keep() drops the rest
+
+    # -- the cache ----------------------------------------------------------------------------------------------
+
+    def keep(self, seq: int, n: int) -> None:
+        """The sequence is cut to n tokens: its g rows past them go, and the cells whose next token went."""
+        state = self._seqs[seq]
+        state.n_known = min(state.n_known, n)
+        last = max(n - 1, 0)
+        if state.n_fed > last:
+            state.memory.cut(last)
+            state.n_fed = last
+
+    def clear(self, seq: int) -> None:
+        state = self._seqs[seq]
+        state.memory.clear()
+        state.n_known = state.n_fed = 0
+
+    def save(self, seq: int) -> _Parked:
+        self.catch_up([seq])
+        state = self._seqs[seq]
+        return _Parked(save_seq(self._ctx, WHOLE, seq=seq), state.g[:state.n_known].copy())
+
+    def restore(self, seq: int, parked: _Parked) -> None:
+        state = self._seqs[seq]
+        state.memory.clear()
+        load_seq(self._ctx, parked.kv, WHOLE, seq)
+        n = len(parked.g)
+        state.grow(n)
+        state.g[:n] = parked.g
+        state.n_known = n
+        state.n_fed = max(n - 1, 0)
+
+    def state_bytes(self, state: _Parked) -> int:
+        return int(state.kv.nbytes + state.g.nbytes)
+
+    def free(self) -> None:
+        if self._batch:
+            ll.llama_batch_ext_free(self._batch)
+            self._batch = None
+
+    # -- internals ----------------------------------------------------------------------------------------------
+
+    def _add(self, seq: int, token: int, pos: int, g: np.ndarray, *, output: bool) -> None:
+        batch = self._batch
+        idx = ll.llama_batch_ext_add_token(batch, seq, token)
+        if idx < 0:
+            raise DecodeError(f"the EAGLE-3 batch refused token {token} (error {idx})")
+        self._pos[0] = pos
+        embd = ll.llama_embd(g.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, self._n_embd)
+        ok = ll.llama_batch_ext_set_pos(batch, idx, self._pos) and ll.llama_batch_ext_set_embd_token(batch, idx, embd)
+        if ok and output:
+            ok = ll.llama_batch_ext_set_output_logits(batch, idx, True)
+        if not ok:
+            raise DecodeError(f"the EAGLE-3 batch refused the row of position {pos}")
+
+    def _process(self, what: str) -> None:
+        rc = int(ll.llama_process(self._ctx, ll.LLAMA_PROCESS_TYPE_DECODE, self._batch))
+        raise_if_lost(self._ctx)
+        if rc != 0:
+            raise decode_error(what, rc, 0)
+
+
+def open_drafter(pair: LinkedPair, views: Sequence[TokenView], capacity: int) -> Eagle3Drafter:
+    return Eagle3Drafter(dflash_api(), pair.target_ctx, pair.draft_ctx, views, pair.spec,
+                         n_layer_target=int(ll.llama_model_n_layer(pair.target_model)), n_vocab=pair.n_vocab,
+                         capacity=capacity)
+
+
+IMPLEMENTATION = Implementation(open_drafter, draft_file=Eagle3File())

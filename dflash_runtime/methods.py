@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 CHAIN_SEPARATOR = ","
 NOTHING, NEXTN = "", "nextn"  # what a method without a file of its own needs
+TREE_BRANCHES = "draft+branches"  # a DFlash 2 draft, and spare target sequences for a tree's paths
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,12 @@ def _mtp() -> Implementation:
     return mtp.IMPLEMENTATION
 
 
+def _dflash_tree() -> Implementation:
+    from . import dflash_tree  # as _dflash
+
+    return dflash_tree.IMPLEMENTATION
+
+
 def _draft_simple() -> Implementation:
     from . import draft_simple  # as _dflash
 
@@ -66,6 +73,7 @@ def _draft_simple() -> Implementation:
 
 REGISTRY: tuple[Method, ...] = (
     Method(DFLASH, "DFlash 2", "draft", _dflash),
+    Method("dflash-tree", "DFlash 2 tree", TREE_BRANCHES, _dflash_tree, auto=False),
     Method(MTP, "MTP", NEXTN, _mtp),
     Method("draft-simple", "Draft model", "draft-model", _draft_simple),
     Method(ngram.NGRAM_MOD, "ngram-mod", NOTHING, lambda: ngram.MOD, auto=False),
@@ -100,6 +108,8 @@ def holds(pair: LinkedPair, needs: str) -> bool:
         return True
     if needs == NEXTN:
         return pair.mtp_ctx is not None
+    if needs == TREE_BRANCHES:
+        return bool(pair.branch_seqs) and holds(pair, "draft") and bool(getattr(pair.spec, "is_dflash2", False))
     return pair.draft_ctx is not None and pair.draft_file is not None and pair.draft_file.needs == needs
 
 
@@ -148,7 +158,7 @@ def check(name: str, runs: Sequence[str]) -> tuple[str, ...]:
 
 def draft_files() -> tuple[DraftFile, ...]:
     """What the methods with a model of their own declare about their files, for the pair to open (pair.py)."""
-    files = (m.implementation().draft_file for m in REGISTRY if m.needs not in (NOTHING, NEXTN))
+    files = (m.implementation().draft_file for m in REGISTRY if m.needs not in (NOTHING, NEXTN, TREE_BRANCHES))
     return tuple(f for f in files if f is not None)
 
 

@@ -32,6 +32,7 @@ from .rpc import REPLY_TIMEOUT_S, RemoteDevices, unwatch, watch
 from .vocab import Vocabulary
 
 MAX_PARALLEL = 64  # sequences per context (llama.cpp allows 256): 64 verify batches of 8 rows fill n_batch 512
+MAX_BRANCHES = 16  # target sequences for draft-tree paths (each a KV stream of n_ctx cells and a recurrent state)
 CUDA_VERIFY_ROWS = 8  # CUDA's small-batch matrix-vector kernels take up to this many rows: verify batches stay there
 DEFAULT_DRAFT_CAPACITY = CUDA_VERIFY_ROWS - 1  # a verify batch is id_last + the draft
 # "exact": the CPU target takes kernels whose rows do not depend on their batch (see batch_invariant); "fast": the
@@ -298,6 +299,7 @@ class LinkedPair:
         rpc_cpu: bool = False,
         rpc_timeout_s: float = REPLY_TIMEOUT_S,
         numerics: str = "exact",
+        branches: int = 0,
     ) -> None:
         capacity = renamed_keyword("draft_max", "draft_capacity", draft_max, draft_capacity, DEFAULT_DRAFT_CAPACITY,
                                    stacklevel=4)
@@ -322,8 +324,12 @@ class LinkedPair:
             raise ValueError(f"parallel must be an integer in 1..{MAX_PARALLEL} (got {parallel!r})")
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)} (got {numerics!r})")
+        if isinstance(branches, bool) or not isinstance(branches, int) or not 0 <= branches <= MAX_BRANCHES:
+            raise ValueError(f"branches must be an integer in 0..{MAX_BRANCHES} (got {branches!r})")
         self.numerics_asked = numerics
         self.parallel = parallel
+        # Target sequences beside the requests' for the paths of a draft tree (dflash_tree.py): ids parallel.. on.
+        self.branch_seqs = tuple(range(parallel, parallel + branches))
         # The MTP head: one nextn layer after the trunk (a failure to open it is kept when it is optional).
         n_nextn = int(self.target_info.keys.get(f"{self.target_info.arch}.nextn_predict_layers", 0) or 0)
         if mtp and n_nextn == 0:
@@ -393,13 +399,14 @@ class LinkedPair:
         # (Every pair runs a method: the n-gram methods need no file.)
         capacity = self.longest_draft
         params.n_ubatch = max(n_batch, capacity + 2)
-        # One step's decode holds every sequence's verify rows, whatever the prefill budget.
-        params.n_batch = max(params.n_ubatch, self.parallel * (capacity + 1))
+        # One step's decode holds every sequence's verify rows (and every tree path's), whatever the prefill budget.
+        n_seq = self.parallel + len(self.branch_seqs)
+        params.n_batch = max(params.n_ubatch, n_seq * (capacity + 1))
         # One KV stream per sequence (kv_unified off), n_ctx cells each: a sequence's cells, and so its attention
         # sums, depend on its own history only, whatever the other sequences hold (see batch_invariant).
-        params.n_seq_max = self.parallel
+        params.n_seq_max = n_seq
         params.kv_unified = False
-        params.n_ctx = n_ctx * self.parallel
+        params.n_ctx = n_ctx * n_seq
         threads.apply(params)
         if self._exact_cpu:
             # Exactness across requests needs a row's numbers not to depend on the rows decoded beside it: the CPU

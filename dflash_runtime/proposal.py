@@ -10,6 +10,7 @@ import numpy as np
 
 if TYPE_CHECKING:  # the drafters' side stays free of libllama: the Space's web process lists methods through it
     from .sampling import ChainProbabilities
+    from .tree import DraftTree
 
 DRAFT, TARGET = "draft", "target"  # an accepted draft token; the target's own sample that ends a verify walk
 CONFIDENCE_TOP_K = 10  # a greedy draft's confidence: the softmax over its top candidates, as llama.cpp's draft sampler
@@ -17,10 +18,12 @@ CONFIDENCE_TOP_K = 10  # a greedy draft's confidence: the softmax over its top c
 
 @dataclass
 class Proposal:
-    """Drafted tokens and, when they were sampled, the distribution each was sampled from (token ids, probs)."""
+    """Drafted tokens and, when they were sampled, the distribution each was sampled from (token ids, probs); or a
+    draft tree, whose likeliest path the tokens are."""
 
     tokens: list[int] = field(default_factory=list)
     q: list[tuple[np.ndarray, np.ndarray]] | None = None
+    tree: DraftTree | None = None  # a draft tree (dflash_tree.py): `tokens` is then its spine
 
     @classmethod
     def start(cls, sampling: DraftSampling | None) -> Proposal:

@@ -111,6 +111,16 @@ class DraftTree:
             out.append(node)
         return out
 
+    def first_paths(self, n: int) -> DraftTree:
+        """The tree of the first `n` paths only (the spine first), its nodes in the same order."""
+        keep = sorted({i for path in self.paths()[:n] for i in path})
+        index = {ROOT: ROOT, **{old: new for new, old in enumerate(keep)}}
+        out = DraftTree()
+        for old in keep:
+            node = self.nodes[old]
+            out.add(Node(node.token, index[node.parent], node.depth, node.logp, node.slot))
+        return out
+
     @property
     def depth(self) -> int:
         return max((n.depth for n in self.nodes), default=0)
@@ -126,14 +136,15 @@ class DraftTree:
 
 
 def build_tree(levels: Levels, budget: int, *, branching: int = DEFAULT_BRANCHING,
-               row_cost: str = "shared") -> DraftTree:
+               row_cost: str = "shared", chain_first: bool = False) -> DraftTree:
     """The draft's likeliest continuations, best-first by path probability, at most `levels.depth` deep.
 
     `budget` counts verify rows beside the first path's root row: the nodes when shared nodes carry several sequences
     (`row_cost="shared"`), or the rows of every path with its shared rows copied (`row_cost="branch"`: a new path
     costs its whole length and a root row of its own). A chain of n tokens costs n either way. A node takes at most
     `branching` children; a child whose token a better sibling already took is skipped (the walk follows a token,
-    so siblings' tokens must differ)."""
+    so siblings' tokens must differ). `chain_first`: the draft's greedy path (the chain's draft) first, as deep as
+    the budget allows, so that the tree holds the chain and accepts at least what it would."""
     if budget < 0 or branching < 1:
         raise ValueError(f"a tree needs budget ≥ 0 and branching ≥ 1 (got {budget}, {branching})")
     if row_cost not in ("shared", "branch"):
@@ -152,8 +163,20 @@ def build_tree(levels: Levels, budget: int, *, branching: int = DEFAULT_BRANCHIN
             tie += 1
             heapq.heappush(heap, (-(base + float(logps[slot])), tie, parent, depth, int(ids[slot]), int(slot)))
 
-    push(ROOT, 1, 0.0, 0)
     used = 0
+    if chain_first:
+        parent, base, pred = ROOT, 0.0, 0
+        for depth in range(1, min(levels.depth, budget) + 1):
+            ids, logps = levels.candidates(depth, pred)
+            push(parent, depth, base, pred)
+            slot = int(np.argmax(logps))
+            base += float(logps[slot])
+            parent, pred = tree.add(Node(int(ids[slot]), parent, depth, base, slot)), slot
+            used += 1
+        if len(tree):
+            push(parent, len(tree) + 1, base, pred)
+    else:
+        push(ROOT, 1, 0.0, 0)
     while heap and used < budget:
         neg, _, parent, depth, token, slot = heapq.heappop(heap)
         if tree.child(parent, token) is not None:

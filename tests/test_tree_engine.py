@@ -39,7 +39,7 @@ def test_a_tree_answers_as_plain_decoding_alone_and_after_an_ngram_draft(regime)
     _, engine = regime
     assert TREE in engine.methods
     totals = {"tree_steps": 0, "tree_off_spine": 0, "tree_nodes": 0, "verify_steps": 0}
-    for prompt in PROMPTS[:4]:
+    for prompt in PROMPTS[:3]:
         plain = engine.generate(prompt, max_tokens=60, speculative=False).tokens
         for method, length, nodes in ((TREE, 7, 16), (TREE, 3, "auto"), (TREE, "auto", 12),
                                       (f"ngram-mod,{TREE}", 5, 16)):
@@ -56,9 +56,9 @@ def test_a_tree_answers_as_plain_decoding_alone_and_after_an_ngram_draft(regime)
 def test_a_tree_accepts_at_least_what_the_chain_does_and_answers_long_as_plain(regime) -> None:
     _, engine = regime
     prompt = PROMPTS[1]
-    plain = engine.generate(prompt, max_tokens=400, speculative=False).tokens
-    chain = engine.generate(prompt, max_tokens=400, method="dflash", draft_length=7)
-    tree = engine.generate(prompt, max_tokens=400, method=TREE, draft_length=7, tree_nodes=16)
+    plain = engine.generate(prompt, max_tokens=240, speculative=False).tokens
+    chain = engine.generate(prompt, max_tokens=240, method="dflash", draft_length=7)
+    tree = engine.generate(prompt, max_tokens=240, method=TREE, draft_length=7, tree_nodes=16)
     assert chain.tokens == tree.tokens == plain
     # the tree holds the chain's draft: its steps emit at least as many tokens (a path off the spine costs one
     # more decode, which emits a token too)
@@ -128,10 +128,10 @@ def soft() -> Iterator[Callable[..., tuple[Engine, Reference]]]:
 
 
 @pytest.mark.parametrize(("target", "verify", "chain"), [("hybrid", "sample", Chain(1.0)),
-                                                          ("dense", "match", Chain(0.6, top_k=3))])
+                                                          ("dense", "match", Chain(0.7, top_k=3))])
 def test_tree_samples_follow_the_target_distribution(soft, target: str, verify: str, chain: Chain) -> None:
     engine, reference = soft(target)
-    zs = check_distribution(engine, reference, chain, verify, n=1200)
+    zs = check_distribution(engine, reference, chain, verify, n=800)
     assert max(zs) < Z_LIMIT, zs
     stats = engine.generate(reference.text, max_tokens=24, draft_length=3, verify=verify, seed=7, method=TREE,
                             **chain.kwargs()).stats
@@ -140,5 +140,5 @@ def test_tree_samples_follow_the_target_distribution(soft, target: str, verify: 
 
 def test_a_broken_tree_verifier_fails_the_distribution_test(soft) -> None:
     engine, reference = soft("dense", Verifiers(tree=AnyChildWins))
-    zs = check_distribution(engine, reference, Chain(1.0), "sample", n=1200)
+    zs = check_distribution(engine, reference, Chain(1.0), "sample", n=400)  # z ≈ 20 at 600 samples
     assert max(zs) > Z_LIMIT, zs

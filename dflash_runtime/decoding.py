@@ -27,7 +27,7 @@ import numpy as np
 from .batches import TokenBatch
 from .cache import PairCache
 from .checkpoints import CheckpointCosts, prompt_marks
-from .controller import DraftPolicy
+from .controller import DraftPolicy, TreeOrChain
 from .drafting import DraftAsk, Drafter
 from .methods import Chain, split
 from .pair import LinkedPair
@@ -186,6 +186,9 @@ class Decoding:
         self._id_last = -1
         self._lead: list[int] = []  # emitted tokens before id_last that the cache does not hold yet (a replay)
         self._sample_row: Callable[[int], int] | None = None
+        # tree_nodes="auto": whether each step drafts a tree or the chain, from measured tokens per second
+        self.tree_or_chain = TreeOrChain() if req.speculative and req.tree_nodes == "auto" else None
+        self._tree_asked = False
         self._drafted_by: str | None = None  # the method that drafted the current step (a chain's member)
         self.on_release: list[Callable[[], None]] = []
 
@@ -304,7 +307,11 @@ class Decoding:
         self._n_block = n_block
         if n_block <= 0 or self.chain is None:
             return n_block, None
-        nodes = max(2 * n_block, AUTO_TREE_NODES) if req.tree_nodes == "auto" else int(req.tree_nodes)
+        if self.tree_or_chain is not None:
+            nodes = max(2 * n_block, AUTO_TREE_NODES) if self.tree_or_chain.choose() == "tree" else 0
+        else:
+            nodes = int(req.tree_nodes)
+        self._tree_asked = nodes > 0
         return n_block, DraftAsk(self.seq, self._id_last, pos0, n_block, self.req.n_min, self.req.p_min,
                                  self._draft_sampling, nodes)
 
@@ -355,9 +362,17 @@ class Decoding:
             stats.plain_ms += step_ms
         # The cost model's key is the whole decode, as it ran: this request's n + 1 rows and everything beside them.
         self.rows_beside = decode_rows - planned.n_block - 1
+        seconds = step_s + time.perf_counter() - t
         if policy is not None:
-            policy.observe(planned.n_block, len(proposal.tokens), n_accepted,
-                           step_s + time.perf_counter() - t, rows=decode_rows)
+            policy.observe(planned.n_block, len(proposal.tokens), n_accepted, seconds, rows=decode_rows)
+        arms = self.tree_or_chain
+        if arms is not None:
+            if planned.lead:  # the rest of a tree step whose accepted path left the spine
+                arms.observe("tree", len(emitted.tokens), seconds, more=True)
+            elif planned.tree is not None:
+                arms.observe("tree", len(emitted.tokens), seconds)
+            elif proposal.tokens and not self._tree_asked:
+                arms.observe("chain", len(emitted.tokens), seconds)
         if self.cache.interval_due():
             self.cache.save_checkpoint(self.costs)
         self._conclude(emitted)
@@ -402,6 +417,8 @@ class Decoding:
         self._time()
         if self.policy is not None:
             self.stats.controller = self.policy.describe()
+            if self.tree_or_chain is not None and self.stats.tree_steps:
+                self.stats.controller["tree"] = self.tree_or_chain.describe()
         return StreamEvent(delta, tokens, self.stats.snapshot(), finish, detail, sources, self.text.take_runs())
 
     def _conclude(self, emitted: Emitted) -> None:

@@ -205,3 +205,19 @@ def test_with_a_copy_of_the_shared_rows_per_path_the_budget_counts_every_row() -
         assert branch.branch_rows() >= branch.shared_rows()
     chain = build_tree(levels, 5, branching=1, row_cost="branch")
     assert chain.branch_rows() == chain.shared_rows() == 6
+
+
+def test_the_tree_or_chain_choice_follows_measured_tokens_per_second() -> None:
+    from dflash_runtime.controller import TreeOrChain
+
+    for tree_rate, chain_rate, winner in ((2.0, 1.0, "tree"), (1.0, 1.2, "chain")):
+        arms = TreeOrChain(probe_every=8)
+        chosen = []
+        for _ in range(64):
+            arm = arms.choose()
+            chosen.append(arm)
+            arms.observe(arm, 4, 4 / (tree_rate if arm == "tree" else chain_rate))
+        later = chosen[8:]
+        assert later.count(winner) >= len(later) * 7 // 8, chosen  # the loser only at probes
+        assert 0 < later.count("chain" if winner == "tree" else "tree") <= len(later) // 8 + 1
+        assert arms.describe()["tree_or_chain"] in ("tree", "chain")

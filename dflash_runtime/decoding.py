@@ -27,7 +27,7 @@ import numpy as np
 from .batches import TokenBatch
 from .cache import PairCache
 from .checkpoints import CheckpointCosts, prompt_marks
-from .controller import DraftPolicy, TreeOrChain
+from .controller import DraftPolicy
 from .drafting import DraftAsk, Drafter
 from .methods import Chain, split
 from .pair import LinkedPair
@@ -187,7 +187,7 @@ class Decoding:
         self._lead: list[int] = []  # emitted tokens before id_last that the cache does not hold yet (a replay)
         self._sample_row: Callable[[int], int] | None = None
         # tree_nodes="auto": whether each step drafts a tree or the chain, from measured tokens per second
-        self.tree_or_chain = TreeOrChain() if req.speculative and req.tree_nodes == "auto" else None
+        self.tree_or_chain = policy.tree if policy is not None and req.tree_nodes == "auto" else None
         self._tree_asked = False
         self._drafted_by: str | None = None  # the method that drafted the current step (a chain's member)
         self.on_release: list[Callable[[], None]] = []

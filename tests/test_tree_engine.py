@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from pairs import PROMPTS
-from test_distribution import Z_LIMIT, Chain, Reference, check_distribution
+from test_distribution import Z_LIMIT, Chain, Reference, z_scores
 from test_parallel import Reference as FreshEngine
 from test_parallel import _jobs, check_against_reference, interleave
 
@@ -92,6 +92,13 @@ def test_tree_nodes_is_checked_and_the_method_needs_spare_sequences() -> None:
         load_pair(pair.target, pair.draft, n_ctx=256, branches=-1)
 
 
+def check_tree_distribution(engine: Engine, reference: Reference, chain: Chain, verify: str, n: int) -> list[float]:
+    """z-scores of three-token answers drawn with trees at every step (tree_nodes fixed: no chain steps)."""
+    drawn = [tuple(engine.generate(reference.text, max_tokens=3, draft_length=3, verify=verify, seed=seed,
+                                   method=TREE, tree_nodes=8, **chain.kwargs()).tokens) for seed in range(n)]
+    return z_scores(drawn, reference.joint(chain, 3), 3)
+
+
 class AnyChildWins:
     """Deliberately broken: when the target's sample is the token of any child, the likeliest child is followed."""
 
@@ -131,14 +138,14 @@ def soft() -> Iterator[Callable[..., tuple[Engine, Reference]]]:
                                                           ("dense", "match", Chain(0.7, top_k=3))])
 def test_tree_samples_follow_the_target_distribution(soft, target: str, verify: str, chain: Chain) -> None:
     engine, reference = soft(target)
-    zs = check_distribution(engine, reference, chain, verify, n=800)
+    zs = check_tree_distribution(engine, reference, chain, verify, n=800)
     assert max(zs) < Z_LIMIT, zs
     stats = engine.generate(reference.text, max_tokens=24, draft_length=3, verify=verify, seed=7, method=TREE,
-                            **chain.kwargs()).stats
+                            tree_nodes=8, **chain.kwargs()).stats
     assert stats.tree_steps > 0 and stats.tree_nodes > 3 * stats.tree_steps
 
 
 def test_a_broken_tree_verifier_fails_the_distribution_test(soft) -> None:
     engine, reference = soft("dense", Verifiers(tree=AnyChildWins))
-    zs = check_distribution(engine, reference, Chain(1.0), "sample", n=400)  # z ≈ 20 at 600 samples
+    zs = check_tree_distribution(engine, reference, Chain(1.0), "sample", n=400)  # z ≈ 20 at 600 samples
     assert max(zs) > Z_LIMIT, zs

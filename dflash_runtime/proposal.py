@@ -4,13 +4,12 @@ and the names of the two sources an emitted token can come from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:  # the drafters' side stays free of libllama: the Space's web process lists methods through it
     from .sampling import ChainProbabilities
-    from .tree import DraftTree
 
 DRAFT, TARGET = "draft", "target"  # an accepted draft token; the target's own sample that ends a verify walk
 CONFIDENCE_TOP_K = 10  # a greedy draft's confidence: the softmax over its top candidates, as llama.cpp's draft sampler
@@ -23,7 +22,7 @@ class Proposal:
 
     tokens: list[int] = field(default_factory=list)
     q: list[tuple[np.ndarray, np.ndarray]] | None = None
-    tree: DraftTree | None = None  # a draft tree (dflash_tree.py): `tokens` is then its spine
+    tree: Any = None  # a tree.DraftTree (tree.py builds on this module): `tokens` is then the tree's spine
 
     @classmethod
     def start(cls, sampling: DraftSampling | None) -> Proposal:

@@ -263,7 +263,8 @@ class LinkedPair:
     less (its `draft_length`), never more. `draft_max=` is the deprecated spelling of `draft_capacity`.
     `mtp`: None opens the MTP context when the target has an MTP head (a failure is kept in `mtp_error`), True
     requires it, False skips it. `parallel` is the number of sequences every context holds (requests that run at
-    once); `n_ctx` is each sequence's context.
+    once); `n_ctx` is each sequence's context. `branches`: spare target sequences for the paths of draft trees
+    (dflash_tree.py), each a KV stream of `n_ctx` cells and a recurrent state of its own; no request holds one.
     `rpc`: RPC servers ("host:port", started with `python -m dflash_runtime rpc-server`) whose devices join the
     local GPUs, remote first; `n_gpu_layers` layers go to those devices, weighted by `tensor_split` (one weight per
     device, remote first; default: by free memory), the rest stay on the local CPU (see placement.py, rpc.py). The

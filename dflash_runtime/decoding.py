@@ -123,6 +123,7 @@ class Planned:
     tree: DraftTree | None = None  # the draft tree as decoded: its first path in `tokens`, the others in `branches`
     branches: list[tuple[int, list[int]]] = field(default_factory=list)  # (spare sequence, [id_last, path...])
     branch_row0: list[int] = field(default_factory=list)
+    branch_pad: list[int] = field(default_factory=list)  # filler rows after each path (see steps.Steps._branch)
 
     @property
     def filler(self) -> list[int]:
@@ -137,7 +138,7 @@ class Planned:
     @property
     def decode_rows(self) -> int:
         """The rows this request takes in the target decode: its own and its tree's other paths'."""
-        return self.rows + sum(len(tokens) for _, tokens in self.branches)
+        return self.rows + sum(len(tokens) for _, tokens in self.branches) + sum(self.branch_pad)
 
     def tree_rows(self) -> dict[int, int]:
         """Each tree node's row in the decode (tree.ROOT: id_last's), a node shared by paths read from the first."""

@@ -143,11 +143,15 @@ class Steps:
             paths = planned.tree.paths()
             taken = 0
             for path in paths[1:]:
-                if not free or len(path) + 1 > room:
+                # As wide as the request's own rows (filler after the path): libllama then takes every sequence's
+                # rows in one ubatch where their ids are consecutive, rather than a pass per path length.
+                width = max(planned.rows, len(path) + 1)
+                if not free or width > room:
                     break
-                room -= len(path) + 1
+                room -= width
                 taken += 1
                 planned.branches.append((free.pop(0), [planned.tokens[0], *(planned.tree.tokens(path[-1]))]))
+                planned.branch_pad.append(width - len(path) - 1)
             planned.tree = planned.tree.first_paths(1 + taken)
 
     def _decode(self, batch: list[Decoding]) -> bool:
@@ -168,8 +172,11 @@ class Steps:
                 planned = run.planned
                 assert planned is not None and run.cache is not None
                 run.cache.fork([seq for seq, _ in planned.branches])
-                planned.branch_row0 = [tokens.add(path, len(run.cache), seq, outputs="all")
-                                       for seq, path in planned.branches]
+                planned.branch_row0 = []
+                for (seq, path), pad in zip(planned.branches, planned.branch_pad, strict=True):
+                    planned.branch_row0.append(tokens.add(path, len(run.cache), seq, outputs="all"))
+                    if pad:
+                        tokens.add([path[-1]] * pad, len(run.cache) + len(path), seq, outputs="none")
             t = time.perf_counter()
             tokens.decode(parts.pair.target_ctx, "target")
             decode_s = time.perf_counter() - t

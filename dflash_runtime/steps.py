@@ -64,7 +64,7 @@ class Steps:
         if asks:
             self._draft(asks)
         self._pad([r for r in generating if r.planned is not None and not r.done])
-        self._branch([r for r in generating if r.planned is not None and not r.done])
+        self._branch([r for r in generating if r.planned is not None and not r.done], bool(prefilling))
         budget = self.parts.pair.n_batch - sum(r.planned.decode_rows for r in generating if r.planned)
         for run in prefilling:
             planned = run.plan_prefill(budget)
@@ -130,11 +130,13 @@ class Steps:
             if len(planned.tokens) < width and len(run.cache) + width <= pair.n_ctx:
                 planned.pad = width - len(planned.tokens)
 
-    def _branch(self, runs: list[Decoding]) -> None:
+    def _branch(self, runs: list[Decoding], prefilling: bool) -> None:
         """Give the paths of each draft tree beside its spine a spare target sequence each, while there are spare
-        sequences and room in the decode; a tree keeps the paths that got one (its first ones: the likeliest)."""
+        sequences and room in the decode; a tree keeps the paths that got one (its first ones: the likeliest).
+        A hybrid target's paths run only where the whole decode is one ubatch of consecutive sequences (or the
+        request is alone): see docs/how-it-works.md, "Draft trees"."""
         pair = self.parts.pair
-        free = list(pair.branch_seqs) if not pair.is_recurrent or len(runs) == 1 else []
+        free = list(pair.branch_seqs) if not pair.is_recurrent or self._one_ubatch(runs, prefilling) else []
         room = pair.n_batch - sum(r.planned.decode_rows for r in runs if r.planned)
         for run in sorted(runs, key=lambda r: r.seq):
             planned = run.planned
@@ -153,6 +155,19 @@ class Steps:
                 planned.branches.append((free.pop(0), [planned.tokens[0], *(planned.tree.tokens(path[-1]))]))
                 planned.branch_pad.append(width - len(path) - 1)
             planned.tree = planned.tree.first_paths(1 + taken)
+
+    def _one_ubatch(self, runs: list[Decoding], prefilling: bool) -> bool:
+        """Whether a hybrid target's decode may hold tree paths: no prompt chunk beside them (its rows go to another
+        ubatch), and the request alone or every request's rows of one width with their sequences the last ones
+        before the spare sequences' (libllama's sequential split then takes them all in one ubatch)."""
+        if prefilling:
+            return False
+        if len(runs) == 1:
+            return True
+        parallel = self.parts.pair.parallel
+        widths = {r.planned.rows for r in runs if r.planned is not None}
+        return (len(widths) == 1
+                and sorted(r.seq for r in runs) == list(range(parallel - len(runs), parallel)))
 
     def _decode(self, batch: list[Decoding]) -> bool:
         """The target decode of every request's planned rows, then every drafter's processing of it."""

@@ -149,3 +149,22 @@ def test_a_broken_tree_verifier_fails_the_distribution_test(soft) -> None:
     engine, reference = soft("dense", Verifiers(tree=AnyChildWins))
     zs = check_tree_distribution(engine, reference, Chain(1.0), "sample", n=400)  # z ≈ 20 at 600 samples
     assert max(zs) > Z_LIMIT, zs
+
+
+@pytest.mark.parametrize("seed", [3, 20])
+def test_hybrid_trees_in_random_schedules_of_three_sequences_answer_as_a_fresh_engine(seed: int) -> None:
+    """Prompt chunks, plain rows and other requests' trees beside a hybrid target's tree paths (a schedule where a
+    path decoded beside a prompt chunk once gave a wrong answer)."""
+    pair = tiny_pair("hybrid", "dflash2", head="regime")
+    rng = random.Random(seed)
+    with load_pair(pair.target, pair.draft, n_ctx=1024, draft_capacity=7, branches=3, parallel=3) as engine:
+        jobs = _jobs(rng, engine, 10)
+        for job in jobs:
+            if job.options["speculative"]:
+                job.options.update(method=rng.choice([TREE, TREE, "dflash"]), tree_nodes=rng.choice(["auto", 4, 16]))
+        interleave(engine, jobs, rng)
+    reference = FreshEngine(pair)
+    try:
+        assert check_against_reference(jobs, reference) > 0
+    finally:
+        reference.engine.close()

@@ -138,7 +138,7 @@ def soft() -> Iterator[Callable[..., tuple[Engine, Reference]]]:
                                                           ("dense", "match", Chain(0.7, top_k=3))])
 def test_tree_samples_follow_the_target_distribution(soft, target: str, verify: str, chain: Chain) -> None:
     engine, reference = soft(target)
-    zs = check_tree_distribution(engine, reference, chain, verify, n=800)
+    zs = check_tree_distribution(engine, reference, chain, verify, n=600)
     assert max(zs) < Z_LIMIT, zs
     stats = engine.generate(reference.text, max_tokens=24, draft_length=3, verify=verify, seed=7, method=TREE,
                             tree_nodes=8, **chain.kwargs()).stats

@@ -86,7 +86,8 @@ def test_info_lists_the_methods_and_the_models_sampling_defaults(client: Client)
     assert defaults["method"] == "auto" and defaults["draft_length"] == "auto"
     limits = info["limits"]
     assert limits["draft_length"] == ["auto", [0, 7]]
-    assert limits["method"] == ["auto", "dflash", "mtp", "draft-simple", "ngram-mod", "ngram-map-k", "ngram-mod,dflash"]
+    assert limits["method"] == ["auto", "dflash", "dflash-tree", "mtp", "draft-simple", "ngram-mod", "ngram-map-k",
+                                "ngram-mod,dflash"]
 
 
 def test_each_method_writes_the_plain_text_at_temperature_zero(client: Client) -> None:

@@ -24,7 +24,7 @@ from .checkpoints import Checkpoint, CheckpointCosts, CheckpointStore
 from .drafting import Drafter
 from .errors import RollbackError
 from .memory import SequenceMemory
-from .states import WHOLE, load_seq, save_seq
+from .states import PARTIAL_ONLY, WHOLE, load_seq, save_seq
 
 
 def reusable_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
@@ -35,6 +35,12 @@ def reusable_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
     while n < limit and cached[n] == prompt[n]:
         n += 1
     return n
+
+
+def drop_sequences(target_ctx: Any, seqs: Sequence[int]) -> None:
+    """Empty spare target sequences (a draft tree's paths) after their verify."""
+    for seq in seqs:
+        SequenceMemory(target_ctx, "tree path", seq).clear()
 
 
 @dataclass
@@ -122,6 +128,19 @@ class PairCache:
         self.tokens = []
         self.public_len = 0
         self._rollback_window = 0
+
+    # -- draft-tree paths: spare target sequences that start from this one's state -----------------------------------
+
+    def fork(self, seqs: Sequence[int]) -> None:
+        """Give each spare target sequence of `seqs` this sequence's target state, exactly: the attention cells
+        through libllama's copy (across KV streams: the whole stream, at the next decode), and a recurrent part as a
+        copy of its state — libllama's copy would share the state as it was before the last rollback, which is still
+        pending until this sequence's next decode (a state copy reads through it)."""
+        recurrent = save_seq(self._target_ctx, PARTIAL_ONLY, seq=self.seq) if self.recurrent and seqs else None
+        for seq in seqs:
+            self._target.copy_to(seq)
+            if recurrent is not None:
+                load_seq(self._target_ctx, recurrent, PARTIAL_ONLY, seq)
 
     # -- parking: one owner's caches set aside while another's run (sessions.py) ---------------------------------
 

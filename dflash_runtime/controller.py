@@ -27,12 +27,18 @@ class DraftPolicy(Protocol):
 
     def begin_request(self) -> None: ...
 
+    @property
+    def tree(self) -> TreeOrChain:
+        """Whether a step drafts a tree or the chain (method "dflash-tree", tree_nodes="auto")."""
+        ...
+
 
 class FixedLength:
     """Always draft n tokens, like llama.cpp's fixed draft length."""
 
     def __init__(self, n: int) -> None:
         self.n = n
+        self.tree = TreeOrChain()
 
     def choose(self, pos0: int, limit: int, others: int = 0) -> int:
         return min(self.n, limit)
@@ -87,6 +93,7 @@ class AdaptiveLength:
         self._ramping = False
         self._episode_paid = False
         self._new_request = False  # plan at the next round (a new request, or both ends just measured)
+        self.tree = TreeOrChain()
 
     # -- estimates ----------------------------------------------------------------------------------------------
 
@@ -208,6 +215,63 @@ class AdaptiveLength:
             "recent_lengths": self.history[-64:],
             "decode_rows_costed": sorted(self.row_cost),  # the target decodes' row counts its cost model has seen
         }
+
+
+class TreeOrChain:
+    """Whether a step drafts a tree or the chain (method "dflash-tree" with tree_nodes="auto"): each arm's measured
+    tokens per second — a tree step's emitted tokens and time, plus those of the step that decodes an accepted path
+    off its spine — as decayed sums; the better arm runs, the other is tried every `probe_every` steps, twice as
+    seldom after each probe that did not change the choice (up to `probe_max`; the first `warmup` steps of each arm
+    are taken in turn). It lives with the request's draft policy, so it carries over to the owner's next request.
+    A tree costs more rows than the chain (on a CPU about in proportion; on a GPU nearly nothing up to its small-batch
+    limit), so which wins is measured, not assumed."""
+
+    ARMS = ("tree", "chain")
+
+    def __init__(self, *, decay: float = 0.9, probe_every: int = 16, probe_max: int = 256, warmup: int = 2) -> None:
+        self.decay, self.probe_every, self.probe_max, self.warmup = decay, probe_every, probe_max, warmup
+        self._probe_first = probe_every
+        self._probing: str | None = None  # the arm a probe tried
+        self.tokens = dict.fromkeys(self.ARMS, 0.0)
+        self.seconds = dict.fromkeys(self.ARMS, 0.0)
+        self.steps = dict.fromkeys(self.ARMS, 0)
+        self._since_probe = 0
+        self.chosen: str = "tree"
+
+    def rate(self, arm: str) -> float:
+        return self.tokens[arm] / self.seconds[arm] if self.seconds[arm] > 0 else 0.0
+
+    def choose(self) -> str:
+        """The arm for the next step."""
+        if min(self.steps.values()) < self.warmup:
+            self.chosen = min(self.ARMS, key=lambda arm: self.steps[arm])
+            return self.chosen
+        best = max(self.ARMS, key=self.rate)
+        if self._probing is not None:  # the probe's outcome: back off while it does not change the leader
+            self.probe_every = self._probe_first if best == self._probing else min(2 * self.probe_every,
+                                                                                   self.probe_max)
+            self._probing = None
+        self._since_probe += 1
+        if self._since_probe >= self.probe_every:
+            self._since_probe = 0
+            best = "chain" if best == "tree" else "tree"
+            self._probing = best
+        self.chosen = best
+        return best
+
+    def observe(self, arm: str, tokens: int, seconds: float, *, more: bool = False) -> None:
+        """A step of `arm`: its emitted tokens and time (`more`: the rest of a step already counted, not a step)."""
+        if not more:
+            self.steps[arm] += 1
+            for name in self.ARMS:
+                self.tokens[name] *= self.decay
+                self.seconds[name] *= self.decay
+        self.tokens[arm] += tokens
+        self.seconds[arm] += seconds
+
+    def describe(self) -> dict[str, Any]:
+        return {"tree_or_chain": self.chosen, "tok_s": {arm: round(self.rate(arm), 2) for arm in self.ARMS},
+                "steps": dict(self.steps)}
 
 
 def make_policy(draft_length: int | str, capacity: int, *, verify_cap: int) -> DraftPolicy:

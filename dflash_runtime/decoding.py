@@ -20,7 +20,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,15 +31,17 @@ from .controller import DraftPolicy
 from .drafting import DraftAsk, Drafter
 from .methods import Chain, split
 from .pair import LinkedPair
-from .proposal import DRAFT, TARGET, DraftSampling, Proposal
+from .proposal import DRAFT, TARGET, DraftSampling, Proposal, draw
 from .results import StreamEvent
 from .sampling import ChainProbabilities, Sampler, SamplingParams
 from .sessions import CacheOwners
 from .stats import Stats
 from .textstream import TextStream
-from .verify import Verifier, Verifiers
+from .tree import ROOT, DraftTree, accepted_path
+from .verify import Verifier, Verifiers, target_distribution
 
 EVENTS_AHEAD = 4  # events a request may make before its reader has taken them
+AUTO_TREE_NODES = 8  # tree_nodes="auto": twice the draft length, and at least this (alternatives to short drafts)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class Request:
     owner: Hashable | None = None  # whose text this is: only its own cached tokens are reused (sessions.py)
     public_prefix: int = 0  # leading prompt tokens that any owner may reuse
     on_prefill: Callable[[int, int], None] | None = None  # (tokens prefilled, tokens to prefill) after each chunk
+    tree_nodes: int | str = "auto"  # a draft tree's verify rows beside the root's (dflash_tree.py); "auto": see
+    # AUTO_TREE_NODES
 
     @property
     def speculative(self) -> bool:
@@ -115,6 +119,11 @@ class Planned:
     n_block: int = 0
     row0: int = 0
     pad: int = 0  # filler rows after `tokens` in the decode, cut with the rejected ones (see steps.Steps._pad)
+    lead: int = 0  # leading tokens before id_last: an accepted tree path off the spine, decoded now (a replay)
+    tree: DraftTree | None = None  # the draft tree as decoded: its first path in `tokens`, the others in `branches`
+    branches: list[tuple[int, list[int]]] = field(default_factory=list)  # (spare sequence, [id_last, path...])
+    branch_row0: list[int] = field(default_factory=list)
+    branch_pad: list[int] = field(default_factory=list)  # filler rows after each path (see steps.Steps._branch)
 
     @property
     def filler(self) -> list[int]:
@@ -123,8 +132,25 @@ class Planned:
 
     @property
     def rows(self) -> int:
-        """The rows this request takes in the target decode."""
+        """The rows this request takes in its own sequence."""
         return len(self.tokens) + self.pad
+
+    @property
+    def decode_rows(self) -> int:
+        """The rows this request takes in the target decode: its own and its tree's other paths'."""
+        return self.rows + sum(len(tokens) for _, tokens in self.branches) + sum(self.branch_pad)
+
+    def tree_rows(self) -> dict[int, int]:
+        """Each tree node's row in the decode (tree.ROOT: id_last's), a node shared by paths read from the first."""
+        assert self.tree is not None
+        paths = self.tree.paths()
+        rows = {ROOT: self.row0}
+        for depth, node in enumerate(paths[0]):
+            rows[node] = self.row0 + 1 + depth
+        for row0, path in zip(self.branch_row0, paths[1:], strict=True):
+            for depth, node in enumerate(path):
+                rows.setdefault(node, row0 + 1 + depth)
+        return rows
 
 
 class Decoding:
@@ -159,6 +185,11 @@ class Decoding:
         self._marks: list[int] = []
         self._public_base = 0
         self._id_last = -1
+        self._lead: list[int] = []  # emitted tokens before id_last that the cache does not hold yet (a replay)
+        self._sample_row: Callable[[int], int] | None = None
+        # tree_nodes="auto": whether each step drafts a tree or the chain, from measured tokens per second
+        self.tree_or_chain = policy.tree if policy is not None and req.tree_nodes == "auto" else None
+        self._tree_asked = False
         self._drafted_by: str | None = None  # the method that drafted the current step (a chain's member)
         self.on_release: list[Callable[[], None]] = []
 
@@ -186,7 +217,7 @@ class Decoding:
 
     def begin(self) -> None:
         parts, prompt, req, stats = self.parts, self.prompt, self.req, self.stats
-        self._verifier, self._draft_sampling = self._make_verifier()
+        self._verifier, self._draft_sampling, self._sample_row = self._make_verifier()
         if self.policy is not None:
             self.policy.begin_request()
         self.cache, limit = parts.owners.acquire(req.owner, prompt, req.public_prefix)
@@ -270,12 +301,20 @@ class Decoding:
         pos0 = len(self.cache)
         # Like llama.cpp's server: leave room in the context, and draft nothing past max_tokens.
         room = max(0, min(self.parts.pair.n_ctx - pos0 - 2, req.max_tokens - stats.n_generated - 1))
+        if self._lead:  # an accepted tree path off the spine: its tokens are decoded first, in a plain step
+            self._n_block = 0
+            return 0, None
         n_block = policy.choose(pos0, room, others) if policy is not None else 0
         self._n_block = n_block
         if n_block <= 0 or self.chain is None:
             return n_block, None
+        if self.tree_or_chain is not None:
+            nodes = max(2 * n_block, AUTO_TREE_NODES) if self.tree_or_chain.choose() == "tree" else 0
+        else:
+            nodes = int(req.tree_nodes)
+        self._tree_asked = nodes > 0
         return n_block, DraftAsk(self.seq, self._id_last, pos0, n_block, self.req.n_min, self.req.p_min,
-                                 self._draft_sampling)
+                                 self._draft_sampling, nodes)
 
     def set_draft(self, proposal: Proposal, drafted_by: str | None, draft_ms: float) -> None:
         self._drafted_by = drafted_by
@@ -283,12 +322,14 @@ class Decoding:
         if self.policy is not None:
             self.stats.draft_lengths.append(len(proposal.tokens))
         self.planned = Planned([self._id_last, *proposal.tokens], "all", bool(proposal.tokens), proposal,
-                               self._n_block)
+                               self._n_block, tree=proposal.tree)
 
     def plain_step(self) -> Planned:
         if self.policy is not None:
             self.stats.draft_lengths.append(0)
-        self.planned = Planned([self._id_last], "all", False, Proposal(), self._n_block)
+        lead, self._lead = self._lead, []
+        self.planned = Planned([*lead, self._id_last], "last" if lead else "all", False, Proposal(), self._n_block,
+                               lead=len(lead))
         return self.planned
 
     def after_step(self, decode_ms: float, step_s: float, decode_rows: int) -> None:
@@ -299,27 +340,60 @@ class Decoding:
         planned, self.planned = self.planned, None
         proposal, stats, policy = planned.proposal, self.stats, self.policy
         t = time.perf_counter()
-        emitted = self._accept(self._verifier.walk(proposal, first_row=planned.row0))
+        if planned.tree is not None:
+            emitted, n_kept = self._walk_tree(planned)
+        else:
+            emitted = self._accept(self._verifier.walk(proposal, first_row=planned.row0 + planned.lead))
+            n_kept = emitted.sources.count(DRAFT)
         step_ms = decode_ms + (time.perf_counter() - t) * 1000.0
         stats.verify_ms += step_ms
         n_accepted = emitted.sources.count(DRAFT)
         pos0 = len(self.cache) - planned.rows
         if self.chain is not None and proposal.tokens:
             self.chain.accept(n_accepted)
-        self.cache.roll_back(pos0 + 1 + n_accepted)
-        if proposal.tokens:
+        self.cache.roll_back(pos0 + planned.lead + 1 + n_kept)
+        if planned.tree is not None:
+            stats.record_verify(planned.tree.depth, n_accepted, len(emitted.tokens), self._drafted_by)
+            stats.record_tree(len(planned.tree), planned.decode_rows - planned.pad, n_accepted, n_kept < n_accepted)
+            n_accepted = min(n_accepted, len(proposal.tokens))  # the controller's model is the chain's
+        elif proposal.tokens:
             stats.record_verify(len(proposal.tokens), n_accepted, len(emitted.tokens), self._drafted_by)
         else:
             stats.plain_steps += 1
             stats.plain_ms += step_ms
         # The cost model's key is the whole decode, as it ran: this request's n + 1 rows and everything beside them.
         self.rows_beside = decode_rows - planned.n_block - 1
+        seconds = step_s + time.perf_counter() - t
         if policy is not None:
-            policy.observe(planned.n_block, len(proposal.tokens), n_accepted,
-                           step_s + time.perf_counter() - t, rows=decode_rows)
+            policy.observe(planned.n_block, len(proposal.tokens), n_accepted, seconds, rows=decode_rows)
+        arms = self.tree_or_chain
+        if arms is not None:
+            if planned.lead:  # the rest of a tree step whose accepted path left the spine
+                arms.observe("tree", len(emitted.tokens), seconds, more=True)
+            elif planned.tree is not None:
+                arms.observe("tree", len(emitted.tokens), seconds)
+            elif proposal.tokens and not self._tree_asked:
+                arms.observe("chain", len(emitted.tokens), seconds)
         if self.cache.interval_due():
             self.cache.save_checkpoint(self.costs)
         self._conclude(emitted)
+
+    def _walk_tree(self, planned: Planned) -> tuple[Emitted, int]:
+        """The tree walk over the decode's rows; how many accepted tokens the request's own sequence holds (the
+        accepted path's part on the spine). The rest of an accepted path off the spine, and the token after it, are
+        emitted now and decoded in the sequence at the next step (`_lead`), from its exact state."""
+        assert planned.tree is not None and self._sample_row is not None
+        tree = planned.tree
+        walker = self.parts.verifiers.tree(self._sample_row)
+        emitted = self._accept(walker.walk(tree, planned.tree_rows().__getitem__))
+        accepted = accepted_path(tree, emitted.tokens)
+        spine = tree.paths()[0] if len(tree) else []
+        kept = 0
+        while kept < min(len(accepted), len(spine)) and accepted[kept] == spine[kept]:
+            kept += 1
+        if kept < len(accepted) and emitted.finish is None:
+            self._lead = emitted.tokens[kept:-1]
+        return emitted, kept
 
     # -- events -------------------------------------------------------------------------------------------------
 
@@ -344,6 +418,8 @@ class Decoding:
         self._time()
         if self.policy is not None:
             self.stats.controller = self.policy.describe()
+            if self.tree_or_chain is not None and self.stats.tree_steps:
+                self.stats.controller["tree"] = self.tree_or_chain.describe()
         return StreamEvent(delta, tokens, self.stats.snapshot(), finish, detail, sources, self.text.take_runs())
 
     def _conclude(self, emitted: Emitted) -> None:
@@ -374,15 +450,23 @@ class Decoding:
         s.checkpoints_saved, s.checkpoint_bytes = self.costs.saved, self.costs.saved_bytes
         s.checkpoint_save_ms = self.costs.save_ms
 
-    def _make_verifier(self) -> tuple[Verifier, DraftSampling | None]:
+    def _make_verifier(self) -> tuple[Verifier, DraftSampling | None, Callable[[int], int]]:
+        """The request's verifier, what its drafter samples with (None: greedy drafts), and how a tree walk samples
+        a row (the request's chain at every node, with the request's random generator)."""
         pair, sampling, verifiers = self.parts.pair, self.req.sampling, self.parts.verifiers
         if self.stats.verify_mode == "sample":
             rng = np.random.default_rng(sampling.seed)
             chain = ChainProbabilities(sampling, pair.n_vocab)
             self._resources.callback(chain.free)
-            return verifiers.sample(chain, rng, pair.target_ctx, pair.n_vocab), DraftSampling(chain, rng)
+            verifier = verifiers.sample(chain, rng, pair.target_ctx, pair.n_vocab)
+
+            def sample_row(row: int) -> int:
+                ids, probs = target_distribution(pair.target_ctx, row, pair.n_vocab, chain)
+                return int(ids[draw(probs, rng)])
+
+            return verifier, DraftSampling(chain, rng), sample_row
         sampler = self._resources.enter_context(Sampler(sampling))
-        return verifiers.match(sampler, pair.target_ctx), None
+        return verifiers.match(sampler, pair.target_ctx), None, lambda row: sampler.sample(pair.target_ctx, row)
 
     def _accept(self, walk: Iterator[tuple[int, str]]) -> Emitted:
         """Emit the verifier's tokens until the walk ends, the end of generation or a stop string."""

@@ -21,6 +21,7 @@ target's through `ctx_other`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +53,8 @@ class BlockDrafter:
         self._k = spec.selector_top_k
         self._batch = TokenBatch(spec.block_size * n_seq)
         self._block = np.full(spec.block_size, spec.mask_token_id, dtype=np.int32)
+        # DFlash 2: each ask's lattice rows of the last draft_blocks (candidates and transition scores), for trees
+        self.lattices: list[np.ndarray] = []
 
     def draft(self, id_last: int, pos0: int, n_max: int, *, n_min: int = 0, p_min: float = 0.0,
               sampling: DraftSampling | None = None) -> Proposal:
@@ -77,6 +80,9 @@ class BlockDrafter:
             if self._spec.is_dflash2:
                 lattice = self._lattice(batch.n_rows)
                 out = [self._walk_lattice(lattice[r + 1:r + 1 + a.n], a) for a, r in zip(asks, rows, strict=True)]
+                width = self._k + self._k * self._k
+                self.lattices = [lattice[r + 1:r + 1 + a.n, :width].copy() if a.tree_nodes else lattice[:0, :width]
+                                 for a, r in zip(asks, rows, strict=True)]
             else:
                 out = [self._per_position(r, a) for a, r in zip(asks, rows, strict=True)]
         finally:
@@ -166,6 +172,11 @@ class DFlashDrafter:
     def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
         return self._block.draft_blocks(asks)
 
+    @property
+    def lattices(self) -> list[np.ndarray]:
+        """DFlash 2: the lattice rows of each ask of the last `draft` that asked for a tree (empty otherwise)."""
+        return self._block.lattices
+
     def accept(self, seq: int, n_accepted: int) -> None:
         pass  # the rejected rows go with keep()
 
@@ -246,10 +257,24 @@ class DFlashFile:
                 "target_layer_ids": list(spec.target_layer_ids)}
 
 
+_OPENED: weakref.WeakKeyDictionary[LinkedPair, DFlashDrafter] = weakref.WeakKeyDictionary()
+
+
 def open_drafter(pair: LinkedPair, views: Sequence[TokenView], capacity: int) -> DFlashDrafter:
-    return DFlashDrafter(dflash_api(), pair.target_ctx, pair.draft_ctx, pair.spec, n_embd=pair.n_embd,
-                         n_embd_draft=pair.n_embd_draft, n_vocab=pair.n_vocab,
-                         n_ubatch=pair.n_ubatch, capacity=capacity, n_seq=len(views))
+    drafter = DFlashDrafter(dflash_api(), pair.target_ctx, pair.draft_ctx, pair.spec, n_embd=pair.n_embd,
+                            n_embd_draft=pair.n_embd_draft, n_vocab=pair.n_vocab,
+                            n_ubatch=pair.n_ubatch, capacity=capacity, n_seq=len(views))
+    _OPENED[pair] = drafter
+    return drafter
+
+
+def opened_drafter(pair: LinkedPair) -> DFlashDrafter:
+    """The DFlash drafter opened for this pair: one draft context has one drafter, which the tree method drafts
+    through (dflash_tree.py) rather than feeding the draft twice."""
+    drafter = _OPENED.get(pair)
+    if drafter is None:
+        raise RuntimeError("the DFlash drafter must be opened before a method that drafts through it")
+    return drafter
 
 
 IMPLEMENTATION = Implementation(open_drafter, draft_file=DFlashFile())

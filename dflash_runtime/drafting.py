@@ -83,6 +83,7 @@ class DraftAsk:
     n_min: int = 0
     p_min: float = 0.0
     sampling: DraftSampling | None = None
+    tree_nodes: int = 0  # a draft tree's row budget (dflash_tree.py); 0: a chain
 
 
 class Drafter(Protocol):

@@ -30,7 +30,7 @@ from .drafting import MTP, TokenView
 from .errors import EngineBusyError, EngineClosedError, RequestError
 from .gguf_meta import read_gguf
 from .pair import LinkedPair, PairOptions
-from .request_checks import check_length, checked_owner, checked_request, prompt_tokens
+from .request_checks import check_length, check_tree_nodes, checked_owner, checked_request, prompt_tokens
 from .results import Result, StreamEvent
 from .sampling import SamplingParams
 from .sessions import CacheOwners, SessionPolicy
@@ -217,6 +217,7 @@ class Engine:
         public_prefix: int = 0,
         on_prefill: Callable[[int, int], None] | None = None,
         draft_max: int | str | None = None,
+        tree_nodes: int | str = "auto",
     ) -> RequestStream:
         """A request's events, one per engine step; the request starts at the first `next()`.
 
@@ -229,6 +230,8 @@ class Engine:
         sessions.py). `on_prefill(done, total)` is called after each prompt chunk the engine decodes (progress of a
         long prompt); it runs inside the engine step (on whichever request's thread steps the engine), so it must be
         quick and must not start or read requests of this engine; it may cancel the request.
+        `tree_nodes` (method "dflash-tree"): a draft tree's verify rows beside the root's, "auto" (twice the draft
+        length, at least 8) or an integer ≥ 1; the tree is `draft_length` deep.
         `draft_max=` is the deprecated spelling of `draft_length=`."""
         self.check_open()
         length = renamed_keyword("draft_max", "draft_length", draft_max, draft_length, None)
@@ -237,7 +240,8 @@ class Engine:
                               SamplingParams(temperature, top_k, top_p, min_p, seed), stop, speculative,
                               method, length, n_min, p_min, verify)  # fmt: skip
         owner = checked_owner(cache_owner, public_prefix, len(tokens))
-        return self._start(tokens, replace(req, **owner, on_prefill=on_prefill))
+        nodes = check_tree_nodes(tree_nodes)
+        return self._start(tokens, replace(req, **owner, on_prefill=on_prefill, tree_nodes=nodes))
 
     def stream_chat(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool | None = None,
                     **kwargs: Any) -> RequestStream:

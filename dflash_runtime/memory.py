@@ -31,6 +31,13 @@ class SequenceMemory:
         if not self.remove_from(n):
             raise self.refused(f"roll back to {n} tokens")
 
+    def copy_to(self, seq: int) -> None:
+        """Give sequence `seq` (emptied first) this sequence's cells. Across KV streams libllama copies the whole
+        stream's buffer at the next decode; a recurrent state is shared as it is now, without a pending rollback
+        (cache.PairCache.fork copies that part exactly)."""
+        ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        ll.llama_memory_seq_cp(self._mem, self.seq, seq, -1, -1)
+
     def clear(self) -> None:
         """Remove every position of this sequence (the other sequences of the context keep theirs)."""
         if not ll.llama_memory_seq_rm(self._mem, self.seq, -1, -1):

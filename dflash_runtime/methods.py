@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 CHAIN_SEPARATOR = ","
 NOTHING, NEXTN = "", "nextn"  # what a method without a file of its own needs
 LEGACY_PRIORITY = 50  # a draft file that claims files itself (no `claims` on its line): between draft-simple and DFlash
+TREE_BRANCHES = "draft+branches"  # a DFlash 2 draft, and spare target sequences for a tree's paths
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,12 @@ def _eagle3() -> Implementation:
     return eagle3.IMPLEMENTATION
 
 
+def _dflash_tree() -> Implementation:
+    from . import dflash_tree  # as _dflash
+
+    return dflash_tree.IMPLEMENTATION
+
+
 def _draft_simple() -> Implementation:
     from . import draft_simple  # as _dflash
 
@@ -107,6 +114,9 @@ def _has_nextn(target: GGUFInfo) -> bool:
 REGISTRY: tuple[Method, ...] = (
     Method(DFLASH, "DFlash 2", "draft", _dflash, claims=_is_dflash, priority=100,
            help="a small draft model writes a block of tokens in one pass, from the target's own hidden features"),
+    Method("dflash-tree", "DFlash 2 tree", TREE_BRANCHES, _dflash_tree, auto=False,
+           help="DFlash 2's block as a tree: the draft's likeliest alternatives verified beside its first choice, "
+                "each on a spare target sequence"),
     Method(MTP, "MTP", NEXTN, _mtp, target_has=_has_nextn,
            help="the target's own multi-token-prediction head guesses the next tokens",
            about="MTP (the target's own multi-token-prediction head)", source="the target's MTP head"),
@@ -167,7 +177,10 @@ def split(name: str) -> tuple[str, ...]:
 
 
 def holds(pair: LinkedPair, needs: str) -> bool:
-    """Whether the opened pair holds what a method needs: nothing, a part of the target, or a draft of that kind."""
+    """Whether the opened pair holds what a method needs: nothing, a part of the target, or a draft of that kind
+    (a draft tree: a DFlash 2 draft and spare target sequences for its paths)."""
+    if needs == TREE_BRANCHES:
+        return bool(pair.branch_seqs) and "draft" in pair.holds and bool(getattr(pair.spec, "is_dflash2", False))
     return needs == NOTHING or needs in pair.holds
 
 
@@ -191,7 +204,7 @@ def _claiming(draft: GGUFInfo, *, loaded: bool = False) -> Method | None:
     claiming = [m for m in REGISTRY if m.claims is not None and m.claims(draft)]
     if loaded:
         for m in REGISTRY:
-            if m.claims is None and m.needs not in (NOTHING, NEXTN) and m.target_has is None:
+            if m.claims is None and m.needs not in (NOTHING, NEXTN, TREE_BRANCHES) and m.target_has is None:
                 declared = m.implementation().draft_file
                 if declared is not None and hasattr(declared, "claims") and declared.claims(draft):
                     claiming.append(dataclasses.replace(m, priority=getattr(declared, "priority", LEGACY_PRIORITY)))

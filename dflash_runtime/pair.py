@@ -35,6 +35,7 @@ from .rpc import REPLY_TIMEOUT_S, RemoteDevices, unwatch, watch
 from .vocab import Vocabulary
 
 MAX_PARALLEL = 64  # sequences per context (llama.cpp allows 256): 64 verify batches of 8 rows fill n_batch 512
+MAX_BRANCHES = 16  # target sequences for draft-tree paths (each a KV stream of n_ctx cells and a recurrent state)
 CUDA_VERIFY_ROWS = 8  # CUDA's small-batch matrix-vector kernels take up to this many rows: verify batches stay there
 DEFAULT_DRAFT_CAPACITY = CUDA_VERIFY_ROWS - 1  # a verify batch is id_last + the draft
 # "exact": the CPU target takes kernels whose rows do not depend on their batch (see batch_invariant); "fast": the
@@ -295,6 +296,7 @@ class PairOptions:
     draft_capacity: int = DEFAULT_DRAFT_CAPACITY
     n_rs_seq: int | None = None
     parallel: int = 1
+    branches: int = 0  # spare target sequences for the paths of draft trees
     numerics: str = "exact"
     verbose: bool = False
     threads: Threads | None = None  # None: Threads.default()
@@ -327,6 +329,9 @@ class PairOptions:
             raise ValueError(f"parallel must be an integer in 1..{MAX_PARALLEL} (got {parallel!r})")
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)} (got {self.numerics!r})")
+        branches = self.branches
+        if isinstance(branches, bool) or not isinstance(branches, int) or not 0 <= branches <= MAX_BRANCHES:
+            raise ValueError(f"branches must be an integer in 0..{MAX_BRANCHES} (got {branches!r})")
 
 
 def _info(path: str | os.PathLike[str] | GGUFInfo) -> GGUFInfo:
@@ -350,7 +355,9 @@ class LinkedPair:
     local CPU (see placement.py, rpc.py). The draft's layers follow `draft_gpu_layers` (default `n_gpu_layers`) on
     the same devices (its graph reads the target's output head and token embeddings wherever they are), on the
     local GPUs where there are some. `rpc_cpu=True` says the servers compute with the CPU backend of this same
-    build, so the pair keeps its CPU numerics (and batch invariance).
+    build, so the pair keeps its CPU numerics (and batch invariance). `branches`: spare target sequences for
+    the paths of draft trees (dflash_tree.py), each a KV stream of `n_ctx` cells and a recurrent state of its own;
+    no request holds one.
     Raw pointers are exposed as `.target_model`, `.target_ctx`, `.draft_model`, `.draft_ctx` for callers that
     drive libllama themselves. Free with `close()` or a `with` block; the draft goes before the target.
     """
@@ -388,6 +395,8 @@ class LinkedPair:
                        if part.wanted(self.target_info, required)]
         self.parts: dict[str, Any] = {}  # needs → the context of an open target part
         self.part_errors: dict[str, str] = {}  # needs → why an optional part did not open
+        # Target sequences beside the requests' for the paths of a draft tree (dflash_tree.py): ids parallel.. on.
+        self.branch_seqs = tuple(range(options.parallel, options.parallel + options.branches))
         self.longest_draft = capacity  # every method's drafts, and so the verify batches and rollback snapshots
         self.draft_capacity = capacity if self.draft_file else 0
         placement = options.placement
@@ -458,13 +467,14 @@ class LinkedPair:
         # (Every pair runs a method: the n-gram methods need no file.)
         capacity = self.longest_draft
         params.n_ubatch = max(n_batch, capacity + 2)
-        # One step's decode holds every sequence's verify rows, whatever the prefill budget.
-        params.n_batch = max(params.n_ubatch, self.parallel * (capacity + 1))
+        # One step's decode holds every sequence's verify rows (and every tree path's), whatever the prefill budget.
+        n_seq = self.parallel + len(self.branch_seqs)
+        params.n_batch = max(params.n_ubatch, n_seq * (capacity + 1))
         # One KV stream per sequence (kv_unified off), n_ctx cells each: a sequence's cells, and so its attention
         # sums, depend on its own history only, whatever the other sequences hold (see batch_invariant).
-        params.n_seq_max = self.parallel
+        params.n_seq_max = n_seq
         params.kv_unified = False
-        params.n_ctx = n_ctx * self.parallel
+        params.n_ctx = n_ctx * n_seq
         threads.apply(params)
         if self._exact_cpu:
             # Exactness across requests needs a row's numbers not to depend on the rows decoded beside it: the CPU

@@ -4,7 +4,7 @@ and the names of the two sources an emitted token can come from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -17,10 +17,12 @@ CONFIDENCE_TOP_K = 10  # a greedy draft's confidence: the softmax over its top c
 
 @dataclass
 class Proposal:
-    """Drafted tokens and, when they were sampled, the distribution each was sampled from (token ids, probs)."""
+    """Drafted tokens and, when they were sampled, the distribution each was sampled from (token ids, probs); or a
+    draft tree, whose likeliest path the tokens are."""
 
     tokens: list[int] = field(default_factory=list)
     q: list[tuple[np.ndarray, np.ndarray]] | None = None
+    tree: Any = None  # a tree.DraftTree (tree.py builds on this module): `tokens` is then the tree's spine
 
     @classmethod
     def start(cls, sampling: DraftSampling | None) -> Proposal:

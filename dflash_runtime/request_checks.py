@@ -12,12 +12,20 @@ from .errors import PromptTooLongError, RequestError
 from .pair import LinkedPair
 from .sampling import VERIFY_MODES, SamplingParams
 
+MAX_TREE_NODES = 256  # a draft tree's verify rows (the spare sequences and the batch bound what is decoded)
+
 
 def check_length(length: Any, capacity: int) -> int | str:
     fixed = isinstance(length, int) and not isinstance(length, bool) and 0 <= length <= capacity
     if length != "auto" and not fixed:
         raise RequestError(f"draft_length must be 'auto' or an integer in 0..{capacity} (got {length!r})")
     return length
+
+
+def check_tree_nodes(nodes: Any) -> int | str:
+    if nodes != "auto" and (isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_TREE_NODES):
+        raise RequestError(f"tree_nodes must be 'auto' or an integer in 1..{MAX_TREE_NODES} (got {nodes!r})")
+    return nodes
 
 
 def prompt_tokens(prompt: str | Sequence[int], pair: LinkedPair, tokenize: Callable[[str], list[int]]) -> list[int]:

@@ -43,6 +43,11 @@ class Stats:
     checkpoint_bytes: int = 0       # their size
     checkpoint_save_ms: float = 0.0
     controller: dict[str, Any] = field(default_factory=dict)
+    tree_steps: int = 0             # verify steps of a draft tree (method "dflash-tree"; counted in verify_steps too)
+    tree_nodes: int = 0             # the nodes those trees held
+    tree_rows: int = 0              # the verify rows they took (each path's copy of the rows it shares included)
+    tree_accepted: int = 0          # accepted path lengths, summed
+    tree_off_spine: int = 0         # trees whose accepted path left the likeliest one (its rest decoded next step)
 
     @property
     def draft_policy(self) -> int | str:
@@ -87,6 +92,13 @@ class Stats:
             self.drafted_per_position[i] += 1
         for i in range(n_accepted):
             self.accepted_per_position[i] += 1
+
+    def record_tree(self, n_nodes: int, n_rows: int, n_accepted: int, off_spine: bool) -> None:
+        self.tree_steps += 1
+        self.tree_nodes += n_nodes
+        self.tree_rows += n_rows
+        self.tree_accepted += n_accepted
+        self.tree_off_spine += int(off_spine)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .cache import drop_sequences
 from .decoding import Decoding, Parts, Planned
 from .drafting import DraftAsk, Rows
 from .methods import Chain, draft_all
@@ -63,7 +64,8 @@ class Steps:
         if asks:
             self._draft(asks)
         self._pad([r for r in generating if r.planned is not None and not r.done])
-        budget = self.parts.pair.n_batch - sum(r.planned.rows for r in generating if r.planned)
+        self._branch([r for r in generating if r.planned is not None and not r.done], bool(prefilling))
+        budget = self.parts.pair.n_batch - sum(r.planned.decode_rows for r in generating if r.planned)
         for run in prefilling:
             planned = run.plan_prefill(budget)
             if planned is not None:
@@ -72,14 +74,20 @@ class Steps:
         if not batch:
             return
         t = time.perf_counter()
-        if not self._decode(batch):
-            return
-        decode_ms = (time.perf_counter() - t) * 1000.0
-        n_rows = sum(r.planned.rows for r in batch if r.planned)
-        n_pad = sum(r.planned.pad for r in batch if r.planned)
-        step_s = time.perf_counter() - t_step
-        for run in batch:
-            self._guard(run, lambda r: r.after_prefill() if r.prefilling else r.after_step(decode_ms, step_s, n_rows))
+        forks = [(r, [seq for seq, _ in r.planned.branches]) for r in batch if r.planned and r.planned.branches]
+        try:
+            if not self._decode(batch):
+                return
+            decode_ms = (time.perf_counter() - t) * 1000.0
+            n_rows = sum(r.planned.decode_rows for r in batch if r.planned)
+            n_pad = sum(r.planned.pad for r in batch if r.planned)
+            step_s = time.perf_counter() - t_step
+            for run in batch:
+                self._guard(run, lambda r: r.after_prefill() if r.prefilling else r.after_step(decode_ms, step_s,
+                                                                                               n_rows))
+        finally:
+            for run, seqs in forks:
+                self._guard(run, lambda r, seqs=seqs: drop_sequences(self.parts.pair.target_ctx, seqs))
         self.counters.decodes += 1
         self.counters.rows += n_rows
         self.counters.pad_rows += n_pad
@@ -122,6 +130,45 @@ class Steps:
             if len(planned.tokens) < width and len(run.cache) + width <= pair.n_ctx:
                 planned.pad = width - len(planned.tokens)
 
+    def _branch(self, runs: list[Decoding], prefilling: bool) -> None:
+        """Give the paths of each draft tree beside its spine a spare target sequence each, while there are spare
+        sequences and room in the decode; a tree keeps the paths that got one (its first ones: the likeliest).
+        A hybrid target's paths run only where the whole decode is one ubatch of consecutive sequences (or the
+        request is alone): see docs/how-it-works.md, "Draft trees"."""
+        pair = self.parts.pair
+        free = list(pair.branch_seqs) if not pair.is_recurrent or self._one_ubatch(runs, prefilling) else []
+        room = pair.n_batch - sum(r.planned.decode_rows for r in runs if r.planned)
+        for run in sorted(runs, key=lambda r: r.seq):
+            planned = run.planned
+            if planned is None or planned.tree is None:
+                continue
+            paths = planned.tree.paths()
+            taken = 0
+            for path in paths[1:]:
+                # As wide as the request's own rows (filler after the path): libllama then takes every sequence's
+                # rows in one ubatch where their ids are consecutive, rather than a pass per path length.
+                width = max(planned.rows, len(path) + 1)
+                if not free or width > room:
+                    break
+                room -= width
+                taken += 1
+                planned.branches.append((free.pop(0), [planned.tokens[0], *(planned.tree.tokens(path[-1]))]))
+                planned.branch_pad.append(width - len(path) - 1)
+            planned.tree = planned.tree.first_paths(1 + taken)
+
+    def _one_ubatch(self, runs: list[Decoding], prefilling: bool) -> bool:
+        """Whether a hybrid target's decode may hold tree paths: no prompt chunk beside them (its rows go to another
+        ubatch), and the request alone or every request's rows of one width with their sequences the last ones
+        before the spare sequences' (libllama's sequential split then takes them all in one ubatch)."""
+        if prefilling:
+            return False
+        if len(runs) == 1:
+            return True
+        parallel = self.parts.pair.parallel
+        widths = {r.planned.rows for r in runs if r.planned is not None}
+        return (len(widths) == 1
+                and sorted(r.seq for r in runs) == list(range(parallel - len(runs), parallel)))
+
     def _decode(self, batch: list[Decoding]) -> bool:
         """The target decode of every request's planned rows, then every drafter's processing of it."""
         parts = self.parts
@@ -136,6 +183,15 @@ class Steps:
                 planned.row0 = tokens.add(planned.tokens, pos0, run.seq, outputs=planned.outputs)
                 if planned.pad:
                     tokens.add(planned.filler, pos0 + len(planned.tokens), run.seq, outputs="none")
+            for run in ordered:  # a tree's other paths, each in a spare sequence that starts from the request's state
+                planned = run.planned
+                assert planned is not None and run.cache is not None
+                run.cache.fork([seq for seq, _ in planned.branches])
+                planned.branch_row0 = []
+                for (seq, path), pad in zip(planned.branches, planned.branch_pad, strict=True):
+                    planned.branch_row0.append(tokens.add(path, len(run.cache), seq, outputs="all"))
+                    if pad:
+                        tokens.add([path[-1]] * pad, len(run.cache) + len(path), seq, outputs="none")
             t = time.perf_counter()
             tokens.decode(parts.pair.target_ctx, "target")
             decode_s = time.perf_counter() - t

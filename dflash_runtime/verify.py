@@ -29,6 +29,7 @@ from llama_cpp import llama_cpp as ll
 from .errors import DecodeError
 from .proposal import DRAFT, TARGET, Proposal, draw
 from .sampling import ChainProbabilities, Sampler
+from .tree import TreeWalk, TreeWalker
 
 
 class Verifier(Protocol):
@@ -67,10 +68,7 @@ class RejectionVerifier:
         self._n_vocab = n_vocab
 
     def target_distribution(self, row: int) -> tuple[np.ndarray, np.ndarray]:
-        ptr = ll.llama_get_logits_ith(self._ctx, row)
-        if not ptr:
-            raise DecodeError(f"the target produced no logits for verify row {row}")
-        return self._chain(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)))
+        return target_distribution(self._ctx, row, self._n_vocab, self._chain)
 
     def walk(self, proposal: Proposal, first_row: int = 0) -> Iterator[tuple[int, str]]:
         drafts, q = proposal.tokens, proposal.q
@@ -101,6 +99,14 @@ class RejectionVerifier:
         yield int(p_ids[draw(p_probs, self._rng)]), TARGET
 
 
+def target_distribution(ctx: Any, row: int, n_vocab: int, chain: ChainProbabilities) -> tuple[np.ndarray, np.ndarray]:
+    """A row of the last target decode as the request's chain makes it: (token ids, probabilities)."""
+    ptr = ll.llama_get_logits_ith(ctx, row)
+    if not ptr:
+        raise DecodeError(f"the target produced no logits for verify row {row}")
+    return chain(np.ctypeslib.as_array(ptr, shape=(n_vocab,)))
+
+
 def _prob_of(token: int, ids: np.ndarray, probs: np.ndarray) -> float:
     hit = np.flatnonzero(ids == token)
     return float(probs[hit[0]]) if hit.size else 0.0
@@ -120,11 +126,13 @@ def _on_support(p_ids: np.ndarray, q_ids: np.ndarray, q_probs: np.ndarray) -> np
 
 @dataclass(frozen=True)
 class Verifiers:
-    """How an engine builds its verifiers: `match(sampler, target_ctx)` and
-    `sample(chain, rng, target_ctx, n_vocab)`. Pass another set to `Engine(verifiers=...)` to check a variant."""
+    """How an engine builds its verifiers: `match(sampler, target_ctx)`, `sample(chain, rng, target_ctx, n_vocab)`,
+    and for draft trees `tree(sample_row)` (`sample_row(row)`: a sample of a row of the last target decode under the
+    request's chain). Pass another set to `Engine(verifiers=...)` to check a variant."""
 
     match: Callable[[Sampler, Any], Verifier] = MatchVerifier
     sample: Callable[[ChainProbabilities, np.random.Generator, Any, int], Verifier] = RejectionVerifier
+    tree: Callable[[Callable[[int], int]], TreeWalker] = TreeWalk
 
 
-__all__ = ["DRAFT", "TARGET", "MatchVerifier", "RejectionVerifier", "Verifier", "Verifiers"]
+__all__ = ["DRAFT", "TARGET", "MatchVerifier", "RejectionVerifier", "TreeWalk", "Verifier", "Verifiers"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import llama_cpp
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("lossless", "verify_rows", "checkpoints", "speed", "host_overhead", "streams")
+SECTIONS = ("lossless", "verify_rows", "checkpoints", "speed", "host_overhead", "trees", "streams")
 
 
 def installed_wheel() -> Path:
@@ -75,6 +75,9 @@ def test_cpu_mode_writes_every_section_and_finds_no_mismatch(tmp_path: Path) -> 
     assert const["plain"]["tok_s"] > 0 and const["dflash 3"]["acceptance_rate"] > 0.9
     assert speed["large-dense-const"]["plain_bandwidth_gb_s"] > 0
     assert all(0 <= r["host_share"] <= 1 for r in result["host_overhead"]["rows"])
+    tree_rows = [r for p in result["trees"]["pairs"].values() for r in p["rows"]]
+    assert {r["mode"] for r in tree_rows} == {"chain", "tree", "tree-auto"} and len(tree_rows) == 12
+    assert all(r["mismatches"] == 0 and r["accepted_per_verify"] >= 1 for r in tree_rows)
     streams = result["streams"]["rows"]
     assert [r["streams"] for r in streams] == [1, 2, 4, 8] and all(r["parallel"] == 8 for r in streams)
     assert streams[-1]["rows_per_decode"] > streams[0]["rows_per_decode"]  # the 8 streams shared their decodes

@@ -18,6 +18,9 @@ Sections (each one a key of the JSON and a table of the markdown):
 - `speed`: plain vs speculative tok/s (dflash_runtime.bench) with full (`const` head) and partial (`phrase` head)
   acceptance on a generated target large enough that a GPU step is bound by memory bandwidth: its size and the
   bandwidth plain decoding reaches (target file bytes read per step / step time).
+- `trees`: draft trees (method dflash-tree) against the chain at depth 7 with 16 rows and with tree_nodes="auto":
+  accepted tokens per verify, tokens per target decode, tok/s, at temperature 0 (answers against plain decoding:
+  `mismatches`, which on a GPU may be near-ties, see `lossless`) and 1.
 - `host_overhead`: time per step outside libllama (Stats.decode_ms − native_ms) as a share of the step.
 - `streams`: aggregate tok/s with 1, 2, 4, 8 concurrent requests on one engine of 8 sequences (`parallel`), each step
   one target decode for all of them, with the rows per decode the engine counted (`step_counters`); and the memory
@@ -514,6 +517,44 @@ def speed(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any]:
     return out
 
 
+TREE_PROMPTS = ("the quick brown fox jumps over the lazy dog.", "one two three four five")
+
+
+def trees(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any]:
+    """Draft trees against the chain at depth 7: accepted tokens per verify, tokens per target decode and tok/s of the
+    chain (sample-and-match), a tree of 16 rows and tree_nodes="auto", at temperature 0 (every answer checked against
+    plain decoding) and 1; a GPU's verify of 16 rows costs about what 8 cost, which is where a tree pays."""
+    out: dict[str, Any] = {"depth": 7, "tree_nodes": 16, "max_tokens": plan.speed_tokens, "pairs": {}}
+    for name in ("small-dense-phrase", "large-dense-phrase"):
+        if deadline.left() <= 0:
+            out["pairs"][name] = {"skipped": "time budget"}
+            continue
+        with open_engine(models.pair(name), plan, branches=4) as engine:
+            plain = {p: engine.generate(p, max_tokens=plan.speed_tokens, speculative=False).tokens
+                     for p in TREE_PROMPTS}
+            rows = []
+            for temperature in (0.0, 1.0):
+                for label, method, nodes in (("chain", "dflash", 16), ("tree", "dflash-tree", 16),
+                                             ("tree-auto", "dflash-tree", "auto")):
+                    emitted = verifies = steps = generated = mismatches = 0
+                    ms = 0.0
+                    for prompt in TREE_PROMPTS:
+                        for seed in ((1, 2) if temperature else (0,)):
+                            r = engine.generate(prompt, max_tokens=plan.speed_tokens, method=method, draft_length=7,
+                                                tree_nodes=nodes, temperature=temperature, seed=seed, verify="match")
+                            mismatches += int(temperature == 0 and r.tokens != plain[prompt])
+                            s = r.stats
+                            emitted, verifies, steps = emitted + s.verify_emitted, verifies + s.verify_steps, \
+                                steps + s.target_steps
+                            generated, ms = generated + s.n_generated, ms + s.decode_ms
+                    rows.append({"temperature": temperature, "mode": label, "mismatches": mismatches,
+                                 "accepted_per_verify": round(emitted / max(1, verifies), 3),
+                                 "tokens_per_decode": round(generated / max(1, steps), 3),
+                                 "tok_s": round(generated / max(1e-9, ms / 1000.0), 2)})
+        out["pairs"][name] = {"target_mib": models.info[name]["target_mib"], "rows": rows}
+    return out
+
+
 def host_overhead(speed_section: dict[str, Any]) -> dict[str, Any]:
     rows = []
     for name, pair in speed_section["pairs"].items():
@@ -663,6 +704,12 @@ def markdown(result: dict[str, Any]) -> str:
     if rows:
         parts += ["## Speed: plain vs speculative", "", md_table(
             ("pair", "target MiB", "mode", "tok/s", "vs plain", "acceptance", "step ms", "plain GB/s"), rows), ""]
+    tr = {n: p for n, p in result.get("trees", {}).get("pairs", {}).items() if "rows" in p}
+    if tr:
+        parts += ["## Draft trees against the chain (depth 7, 16 rows)", "", md_table(
+            ("pair", "target MiB", "T", "mode", "accepted / verify", "tokens / decode", "tok/s", "mismatches"),
+            [(n, p["target_mib"], r["temperature"], r["mode"], r["accepted_per_verify"], r["tokens_per_decode"],
+              r["tok_s"], r["mismatches"]) for n, p in tr.items() for r in p["rows"]]), ""]
     ho = result.get("host_overhead", {}).get("rows", [])
     if ho:
         parts += ["## Host time per step outside libllama", "", md_table(
@@ -730,6 +777,7 @@ def run_sections(plan: Plan, models: Models, result: dict[str, Any], write: Call
         ("checkpoints", lambda: checkpoints(models, plan, deadline)),
         ("speed", lambda: speed(models, plan, deadline)),
         ("host_overhead", lambda: host_overhead(result["speed"])),
+        ("trees", lambda: trees(models, plan, deadline)),
         ("streams", lambda: streams(models, plan, deadline)),
     ]
     for name, run in sections:

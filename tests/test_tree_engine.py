@@ -1,0 +1,170 @@
+"""The DFlash 2 tree method in the engine: lossless at temperature 0 on dense and hybrid targets (alone, after an
+n-gram draft, with parallel sequences, across requests, on long answers), the target's distribution above it, and a
+broken tree verifier (passed in) that the distribution test catches.
+
+The pairs use head="regime": the draft's likeliest token is often not the target's while another candidate is, so
+accepted paths leave the spine (the replay of a path off the spine is exercised).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+
+import pytest
+from pairs import PROMPTS
+from test_distribution import Z_LIMIT, Chain, Reference, z_scores
+from test_parallel import Reference as FreshEngine
+from test_parallel import _jobs, check_against_reference, interleave
+
+from dflash_runtime import load_pair
+from dflash_runtime.engine import Engine
+from dflash_runtime.errors import RequestError
+from dflash_runtime.proposal import DRAFT, TARGET
+from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
+from dflash_runtime.tree import ROOT, DraftTree
+from dflash_runtime.verify import Verifiers
+
+TREE = "dflash-tree"
+
+
+@pytest.fixture(scope="module", params=["dense", "hybrid"])
+def regime(request: pytest.FixtureRequest) -> Iterator[tuple[TinyPair, Engine]]:
+    pair = tiny_pair(request.param, "dflash2", head="regime")
+    with load_pair(pair.target, pair.draft, n_ctx=1024, draft_capacity=7, branches=3, parallel=2) as engine:
+        yield pair, engine
+
+
+def test_a_tree_answers_as_plain_decoding_alone_and_after_an_ngram_draft(regime) -> None:
+    _, engine = regime
+    assert TREE in engine.methods
+    totals = {"tree_steps": 0, "tree_off_spine": 0, "tree_nodes": 0, "verify_steps": 0}
+    for prompt in PROMPTS[:3]:
+        plain = engine.generate(prompt, max_tokens=60, speculative=False).tokens
+        for method, length, nodes in ((TREE, 7, 16), (TREE, 3, "auto"), (TREE, "auto", 12),
+                                      (f"ngram-mod,{TREE}", 5, 16)):
+            result = engine.generate(prompt, max_tokens=60, method=method, draft_length=length, tree_nodes=nodes)
+            assert result.tokens == plain, (prompt, method, length, nodes)
+            stats = result.stats
+            assert result.token_sources.count(DRAFT) == stats.accepted
+            for key in totals:
+                totals[key] += getattr(stats, key)
+    assert totals["tree_steps"] > 0 and totals["tree_off_spine"] > 0, totals
+    assert totals["tree_nodes"] > totals["tree_steps"] * 7  # trees, not chains
+
+
+def test_a_tree_accepts_at_least_what_the_chain_does_and_answers_long_as_plain(regime) -> None:
+    _, engine = regime
+    prompt = PROMPTS[1]
+    plain = engine.generate(prompt, max_tokens=240, speculative=False).tokens
+    chain = engine.generate(prompt, max_tokens=240, method="dflash", draft_length=7)
+    tree = engine.generate(prompt, max_tokens=240, method=TREE, draft_length=7, tree_nodes=16)
+    assert chain.tokens == tree.tokens == plain
+    # the tree holds the chain's draft: its steps emit at least as many tokens (a path off the spine costs one
+    # more decode, which emits a token too)
+    assert tree.stats.n_generated / tree.stats.target_steps >= chain.stats.n_generated / chain.stats.target_steps
+
+
+def test_parallel_tree_requests_across_a_long_lived_engine_answer_as_a_fresh_engine(regime) -> None:
+    pair, engine = regime
+    rng = random.Random(3)
+    jobs = _jobs(rng, engine, 10)
+    for job in jobs:
+        if job.options["speculative"]:
+            job.options.update(method=rng.choice([TREE, TREE, "dflash"]), tree_nodes=rng.choice(["auto", 4, 16]))
+    interleave(engine, jobs, rng)
+    reference = FreshEngine(pair)
+    try:
+        assert check_against_reference(jobs, reference) > 0
+    finally:
+        reference.engine.close()
+
+
+def test_tree_nodes_is_checked_and_the_method_needs_spare_sequences() -> None:
+    pair = tiny_pair("dense", "dflash2", head="regime")
+    with load_pair(pair.target, pair.draft, n_ctx=256, draft_capacity=3) as engine:
+        assert TREE not in engine.methods
+        with pytest.raises(RequestError, match="not available"):
+            engine.generate("hello", max_tokens=2, method=TREE)
+        with pytest.raises(RequestError, match="tree_nodes"):
+            engine.generate("hello", max_tokens=2, tree_nodes=0)
+    with pytest.raises(ValueError, match="branches"):
+        load_pair(pair.target, pair.draft, n_ctx=256, branches=-1)
+
+
+def check_tree_distribution(engine: Engine, reference: Reference, chain: Chain, verify: str, n: int) -> list[float]:
+    """z-scores of three-token answers drawn with trees at every step (tree_nodes fixed: no chain steps)."""
+    drawn = [tuple(engine.generate(reference.text, max_tokens=3, draft_length=3, verify=verify, seed=seed,
+                                   method=TREE, tree_nodes=8, **chain.kwargs()).tokens) for seed in range(n)]
+    return z_scores(drawn, reference.joint(chain, 3), 3)
+
+
+class AnyChildWins:
+    """Deliberately broken: when the target's sample is the token of any child, the likeliest child is followed."""
+
+    def __init__(self, sample: Callable[[int], int]) -> None:
+        self._sample = sample
+
+    def walk(self, tree: DraftTree, row_of: Callable[[int], int]) -> Iterator[tuple[int, str]]:
+        node = ROOT
+        while True:
+            token = self._sample(row_of(node))
+            kids = tree.children(node)
+            if token not in kids:
+                yield token, TARGET
+                return
+            node = max(kids.values(), key=lambda i: tree.nodes[i].logp)
+            yield tree.nodes[node].token, DRAFT
+
+
+@pytest.fixture(scope="module")
+def soft() -> Iterator[Callable[..., tuple[Engine, Reference]]]:
+    opened: dict = {}
+
+    def get(target: str, verifiers: Verifiers | None = None) -> tuple[Engine, Reference]:
+        if (target, verifiers) not in opened:
+            pair = tiny_pair(target, "dflash2", head="soft")
+            engine = load_pair(pair.target, pair.draft, n_ctx=256, draft_capacity=3, branches=3, verifiers=verifiers)
+            opened[target, verifiers] = (engine, Reference(pair, engine, method=TREE))
+        return opened[target, verifiers]
+
+    yield get
+    for engine, reference in opened.values():
+        reference.close()
+        engine.close()
+
+
+@pytest.mark.parametrize(("target", "verify", "chain"), [("hybrid", "sample", Chain(1.0)),
+                                                          ("dense", "match", Chain(0.7, top_k=3))])
+def test_tree_samples_follow_the_target_distribution(soft, target: str, verify: str, chain: Chain) -> None:
+    engine, reference = soft(target)
+    zs = check_tree_distribution(engine, reference, chain, verify, n=600)
+    assert max(zs) < Z_LIMIT, zs
+    stats = engine.generate(reference.text, max_tokens=24, draft_length=3, verify=verify, seed=7, method=TREE,
+                            tree_nodes=8, **chain.kwargs()).stats
+    assert stats.tree_steps > 0 and stats.tree_nodes > 3 * stats.tree_steps
+
+
+def test_a_broken_tree_verifier_fails_the_distribution_test(soft) -> None:
+    engine, reference = soft("dense", Verifiers(tree=AnyChildWins))
+    zs = check_tree_distribution(engine, reference, Chain(1.0), "sample", n=400)  # z ≈ 20 at 600 samples
+    assert max(zs) > Z_LIMIT, zs
+
+
+@pytest.mark.parametrize("seed", [3, 20])
+def test_hybrid_trees_in_random_schedules_of_three_sequences_answer_as_a_fresh_engine(seed: int) -> None:
+    """Prompt chunks, plain rows and other requests' trees beside a hybrid target's tree paths (a schedule where a
+    path decoded beside a prompt chunk once gave a wrong answer)."""
+    pair = tiny_pair("hybrid", "dflash2", head="regime")
+    rng = random.Random(seed)
+    with load_pair(pair.target, pair.draft, n_ctx=1024, draft_capacity=7, branches=3, parallel=3) as engine:
+        jobs = _jobs(rng, engine, 10)
+        for job in jobs:
+            if job.options["speculative"]:
+                job.options.update(method=rng.choice([TREE, TREE, "dflash"]), tree_nodes=rng.choice(["auto", 4, 16]))
+        interleave(engine, jobs, rng)
+    reference = FreshEngine(pair)
+    try:
+        assert check_against_reference(jobs, reference) > 0
+    finally:
+        reference.engine.close()

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from ...errors import DFlashError, RequestError
 from ...methods import runnable as registered_methods
-from ..crossing import GpuJob, ReplyChunk, info_digest, owner_of
+from ..crossing import AnswerSoFar, GpuJob, ReplyChunk, info_digest, owner_of
 from ..provenance import SourceRuns
 from ..requests import AUTO, ChatRequest, Limits, build_request
 from ..scrub import scrub_paths
@@ -64,6 +64,23 @@ class JobHolder(Protocol):
     def attach(self, job: ReplyJob[ReplyChunk]) -> None: ...
 
     def detach(self, job: ReplyJob[ReplyChunk]) -> None: ...
+
+
+class GoingOn:
+    """How a job's answer comes back after it yielded its turn (jobs.Resumable): the same job, resumed where its
+    chunks left it (crossing.Resume)."""
+
+    def __init__(self, run_gpu: Callable[[GpuJob], Iterator[ReplyChunk]], job: GpuJob) -> None:
+        self._run_gpu = run_gpu
+        self._job = job
+        self._answer = AnswerSoFar(job.phases)
+
+    def seen(self, chunk: ReplyChunk) -> None:
+        self._answer.seen(chunk)
+
+    def rest(self) -> Callable[[], Iterator[ReplyChunk]] | None:
+        resume = self._answer.resume()
+        return None if resume is None else partial(self._run_gpu, replace(self._job, resume=resume))
 
 
 class WorkerError(DFlashError):
@@ -353,7 +370,7 @@ class SpaceService:
         job: ReplyJob[ReplyChunk] = ReplyJob(
             partial(self._run_gpu, job_spec), self.slot, is_final=lambda chunk: chunk.finish_reason is not None,
             fold=ReplyChunk.then, alive=partial(self.callers.alive, call), orphan_timeout_s=self.slot.timeout_s,
-            owner=owner or None, client=client.key, shared=ReplyChunk.given_up,
+            owner=owner or None, client=client.key, resumable=GoingOn(self._run_gpu, job_spec),
         )
         if session is not None:
             session.attach(job)

@@ -80,7 +80,8 @@ def test_bodies_are_read_as_gradio_reads_them() -> None:
 
 def test_clients_take_turns_and_one_holding_most_shares_with_a_newcomer() -> None:
     """One sequence: a client with many waiting jobs does not go before another client's first. Two sequences: a
-    client holding both is asked to give one up when another client's job waits."""
+    client holding both is asked to yield one at once when another client's job waits, and the one holding one more
+    after a turn; the yielded job comes back with its seat."""
     slot = EngineSlot(timeout_s=TIMEOUT_S, capacity=1)
     first = slot.acquire("a1", "A")
     assert first is not None
@@ -107,19 +108,41 @@ def test_clients_take_turns_and_one_holding_most_shares_with_a_newcomer() -> Non
     assert order[0] == "B", order
 
     slot = EngineSlot(timeout_s=TIMEOUT_S, capacity=2)
-    held = [slot.acquire("a1", "A"), slot.acquire("a2", "A")]
+    held = [slot.acquire("a1", "A", can_yield=True), slot.acquire("a2", "A", can_yield=True)]
     seated: list[Any] = []
-    newcomer = threading.Thread(target=lambda: seated.append(slot.acquire("b1", "B")), daemon=True)
+    newcomer = threading.Thread(target=lambda: seated.append(slot.acquire("b1", "B", can_yield=True)), daemon=True)
     newcomer.start()
-    assert held[1] is not None and held[1].shared.wait(TIMEOUT_S), "A's newest answer is asked to give its place"
-    assert held[0] is not None and not held[0].shared.is_set()
-    slot.release(held[1])
+    assert held[0] is not None and held[0].yield_asked.wait(TIMEOUT_S), "A holds two more: one yields at once"
+    assert held[1] is not None and not held[1].yield_asked.is_set()
+    back: list[Any] = []
+    comes_back = threading.Thread(target=lambda: back.append(slot.yield_turn(held[0])), daemon=True)
+    comes_back.start()
     newcomer.join(TIMEOUT_S)
-    assert seated and seated[0] is not None and slot.shares_asked == 1
+    assert seated and seated[0] is not None and slot.yields_asked == 1
+    slot.release(held[1])  # one each while A's yielded answer waited: it comes back at the next free place
+    comes_back.join(TIMEOUT_S)
+    assert back == [held[0]], "the yielded answer came back with its seat"
+    # One sequence: turn by turn, each answer yielding after its quantum to the client holding one fewer.
+    turns = EngineSlot(timeout_s=TIMEOUT_S, capacity=1, quantum_s=0.05)
+    a = turns.acquire("a", "A", can_yield=True)
+    order = []
+
+    def run(seat: Any, rounds: int) -> None:
+        for _ in range(rounds):
+            assert seat.yield_asked.wait(TIMEOUT_S)
+            order.append(seat.client)
+            assert turns.yield_turn(seat) is seat
+        turns.release(seat)
+
+    b_thread = threading.Thread(target=lambda: run(turns.acquire("b", "B", can_yield=True), 2), daemon=True)
+    b_thread.start()
+    run(a, 2)
+    b_thread.join(TIMEOUT_S)
+    assert order == ["A", "B", "A", "B"] and turns.yields_asked == 4, order
     alone = EngineSlot(timeout_s=TIMEOUT_S, capacity=1)
     only = alone.acquire("a1", "A")
     gone = alone.acquire("b1", "B", alive=lambda: False)
-    assert gone is None and only is not None and not only.shared.is_set(), "a client's only answer is never cut"
+    assert gone is None and only is not None and not only.yield_asked.is_set(), "an answer that cannot yield runs on"
     busy = EngineSlot(timeout_s=0.0)
     busy.acquire("c", "C")
     with pytest.raises(RequestError, match="stayed busy"):

@@ -60,7 +60,8 @@ class EngineSlot:
       that came first: one client's many calls never queue ahead of another's first.
     - Max–min shares, turn by turn: with no place free and a job waiting, a running job that can yield (`can_yield`:
       its answer resumes exactly, see ReplyJob) is asked to (`Seat.yield_asked`) when its client holds at least two
-      places more than the waiting job's client, or one more and it has held its place for `quantum_s` this turn.
+      places more than the waiting job's client, or one more, has held its place for `quantum_s` this turn and has
+      used more engine time than the waiting client.
       It yields at its next step and waits again with its old place in the order; its client's used time decides
       when it comes back. One job is asked at a time.
     - The busy timeout counts the time a client is not served at all: a job waits at most `timeout_s` after the
@@ -164,17 +165,17 @@ class EngineSlot:
     def _present(self, client: str) -> None:
         """A client that comes (or comes back) starts at the least used time of the clients present."""
         if client not in self._used:
-            self._used[client] = min(self._used.values(), default=0.0)
+            now = self._clock()
+            self._used[client] = min((self.used(c, now) for c in self._used), default=0.0)
 
     def _forget_absent(self) -> None:
         present = {s.client for s in (*self._running, *self._waiting)}
         for client in [c for c in self._used if c not in present]:
             del self._used[client]
 
-    def used(self, client: str) -> float:
-        """A client's virtual time: the seat-seconds it used, its running turns included. Call with the condition
-        held."""
-        now = self._clock()
+    def used(self, client: str, now: float) -> float:
+        """A client's virtual time at `now`: the seat-seconds it used, its running turns included. Call with the
+        condition held."""
         running = sum(max(0.0, now - s.turn_started) for s in self._running if s.client == client)
         return self._used.get(client, 0.0) + running
 
@@ -186,8 +187,8 @@ class EngineSlot:
 
     def _next(self) -> Seat | None:
         """The waiting job whose turn it is (see the class doc). Call with the condition held."""
-        ready = [seat for seat in self._waiting if not self._owner_runs(seat.owner)]
-        return min(ready, key=lambda seat: (self._held(seat.client), self.used(seat.client),
+        ready, now = [seat for seat in self._waiting if not self._owner_runs(seat.owner)], self._clock()
+        return min(ready, key=lambda seat: (self._held(seat.client), self.used(seat.client, now),
                                             self._served.get(seat.client, -1), seat.order), default=None)  # fmt: skip
 
     def _admits(self, seat: Seat) -> bool:
@@ -200,12 +201,15 @@ class EngineSlot:
         if waiting is None or len(self._running) < self.capacity or any(s.yield_asked.is_set() for s in self._running):
             return
         now, wanted = self._clock(), self._held(waiting.client)
+        owed = self.used(waiting.client, now)
         over = [seat for seat in self._running if seat.can_yield and seat.client != waiting.client and (
             self._held(seat.client) >= wanted + 2 or (
-                self._held(seat.client) >= wanted + 1 and now - seat.turn_started >= self.quantum_s))]  # fmt: skip
+                self._held(seat.client) == wanted + 1 and now - seat.turn_started >= self.quantum_s
+                and self.used(seat.client, now) > owed))]  # fmt: skip
         if not over:
             return
-        most = max(over, key=lambda seat: (self._held(seat.client), self.used(seat.client), now - seat.turn_started))
+        most = max(over, key=lambda seat: (self._held(seat.client), self.used(seat.client, now),
+                                           now - seat.turn_started))  # fmt: skip
         most.yield_asked.set()
         self.yields_asked += 1
 

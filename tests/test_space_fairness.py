@@ -21,7 +21,7 @@ import httpx
 import pytest
 from app_fixtures import REPO_ROOT, RunningApp, running_app
 from gradio_client import Client
-from space_client import chat_args, info_when, raw_body
+from space_client import chat_args, info_when, raw_body, reference_engine
 
 from dflash_runtime import SessionPolicy, load_pair
 from dflash_runtime.errors import RequestError
@@ -339,6 +339,90 @@ def test_one_client_with_twenty_sessions_cannot_hold_the_engine(server: RunningA
     finally:
         for reading in readings:
             reading.close()
+    idle(monitor)
+
+
+class TextReading(Reading):
+    """A /chat result stream read in a thread: the text its items added so far, and how it ended."""
+
+    def __init__(self, visitor: Visitor, event_id: str) -> None:
+        self.text = ""
+        self.ended: str | None = None
+        super().__init__(visitor, event_id)
+
+    def _read(self, visitor: Visitor, event_id: str) -> None:
+        event = ""
+        try:
+            with visitor.http.stream("GET", f"call/chat/{event_id}") as stream:
+                self._response = stream
+                for line in stream.iter_lines():
+                    if self._stop.is_set():
+                        return
+                    if line.startswith("event:"):
+                        event = line.split(":", 1)[1].strip()
+                    elif line.startswith("data:") and event in ("generating", "complete"):
+                        delta, stats = json.loads(line[5:])
+                        self.text += delta
+                        self.finish.append(stats.get("finish_reason"))
+                    elif line.startswith("data:") and event == "error":
+                        self.ended = "error"
+        except httpx.HTTPError:
+            if not self._stop.is_set():
+                raise
+
+
+def test_a_crowd_takes_turns_and_a_newcomer_is_served_within_seconds(server: RunningApp, monitor: Client) -> None:
+    """Eight clients each keep eight 1,024-token answers posted (64: the whole queue, every sequence): a ninth
+    client's three 64-token answers are let in (each takes a place of a client holding eight) and all complete, the
+    median within 15 s from the first try to the end, while the crowd's answers yield their turns and go on: each
+    streams, as far as it got, exactly the text it gives alone at temperature 0. Ends once the ninth's are done."""
+    message = "Tell me a long story about the sea."
+    crowd = [Visitor(server, f"10.7.0.{n + 1}") for n in range(8)]
+    readings: list[TextReading] = []
+    started = time.monotonic()
+    try:
+        for n, visitor in enumerate(crowd):
+            for k in range(CLIENT_JOBS):
+                posted = visitor.post("chat", chat_args(message, max_tokens=1024), session=f"crowd-{n}-{k}")
+                assert posted.status_code == 200, posted.text
+                readings.append(TextReading(visitor, posted.json()["event_id"]))
+        deadline = time.monotonic() + TIMEOUT_S
+        while monitor.predict(api_name="/info")["running"] < PARALLEL:  # polled to a deadline
+            assert time.monotonic() < deadline, "the crowd's answers did not fill the engine"
+        newcomer = Visitor(server, "10.7.0.99")
+
+        def served(n: int) -> tuple[str, float, int]:
+            tried = time.monotonic()
+            event, (_, stats), _ = newcomer.call("chat", chat_args(f"one two three {n}", max_tokens=64),
+                                                 session=f"newcomer-{n}")  # fmt: skip
+            return event, time.monotonic() - tried, stats.get("n_generated", 0)
+
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(served, range(3)))
+        seconds = sorted(s for _, s, _ in answers)
+        yielded = monitor.predict(api_name="/info")["turns_yielded"]
+    finally:
+        for reading in readings:
+            reading.close()
+    with reference_engine(N_CTX) as reference:
+        expected = ""
+        longest = max(len(reading.text) for reading in readings)
+        for event in reference.stream_chat([{"role": "user", "content": message}], enable_thinking=False,
+                                           max_tokens=1024, temperature=0.0):  # fmt: skip
+            expected += event.delta
+            if len(expected) >= longest:
+                break
+    lengths = sorted(len(reading.text) for reading in readings)
+    record("crowd_of_eight_and_a_newcomer", {
+        "newcomer_seconds": [round(s, 2) for s in seconds], "turns_yielded": yielded,
+        "crowd_chars_min_median_max": [lengths[0], lengths[len(lengths) // 2], lengths[-1]],
+        "crowd_places_taken": sum(reading.ended == "error" for reading in readings),
+        "test_s": round(time.monotonic() - started, 1)})  # fmt: skip
+    assert [(event, tokens) for event, _, tokens in answers] == [("complete", 64)] * 3, answers
+    assert seconds[1] <= 15.0, f"the newcomer's answers took {seconds} s"
+    assert yielded >= 3, "the crowd's answers yielded their turns"
+    wrong = [reading.text[:80] for reading in readings if not expected.startswith(reading.text)]
+    assert not wrong and lengths[-1] > 0, wrong
     idle(monitor)
 
 

@@ -66,6 +66,10 @@ class JobHolder(Protocol):
     def detach(self, job: ReplyJob[ReplyChunk]) -> None: ...
 
 
+TAKEN = ("the server's queue was full and a client with fewer answers took this one's place (each client gets an "
+         "equal share): retry once some of your answers have ended")
+
+
 class GoingOn:
     """How a job's answer comes back after it yielded its turn (jobs.Resumable): the same job, resumed where its
     chunks left it (crossing.Resume)."""
@@ -356,6 +360,8 @@ class SpaceService:
     async def _reply(self, request: ChatRequest, phases: tuple[str, ...], owner: str, client: ClientIdentity,
                      latest_only: bool, session: JobHolder | None, call: str) -> AsyncIterator[Reply]:  # fmt: skip
         if not self.callers.start(call):
+            if self.callers.taken(call):
+                raise AdmissionError(TAKEN)
             log.info("an answer nobody reads was dropped before it started")  # (callers.py)
             return
         files = await self.files()
@@ -393,6 +399,8 @@ class SpaceService:
                     finished = {**chunk.stats, "decode_tok_s": reply.stats["decode_tok_s"]}
                     self.estimator.observe(finished, request, chunk.dropped_turns - request.dropped_turns, client.key)
                 yield reply
+            if self.callers.taken(call):
+                raise AdmissionError(TAKEN)
         except DFlashError:
             raise
         except Exception as error:
@@ -461,6 +469,7 @@ class SpaceService:
             "busy": self.slot.busy(),  # an answer is running (or being stopped)
             "parallel": self.parallel,  # answers that can run at once on the engine
             "running": self.slot.running(),  # answers running now (a count, nothing of what they are)
+            "turns_yielded": self.slot.yields_asked,  # answers that yielded a turn to another client (a count)
             "engine": dict(self.engine_info),
             "gpu_time": {"zero_gpu": self.zero_gpu, "gpu_size": self.gpu_size, **self.estimator.describe()},
             "queue": self.callers.describe(),

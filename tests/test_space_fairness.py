@@ -458,25 +458,32 @@ def test_many_clients_hostile_calls_do_not_move_the_gpu_time(server: RunningApp,
     assert max(moved.values()) <= 0.20, moved
 
 
-def test_one_clients_calls_leave_another_clients_parking_intact(server: RunningApp, monitor: Client) -> None:
-    """Eight one-token calls of fresh sessions from one client, before and after a visitor's first turn: the
-    visitor's second turn reuses its whole conversation (its sequence was taken meanwhile: its state was parked)."""
-    visitor, attacker = Visitor(server, "10.4.0.1"), Visitor(server, "10.4.0.2")
+def test_a_crowds_calls_leave_a_conversation_in_use_parked(server: RunningApp, monitor: Client) -> None:
+    """A visitor's conversation in use (its second turn reused the first): eight clients' one-token calls of fresh
+    sessions, two each, fill the parked store twice over; the visitor's third turn reuses its whole conversation (its
+    sequence was taken meanwhile: its state was parked, and kept)."""
+    visitor = Visitor(server, "10.4.0.1")
+    crowd = [Visitor(server, f"10.4.1.{n + 1}") for n in range(8)]
 
     def burst(tag: str) -> None:
-        for n in range(8):
-            assert attacker.call("generate", chat_args(f"burst {n}", max_tokens=1), session=f"{tag}-{n}")[0] \
-                == "complete"  # fmt: skip
+        for n, client in enumerate(crowd):
+            for k in range(2):
+                assert client.call("generate", chat_args(f"burst {n} {k}", max_tokens=1),
+                                   session=f"{tag}-{n}-{k}")[0] == "complete"  # fmt: skip
 
-    burst("before")
     message = "Tell me about the sea, the mountains and the sky, at length. " * 8
     _, (text, first), _ = visitor.call("generate", chat_args(message, max_tokens=24), session="visitor")
-    burst("after")
     history = [{"role": "user", "content": message}, {"role": "assistant", "content": text}]
-    _, (_, second), _ = visitor.call("generate", chat_args("And tomorrow?", history=history, max_tokens=8),
-                                     session="visitor")  # fmt: skip
-    record("parking_after_16_one_token_calls", {"first_prompt": first["n_prompt"], "reused": second["n_reused"]})
-    assert second["n_reused"] >= first["n_prompt"] - 16, (first["n_prompt"], second["n_reused"])
+    _, (text, second), _ = visitor.call("generate", chat_args("And tomorrow?", history=history, max_tokens=8),
+                                        session="visitor")  # fmt: skip
+    history += [{"role": "user", "content": "And tomorrow?"}, {"role": "assistant", "content": text}]
+    burst("after")
+    _, (_, third), _ = visitor.call("generate", chat_args("And then?", history=history, max_tokens=8),
+                                    session="visitor")  # fmt: skip
+    record("parking_after_16_one_token_calls_of_8_clients", {"prompts": [first["n_prompt"], second["n_prompt"]],
+                                                             "reused": [second["n_reused"], third["n_reused"]]})
+    assert second["n_reused"] >= first["n_prompt"] - 16, "the conversation is in use"
+    assert third["n_reused"] >= second["n_prompt"] - 16, (second["n_prompt"], third["n_reused"])
 
 
 def chat_bytes(visitor: Visitor, max_tokens: int) -> tuple[int, int, int]:

@@ -57,6 +57,9 @@ PUBLIC_OWNER = "public prefix"  # the owner of the requests that put the public 
 # Parked states one client keeps at most (of the engine's 8): a client opening many sessions evicts its own older
 # states, never another client's; and a newcomer's state makes room by evicting from the client that holds the most.
 PARKED_PER_CLIENT = 2
+# Half of the parked states are kept for conversations in use (whose owner came back to its state): one-off requests of
+# many clients make room among themselves first.
+ACTIVE_SHARE = 0.5
 
 
 def _public_info(info: dict[str, Any]) -> dict[str, Any]:
@@ -235,7 +238,7 @@ class EngineHost:
         options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
                    "parallel": self._parallel, "numerics": preset.numerics, "busy_timeout_s": self._busy_timeout_s,
                    "sessions": SessionPolicy(park_on_switch=False, group_of=client_of_owner,
-                                             per_group=PARKED_PER_CLIENT)}  # fmt: skip
+                                             per_group=PARKED_PER_CLIENT, active_share=ACTIVE_SHARE)}  # fmt: skip
         if preset.rpc:
             options["rpc"] = list(preset.rpc)
         self.draft_problem = files.draft_problem

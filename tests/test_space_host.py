@@ -410,6 +410,7 @@ def test_an_answer_that_yields_its_turn_goes_on_exactly(host: tuple[EngineHost, 
             break
         current = replace(ab, resume=answer.resume())
     assert ab_yielded[-1].phase == "plain" and ab_yielded[-1].finish_reason == "length"
+    assert ab_yielded[-1].divergences == ab_whole[-1].divergences, "the divergences see each phase's whole answer"
     for phase in ab.phases:
         assert [t for c in ab_yielded if c.phase == phase for t in c.tokens] == \
             [t for c in ab_whole if c.phase == phase for t in c.tokens]  # fmt: skip

@@ -316,8 +316,9 @@ class EngineHost:
             final: ReplyChunk | None = None
             for index, phase in enumerate(phases):
                 going_on = resume if index == 0 else None
-                with closing(self._stream(engine, facts, job.request, fitted, phase, owner,
-                                          answers.setdefault(phase, []), going_on)) as chunks:  # fmt: skip
+                so_far = answers.setdefault(phase, list(going_on.tokens) if going_on is not None else [])
+                with closing(self._stream(engine, facts, job.request, fitted, phase, owner, so_far,
+                                          going_on)) as chunks:  # fmt: skip
                     for chunk in chunks:
                         outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
                                    "n_generated": chunk.stats["n_generated"], "phase": phase}  # fmt: skip

@@ -375,9 +375,10 @@ class TextReading(Reading):
 
 def test_a_crowd_takes_turns_and_a_newcomer_is_served_within_seconds(server: RunningApp, monitor: Client) -> None:
     """Eight clients each keep eight 1,024-token answers posted (64: the whole queue, every sequence): a ninth
-    client's three 64-token answers are let in (each takes a place of a client holding eight) and all complete, the
-    median within 15 s from the first try to the end, while the crowd's answers yield their turns and go on: each
-    streams, as far as it got, exactly the text it gives alone at temperature 0. Ends once the ninth's are done."""
+    client's three 64-token answers, sent one after another, are let in (one takes a place of a client holding
+    eight) and all complete, the median within 15 s from the first try to the end, while the crowd's answers yield
+    their turns and go on: each streams, as far as it got (its first 600 characters: several turns), exactly the
+    text it gives alone at temperature 0. Ends once the ninth's are done."""
     message = "Tell me a long story about the sea."
     crowd = [Visitor(server, f"10.7.0.{n + 1}") for n in range(8)]
     readings: list[TextReading] = []
@@ -399,8 +400,7 @@ def test_a_crowd_takes_turns_and_a_newcomer_is_served_within_seconds(server: Run
                                                  session=f"newcomer-{n}")  # fmt: skip
             return event, time.monotonic() - tried, stats.get("n_generated", 0)
 
-        with ThreadPoolExecutor(3) as pool:
-            answers = list(pool.map(served, range(3)))
+        answers = [served(n) for n in range(3)]  # one message after another, as a visitor sends them
         seconds = sorted(s for _, s, _ in answers)
         yielded = monitor.predict(api_name="/info")["turns_yielded"]
     finally:
@@ -408,7 +408,7 @@ def test_a_crowd_takes_turns_and_a_newcomer_is_served_within_seconds(server: Run
             reading.close()
     with reference_engine(N_CTX) as reference:
         expected = ""
-        longest = max(len(reading.text) for reading in readings)
+        longest = min(600, max(len(reading.text) for reading in readings))
         for event in reference.stream_chat([{"role": "user", "content": message}], enable_thinking=False,
                                            max_tokens=1024, temperature=0.0):  # fmt: skip
             expected += event.delta
@@ -422,8 +422,9 @@ def test_a_crowd_takes_turns_and_a_newcomer_is_served_within_seconds(server: Run
         "test_s": round(time.monotonic() - started, 1)})  # fmt: skip
     assert [(event, tokens) for event, _, tokens in answers] == [("complete", 64)] * 3, answers
     assert seconds[1] <= 15.0, f"the newcomer's answers took {seconds} s"
-    assert yielded >= 3, "the crowd's answers yielded their turns"
-    wrong = [reading.text[:80] for reading in readings if not expected.startswith(reading.text)]
+    assert yielded >= 3 and sum(reading.ended == "error" for reading in readings) >= 1, "turns yielded, a place taken"
+    wrong = [reading.text[:80] for reading in readings
+             if not (expected.startswith(reading.text) or reading.text.startswith(expected))]  # fmt: skip
     assert not wrong and lengths[-1] > 0, wrong
     idle(monitor)
 

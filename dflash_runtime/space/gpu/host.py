@@ -37,7 +37,6 @@ from ...errors import (
 )
 from ...footprint import ParallelPlan, plan_parallel, with_remote_memory
 from ...gguf_meta import read_gguf
-from ...textstream import TextStream
 from ..crossing import GpuJob, ReplyChunk, Resume, client_of_owner, info_digest, phase_decoding, resumed_stats
 from ..requests import DEFAULT_SYSTEM_PROMPT, ChatRequest, thinking_prefix
 from ..scrub import scrub_paths
@@ -443,6 +442,8 @@ class EngineHost:
             prompt = [*fitted.tokens, *resume.tokens]
             kwargs["max_tokens"] -= len(resume.tokens)
             kwargs["stop"] = None  # stop strings are matched here, across the join
+            from ...textstream import TextStream  # imports libllama: only where engines run
+
             text = TextStream(engine.pair.vocabulary, request.stop)
             for token in resume.tokens:
                 text.feed(token)

@@ -264,6 +264,9 @@ if __name__ == "__main__":
     gate = Middleware(HttpGate, callers=SERVICE.callers, engine=ENGINE_CALLS, parameters=CHECKED_PARAMETERS,
                       checks=CHECKED_VALUES)  # fmt: skip
     v1 = Middleware(MountV1, service=SERVICE)  # the OpenAI-compatible /v1 routes, behind the same gate
+    # Gradio runs at most `max_threads` events at once, of every function (40 unless told): the engine's events, each
+    # waiting in the engine slot, and the page's own must all fit, or admitted answers wait in Gradio's queue in the
+    # order they came, where the engine slot's turns cannot reach them.
     demo.queue(api_open=False, max_size=QUEUE_SIZE, default_concurrency_limit=1).launch(
-        css=CSS, max_file_size=MAX_FILE_SIZE, app_kwargs={"middleware": [gate, v1]}
+        css=CSS, max_file_size=MAX_FILE_SIZE, app_kwargs={"middleware": [gate, v1]}, max_threads=QUEUE_SIZE + 16
     )

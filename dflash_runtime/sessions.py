@@ -51,7 +51,12 @@ class SessionPolicy:
 
     `group_of` and `per_group`: owners grouped (e.g. a service's sessions by the client that opened them) keep at most
     `per_group` parked states per group, a group at its share making room from its own oldest; and room for a new
-    state is made from the group that holds the most, so no group fills the store."""
+    state is made from the group that holds the most, so no group fills the store.
+
+    `active_share`: the share of `max_parked` kept for states in active use — an owner that came back to its state at
+    least once (its next request reused it). While such states hold no more than that share, room for a new state is
+    made from the states nobody came back to first, so that a crowd of one-off requests (many owners, many groups)
+    cannot evict the conversations that are being used. 0 (the default) treats all states alike."""
 
     max_parked: int = DEFAULT_MAX_PARKED
     max_bytes: int = DEFAULT_MAX_PARKED_BYTES
@@ -59,8 +64,11 @@ class SessionPolicy:
     protect_s: float = 0.0
     group_of: Callable[[Hashable | None], Hashable] | None = None
     per_group: int = 0
+    active_share: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.active_share <= 1.0:
+            raise ValueError(f"active_share must be in [0, 1] (got {self})")
         if self.max_parked < 0 or self.max_bytes < 0 or self.protect_s < 0 or self.per_group < 0:
             raise ValueError(f"session limits must be ≥ 0 (got {self})")
 
@@ -88,6 +96,7 @@ class CacheOwners:
         self._parked: OrderedDict[Hashable | None, ParkedCache] = OrderedDict()
         self._parked_at: dict[Hashable | None, float] = {}  # when each was parked (time.monotonic)
         self._public: OrderedDict[tuple[int, ...], ParkedCache] = OrderedDict()
+        self._active: set[Hashable | None] = set()  # owners that came back to their state (see active_share)
 
     @property
     def running(self) -> int:
@@ -104,6 +113,7 @@ class CacheOwners:
         if own:
             seq = max(own, key=lambda s: (self.caches[s].shared(prompt), self._released[s]))
             self._busy[seq], self._dirty[seq] = True, True
+            self._active.add(owner)
             return self.caches[seq], None
         seq = min(idle, key=lambda s: (bool(self.caches[s].tokens), -self._busy_neighbours(s), self._released[s]))
         self._busy[seq] = True
@@ -136,6 +146,7 @@ class CacheOwners:
         public = len(base.tokens) if base is not None else min(cache.public_len, public_prefix)
         if parked is not None and reusable_prefix(parked.tokens, prompt) > min(cache.shared(prompt), public):
             cache.unpark(parked)
+            self._active.add(owner)
             return None
         if base is not None:
             self._public.move_to_end(tuple(base.tokens))
@@ -171,6 +182,7 @@ class CacheOwners:
         self._parked.clear()
         self._parked_at.clear()
         self._public.clear()
+        self._active.clear()
         n = len(self.caches)
         self._owners, self._dirty = [None] * n, [False] * n
 
@@ -205,12 +217,22 @@ class CacheOwners:
             del self._parked[oldest], self._parked_at[oldest]
         self._parked[owner] = parked
         self._parked_at[owner] = now
+        live = set(self._owners)
+        self._active = {o for o in self._active if o in self._parked or o in live}
 
     def _evictable(self) -> Hashable | None:
-        """The parked state to evict first: the least recently parked, of the group holding the most (with groups)."""
-        group_of = self.policy.group_of
+        """The parked state to evict first: the least recently parked, of the group holding the most (with groups),
+        of the states nobody came back to while the active ones keep to their share (`active_share`)."""
+        group_of, candidates = self.policy.group_of, list(self._parked)
+        if self.policy.active_share:
+            active = [owner for owner in candidates if owner in self._active]
+            idle = [owner for owner in candidates if owner not in self._active]
+            if len(active) > self.policy.active_share * self.policy.max_parked:
+                candidates = active  # over their share: the active states make room among themselves
+            elif idle:
+                candidates = idle
         if group_of is None:
-            return next(iter(self._parked))
-        sizes = Counter(group_of(owner) for owner in self._parked)
+            return candidates[0]
+        sizes = Counter(group_of(owner) for owner in candidates)
         most = max(sizes.values())
-        return next(owner for owner in self._parked if sizes[group_of(owner)] == most)
+        return next(owner for owner in candidates if sizes[group_of(owner)] == most)

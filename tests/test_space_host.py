@@ -17,7 +17,7 @@ from dflash_runtime import load_pair
 from dflash_runtime.backends import FreeMemory
 from dflash_runtime.footprint import DEFAULT_RESERVE_BYTES, sequence_footprint
 from dflash_runtime.gguf_meta import read_gguf
-from dflash_runtime.space.crossing import GpuJob, ReplyChunk, info_digest
+from dflash_runtime.space.crossing import AnswerSoFar, GpuJob, ReplyChunk, info_digest
 from dflash_runtime.space.gpu.host import PRIVATE_ENGINE_KEYS, EngineHost
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT, Limits, build_request
 from dflash_runtime.space.setup.presets import ResolvedPair, configured_preset
@@ -347,3 +347,70 @@ def test_auto_opens_as_many_sequences_as_fit_in_the_free_memory() -> None:
         assert engine_host.parallel_plan is not None and engine_host.parallel_plan.limit == 4
     finally:
         engine_host.close()
+
+
+def yielded_at(engine_host: EngineHost, spec: GpuJob, turns: list[int]) -> tuple[ReplyChunk, int]:
+    """The job's reply when it yields its turn after each count of chunks in `turns` (the stream closed there, as
+    jobs.ReplyJob closes it) and goes on from what its chunks said (crossing.AnswerSoFar), as the web process does;
+    the whole reply joined, and how many turns it took."""
+    answer, taken = AnswerSoFar(spec.phases), []
+    current = spec
+    for count in [*turns, None]:
+        chunks = engine_host.run(current)
+        try:
+            for n, chunk in enumerate(chunks):
+                answer.seen(chunk)
+                taken.append(chunk)
+                if count is not None and n + 1 >= count and chunk.finish_reason is None:
+                    break
+        finally:
+            chunks.close()
+        if taken[-1].finish_reason is not None and taken[-1].phase == spec.phases[-1]:
+            break
+        resume = answer.resume()
+        assert resume is not None
+        current = replace(spec, resume=resume)
+    joined = taken[0]
+    for chunk in taken[1:]:
+        joined = joined.then(chunk)
+    return joined, turns.index(count) + 1 if count is not None else len(turns) + 1
+
+
+@pytest.mark.parametrize("owner", ["visitor/1", ""])
+def test_an_answer_that_yields_its_turn_goes_on_exactly(host: tuple[EngineHost, RecordingLoader], owner: str) -> None:
+    """Closed after a few steps and resumed from what its chunks said (parked by its owner, or without one prefilled
+    again): the same tokens, text, sources and counts at temperature 0 as the answer in one piece, stop strings
+    matched across the joins; an A/B run goes on in the phase where it was."""
+    engine_host, loader = host
+    whole = final(engine_host.run(replace(job("Tell me about the sea.", max_tokens=48), cache_owner=owner)))
+    spec = replace(job("Tell me about the sea.", max_tokens=48), cache_owner=owner)
+    joined, turns = yielded_at(engine_host, spec, [1, 2, 3, 5])
+    assert turns > 2 and joined.tokens == whole.tokens and joined.delta == whole.delta
+    assert joined.source_runs == whole.source_runs or sum(n for n, _ in joined.source_runs) == len(whole.delta)
+    assert joined.stats["n_generated"] == whole.stats["n_generated"] == 48
+    assert joined.stats["n_prompt"] == whole.stats["n_prompt"] and joined.finish_reason == "length"
+    assert len(joined.stats["drafted_by"]) == joined.stats["verify_steps"]
+    assert loader.engines[-1].info()["sessions"]["parked"] == (1 if owner else 0), "parked when it yielded"
+    stop = whole.delta[len(whole.delta) // 2 : len(whole.delta) // 2 + 3]
+    stopping = replace(spec, request=replace(spec.request, stop=(stop,)))
+    stopped_whole = final(engine_host.run(stopping))
+    stopped, _ = yielded_at(engine_host, stopping, [1, 1, 1, 1, 1])
+    assert stopped.delta == stopped_whole.delta and stopped.finish_reason == "stop"
+    ab = replace(job("Tell me about the sea.", max_tokens=12), phases=("dflash", "plain"), cache_owner=owner)
+    ab_whole = list(engine_host.run(ab))
+    ab_yielded = []
+    answer, current = AnswerSoFar(ab.phases), ab
+    for _ in range(30):  # a turn of one step each: 12 + 12 tokens
+        chunks = engine_host.run(current)
+        first = next(chunks)
+        chunks.close()
+        answer.seen(first)
+        ab_yielded.append(first)
+        if first.finish_reason is not None and first.phase == "plain":
+            break
+        current = replace(ab, resume=answer.resume())
+    assert ab_yielded[-1].phase == "plain" and ab_yielded[-1].finish_reason == "length"
+    assert ab_yielded[-1].divergences == ab_whole[-1].divergences, "the divergences see each phase's whole answer"
+    for phase in ab.phases:
+        assert [t for c in ab_yielded if c.phase == phase for t in c.tokens] == \
+            [t for c in ab_whole if c.phase == phase for t in c.tokens]  # fmt: skip

@@ -135,7 +135,7 @@ def test_stream_errors_reach_the_consumer_and_a_busy_slot_is_refused_in_time() -
     with pytest.raises(ValueError, match="the worker broke"):
         run(consume(ReplyJob(failing, EngineSlot())))
     slot = EngineSlot(timeout_s=0.1)
-    slot.acquire()
+    slot.acquire(client="another client")  # holds the engine: this job's client is not served for 0.1 s
     with pytest.raises(RequestError, match="the engine stayed busy"):
         run(consume(ReplyJob(Stream(), slot)))
 

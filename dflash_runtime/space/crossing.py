@@ -32,6 +32,7 @@ class GpuJob:
     # owner, beyond the prompt's public prefix. Empty: a fresh owner, nothing of anybody else's is reused.
     cache_owner: str = ""
     engine_info_seen: str = ""  # the digest of the engine description the web process holds (see info_digest)
+    resume: Resume | None = None  # an answer that yielded its turn, going on where it was (see Resume)
 
     def __post_init__(self) -> None:
         unknown = [phase for phase in self.phases if phase not in PHASES]
@@ -77,6 +78,10 @@ class ReplyChunk:
     # On an A/B comparison's last chunk at temperature 0: each phase whose answer differs from plain decoding's →
     # Divergence.to_dict() (dflash_runtime.divergence): where, and whether a near-tie or a fault.
     divergences: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # What crosses only: the tokens of `delta` and the methods that drafted this step's verify steps (the web process
+    # keeps them, so that an answer that yields its turn can go on exactly: see Resume).
+    tokens: list[int] = field(default_factory=list)
+    drafted_by: list[str] = field(default_factory=list)
 
     def then(self, newer: ReplyChunk) -> ReplyChunk:
         """This chunk and the `newer` one after it as one (for a reader that skips chunks a newer one replaced):
@@ -90,17 +95,92 @@ class ReplyChunk:
             source_runs=[*self.source_runs, *newer.source_runs],
             draft_lengths=[*self.draft_lengths, *newer.draft_lengths],
             divergences={**self.divergences, **newer.divergences},
+            tokens=[*self.tokens, *newer.tokens],
+            drafted_by=[*self.drafted_by, *newer.drafted_by],
         )
 
-    def given_up(self) -> ReplyChunk:
-        """This chunk as the last of its answer, which ends here to give its sequence to another client's waiting
-        answer (see jobs.EngineSlot): what it carries stays, its statistics say why it stopped."""
-        if self.finish_reason is not None:
-            return self
-        return replace(self, finish_reason="shared", finish_detail=SHARED_DETAIL)
 
 
-SHARED_DETAIL = "cut short: another visitor was waiting while you had answers on several of the engine's sequences"
+@dataclass(frozen=True)
+class Resume:
+    """Where a job's answer stood when it yielded its turn to another client (jobs.EngineSlot): the phase it goes on
+    with (an index into the job's phases), that phase's tokens, statistics and draft methods so far, and the earlier
+    phases' whole answers (an A/B run's divergences are computed at its end). The engine goes on from the prompt
+    followed by these tokens: at temperature 0 exactly the tokens the answer would have gone on with (the engine
+    answers a prompt as a fresh engine would), the text joined to what was sent, the statistics summed."""
+
+    phase: int = 0
+    tokens: tuple[int, ...] = ()
+    stats: dict[str, Any] = field(default_factory=dict)
+    drafted_by: tuple[str, ...] = ()
+    answers: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+class AnswerSoFar:
+    """What the web process knows of a job's answer from its chunks: where a resumed job goes on (`resume`)."""
+
+    def __init__(self, phases: tuple[str, ...]) -> None:
+        self._phases = phases
+        self._phase = 0
+        self._answers: dict[str, list[int]] = {}
+        self._stats: dict[str, Any] = {}
+        self._drafted_by: list[str] = []
+
+    def seen(self, chunk: ReplyChunk) -> None:
+        if chunk.error_type:
+            return
+        phase = self._phases.index(chunk.phase) if chunk.phase in self._phases else self._phase
+        if phase != self._phase:  # a new phase began (the one before ended with its final chunk)
+            self._phase, self._stats, self._drafted_by = phase, {}, []
+        self._answers.setdefault(chunk.phase, []).extend(chunk.tokens)
+        self._stats = chunk.stats
+        self._drafted_by.extend(chunk.drafted_by)
+        if chunk.finish_reason is not None:  # the next phase starts afresh
+            self._phase, self._stats, self._drafted_by = phase + 1, {}, []
+
+    def resume(self) -> Resume | None:
+        """Where the answer goes on, or None when nothing is left to run."""
+        if self._phase >= len(self._phases):
+            return None
+        name = self._phases[self._phase]
+        earlier = {p: tuple(self._answers.get(p, ())) for p in self._phases[: self._phase]}
+        return Resume(self._phase, tuple(self._answers.get(name, ())), dict(self._stats), tuple(self._drafted_by),
+                      earlier)  # fmt: skip
+
+
+# Statistics a resumed answer adds to those it had (counts and times); lists summed position by position. The prompt's
+# figures stay those of the answer's first turn; the rest (the method, the controller, ...) are the newest.
+ADDED_STATS = ("n_generated", "verify_steps", "plain_steps", "drafted", "accepted", "verify_emitted", "draft_ms",
+               "inject_ms", "verify_ms", "plain_ms", "native_ms", "decode_ms", "checkpoint_restore_ms",
+               "checkpoints_saved", "checkpoint_bytes", "checkpoint_save_ms")  # fmt: skip
+FIRST_TURN_STATS = ("n_prompt", "n_reused", "n_prefilled", "prefill_ms")
+PER_POSITION_STATS = ("accepted_per_position", "drafted_per_position")
+
+
+def resumed_stats(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """An answer's statistics after it resumed: `now` (the resumed turn's own) added to `before` (see ADDED_STATS),
+    the derived figures computed again."""
+    if not before:
+        return now
+    out = dict(now)
+    for key in ADDED_STATS:
+        if key in now or key in before:
+            out[key] = before.get(key, 0) + now.get(key, 0)
+    for key in FIRST_TURN_STATS:
+        if key in before:
+            out[key] = before[key]
+    for key in PER_POSITION_STATS:
+        a, b = list(before.get(key) or []), list(now.get(key) or [])
+        out[key] = [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)), strict=True)]
+    if now.get("checkpoint_restored_at") is None and "checkpoint_restored_at" in before:
+        out["checkpoint_restored_at"] = before["checkpoint_restored_at"]
+    drafted, steps, decode_ms = out.get("drafted", 0), out.get("verify_steps", 0), out.get("decode_ms", 0.0)
+    out["acceptance_rate"] = round(out.get("accepted", 0) / drafted, 4) if drafted else 0.0
+    out["mean_accepted_length"] = round(out.get("verify_emitted", 0) / steps, 4) if steps else 0.0
+    out["decode_tok_s"] = round(out.get("n_generated", 0) / (decode_ms / 1000.0), 2) if decode_ms > 0 else 0.0
+    out["host_ms"] = round(max(0.0, decode_ms - out.get("native_ms", 0.0)), 3)
+    out["target_steps"] = out.get("verify_steps", 0) + out.get("plain_steps", 0)
+    return out
 
 
 def owner_of(client: str, session: str) -> str:

@@ -19,6 +19,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import closing, suppress
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -36,7 +37,7 @@ from ...errors import (
 )
 from ...footprint import ParallelPlan, plan_parallel, with_remote_memory
 from ...gguf_meta import read_gguf
-from ..crossing import GpuJob, ReplyChunk, client_of_owner, info_digest, phase_decoding
+from ..crossing import GpuJob, ReplyChunk, Resume, client_of_owner, info_digest, phase_decoding, resumed_stats
 from ..requests import DEFAULT_SYSTEM_PROMPT, ChatRequest, thinking_prefix
 from ..scrub import scrub_paths
 from ..setup.presets import PairPreset, ResolvedPair, draft_unavailable, fallback_methods
@@ -55,6 +56,9 @@ PUBLIC_OWNER = "public prefix"  # the owner of the requests that put the public 
 # Parked states one client keeps at most (of the engine's 8): a client opening many sessions evicts its own older
 # states, never another client's; and a newcomer's state makes room by evicting from the client that holds the most.
 PARKED_PER_CLIENT = 2
+# Half of the parked states are kept for conversations in use (whose owner came back to its state): one-off requests of
+# many clients make room among themselves first.
+ACTIVE_SHARE = 0.5
 
 
 def _public_info(info: dict[str, Any]) -> dict[str, Any]:
@@ -234,7 +238,7 @@ class EngineHost:
         options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
                    "parallel": self._parallel, "numerics": preset.numerics, "busy_timeout_s": self._busy_timeout_s,
                    "sessions": SessionPolicy(park_on_switch=False, group_of=client_of_owner,
-                                             per_group=PARKED_PER_CLIENT)}  # fmt: skip
+                                             per_group=PARKED_PER_CLIENT, active_share=ACTIVE_SHARE)}  # fmt: skip
         if preset.rpc:
             options["rpc"] = list(preset.rpc)
         self.draft_problem = files.draft_problem
@@ -285,6 +289,7 @@ class EngineHost:
         started = time.monotonic()
         report: dict[str, Any] = {"pid": os.getpid(), "previous_request": dict(self.previous_request)}
         outcome: dict[str, Any] = {"finish_reason": "closed before the first token", "n_generated": 0}
+        parking = False
         if not self._enter(job):
             yield self._error_chunk(RequestError(f"the engine stayed busy for {self._busy_timeout_s:.0f} s; retry"))
             return
@@ -307,24 +312,33 @@ class EngineHost:
                 info["draft_problem"] = scrub_paths(draft_unavailable(self.draft_problem, self._fallback))
             info_known = info_digest(info) == job.engine_info_seen
             first = True
-            answers: dict[str, list[int]] = {}
+            resume = job.resume
+            phases = job.phases[resume.phase:] if resume is not None else job.phases
+            answers: dict[str, list[int]] = {p: list(t) for p, t in resume.answers.items()} if resume else {}
             final: ReplyChunk | None = None
-            for phase in job.phases:
-                for chunk in self._stream(engine, facts, job.request, fitted, phase, owner,
-                                          answers.setdefault(phase, [])):  # fmt: skip
-                    outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
-                               "n_generated": chunk.stats["n_generated"], "phase": phase}  # fmt: skip
-                    if not info_known:
-                        chunk.engine_info, info_known = info, True
-                    chunk.used_s = round(time.monotonic() - started, 3)
-                    last = chunk.finish_reason is not None and phase == job.phases[-1]
-                    if first or last:
-                        chunk.worker = self._report(report, started)
-                        first = False
-                    if last:
-                        final = chunk  # sent once every phase's stream has closed (see below)
-                        continue
-                    yield chunk
+            for index, phase in enumerate(phases):
+                going_on = resume if index == 0 else None
+                so_far = answers.setdefault(phase, list(going_on.tokens) if going_on is not None else [])
+                with closing(self._stream(engine, facts, job.request, fitted, phase, owner, so_far,
+                                          going_on)) as chunks:  # fmt: skip
+                    for chunk in chunks:
+                        outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
+                                   "n_generated": chunk.stats["n_generated"], "phase": phase}  # fmt: skip
+                        if not info_known:
+                            chunk.engine_info, info_known = info, True
+                        chunk.used_s = round(time.monotonic() - started, 3)
+                        last = chunk.finish_reason is not None and phase == job.phases[-1]
+                        if first or last:
+                            chunk.worker = self._report(report, started)
+                            first = False
+                        if last:
+                            final = chunk  # sent once every phase's stream has closed (see below)
+                            continue
+                        try:
+                            yield chunk
+                        except GeneratorExit:
+                            parking = bool(job.cache_owner)  # closed early: maybe to yield its turn (jobs.py)
+                            raise
             if final is not None:
                 final.divergences = self._divergences(engine, job, fitted.tokens, answers)
                 if job.cache_owner:
@@ -344,8 +358,20 @@ class EngineHost:
             chunk.used_s = chunk.worker["used_s"]
             yield chunk
         finally:
+            if parking:
+                # The answer may come back at its owner's next turn (jobs.EngineSlot): its state is parked inside its
+                # own request, as at its end, and the resumed request reuses it (a cancelled answer's state is the
+                # conversation's all the same).
+                with suppress(DFlashError):
+                    self._engine_parks(job.cache_owner)
             self.previous_request = outcome
             self._leave(job)
+
+    def _engine_parks(self, owner: str) -> None:
+        with self._state:
+            engine = self._engine if not self._condemned else None
+        if engine is not None:
+            engine.park(owner)
 
     @staticmethod
     def _divergences(engine: Any, job: GpuJob, prompt: list[int], answers: dict[str, list[int]]
@@ -407,32 +433,64 @@ class EngineHost:
         phase: str,
         owner: dict[str, Any],
         tokens: list[int],
+        resume: Resume | None = None,
     ) -> Iterator[ReplyChunk]:
-        """The phase's chunks; its tokens are added to `tokens` as they come."""
-        prefix = facts.prefix(engine, request.enable_thinking)
+        """The phase's chunks; its tokens are added to `tokens` as they come. With `resume`, the phase goes on from
+        where it yielded its turn: the prompt followed by its tokens so far, the text released as one stream of all
+        its tokens would release it (UTF-8 and stop strings across the join), the statistics summed (see Resume)."""
         speculative, method = phase_decoding(request, phase)
-        events = engine.stream(fitted.tokens, **request.generation_kwargs(speculative, method), **owner)
+        kwargs = request.generation_kwargs(speculative, method)
+        prompt, text = fitted.tokens, None
+        if resume is not None and (resume.tokens or resume.stats):
+            prompt = [*fitted.tokens, *resume.tokens]
+            kwargs["max_tokens"] -= len(resume.tokens)
+            kwargs["stop"] = None  # stop strings are matched here, across the join
+            from ...textstream import TextStream  # imports libllama: only where engines run
+
+            text = TextStream(engine.pair.vocabulary, request.stop)
+            for token in resume.tokens:
+                text.feed(token)
+            text.take_runs()
+        prefix = facts.prefix(engine, request.enable_thinking) if text is None else ""
+        before = dict(resume.stats) if text is not None and resume is not None else {}
+        drafted_before = list(resume.drafted_by) if text is not None and resume is not None else []
+        events = engine.stream(prompt, **kwargs, **owner)
         runs: list[tuple[int, str]] = [(len(prefix), "target")] if prefix else []
-        delta, notice, lengths_sent = prefix, fitted.notice, 0
+        delta, notice, lengths_sent, drafted_sent = prefix, fitted.notice if text is None else None, 0, 0
         try:
             for event in events:
                 tokens += event.tokens
                 stats = event.stats.to_dict()
                 lengths = stats.pop("draft_lengths")
                 drafted_by = stats.pop("drafted_by")  # one entry per verify step: sent once, with the last chunk
-                if event.finish_reason is not None:
-                    stats["drafted_by"] = drafted_by
+                finish, detail, event_delta, event_runs = (event.finish_reason, event.finish_detail, event.delta,
+                                                           event.delta_sources)  # fmt: skip
+                if text is not None:
+                    event_delta = "".join(text.feed(t, s) for t, s in zip(event.tokens, event.token_sources,
+                                                                          strict=False))  # fmt: skip
+                    if text.stopped:
+                        finish, detail = "stop", "stop string"
+                    elif finish is not None:
+                        event_delta += text.finish()
+                    event_runs = text.take_runs()
+                    stats = resumed_stats(before, stats)
+                if finish is not None:
+                    stats["drafted_by"] = [*drafted_before, *drafted_by]
                 yield ReplyChunk(
-                    delta=delta + event.delta,
+                    delta=delta + event_delta,
                     stats=stats,
-                    finish_reason=event.finish_reason,
-                    finish_detail=event.finish_detail,
+                    finish_reason=finish,
+                    finish_detail=detail,
                     notice=notice,
                     phase=phase,
                     dropped_turns=fitted.dropped_turns,
-                    source_runs=[*runs, *event.delta_sources],
+                    source_runs=[*runs, *event_runs],
                     draft_lengths=lengths[lengths_sent:],
+                    tokens=list(event.tokens),
+                    drafted_by=drafted_by[drafted_sent:],
                 )
-                runs, delta, notice, lengths_sent = [], "", None, len(lengths)
+                runs, delta, notice, lengths_sent, drafted_sent = [], "", None, len(lengths), len(drafted_by)
+                if finish is not None:
+                    return
         finally:
             events.close()  # a closed reply stops the engine between two steps

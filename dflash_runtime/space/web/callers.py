@@ -178,6 +178,7 @@ class Callers:
         self._readers: dict[str, list[Reader]] = {}
         self._left: dict[str, Departure] = {}  # session -> when (and how) its last reader left
         self._session_of_event: OrderedDict[str, str] = OrderedDict()
+        self._taken: OrderedDict[str, None] = OrderedDict()  # calls whose place another client took (_make_room)
 
     # -- admission ---------------------------------------------------------------------------------------------------
 
@@ -188,6 +189,9 @@ class Callers:
         with self._lock:
             live = list(self._calls.values())
             total = sum(c.weight for c in live) + weight
+            if total > s.total_jobs and total > weight:
+                live = self._make_room(live, total - s.total_jobs, weight, client)
+                total = sum(c.weight for c in live) + weight
             if total > s.total_jobs and total > weight:
                 return (f"the server has {total - weight} answers queued or running, its limit is {s.total_jobs}: "
                         "retry in a minute")  # fmt: skip
@@ -205,6 +209,34 @@ class Callers:
             call = Call(secrets.token_hex(8), fn_index, weight, session is None, session, client, self._clock())
             self._calls[call.id] = call
             return call
+
+    def _make_room(self, live: list[Call], needed: int, weight: int, client: str) -> list[Call]:
+        """Max–min shares of the total: a client with fewer answers gets in by taking places from the client with
+        the most (its newest answers are refused, or cut if they run: `taken`), as long as that client keeps more
+        than the newcomer will have. Call with the lock held; the calls left."""
+        mine = sum(c.weight for c in live if c.client == client) + weight
+        while needed > 0:
+            held: dict[str, int] = {}
+            for c in live:
+                held[c.client] = held.get(c.client, 0) + c.weight
+            most = max((c for c in held if c != client), key=lambda c: held[c], default=None)
+            if most is None:
+                break
+            newest = max((c for c in live if c.client == most), key=lambda c: c.posted)
+            if held[most] - newest.weight < mine:
+                break
+            del self._calls[newest.id]
+            self._taken[newest.id] = None
+            while len(self._taken) > REMEMBERED:
+                self._taken.popitem(last=False)
+            live = [c for c in live if c is not newest]
+            needed -= newest.weight
+        return live
+
+    def taken(self, call_id: str | None) -> bool:
+        """Whether the call's place went to a client with fewer answers (see _make_room)."""
+        with self._lock:
+            return call_id is not None and call_id in self._taken
 
     def queued(self, call: Call, event_id: str | None) -> None:
         """Gradio answered the POST: with the call's event id, or (None) refused it."""

@@ -10,8 +10,11 @@ draft's training, a high temperature) or tokenize densely must not change the ti
 figure a visitor's answer can move (decode speed per mode, prefill speed, characters per token) is the **median of
 the recent clients' votes** (`WINDOW` clients, see clients.py: an address, not a session id, which costs nothing to
 multiply), each client voting once with the median of its own newest `PER_SOURCE` answers, an odd number of votes
-counted (see RecentMedian): however many calls a client makes, it moves the figure by one vote at most. Until a
-figure is measured it is the configured default. The load time is not a visitor's doing; it follows its measurements
+counted (see RecentMedian): however many calls a client makes, it moves the median by one vote at most. And since
+addresses are cheap to multiply, the figure follows that median at a pace bounded by the work behind the answers
+(`PacedFigure`: at most ×1.25 per 4,096 tokens decoded, prefilled or read), so many clients' few odd calls move it
+little. Until a figure is measured it is the configured default; its first measurement replaces the default.
+The load time is not a visitor's doing; it follows its measurements
 (slower ones count more) and is added only when the worker may be new (the first request, or after a worker was
 lost).
 
@@ -45,6 +48,10 @@ MIN_DECODE_TOKENS = 16  # shorter answers say little about the speed (fixed cost
 MIN_PREFILL_TOKENS = 64
 WINDOW = 32  # recent clients behind each figure
 PER_SOURCE = 3  # answers of one client behind its vote
+# A figure moves towards its clients' median by at most this factor per WORK_TOKENS tokens of work behind the answers
+# that move it (tokens decoded, prefilled, or prompt tokens read): many clients' few odd calls move it little.
+MOVE_PER_WORK = 1.25
+WORK_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,35 @@ class RecentMedian:
         return statistics.median(votes) if votes else self.default
 
 
+class PacedFigure:
+    """A RecentMedian whose published value follows the median at a pace bounded by work: the first measurement
+    replaces the default, and then each answer moves the value towards the median by at most a factor of
+    MOVE_PER_WORK per WORK_TOKENS of the answer's work. Votes keep one client from moving the median by more than
+    one vote; the pace keeps many clients (addresses are cheap to multiply) from moving the figure by more than the
+    work they paid for: 20 clients' three 64-token answers move it by at most ~26 %."""
+
+    def __init__(self, default: float) -> None:
+        self.votes = RecentMedian(default)
+        self._value: float | None = None
+
+    def add(self, source: str, value: float, work: float) -> None:
+        self.votes.add(source, value)
+        target = self.votes.value
+        if self._value is None:
+            self._value = target
+            return
+        step = MOVE_PER_WORK ** (max(work, 0.0) / WORK_TOKENS)
+        self._value = min(max(target, self._value / step), self._value * step)
+
+    @property
+    def measured(self) -> int:
+        return self.votes.measured
+
+    @property
+    def value(self) -> float:
+        return self.votes.default if self._value is None else self._value
+
+
 class GpuTimeEstimator:
     """Running estimates of the worker's speeds and load time (thread-safe), and the duration they give."""
 
@@ -118,10 +154,10 @@ class GpuTimeEstimator:
         self.settings = settings
         self._lock = threading.Lock()
         self._figures = {
-            "decode_speculative": RecentMedian(settings.decode_tok_s),
-            "decode_plain": RecentMedian(settings.decode_tok_s),
-            "prefill": RecentMedian(settings.prefill_tok_s),
-            "chars_per_token": RecentMedian(CHARS_PER_TOKEN),
+            "decode_speculative": PacedFigure(settings.decode_tok_s),
+            "decode_plain": PacedFigure(settings.decode_tok_s),
+            "prefill": PacedFigure(settings.prefill_tok_s),
+            "chars_per_token": PacedFigure(CHARS_PER_TOKEN),
         }
         self._load = settings.load_s
         self._load_measured = False
@@ -148,13 +184,13 @@ class GpuTimeEstimator:
             decode_tok_s = stats.get("decode_tok_s") or 0
             if stats.get("n_generated", 0) >= MIN_DECODE_TOKENS and decode_tok_s > 0:
                 kind = "decode_speculative" if stats.get("speculative") else "decode_plain"
-                self._figures[kind].add(source, decode_tok_s)
+                self._figures[kind].add(source, decode_tok_s, stats["n_generated"])
             if stats.get("n_prefilled", 0) >= MIN_PREFILL_TOKENS and stats.get("prefill_ms", 0) > 0:
                 speed = stats["n_prefilled"] / (stats["prefill_ms"] / 1000.0)
-                self._figures["prefill"].add(source, speed)
+                self._figures["prefill"].add(source, speed, stats["n_prefilled"])
             if not dropped_here and stats.get("n_prompt", 0) > 0:  # the prompt the engine saw was the whole request
                 ratio = max(request.input_chars / stats["n_prompt"], 0.5)
-                self._figures["chars_per_token"].add(source, ratio)
+                self._figures["chars_per_token"].add(source, ratio, stats["n_prompt"])
 
     def observe_load(self, seconds: float) -> None:
         """The model load time a worker measured: the first replaces the default, later ones move it (see _toward)."""

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ...errors import RequestError
 
@@ -37,67 +37,101 @@ CHUNK, ERROR, END = "chunk", "error", "end"
 @dataclass(eq=False)
 class Seat:
     """One job's place in the slot (compared by identity): the cache owner it runs for (None for nobody's), the client
-    it runs for, whether anybody still waits for it, and (`shared`) whether it was asked to give its place up."""
+    it runs for, whether anybody still waits for it, whether it can give its place up and come back (`can_yield`), and
+    (`yield_asked`) whether it was asked to, at its next step."""
 
     owner: str | None = None
     client: str = ""
     alive: Callable[[], bool] = lambda: True
-    order: int = 0  # when it came (a counter)
-    shared: threading.Event = field(default_factory=threading.Event)
+    order: int = 0  # when it came (a counter): a job that yielded keeps it
+    can_yield: bool = False
+    yield_asked: threading.Event = field(default_factory=threading.Event)
+    turn_started: float = 0.0  # when it took its place this turn (time.monotonic)
 
 
 class EngineSlot:
-    """The web process's gate to the engine: up to `capacity` GPU jobs at once (the engine's parallel sequences), never
-    two of one cache owner at once (a conversation's turns and its A/B run share one parked cache, so they take turns).
+    """The web process's gate to the engine, a scheduler of clients: up to `capacity` GPU jobs at once (the engine's
+    parallel sequences), never two of one cache owner at once (a conversation's turns and its A/B run share one parked
+    cache, so they take turns). See docs/public-space.md, "The engine's scheduler".
 
-    Clients take turns: a free place goes to the waiting job whose client holds the fewest places now, then whose
-    client was served least recently, then the one that came first, so one client's many calls never queue ahead of
-    another's first. A client may use every place
-    while nobody else waits; when another client's job waits and no place is free, a client holding at least two places
-    more than the waiting job's client gives its newest one up (`Seat.shared`: that answer ends at its next step, see
-    ReplyJob), so no client holds more than its share while others queue (a client's only answer is never cut: on one
-    sequence clients take turns answer by answer). A job whose caller left (`alive`) leaves the wait."""
+    - A free place goes to the waiting job whose client holds the fewest places now, then whose client has used the
+      least engine time (seat-seconds: its *virtual time*; a client that comes, or comes back, starts at the least of
+      the clients present, so absence earns no credit), then whose client was served least recently, then the one
+      that came first: one client's many calls never queue ahead of another's first.
+    - Max–min shares, turn by turn: with no place free and a job waiting, a running job that can yield (`can_yield`:
+      its answer resumes exactly, see ReplyJob) is asked to (`Seat.yield_asked`) when its client holds at least two
+      places more than the waiting job's client, or one more, has held its place for `quantum_s` this turn and has
+      used more engine time than the waiting client.
+      It yields at its next step and waits again with its old place in the order; its client's used time decides
+      when it comes back. One job is asked at a time.
+    - The busy timeout counts the time a client is not served at all: a job waits at most `timeout_s` after the
+      later of its coming and its client's last turn, and not at all while its client runs another job, so an answer
+      never fails for waiting its turn while the engine serves clients in turn. A job whose caller left (`alive`)
+      leaves the wait."""
 
-    POLL_S = 0.5  # how often a waiting job asks whether anybody still waits for it
+    POLL_S = 0.5  # how often a waiting job asks whether anybody still waits for it (and whether a turn is over)
+    QUANTUM_S = 2.0  # a turn: how long a job keeps its place before it yields to a client holding one fewer
 
-    def __init__(self, timeout_s: float = 120.0, capacity: int = 1) -> None:
+    def __init__(self, timeout_s: float = 120.0, capacity: int = 1, quantum_s: float = QUANTUM_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
         self.timeout_s = timeout_s
         self.capacity = capacity
+        self.quantum_s = quantum_s
+        self._clock = clock
         self._state = threading.Condition()
         self._running: list[Seat] = []
         self._waiting: list[Seat] = []
         self._came = itertools.count()
         self._served: dict[str, int] = {}  # client -> when it last took a place (a counter)
-        self.shares_asked = 0  # places given up for another client (a count, nothing of whose)
+        self._served_at: dict[str, float] = {}  # client -> when it last took or left a place (time.monotonic)
+        self._used: dict[str, float] = {}  # client -> seat-seconds used (its virtual time), clients present only
+        self.yields_asked = 0  # places given up for another client's turn (a count, nothing of whose)
 
-    def acquire(self, owner: str | None = None, client: str = "",
-                alive: Callable[[], bool] = lambda: True) -> Seat | None:  # fmt: skip
+    def acquire(self, owner: str | None = None, client: str = "", alive: Callable[[], bool] = lambda: True,
+                can_yield: bool = False) -> Seat | None:  # fmt: skip
         """A seat for a job of `owner` (None or "": a fresh owner, that waits for nobody's turn) of `client`, once
-        its turn comes; None when `alive()` turned false while it waited; RequestError after `timeout_s`."""
-        seat = Seat(owner or None, client, alive, next(self._came))
-        deadline = time.monotonic() + self.timeout_s
+        its turn comes; None when `alive()` turned false while it waited; RequestError when its client was not served
+        for `timeout_s` (see the class doc)."""
+        return self._take(Seat(owner or None, client, alive, next(self._came), can_yield))
+
+    def yield_turn(self, seat: Seat) -> Seat | None:
+        """Give `seat`'s place up (it was asked to, see the class doc) and wait for the job's next turn, in its old
+        place in the order: the same seat again, or None when `alive()` turned false meanwhile."""
         with self._state:
+            self._leave(seat)
+            seat.yield_asked.clear()
+        return self._take(seat)
+
+    def _take(self, seat: Seat) -> Seat | None:
+        came = self._clock()
+        with self._state:
+            self._present(seat.client)
             self._waiting.append(seat)
             try:
                 while not self._admits(seat):
                     if not seat.alive():
                         return None
-                    self._ask_to_share()
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
+                    self._ask_to_yield()
+                    now = self._clock()
+                    remaining = self.timeout_s - (now - max(came, self._served_at.get(seat.client, came)))
+                    if remaining <= 0 and not self._held(seat.client):
                         own = (" (this session's previous answer was still running)"
                                if self._owner_runs(seat.owner) else "")  # fmt: skip
                         raise RequestError(f"the engine stayed busy for {self.timeout_s:.0f} s{own}; retry")
-                    self._state.wait(min(remaining, self.POLL_S))
+                    self._state.wait(min(remaining, self.POLL_S) if remaining > 0 else self.POLL_S)
+                seat.turn_started = self._clock()
                 self._running.append(seat)
                 self._served[seat.client] = next(self._came)
+                self._served_at[seat.client] = seat.turn_started
                 if len(self._served) > SERVED_REMEMBERED:  # forget clients with nothing here (newcomers again)
                     present = {s.client for s in (*self._running, *self._waiting)}
                     self._served = {c: n for c, n in self._served.items() if c in present}
+                    self._served_at = {c: t for c, t in self._served_at.items() if c in present}
             finally:
                 self._waiting.remove(seat)
+                self._forget_absent()
                 self._state.notify_all()  # a later waiter may go now (or could all along, were it not for this one)
         return seat
 
@@ -114,9 +148,36 @@ class EngineSlot:
         with self._state:
             if seat is None and self._running:
                 seat = self._running[0]
-            if seat in self._running:
-                self._running.remove(seat)
+            if seat is not None:
+                self._leave(seat)
+            self._forget_absent()
             self._state.notify_all()
+
+    def _leave(self, seat: Seat) -> None:
+        """`seat` leaves its place: its client's used time grows by the turn. Call with the condition held."""
+        if seat in self._running:
+            self._running.remove(seat)
+            now = self._clock()
+            self._used[seat.client] = self._used.get(seat.client, 0.0) + max(0.0, now - seat.turn_started)
+            self._served_at[seat.client] = now
+            self._state.notify_all()
+
+    def _present(self, client: str) -> None:
+        """A client that comes (or comes back) starts at the least used time of the clients present."""
+        if client not in self._used:
+            now = self._clock()
+            self._used[client] = min((self.used(c, now) for c in self._used), default=0.0)
+
+    def _forget_absent(self) -> None:
+        present = {s.client for s in (*self._running, *self._waiting)}
+        for client in [c for c in self._used if c not in present]:
+            del self._used[client]
+
+    def used(self, client: str, now: float) -> float:
+        """A client's virtual time at `now`: the seat-seconds it used, its running turns included. Call with the
+        condition held."""
+        running = sum(max(0.0, now - s.turn_started) for s in self._running if s.client == client)
+        return self._used.get(client, 0.0) + running
 
     def _owner_runs(self, owner: str | None) -> bool:
         return owner is not None and any(seat.owner == owner for seat in self._running)
@@ -125,28 +186,32 @@ class EngineSlot:
         return sum(1 for seat in self._running if seat.client == client)
 
     def _next(self) -> Seat | None:
-        """The waiting job whose turn it is: of those whose owner runs nothing, the one whose client holds the fewest
-        places, then whose client was served least recently, then the first come. Call with the condition held."""
-        ready = [seat for seat in self._waiting if not self._owner_runs(seat.owner)]
-        return min(ready, key=lambda seat: (self._held(seat.client), self._served.get(seat.client, -1), seat.order),
-                   default=None)  # fmt: skip
+        """The waiting job whose turn it is (see the class doc). Call with the condition held."""
+        ready, now = [seat for seat in self._waiting if not self._owner_runs(seat.owner)], self._clock()
+        return min(ready, key=lambda seat: (self._held(seat.client), self.used(seat.client, now),
+                                            self._served.get(seat.client, -1), seat.order), default=None)  # fmt: skip
 
     def _admits(self, seat: Seat) -> bool:
         return len(self._running) < self.capacity and self._next() is seat
 
-    def _ask_to_share(self) -> None:
-        """With no place free and another client's job waiting: the client holding at least two places more than the
-        waiting one's gives its newest up (one at a time). Call with the condition held."""
+    def _ask_to_yield(self) -> None:
+        """With no place free and a job waiting: ask the running job that holds more than its share, or whose turn is
+        over, to yield (one at a time; see the class doc). Call with the condition held."""
         waiting = self._next()
-        if waiting is None or len(self._running) < self.capacity or any(s.shared.is_set() for s in self._running):
+        if waiting is None or len(self._running) < self.capacity or any(s.yield_asked.is_set() for s in self._running):
             return
-        holders = [seat for seat in self._running if seat.client != waiting.client]
-        if not holders:
+        now, wanted = self._clock(), self._held(waiting.client)
+        owed = self.used(waiting.client, now)
+        over = [seat for seat in self._running if seat.can_yield and seat.client != waiting.client and (
+            self._held(seat.client) >= wanted + 2 or (
+                self._held(seat.client) == wanted + 1 and now - seat.turn_started >= self.quantum_s
+                and self.used(seat.client, now) > owed))]  # fmt: skip
+        if not over:
             return
-        most = max(holders, key=lambda seat: (self._held(seat.client), seat.order))
-        if self._held(most.client) >= self._held(waiting.client) + 2:
-            most.shared.set()
-            self.shares_asked += 1
+        most = max(over, key=lambda seat: (self._held(seat.client), self.used(seat.client, now),
+                                           now - seat.turn_started))  # fmt: skip
+        most.yield_asked.set()
+        self.yields_asked += 1
 
     def busy(self) -> bool:
         return bool(self._running)
@@ -156,7 +221,7 @@ class EngineSlot:
         return len(self._running)
 
     def waiting(self) -> int:
-        """How many jobs wait for a seat."""
+        """How many jobs wait for a seat (answers that yielded their turn included)."""
         with self._state:
             return len(self._waiting)
 
@@ -164,6 +229,15 @@ class EngineSlot:
         """Wait until the slot is busy (some job runs) or idle (none does); False when `timeout_s` passed first."""
         with self._state:
             return self._state.wait_for(lambda: bool(self._running) == busy, timeout_s)
+
+
+class Resumable(Protocol[T]):
+    """How a job's answer comes back after it yielded its turn: it sees every chunk handed over, and `rest()` opens
+    the stream of the rest of the answer (exactly what the answer would have gone on with), or None when it cannot."""
+
+    def seen(self, chunk: T) -> None: ...
+
+    def rest(self) -> Callable[[], Iterator[T]] | None: ...
 
 
 class ReplyJob(Generic[T]):
@@ -180,12 +254,12 @@ class ReplyJob(Generic[T]):
         alive: Callable[[], bool] = lambda: True,
         owner: str | None = None,
         client: str = "",
-        shared: Callable[[T], T] | None = None,
+        resumable: Resumable[T] | None = None,
     ) -> None:
         self._open_stream = open_stream
         self._owner = owner  # the cache owner the job runs for (see EngineSlot)
         self._client = client  # the client it runs for: whose turn it takes (see EngineSlot)
-        self._shared = shared  # a chunk made the last of its answer (one that gives its place up)
+        self._resumable = resumable  # how its answer comes back after it yielded its turn (see EngineSlot)
         self._alive = alive
         self._slot = slot
         self._is_final = is_final
@@ -266,39 +340,22 @@ class ReplyJob(Generic[T]):
 
     def _pump(self, hand_over: Callable[[str, Any], None]) -> None:
         try:
-            seat = self._slot.acquire(self._owner, self._client, self._alive)
+            seat = self._slot.acquire(self._owner, self._client, self._alive, can_yield=self._resumable is not None)
             if seat is None:
                 log.info("an answer nobody reads any more left the wait for the engine")
                 return
+            open_stream: Callable[[], Iterator[T]] | None = self._open_stream
             try:
-                if not self._alive():
-                    log.info("an answer nobody reads any more was not started")
-                    return
-                stream = self._open_stream()
-                try:
-                    for chunk in stream:
-                        if self._cancelled.is_set():
-                            break
-                        gone = ("its reader takes nothing" if self._orphaned()
-                                else None if self._alive() else "nobody reads it any more")  # fmt: skip
-                        if gone is not None:
-                            log.info("an answer stopped after %d chunks: %s", self.chunks_delivered, gone)
-                            break
-                        give_up = seat.shared.is_set() and self._shared is not None
-                        if give_up:  # the answer ends here: another client's turn (see EngineSlot)
-                            chunk = self._shared(chunk)
-                        with self._counts:
-                            if self._pending == 0:
-                                self._pending_since = time.monotonic()
-                            self._pending += 1
-                        self.chunks_delivered += 1
-                        hand_over(CHUNK, chunk)
-                        if give_up:
-                            break
-                finally:
-                    close = getattr(stream, "close", None)
-                    if close is not None:
-                        close()  # stops the engine; on ZeroGPU returns once the worker has stopped
+                while open_stream is not None:
+                    if not self._alive():
+                        log.info("an answer nobody reads any more was not started")
+                        return
+                    open_stream = self._run(open_stream(), seat, hand_over)
+                    if open_stream is not None:  # its turn is over: the rest comes at its next turn
+                        came_back = self._slot.yield_turn(seat)
+                        if came_back is None:
+                            log.info("an answer nobody reads any more left the wait for its next turn")
+                            return
             finally:
                 self._slot.release(seat)
         except BaseException as error:  # the consumer raises it in the web request
@@ -306,3 +363,36 @@ class ReplyJob(Generic[T]):
         finally:
             self._done.set()
             hand_over(END, None)
+
+    def _run(self, stream: Iterator[T], seat: Seat, hand_over: Callable[[str, Any], None]
+             ) -> Callable[[], Iterator[T]] | None:  # fmt: skip
+        """Hand `stream`'s chunks over until it ends, the job stops, or (asked to yield) a chunk that is not the
+        answer's last: then the stream of the rest of the answer, opened at the job's next turn."""
+        try:
+            for chunk in stream:
+                if self._cancelled.is_set():
+                    return None
+                gone = ("its reader takes nothing" if self._orphaned()
+                        else None if self._alive() else "nobody reads it any more")  # fmt: skip
+                if gone is not None:
+                    log.info("an answer stopped after %d chunks: %s", self.chunks_delivered, gone)
+                    return None
+                with self._counts:
+                    if self._pending == 0:
+                        self._pending_since = time.monotonic()
+                    self._pending += 1
+                self.chunks_delivered += 1
+                if self._resumable is not None:
+                    self._resumable.seen(chunk)
+                hand_over(CHUNK, chunk)
+                if seat.yield_asked.is_set() and not self._is_final(chunk) and self._resumable is not None:
+                    rest = self._resumable.rest()
+                    if rest is not None:
+                        return rest
+                    seat.can_yield = False  # nothing left to resume: it runs to its end
+                    seat.yield_asked.clear()
+            return None
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()  # stops the engine; on ZeroGPU returns once the worker has stopped

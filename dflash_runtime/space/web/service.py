@@ -22,7 +22,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from ...errors import DFlashError, RequestError
-from ..crossing import GpuJob, ReplyChunk, info_digest, owner_of
+from ..crossing import AnswerSoFar, GpuJob, ReplyChunk, info_digest, owner_of
 from ..provenance import SourceRuns
 from ..requests import AUTO, ChatRequest, Limits, build_request
 from ..scrub import scrub_paths
@@ -64,6 +64,27 @@ class JobHolder(Protocol):
     def attach(self, job: ReplyJob[ReplyChunk]) -> None: ...
 
     def detach(self, job: ReplyJob[ReplyChunk]) -> None: ...
+
+
+TAKEN = ("the server's queue was full and a client with fewer answers took this one's place (each client gets an "
+         "equal share): retry once some of your answers have ended")
+
+
+class GoingOn:
+    """How a job's answer comes back after it yielded its turn (jobs.Resumable): the same job, resumed where its
+    chunks left it (crossing.Resume)."""
+
+    def __init__(self, run_gpu: Callable[[GpuJob], Iterator[ReplyChunk]], job: GpuJob) -> None:
+        self._run_gpu = run_gpu
+        self._job = job
+        self._answer = AnswerSoFar(job.phases)
+
+    def seen(self, chunk: ReplyChunk) -> None:
+        self._answer.seen(chunk)
+
+    def rest(self) -> Callable[[], Iterator[ReplyChunk]] | None:
+        resume = self._answer.resume()
+        return None if resume is None else partial(self._run_gpu, replace(self._job, resume=resume))
 
 
 class WorkerError(DFlashError):
@@ -338,6 +359,8 @@ class SpaceService:
     async def _reply(self, request: ChatRequest, phases: tuple[str, ...], owner: str, client: ClientIdentity,
                      latest_only: bool, session: JobHolder | None, call: str) -> AsyncIterator[Reply]:  # fmt: skip
         if not self.callers.start(call):
+            if self.callers.taken(call):
+                raise AdmissionError(TAKEN)
             log.info("an answer nobody reads was dropped before it started")  # (callers.py)
             return
         files = await self.files()
@@ -352,7 +375,7 @@ class SpaceService:
         job: ReplyJob[ReplyChunk] = ReplyJob(
             partial(self._run_gpu, job_spec), self.slot, is_final=lambda chunk: chunk.finish_reason is not None,
             fold=ReplyChunk.then, alive=partial(self.callers.alive, call), orphan_timeout_s=self.slot.timeout_s,
-            owner=owner or None, client=client.key, shared=ReplyChunk.given_up,
+            owner=owner or None, client=client.key, resumable=GoingOn(self._run_gpu, job_spec),
         )
         if session is not None:
             session.attach(job)
@@ -375,6 +398,8 @@ class SpaceService:
                     finished = {**chunk.stats, "decode_tok_s": reply.stats["decode_tok_s"]}
                     self.estimator.observe(finished, request, chunk.dropped_turns - request.dropped_turns, client.key)
                 yield reply
+            if self.callers.taken(call):
+                raise AdmissionError(TAKEN)
         except DFlashError:
             raise
         except Exception as error:
@@ -443,6 +468,7 @@ class SpaceService:
             "busy": self.slot.busy(),  # an answer is running (or being stopped)
             "parallel": self.parallel,  # answers that can run at once on the engine
             "running": self.slot.running(),  # answers running now (a count, nothing of what they are)
+            "turns_yielded": self.slot.yields_asked,  # answers that yielded a turn to another client (a count)
             "engine": dict(self.engine_info),
             "gpu_time": {"zero_gpu": self.zero_gpu, "gpu_size": self.gpu_size, **self.estimator.describe()},
             "queue": self.callers.describe(),

@@ -57,6 +57,7 @@ from urllib.parse import parse_qs
 from pydantic import TypeAdapter, ValidationError
 
 from ...errors import RequestError
+from ...openai_api.errors import ApiError
 from ..setup.settings import BUSY_TIMEOUT_S, busy_timeout_from_env, env_number
 from .clients import ClientSettings, client_of_scope
 from .probes import TrafficFloor, call_heartbeat, queue_heartbeat, tighten
@@ -76,6 +77,8 @@ _QUEUE_DATA = re.compile(r"/gradio_api/queue/data/?$")
 _UPLOAD = re.compile(r"/gradio_api/upload/?$")
 _CANCEL = re.compile(r"/gradio_api/cancel/?$")
 _RUN = re.compile(r"/gradio_api/run/([^/]+)/?$")
+_V1 = re.compile(r"/v1(/|$)")
+_V1_CODES = {400: "invalid_json", 413: "body_too_long", 422: "invalid_value", 429: "rate_limit_exceeded"}
 MAX_DEPTH = 32  # JSON nesting a body may have (the API's deepest is 3: data, history, a message)
 EXCERPT_CHARS = 60  # of a refused value an error quotes at most
 _OPTIONAL_INT = TypeAdapter(int | None)
@@ -387,8 +390,16 @@ def gradio_int(value: Any) -> int | ValueError | None:
         return ValueError(str(error))
 
 
-async def _answer(send: Send, status: int, detail: str) -> None:
-    payload = json.dumps({"detail": detail}).encode()
+def _v1_error(status: int, detail: str) -> dict[str, Any]:
+    """A refusal of a /v1 request, in OpenAI's shape (what its clients parse) rather than Gradio's `detail`."""
+    code = _V1_CODES.get(status, "invalid_request")
+    kind = "rate_limit_error" if status == 429 else "invalid_request_error"
+    return ApiError(status, detail, type=kind, code=code).body()
+
+
+async def _answer(send: Send, status: int, detail: str, scope: Scope | None = None) -> None:
+    v1 = scope is not None and _V1.match(scope.get("path", "")) is not None
+    payload = json.dumps(_v1_error(status, detail) if v1 else {"detail": detail}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                             (b"connection", b"close")]})  # fmt: skip
@@ -434,14 +445,15 @@ class HttpGate:
             await self.app(scope, receive, send)
             return
         if _UPLOAD.search(path):
-            await _answer(send, 413, "uploads are off: this Space takes no files (maximum allowed size: 0 bytes)")
+            await _answer(send, 413, "uploads are off: this Space takes no files (maximum allowed size: 0 bytes)",
+                          scope)  # fmt: skip
             return
         raw = await self._body(scope, receive, send)
         if raw is None:
             return
         body = Body.parse(raw)
         if body.problem is not None:
-            await _answer(send, 400, body.problem)
+            await _answer(send, 400, body.problem, scope)
             return
         replay = _replay(raw, receive)
         if _CANCEL.search(path):
@@ -449,7 +461,7 @@ class HttpGate:
         call_match, run_match = _CALL.search(path), _RUN.search(path)
         named = call_match.group(2) if call_match and not call_match.group(1) else run_match and run_match.group(1)
         if named and (problem := self._values_problem(named, body)):
-            await _answer(send, 422, problem)
+            await _answer(send, 422, problem, scope)
             return
         engine = self.engine
         if engine is None:
@@ -470,7 +482,7 @@ class HttpGate:
                                          f"{excerpt(body.field('fn_index'))})")  # fmt: skip
                 return
             if not session:
-                await _answer(send, 422, "session_hash must be a non-empty string")
+                await _answer(send, 422, "session_hash must be a non-empty string", scope)
                 return
         else:
             fn_index = None
@@ -480,7 +492,7 @@ class HttpGate:
         client = client_of_scope(scope, self.callers.settings.clients)
         call = self.callers.admit(fn_index, engine.weights[fn_index](), session, client.key)
         if isinstance(call, str):
-            await _answer(send, 429, call)
+            await _answer(send, 429, call, scope)
             return
         scope.setdefault("state", {})[STATE_KEY] = call.id
         await self._queue(call, scope, replay, send)
@@ -501,7 +513,7 @@ class HttpGate:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         too_long = f"the request body is longer than this server accepts ({limit} bytes)"
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _answer(send, 413, too_long)
+            await _answer(send, 413, too_long, scope)
             return None
         parts: list[bytes] = []
         size = 0
@@ -512,7 +524,7 @@ class HttpGate:
             part = message.get("body", b"")
             size += len(part)
             if size > limit:
-                await _answer(send, 413, too_long)
+                await _answer(send, 413, too_long, scope)
                 return None
             parts.append(part)
             if not message.get("more_body"):

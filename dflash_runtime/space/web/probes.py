@@ -44,6 +44,12 @@ def call_heartbeat(size: int) -> bytes:
     return b"event: heartbeat\ndata: null" + b" " * max(0, size - 30) + b"\n\n"
 
 
+def comment_heartbeat(size: int) -> bytes:
+    """A plain server-sent-event stream's heartbeat (the /v1 routes'): a comment line, which every client skips,
+    padded to about `size` bytes."""
+    return b":" + b" " * max(0, size - 3) + b"\n\n"
+
+
 def transport_of(send: Any, depth: int = 8) -> Any:
     """The asyncio transport under an ASGI `send` (uvicorn's request cycle holds it; middlewares wrap `send` in
     closures), or None where none is found."""

@@ -5,10 +5,14 @@ its limit is refused (429) while another is served."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -17,7 +21,7 @@ import pytest
 from app_fixtures import REPO_ROOT, RunningApp, running_app
 from gradio_client import Client
 from openai_clients import openai_error
-from space_client import chat_args, expected_answer, info_when, raw_body, reference_engine
+from space_client import chat_args, expected_answer, info_when, raw_body, raw_call, reference_engine
 
 from dflash_runtime.openai_api.thinking import split
 
@@ -207,3 +211,55 @@ def test_a_v1_stream_nobody_reads_is_noticed(base_url: str, monitor: Client, rea
     print(f"/v1 stream read {reads}: stopped {seconds:.2f} s later")
     assert seconds < 10.0, f"the answer ran {seconds:.1f} s for a client that read nothing"
     assert b'"finish_reason": "length"' not in received, "the answer ran to its end"
+
+
+FLOOD_S = 8.0
+FLOOD_CONNECTIONS = 16
+
+
+def test_one_address_flooding_the_pages_own_functions_takes_no_queue(server: RunningApp, monitor: Client) -> None:
+    """127.0.0.3 joins every queued function that runs no answer (the page's load, its timer, ...) with fresh
+    sessions on 16 connections, reading nothing; meanwhile 127.0.0.2's short /chat calls, one after another, nearly
+    all complete (Gradio's queue, 64 places, would otherwise be full: 503)."""
+    config = httpx.get(server.url.rstrip("/") + "/config", timeout=30).json()
+    engine = {"chat", "generate", "respond", "compare"}
+    functions = [(dep["id"], len(dep["inputs"])) for dep in config["dependencies"]
+                 if dep.get("queue") is not False and dep.get("backend_fn") and dep.get("api_name") not in engine]
+    assert len(functions) >= 2, config["dependencies"]
+    join_url = server.url.rstrip("/") + "/gradio_api/queue/join"
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def flood(worker: int) -> None:
+        with httpx.Client(timeout=30, transport=httpx.HTTPTransport(local_address="127.0.0.3")) as http:
+            for n in itertools.count():
+                if stop.is_set():
+                    return
+                fn_index, inputs = functions[n % len(functions)]
+                body = {"data": [None] * inputs, "fn_index": fn_index, "session_hash": f"flood-{worker}-{n}",
+                        "event_data": None, "trigger_id": None}  # fmt: skip
+                with contextlib.suppress(httpx.HTTPError):
+                    statuses.append(http.post(join_url, json=body).status_code)
+
+    outcomes: list[str] = []
+    with ThreadPoolExecutor(FLOOD_CONNECTIONS) as pool:
+        floods = [pool.submit(flood, worker) for worker in range(FLOOD_CONNECTIONS)]
+        began = time.monotonic()
+        try:
+            while time.monotonic() - began < FLOOD_S:
+                try:
+                    result = raw_call(server.url, "chat", raw_body(chat_args("hello", max_tokens=4)), timeout_s=60,
+                                      local_address="127.0.0.2")  # fmt: skip
+                    outcomes.append(result.event)
+                except httpx.HTTPError as error:
+                    outcomes.append(str(error)[:80])
+        finally:
+            stop.set()
+        for future in floods:
+            future.result(timeout=60)
+    completed = outcomes.count("complete") / len(outcomes)
+    print(f"flood: {len(statuses)} joins ({statuses.count(200)} admitted, {statuses.count(429)} refused); "
+          f"{outcomes.count('complete')} of {len(outcomes)} /chat calls completed")
+    assert statuses.count(429) > 0 and len(outcomes) >= 3, (statuses[:20], outcomes)
+    assert completed >= 0.9, outcomes
+    info_when(monitor, "idle", timeout_s=60)

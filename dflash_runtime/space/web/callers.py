@@ -55,6 +55,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -64,7 +65,7 @@ from ...errors import RequestError
 from ...openai_api.errors import ApiError
 from ..setup.settings import BUSY_TIMEOUT_S, busy_timeout_from_env, env_number
 from .clients import ClientSettings, client_of_scope
-from .probes import TrafficFloor, call_heartbeat, queue_heartbeat, tighten
+from .probes import PaddingBudget, TrafficFloor, call_heartbeat, queue_heartbeat, tighten
 
 log = logging.getLogger(__name__)
 Scope = MutableMapping[str, Any]
@@ -100,6 +101,8 @@ class GateSettings:
     | `DFLASH_CLIENT_EVENTS` | waiting events of the page's other queued functions one client may have | 4 |
     | `DFLASH_MAX_BODY_BYTES` | the longest request body | 1 MiB |
     | `DFLASH_READER_PROBE_BYTES_S` | the least traffic of a result stream while its answer runs (probes.py) | 48 KiB |
+    | `DFLASH_READER_PROBE_CLIENT_BYTES_S` | the most padding a second for all streams of one client | 96 KiB |
+    | `DFLASH_READER_PROBE_TOTAL_BYTES_S` | the most padding a second for all streams | 512 KiB |
     | `DFLASH_BUSY_TIMEOUT_S` | the one wait for the engine: a job for the web process's engine slot, a GPU call for the
       worker's engine lock, a stream for a consumer that stopped taking chunks | 120 |"""
 
@@ -110,6 +113,8 @@ class GateSettings:
     client_events: int = 4
     max_body_bytes: int = 1 << 20
     probe_bytes_s: float = 48 * 1024
+    probe_client_bytes_s: float = 96 * 1024
+    probe_total_bytes_s: float = 512 * 1024
     busy_timeout_s: float = BUSY_TIMEOUT_S
     clients: ClientSettings = field(default_factory=ClientSettings)
 
@@ -125,6 +130,8 @@ class GateSettings:
             client_events=int(env_number(env, "DFLASH_CLIENT_EVENTS", cls.client_events)),
             max_body_bytes=int(env_number(env, "DFLASH_MAX_BODY_BYTES", cls.max_body_bytes)),
             probe_bytes_s=env_number(env, "DFLASH_READER_PROBE_BYTES_S", cls.probe_bytes_s),
+            probe_client_bytes_s=env_number(env, "DFLASH_READER_PROBE_CLIENT_BYTES_S", cls.probe_client_bytes_s),
+            probe_total_bytes_s=env_number(env, "DFLASH_READER_PROBE_TOTAL_BYTES_S", cls.probe_total_bytes_s),
             busy_timeout_s=busy_timeout_from_env(env),
             clients=ClientSettings.from_env(env),
         )
@@ -133,7 +140,8 @@ class GateSettings:
         return {"reader_timeout_s": self.reader_timeout_s, "client_jobs": self.client_jobs,
                 "session_jobs": self.session_jobs, "total_jobs": self.total_jobs, "client_events": self.client_events,
                 "max_body_bytes": self.max_body_bytes, "busy_timeout_s": self.busy_timeout_s,
-                "reader_probe_bytes_s": self.probe_bytes_s,
+                "reader_probe_bytes_s": self.probe_bytes_s, "reader_probe_client_bytes_s": self.probe_client_bytes_s,
+                "reader_probe_total_bytes_s": self.probe_total_bytes_s,
                 "client_from": "X-Forwarded-For" if self.clients.trusted_proxy_hops else "socket"}  # fmt: skip
 
 
@@ -190,6 +198,7 @@ class Callers:
         self._readers: dict[str, list[Reader]] = {}
         self._left: dict[str, Departure] = {}  # session -> when (and how) its last reader left
         self._session_of_event: OrderedDict[str, str] = OrderedDict()
+        self.padding = PaddingBudget(self.settings.probe_client_bytes_s, self.settings.probe_total_bytes_s)
 
     # -- admission ---------------------------------------------------------------------------------------------------
 
@@ -622,8 +631,10 @@ class HttpGate:
                 self.callers.sending(reader, False)
 
         tighten(send)  # small buffers: a client that stops reading is seen within seconds (probes.py)
+        client = client_of_scope(scope, self.callers.settings.clients).key
         floor = TrafficFloor(tracked_send, self.callers.settings.probe_bytes_s,
-                             lambda: self.callers.running_for(session), padding)  # fmt: skip
+                             lambda: self.callers.running_for(session), padding,
+                             partial(self.callers.padding.take, client))  # fmt: skip
         watcher, padder = asyncio.create_task(watch()), asyncio.create_task(floor.run())
         try:
             await self.app(scope, app_receive, floor.send)

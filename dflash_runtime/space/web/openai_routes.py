@@ -31,7 +31,7 @@ from ...openai_api.errors import ApiError, bad_field, busy, from_runtime, over_l
 from ...openai_api.fields import CHAT, ApiRequest
 from ...openai_api.server import WRITE_WATCHERS, Caller, Progress, V1Api
 from ..requests import ChatRequest
-from .clients import ClientIdentity, ClientSettings, client_identity
+from .clients import ClientIdentity, ClientSettings, client_identity, client_of_scope
 from .probes import TrafficFloor, comment_heartbeat, tighten
 from .service import SpaceService, WorkerError
 
@@ -158,6 +158,8 @@ class MountV1:
         self.app = app
         self.v1 = v1_app(service)
         self.probe_bytes_s = service.callers.settings.probe_bytes_s
+        self.callers = service.callers
+        self.clients = service.callers.settings.clients
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "") if scope.get("type") == "http" else ""
@@ -179,7 +181,9 @@ class MountV1:
                     watcher(False)
 
         tighten(send)
-        floor = TrafficFloor(tracked_send, self.probe_bytes_s, lambda: True, comment_heartbeat)
+        client = client_of_scope(scope, self.clients).key
+        floor = TrafficFloor(tracked_send, self.probe_bytes_s, lambda: True, comment_heartbeat,
+                             partial(self.callers.padding.take, client))  # fmt: skip
         padder = asyncio.create_task(floor.run())
         try:
             await self.v1(scope, receive, floor.send)

@@ -38,6 +38,7 @@ from dflash_runtime.space.page.views import mode_banner
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT
 from dflash_runtime.space.setup.startup import run_startup_check
 from dflash_runtime.space.web.callers import EngineCalls, HttpGate
+from dflash_runtime.space.web.clients import servers_forward_nothing
 from dflash_runtime.space.web.openai_routes import MountV1
 from dflash_runtime.space.web.service import SpaceService
 
@@ -257,6 +258,9 @@ SERVICE = build_service()
 demo, ENGINE_CALLS = build_ui(SERVICE)
 
 if __name__ == "__main__":
+    replaced = servers_forward_nothing()  # the client is read from the socket or the trusted hops alone
+    if replaced:
+        log.warning("FORWARDED_ALLOW_IPS=%s ignored: set DFLASH_TRUSTED_PROXY_HOPS for a proxy in front", replaced)
     SERVICE.download.start()  # the web process fetches the files while the page is already up
     # api_open=False: the REST route /run/<name> refuses queued endpoints, so every answer goes through the queue.
     # HttpGate: bounded bodies, no uploads, limits on queued answers, and no answer runs that nobody reads (see

@@ -5,6 +5,7 @@ the API key."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ from openai_clients import RunningServer, openai_error, running_serve, sse_event
 from space_client import demo_pair
 
 from dflash_runtime import load_pair
+from dflash_runtime.openai_api.serve import server_config
 
 N_CTX = 4096
 KEY = "sk-test-0123456789"
@@ -168,3 +170,19 @@ def test_raw_sse_ends_with_done_and_a_long_body_is_refused(server: RunningServer
     assert huge.status_code == 413 and openai_error(huge)["code"] == "body_too_long"
     unknown = httpx.get(server.base_url + "/nowhere", headers=headers, timeout=10)
     assert unknown.status_code == 404 and openai_error(unknown)
+
+
+def test_the_server_takes_no_proxy_header_from_a_local_client() -> None:
+    """The server's own configuration, as uvicorn builds its application: a request from 127.0.0.1 naming another
+    address (and scheme) in proxy headers reaches the routes with its own peer (uvicorn's default would rewrite it)."""
+    seen: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append((scope["client"], scope["scheme"]))
+
+    config = server_config(app)
+    config.load()
+    scope = {"type": "http", "client": ("127.0.0.1", 50000), "scheme": "http", "path": "/v1/models",
+             "headers": [(b"x-forwarded-for", b"203.0.113.9"), (b"x-forwarded-proto", b"https")]}  # fmt: skip
+    asyncio.run(config.loaded_app(scope, None, None))
+    assert seen == [(("127.0.0.1", 50000), "http")]

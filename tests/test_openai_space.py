@@ -5,8 +5,14 @@ its limit is refused (429) while another is served."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import json
+import socket
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -15,7 +21,7 @@ import pytest
 from app_fixtures import REPO_ROOT, RunningApp, running_app
 from gradio_client import Client
 from openai_clients import openai_error
-from space_client import expected_answer, info_when, reference_engine
+from space_client import chat_args, expected_answer, info_when, raw_body, raw_call, reference_engine
 
 from dflash_runtime.openai_api.thinking import split
 
@@ -24,6 +30,7 @@ MAX_NEW_TOKENS = 3000
 PRESET = "tiny-random"
 MESSAGES = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "hello world, the model"}]
 MAX_TOKENS = 24
+GRADIO = chat_args("hello world, the model", max_tokens=4)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +153,113 @@ def test_a_client_over_its_limit_is_refused_while_another_is_served(base_url: st
         next(lines)  # its answer has started
         again = first.post(base_url + "/chat/completions", json={**body, "stream": False})
         assert again.status_code == 429 and openai_error(again)["type"] == "rate_limit_error"
+        # Off Spaces no proxy header names the client: not to the gate, nor to the server under it (uvicorn's would
+        # rewrite the peer of a request from 127.0.0.1), on /v1 or on the Gradio API.
+        for n, forwarded in enumerate(("203.0.113.9", "198.51.100.7, 203.0.113.10", "[2001:db8::1]:443")):
+            spoofed = first.post(base_url + "/chat/completions", json={**body, "stream": False},
+                                 headers={"X-Forwarded-For": forwarded, "X-Real-IP": f"192.0.2.{n}"})  # fmt: skip
+            assert spoofed.status_code == 429, (forwarded, spoofed.text)
+            gradio = first.post(base_url.removesuffix("/v1") + "/gradio_api/call/generate", content=raw_body(GRADIO),
+                                headers={"X-Forwarded-For": forwarded, "Content-Type": "application/json"})
+            assert gradio.status_code == 429 and "you have 1 answers" in gradio.text, (forwarded, gradio.text)
         served = other.post(base_url + "/chat/completions", json={**body, "max_tokens": 4, "stream": False})
         assert served.status_code == 200, served.text
         next(lines)  # the first client's answer still runs
     info_when(monitor, "idle", timeout_s=30)
+
+
+def test_refusals_before_the_api_have_openais_shape(base_url: str) -> None:
+    """What the Space's gate refuses before the /v1 routes see it: a body too long (413) or nested too deeply (400)."""
+    long = httpx.post(base_url + "/chat/completions", content=b'{"model": "' + b"x" * (1 << 20) + b'"}',
+                      headers={"Content-Type": "application/json"}, timeout=60)  # fmt: skip
+    assert long.status_code == 413 and openai_error(long)["code"] == "body_too_long"
+    deep = httpx.post(base_url + "/chat/completions", content=b"[" * 5000 + b"]" * 5000,
+                      headers={"Content-Type": "application/json"}, timeout=60)  # fmt: skip
+    assert deep.status_code == 400 and openai_error(deep)["code"] == "invalid_json"
+
+
+def v1_request(base_url: str, body: dict[str, Any]) -> bytes:
+    """A /v1 POST as raw bytes (HTTP/1.1), for a socket of our own."""
+    payload = json.dumps(body).encode()
+    host = base_url.split("//", 1)[1].split("/", 1)[0]
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload  # fmt: skip
+
+
+@pytest.mark.parametrize("reads", ["never", "two chunks"])
+def test_a_v1_stream_nobody_reads_is_noticed(base_url: str, monitor: Client, reads: str) -> None:
+    """The client keeps its connection but reads nothing (or stops after two chunks): its answer stops within 10 s,
+    not at its end (what the client reads afterwards never finishes it)."""
+    body = {"model": PRESET, "messages": MESSAGES, "max_tokens": MAX_NEW_TOKENS, "stream": True}
+    host, port = base_url.split("//", 1)[1].split("/", 1)[0].split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+        sock.sendall(v1_request(base_url, body))
+        received = b""
+        if reads == "never":
+            info_when(monitor, "busy", timeout_s=60)
+        else:
+            while received.count(b"data: {") < 2:
+                received += sock.recv(256)
+        stopped_reading = time.monotonic()
+        info_when(monitor, "idle", timeout_s=60)
+        seconds = time.monotonic() - stopped_reading
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+            if received.endswith(b"data: [DONE]\n\n") or b"\r\n0\r\n\r\n" in received[-16:]:
+                break
+    print(f"/v1 stream read {reads}: stopped {seconds:.2f} s later")
+    assert seconds < 10.0, f"the answer ran {seconds:.1f} s for a client that read nothing"
+    assert b'"finish_reason": "length"' not in received, "the answer ran to its end"
+
+
+FLOOD_S = 5.0
+FLOOD_CONNECTIONS = 16
+
+
+def test_one_address_flooding_the_pages_own_functions_takes_no_queue(server: RunningApp, monitor: Client) -> None:
+    """127.0.0.3 joins every queued function that runs no answer (the page's load, its timer, ...) with fresh
+    sessions on 16 connections, reading nothing; meanwhile 127.0.0.2's short /chat calls, one after another, nearly
+    all complete (Gradio's queue, 64 places, would otherwise be full: 503)."""
+    config = httpx.get(server.url.rstrip("/") + "/config", timeout=30).json()
+    engine = {"chat", "generate", "respond", "compare"}
+    functions = [(dep["id"], len(dep["inputs"])) for dep in config["dependencies"]
+                 if dep.get("queue") is not False and dep.get("backend_fn") and dep.get("api_name") not in engine]
+    assert len(functions) >= 2, config["dependencies"]
+    join_url = server.url.rstrip("/") + "/gradio_api/queue/join"
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def flood(worker: int) -> None:
+        with httpx.Client(timeout=30, transport=httpx.HTTPTransport(local_address="127.0.0.3")) as http:
+            for n in itertools.count():
+                if stop.is_set():
+                    return
+                fn_index, inputs = functions[n % len(functions)]
+                body = {"data": [None] * inputs, "fn_index": fn_index, "session_hash": f"flood-{worker}-{n}",
+                        "event_data": None, "trigger_id": None}  # fmt: skip
+                with contextlib.suppress(httpx.HTTPError):
+                    statuses.append(http.post(join_url, json=body).status_code)
+
+    outcomes: list[str] = []
+    with ThreadPoolExecutor(FLOOD_CONNECTIONS) as pool:
+        floods = [pool.submit(flood, worker) for worker in range(FLOOD_CONNECTIONS)]
+        began = time.monotonic()
+        try:
+            while time.monotonic() - began < FLOOD_S:
+                try:
+                    result = raw_call(server.url, "chat", raw_body(chat_args("hello", max_tokens=4)), timeout_s=60,
+                                      local_address="127.0.0.2")  # fmt: skip
+                    outcomes.append(result.event)
+                except httpx.HTTPError as error:
+                    outcomes.append(str(error)[:80])
+        finally:
+            stop.set()
+        for future in floods:
+            future.result(timeout=60)
+    completed = outcomes.count("complete") / len(outcomes)
+    print(f"flood: {len(statuses)} joins ({statuses.count(200)} admitted, {statuses.count(429)} refused); "
+          f"{outcomes.count('complete')} of {len(outcomes)} /chat calls completed")
+    assert statuses.count(429) > 0 and len(outcomes) >= 3, (statuses[:20], outcomes)
+    assert completed >= 0.9, outcomes
+    info_when(monitor, "idle", timeout_s=60)

@@ -69,6 +69,28 @@ def test_a_client_is_its_address_as_the_platform_gives_it() -> None:
     assert "198.51.100.7" not in client_identity(forwarded, "10.16.0.1", behind_proxy).key
 
 
+def test_the_proxys_hop_is_one_client_whatever_shape_the_header_takes() -> None:
+    """Behind the proxy: several headers count as one list in order, spaces and empty hops are nothing, a port or an
+    IPv6 address's brackets name the same client, and only the proxy's own (last) hop counts."""
+    behind_proxy = ClientSettings(1)
+
+    def key(*values: str) -> str:
+        return client_identity([(b"x-forwarded-for", v.encode()) for v in values], "10.16.0.1", behind_proxy).key
+
+    ipv4 = key("198.51.100.7")
+    assert ipv4 == key("203.0.113.9,198.51.100.7") == key(" 203.0.113.9 ,  198.51.100.7 ") == key("198.51.100.7:4711")
+    assert ipv4 == key("203.0.113.9", "198.51.100.7") == key("1.2.3.4, 5.6.7.8", " 198.51.100.7:80 ")
+    assert ipv4 == key("x, ,198.51.100.7")
+    assert ipv4 != key("198.51.100.7", "203.0.113.9") and ipv4 != key("198.51.100.8")
+    ipv6 = key("2001:db8:5:6::1")
+    assert ipv6 == key("[2001:db8:5:6::1]") == key("[2001:db8:5:6::1]:443") == key("192.0.2.1, [2001:db8:5:6::2]:8443")
+    assert ipv6 == key('"[2001:db8:5:6::3]:1"') and ipv6 != key("2001:db8:5:7::1")
+    assert key("::ffff:198.51.100.7") == ipv4, "an IPv4-mapped address is its IPv4 client"
+    headers = [(b"X-Forwarded-For", b"192.0.2.1"), (b"x-forwarded-for", b"198.51.100.7")]
+    assert client_identity(headers, "10.16.0.1", behind_proxy).key == ipv4, "header names in any case"
+    assert client_identity(headers, "10.16.0.1", ClientSettings(0)).source == "socket"
+
+
 def test_bodies_are_read_as_gradio_reads_them() -> None:
     assert [gradio_int(value) for value in ("12", 12.0, 12, None)] == [12, 12, 12, None]
     assert all(isinstance(gradio_int(value), ValueError) for value in ("twelve", 12.5, [12]))

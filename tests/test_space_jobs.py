@@ -14,7 +14,7 @@ import pytest
 from dflash_runtime.errors import RequestError
 from dflash_runtime.space.web.callers import Call, Callers, GateSettings
 from dflash_runtime.space.web.jobs import EngineSlot, ReplyJob
-from dflash_runtime.space.web.probes import Message, TrafficFloor, queue_heartbeat
+from dflash_runtime.space.web.probes import Message, PaddingBudget, TrafficFloor, queue_heartbeat
 
 TIMEOUT_S = 30.0
 
@@ -440,3 +440,19 @@ def test_the_traffic_floor_knows_when_the_server_ended_the_stream() -> None:
         return [*seen, floor.finished]
 
     assert asyncio.run(stream()) == [False, False, True] and len(written) == 3
+
+
+def test_padding_is_bounded_per_client_and_in_total() -> None:
+    """The reader probes' padding (probes.PaddingBudget): one second's worth a bucket, refilled by the clock; one
+    client's streams share its rate, every client's share the total."""
+    clock = Clock()
+    budget = PaddingBudget(client_bytes_s=1000, total_bytes_s=2500, clock=clock)
+    assert [budget.take("a", 600), budget.take("a", 600), budget.take("b", 600)] == [600, 400, 600]
+    assert budget.take("c", 5000) == 900, "what is left of the total"
+    assert budget.take("d", 5000) == 0, "the total is spent"
+    clock.now += 0.5
+    assert budget.take("a", 5000) == 500 and budget.take("e", 5000) == 750
+    clock.now += 10.0
+    sent = sum(budget.take(client, 10_000) for client in "abcdefgh")
+    assert sent == 2500, "after a pause: at most one second's worth in all"
+    assert PaddingBudget(1000, 2500, clock=clock).take("z", 30) == 0, "too small a grant waits for the next tick"

@@ -73,6 +73,8 @@ def parse_body(body: bytes) -> dict[str, Any]:
         value = json.loads(body, parse_constant=no_constant)
     except (ValueError, UnicodeDecodeError) as error:
         raise ApiError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the JSON body is nested too deeply", code="invalid_json") from None
     if not isinstance(value, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     return value

@@ -58,6 +58,14 @@ def build_app(engine: Any, model: str, api_key: str | None, max_waiting: int = 1
     return app
 
 
+def server_config(app: Any) -> Any:
+    """Uvicorn's configuration for `app`: no proxy headers (uvicorn would otherwise rewrite a request's peer from
+    `X-Forwarded-For` sent from 127.0.0.1, so that a local client could name any address it likes)."""
+    import uvicorn
+
+    return uvicorn.Config(app, log_level="warning", proxy_headers=False, forwarded_allow_ips="")
+
+
 def serve(args: argparse.Namespace, open_engine: Any) -> int:
     import uvicorn
 
@@ -74,5 +82,5 @@ def serve(args: argparse.Namespace, open_engine: Any) -> int:
         sock.listen(128)
         print(f"serving {model} on http://{args.host}:{args.port}/v1 ({'API key required' if api_key else 'open'})",
               flush=True)  # fmt: skip
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        uvicorn.Server(server_config(app)).run(sockets=[sock])
     return 0

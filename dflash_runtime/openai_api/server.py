@@ -32,6 +32,9 @@ from .thinking import ThinkingSplitter
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_BODY_BYTES = 1 << 20
+# Where a request's scope state keeps the watchers of writes to its connection (its Caller's `on_write`): a server in
+# front that writes to the same connection (a stream's padding) tells them too.
+WRITE_WATCHERS = "dflash_write_watchers"
 
 
 @dataclass(frozen=True)
@@ -200,7 +203,8 @@ class V1Api:
         return await self._answer(request, COMPLETION)
 
     async def _answer(self, request: Request, kind: str) -> Response:
-        caller = Caller(request.client.host if request.client else None, request.headers)
+        watchers = request.scope.setdefault("state", {}).setdefault(WRITE_WATCHERS, [])
+        caller = Caller(request.client.host if request.client else None, request.headers, watchers)
         try:
             if not self._authorized(request):
                 raise unauthorized()

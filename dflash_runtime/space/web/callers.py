@@ -15,6 +15,10 @@ Gradio-free).
   freely), per session, and for everybody. Over one: HTTP 429 saying which. A join is read as Gradio reads it
   (`"fn_index": "12"`, `12.0` and `12` are one function), so whatever Gradio would run is counted; and the service
   admits any engine call that reached it without passing here (see SpaceService.reply).
+- **Limits on the queue's other events, by client.** A join of any other queued function (the page's load, its
+  timer) holds a place in Gradio's queue too: one client may have `client_events` of them waiting (429 over it), each
+  counted until Gradio says it completed, its client withdraws it, or nobody reads its session (see
+  Callers.admit_event).
 - **Nobody reads, nothing runs.** An admitted call runs only while somebody reads its result. Its readers are the
   result streams of its session: `GET /gradio_api/queue/data?session_hash=…` (the page, gradio_client) and
   `GET /gradio_api/call/<name>/<event id>` (plain HTTP). A call is abandoned when its session has no reader and
@@ -51,15 +55,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from urllib.parse import parse_qs
 
 from pydantic import TypeAdapter, ValidationError
 
 from ...errors import RequestError
+from ...openai_api.errors import ApiError
 from ..setup.settings import BUSY_TIMEOUT_S, busy_timeout_from_env, env_number
 from .clients import ClientSettings, client_of_scope
-from .probes import TrafficFloor, call_heartbeat, queue_heartbeat, tighten
+from .probes import PaddingBudget, TrafficFloor, call_heartbeat, queue_heartbeat, tighten
 
 log = logging.getLogger(__name__)
 Scope = MutableMapping[str, Any]
@@ -76,6 +82,9 @@ _QUEUE_DATA = re.compile(r"/gradio_api/queue/data/?$")
 _UPLOAD = re.compile(r"/gradio_api/upload/?$")
 _CANCEL = re.compile(r"/gradio_api/cancel/?$")
 _RUN = re.compile(r"/gradio_api/run/([^/]+)/?$")
+_EVENT_ID = re.compile(rb'"event_id":\s*"([0-9a-f]+)"')
+_V1 = re.compile(r"/v1(/|$)")
+_V1_CODES = {400: "invalid_json", 413: "body_too_long", 422: "invalid_value", 429: "rate_limit_exceeded"}
 MAX_DEPTH = 32  # JSON nesting a body may have (the API's deepest is 3: data, history, a message)
 EXCERPT_CHARS = 60  # of a refused value an error quotes at most
 _OPTIONAL_INT = TypeAdapter(int | None)
@@ -89,8 +98,11 @@ class GateSettings:
     | `DFLASH_CLIENT_JOBS` | generations one client (clients.py) may have queued or running | 8 |
     | `DFLASH_SESSION_JOBS` | the same, for one session | 3 |
     | `DFLASH_TOTAL_JOBS` | the same, for everybody (at most the queue's size) | 64 |
+    | `DFLASH_CLIENT_EVENTS` | waiting events of the page's other queued functions one client may have | 4 |
     | `DFLASH_MAX_BODY_BYTES` | the longest request body | 1 MiB |
     | `DFLASH_READER_PROBE_BYTES_S` | the least traffic of a result stream while its answer runs (probes.py) | 48 KiB |
+    | `DFLASH_READER_PROBE_CLIENT_BYTES_S` | the most padding a second for all streams of one client | 96 KiB |
+    | `DFLASH_READER_PROBE_TOTAL_BYTES_S` | the most padding a second for all streams | 512 KiB |
     | `DFLASH_BUSY_TIMEOUT_S` | the one wait for the engine: a job for the web process's engine slot, a GPU call for the
       worker's engine lock, a stream for a consumer that stopped taking chunks | 120 |"""
 
@@ -98,8 +110,11 @@ class GateSettings:
     client_jobs: int = 8
     session_jobs: int = 3
     total_jobs: int = 64
+    client_events: int = 4
     max_body_bytes: int = 1 << 20
     probe_bytes_s: float = 48 * 1024
+    probe_client_bytes_s: float = 96 * 1024
+    probe_total_bytes_s: float = 512 * 1024
     busy_timeout_s: float = BUSY_TIMEOUT_S
     clients: ClientSettings = field(default_factory=ClientSettings)
 
@@ -112,17 +127,21 @@ class GateSettings:
             client_jobs=int(env_number(env, "DFLASH_CLIENT_JOBS", cls.client_jobs)),
             session_jobs=int(env_number(env, "DFLASH_SESSION_JOBS", cls.session_jobs)),
             total_jobs=min(total, queue_size) if queue_size else total,
+            client_events=int(env_number(env, "DFLASH_CLIENT_EVENTS", cls.client_events)),
             max_body_bytes=int(env_number(env, "DFLASH_MAX_BODY_BYTES", cls.max_body_bytes)),
             probe_bytes_s=env_number(env, "DFLASH_READER_PROBE_BYTES_S", cls.probe_bytes_s),
+            probe_client_bytes_s=env_number(env, "DFLASH_READER_PROBE_CLIENT_BYTES_S", cls.probe_client_bytes_s),
+            probe_total_bytes_s=env_number(env, "DFLASH_READER_PROBE_TOTAL_BYTES_S", cls.probe_total_bytes_s),
             busy_timeout_s=busy_timeout_from_env(env),
             clients=ClientSettings.from_env(env),
         )
 
     def describe(self) -> dict[str, Any]:
         return {"reader_timeout_s": self.reader_timeout_s, "client_jobs": self.client_jobs,
-                "session_jobs": self.session_jobs, "total_jobs": self.total_jobs,
+                "session_jobs": self.session_jobs, "total_jobs": self.total_jobs, "client_events": self.client_events,
                 "max_body_bytes": self.max_body_bytes, "busy_timeout_s": self.busy_timeout_s,
-                "reader_probe_bytes_s": self.probe_bytes_s,
+                "reader_probe_bytes_s": self.probe_bytes_s, "reader_probe_client_bytes_s": self.probe_client_bytes_s,
+                "reader_probe_total_bytes_s": self.probe_total_bytes_s,
                 "client_from": "X-Forwarded-For" if self.clients.trusted_proxy_hops else "socket"}  # fmt: skip
 
 
@@ -150,6 +169,7 @@ class Call:
     posted: float
     event_id: str | None = None
     started: bool = False
+    engine: bool = True  # an engine call (counted in generations), or a waiting event of another function
 
 
 @dataclass
@@ -179,6 +199,7 @@ class Callers:
         self._left: dict[str, Departure] = {}  # session -> when (and how) its last reader left
         self._session_of_event: OrderedDict[str, str] = OrderedDict()
         self._taken: OrderedDict[str, None] = OrderedDict()  # calls whose place another client took (_make_room)
+        self.padding = PaddingBudget(self.settings.probe_client_bytes_s, self.settings.probe_total_bytes_s)
 
     # -- admission ---------------------------------------------------------------------------------------------------
 
@@ -187,7 +208,7 @@ class Callers:
         its own (an A/B run of many methods) is let in when nothing else counts against that limit."""
         s = self.settings
         with self._lock:
-            live = list(self._calls.values())
+            live = [c for c in self._calls.values() if c.engine]
             total = sum(c.weight for c in live) + weight
             if total > s.total_jobs and total > weight:
                 live = self._make_room(live, total - s.total_jobs, weight, client)
@@ -237,6 +258,32 @@ class Callers:
         """Whether the call's place went to a client with fewer answers (see _make_room)."""
         with self._lock:
             return call_id is not None and call_id in self._taken
+
+    def admit_event(self, fn_index: int, session: str, client: str = "") -> Call | str:
+        """A join of one of the page's other queued functions (not an engine call: the page's load, its timer) by
+        `client`, or why it is refused: a client may have `client_events` of them waiting, so that no client holds
+        more than a small share of Gradio's queue. An event counts until Gradio says it completed (on its session's
+        stream), its client withdraws it, its session's reader hangs up, or nobody reads its session for
+        `reader_timeout_s` (Gradio runs such events in milliseconds)."""
+        limit = self.settings.client_events
+        with self._lock:
+            now = self._clock()
+            for stale in [c for c in self._calls.values() if not c.engine and self._abandoned(c, now)]:
+                del self._calls[stale.id]
+            used = sum(1 for c in self._calls.values() if not c.engine and c.client == client)
+            if used >= limit:
+                return (f"you have {used} events of this page waiting in the queue (in all your sessions); the limit "
+                        f"is {limit}: wait for them")  # fmt: skip
+            call = Call(secrets.token_hex(8), fn_index, 0, False, session, client, now, engine=False)
+            self._calls[call.id] = call
+            return call
+
+    def completed(self, event_id: str) -> None:
+        """Gradio says an event completed (on its session's stream): a waiting event of the page's own frees its
+        place (an engine call's handler ends it)."""
+        with self._lock:
+            for call in [c for c in self._calls.values() if c.event_id == event_id and not c.engine]:
+                del self._calls[call.id]
 
     def queued(self, call: Call, event_id: str | None) -> None:
         """Gradio answered the POST: with the call's event id, or (None) refused it."""
@@ -419,8 +466,16 @@ def gradio_int(value: Any) -> int | ValueError | None:
         return ValueError(str(error))
 
 
-async def _answer(send: Send, status: int, detail: str) -> None:
-    payload = json.dumps({"detail": detail}).encode()
+def _v1_error(status: int, detail: str) -> dict[str, Any]:
+    """A refusal of a /v1 request, in OpenAI's shape (what its clients parse) rather than Gradio's `detail`."""
+    code = _V1_CODES.get(status, "invalid_request")
+    kind = "rate_limit_error" if status == 429 else "invalid_request_error"
+    return ApiError(status, detail, type=kind, code=code).body()
+
+
+async def _answer(send: Send, status: int, detail: str, scope: Scope | None = None) -> None:
+    v1 = scope is not None and _V1.match(scope.get("path", "")) is not None
+    payload = json.dumps(_v1_error(status, detail) if v1 else {"detail": detail}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                             (b"connection", b"close")]})  # fmt: skip
@@ -466,14 +521,15 @@ class HttpGate:
             await self.app(scope, receive, send)
             return
         if _UPLOAD.search(path):
-            await _answer(send, 413, "uploads are off: this Space takes no files (maximum allowed size: 0 bytes)")
+            await _answer(send, 413, "uploads are off: this Space takes no files (maximum allowed size: 0 bytes)",
+                          scope)  # fmt: skip
             return
         raw = await self._body(scope, receive, send)
         if raw is None:
             return
         body = Body.parse(raw)
         if body.problem is not None:
-            await _answer(send, 400, body.problem)
+            await _answer(send, 400, body.problem, scope)
             return
         replay = _replay(raw, receive)
         if _CANCEL.search(path):
@@ -481,7 +537,7 @@ class HttpGate:
         call_match, run_match = _CALL.search(path), _RUN.search(path)
         named = call_match.group(2) if call_match and not call_match.group(1) else run_match and run_match.group(1)
         if named and (problem := self._values_problem(named, body)):
-            await _answer(send, 422, problem)
+            await _answer(send, 422, problem, scope)
             return
         engine = self.engine
         if engine is None:
@@ -502,17 +558,20 @@ class HttpGate:
                                          f"{excerpt(body.field('fn_index'))})")  # fmt: skip
                 return
             if not session:
-                await _answer(send, 422, "session_hash must be a non-empty string")
+                await _answer(send, 422, "session_hash must be a non-empty string", scope)
                 return
         else:
             fn_index = None
-        if fn_index is None or fn_index not in engine.weights:
+        if fn_index is None or (fn_index not in engine.weights and not _JOIN.search(path)):
             await self.app(scope, replay, send)
             return
         client = client_of_scope(scope, self.callers.settings.clients)
-        call = self.callers.admit(fn_index, engine.weights[fn_index](), session, client.key)
+        if fn_index in engine.weights:
+            call = self.callers.admit(fn_index, engine.weights[fn_index](), session, client.key)
+        else:  # a join of another queued function: it holds a place in Gradio's queue too
+            call = self.callers.admit_event(fn_index, session, client.key)
         if isinstance(call, str):
-            await _answer(send, 429, call)
+            await _answer(send, 429, call, scope)
             return
         scope.setdefault("state", {})[STATE_KEY] = call.id
         await self._queue(call, scope, replay, send)
@@ -533,7 +592,7 @@ class HttpGate:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         too_long = f"the request body is longer than this server accepts ({limit} bytes)"
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _answer(send, 413, too_long)
+            await _answer(send, 413, too_long, scope)
             return None
         parts: list[bytes] = []
         size = 0
@@ -544,7 +603,7 @@ class HttpGate:
             part = message.get("body", b"")
             size += len(part)
             if size > limit:
-                await _answer(send, 413, too_long)
+                await _answer(send, 413, too_long, scope)
                 return None
             parts.append(part)
             if not message.get("more_body"):
@@ -593,6 +652,10 @@ class HttpGate:
             return early.pop(0) if early[0]["type"] != "http.disconnect" else early[0]
 
         async def tracked_send(message: Message) -> None:
+            if message["type"] == "http.response.body" and b"process_completed" in message.get("body", b""):
+                for line in message["body"].split(b"\n"):
+                    if b'"process_completed"' in line and (found := _EVENT_ID.search(line)):
+                        self.callers.completed(found.group(1).decode())
             self.callers.sending(reader, True)
             try:
                 await send(message)
@@ -600,8 +663,10 @@ class HttpGate:
                 self.callers.sending(reader, False)
 
         tighten(send)  # small buffers: a client that stops reading is seen within seconds (probes.py)
+        client = client_of_scope(scope, self.callers.settings.clients).key
         floor = TrafficFloor(tracked_send, self.callers.settings.probe_bytes_s,
-                             lambda: self.callers.running_for(session), padding)  # fmt: skip
+                             lambda: self.callers.running_for(session), padding,
+                             partial(self.callers.padding.take, client))  # fmt: skip
         watcher, padder = asyncio.create_task(watch()), asyncio.create_task(floor.run())
         try:
             await self.app(scope, app_receive, floor.send)

@@ -25,14 +25,27 @@ import hmac
 import ipaddress
 import os
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..setup.settings import env_number
 
 _SECRET = secrets.token_bytes(32)  # per process: client keys cannot be matched to addresses elsewhere
+UVICORN_TRUSTED_PROXIES = "FORWARDED_ALLOW_IPS"  # the peers whose X-Forwarded-For uvicorn would believe
 UNKNOWN = "unknown"  # no address at all (an in-process call): one client, so limited as one
+
+
+def servers_forward_nothing(env: MutableMapping[str, str] | None = None) -> str | None:
+    """Make the HTTP server under Gradio take no proxy header: uvicorn's proxy-headers middleware (on by default,
+    trusting 127.0.0.1 and ::1) would rewrite a request's peer from `X-Forwarded-For` before the Space sees it, so that
+    a client on the same machine could pick a new identity per request. Uvicorn reads its trusted list from
+    `FORWARDED_ALLOW_IPS` when Gradio builds the server's configuration: empty, it trusts nobody, and the header is
+    read here alone (`DFLASH_TRUSTED_PROXY_HOPS`). Call before `launch()`. Returns the value it replaced, if any."""
+    env = os.environ if env is None else env
+    before = env.get(UVICORN_TRUSTED_PROXIES)
+    env[UVICORN_TRUSTED_PROXIES] = ""
+    return before or None
 
 
 @dataclass(frozen=True)
@@ -98,10 +111,23 @@ def _forwarded_hops(headers: Iterable[tuple[Any, Any]]) -> list[str]:
     return hops
 
 
+def _host(hop: str) -> str:
+    """A hop's address without what proxies may write around it: quotes, an IPv6 address's brackets, a port
+    (`203.0.113.9:4711`, `[2001:db8::1]:443`); a bare IPv6 address (several colons) keeps all it has."""
+    hop = hop.strip().strip('"').strip()
+    if hop.startswith("["):
+        end = hop.find("]")
+        return hop[1:end] if end > 0 else hop
+    if hop.count(":") == 1:
+        return hop.split(":", 1)[0]
+    return hop
+
+
 def _network(address: str) -> str:
     """The address as a client: IPv4 as is, IPv6 as its /64; anything unparsable as the text it is."""
+    address = _host(address)
     try:
-        parsed = ipaddress.ip_address(address.strip("[]"))
+        parsed = ipaddress.ip_address(address)
     except ValueError:
         return address[:64]
     if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is None:

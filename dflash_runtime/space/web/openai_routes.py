@@ -18,6 +18,7 @@ dedicated hardware, or `python -m dflash_runtime serve` on one's own machine.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 from collections.abc import AsyncIterator, Mapping
@@ -28,9 +29,10 @@ from typing import Any
 from ...errors import RequestError
 from ...openai_api.errors import ApiError, bad_field, busy, from_runtime, over_limit, unavailable
 from ...openai_api.fields import CHAT, ApiRequest
-from ...openai_api.server import Caller, Progress, V1Api
+from ...openai_api.server import WRITE_WATCHERS, Caller, Progress, V1Api
 from ..requests import ChatRequest
-from .clients import ClientIdentity, ClientSettings, client_identity
+from .clients import ClientIdentity, ClientSettings, client_identity, client_of_scope
+from .probes import TrafficFloor, comment_heartbeat, tighten
 from .service import SpaceService, WorkerError
 
 V1_CALL = -1  # the Callers' fn_index of a /v1 call (Gradio numbers its own events from 0)
@@ -147,14 +149,44 @@ def v1_app(service: SpaceService, env: Mapping[str, str] | None = None) -> Any:
 
 
 class MountV1:
-    """ASGI middleware: /v1 paths go to the /v1 application, everything else on to Gradio."""
+    """ASGI middleware: /v1 paths go to the /v1 application, everything else on to Gradio. A /v1 answer's stream
+    is watched as the Gradio API's result streams are (probes.py): small buffers and a floor of traffic (comment
+    lines) while it streams, every write to the connection told to the call's reader, so that a client that stops
+    reading, or never reads, is noticed within seconds."""
 
     def __init__(self, app: Any, service: SpaceService) -> None:
         self.app = app
         self.v1 = v1_app(service)
+        self.probe_bytes_s = service.callers.settings.probe_bytes_s
+        self.callers = service.callers
+        self.clients = service.callers.settings.clients
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "") if scope.get("type") == "http" else ""
-        target = self.v1 if path == "/v1" or path.startswith("/v1/") else self.app
-        await target(scope, receive, send)
+        if path != "/v1" and not path.startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if scope.get("method") != "POST":
+            await self.v1(scope, receive, send)
+            return
+        watchers = scope.setdefault("state", {}).setdefault(WRITE_WATCHERS, [])
+
+        async def tracked_send(message: Any) -> None:
+            for watcher in list(watchers):
+                watcher(True)
+            try:
+                await send(message)
+            finally:
+                for watcher in list(watchers):
+                    watcher(False)
+
+        tighten(send)
+        client = client_of_scope(scope, self.clients).key
+        floor = TrafficFloor(tracked_send, self.probe_bytes_s, lambda: True, comment_heartbeat,
+                             partial(self.callers.padding.take, client))  # fmt: skip
+        padder = asyncio.create_task(floor.run())
+        try:
+            await self.v1(scope, receive, floor.send)
+        finally:
+            padder.cancel()
 

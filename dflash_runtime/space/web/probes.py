@@ -13,6 +13,12 @@ after megabytes (or never, for a one-shot answer that writes nothing until its e
   client that stopped reading has its window full within seconds; a write that then does not return for
   `DFLASH_READER_TIMEOUT_S` is a reader gone (callers.py).
 
+**The floor is bounded per client and in total** (`PaddingBudget`): the padding of all the streams of one client comes
+out of `DFLASH_READER_PROBE_CLIENT_BYTES_S` a second, that of all streams out of `DFLASH_READER_PROBE_TOTAL_BYTES_S`,
+so that a client holding many streams it reads costs the server a bounded share of its time however many it opens
+(one or two streams of a client get the whole floor each; more share it, and a stopped reader among them is noticed
+later in proportion).
+
 Behind a proxy that buffers whole streams (as Hugging Face's may), the socket faces the proxy, not the client: there
 it is the proxy that notices a client gone (its hang-up reaches us), and the floor of traffic costs only the proxy's
 bandwidth. 0 turns the floor off.
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -42,6 +49,12 @@ def queue_heartbeat(size: int) -> bytes:
 def call_heartbeat(size: int) -> bytes:
     """A call's result stream's heartbeat (`/gradio_api/call/<name>/<event id>`), padded to about `size` bytes."""
     return b"event: heartbeat\ndata: null" + b" " * max(0, size - 30) + b"\n\n"
+
+
+def comment_heartbeat(size: int) -> bytes:
+    """A plain server-sent-event stream's heartbeat (the /v1 routes'): a comment line, which every client skips,
+    padded to about `size` bytes."""
+    return b":" + b" " * max(0, size - 3) + b"\n\n"
 
 
 def transport_of(send: Any, depth: int = 8) -> Any:
@@ -83,14 +96,52 @@ def tighten(send: Any) -> bool:
     return True
 
 
+MIN_PADDING = 64  # bytes: a grant smaller than this waits for the next tick
+REMEMBERED_CLIENTS = 4096  # buckets kept before the full ones are forgotten
+
+
+class PaddingBudget:
+    """Bytes of padding a second, per client and in total: token buckets of one second's worth, refilled by the
+    clock. Used from the event loop only (every stream's padding runs there)."""
+
+    def __init__(self, client_bytes_s: float, total_bytes_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.client_bytes_s = client_bytes_s
+        self.total_bytes_s = total_bytes_s
+        self._clock = clock
+        self._total = (total_bytes_s, clock())
+        self._clients: dict[str, tuple[float, float]] = {}
+
+    def _level(self, bucket: tuple[float, float], rate: float, now: float) -> float:
+        level, at = bucket
+        return min(rate, level + rate * (now - at))
+
+    def take(self, client: str, wanted: int) -> int:
+        """Up to `wanted` bytes of padding for a stream of `client`, as its and everybody's buckets allow."""
+        now = self._clock()
+        total = self._level(self._total, self.total_bytes_s, now)
+        own = self._level(self._clients.get(client, (self.client_bytes_s, now)), self.client_bytes_s, now)
+        granted = int(min(wanted, total, own))
+        if granted < MIN_PADDING:
+            granted = 0
+        self._total = (total - granted, now)
+        self._clients[client] = (own - granted, now)
+        if len(self._clients) > REMEMBERED_CLIENTS:
+            rate = self.client_bytes_s
+            self._clients = {key: bucket for key, bucket in self._clients.items()
+                             if self._level(bucket, rate, now) < rate}  # fmt: skip
+        return granted
+
+
 class TrafficFloor:
     """Pads a server-sent-event stream to `bytes_per_s` while `running()` says its answer runs (see the module doc),
-    with `padding(size)` (queue_heartbeat or call_heartbeat). `send` is the stream's own (each write of it, the app's
-    and the padding's, one at a time)."""
+    with `padding(size)` (queue_heartbeat or call_heartbeat), as much as `grant(owed)` allows (a PaddingBudget's
+    share). `send` is the stream's own (each write of it, the app's and the padding's, one at a time)."""
 
     def __init__(self, send: Send, bytes_per_s: float, running: Callable[[], bool],
-                 padding: Callable[[int], bytes]) -> None:  # fmt: skip
+                 padding: Callable[[int], bytes], grant: Callable[[int], int] | None = None) -> None:  # fmt: skip
         self._send = send
+        self._grant = grant  # how much of what is owed may be sent (a PaddingBudget's share), all when None
         self._padding = padding
         self._bytes_per_s = bytes_per_s
         self._running = running
@@ -133,6 +184,8 @@ class TrafficFloor:
             owed = int(self._bytes_per_s * (now - last)) - self._sent
             last, self._sent = now, 0
             if owed <= 0 or not self._events or not self._between_events or not self._running():
+                continue
+            if self._grant is not None and (owed := self._grant(owed)) <= 0:
                 continue
             async with self._lock:
                 if self._finished:

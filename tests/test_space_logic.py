@@ -541,6 +541,27 @@ def test_the_live_speed_up_rests_on_timed_plain_steps_and_says_its_uncertainty()
     assert "no speed-up estimate yet: a fixed draft length" in stats_summary(stats, pending)
 
 
+def test_the_live_speed_up_shows_on_one_plain_step_with_the_spread_of_every_step_timed_alone() -> None:
+    """Where drafting pays the answer takes one plain step early (10 ms) and then verifies (5 drafted tokens, 4 of
+    them accepted, in 18 or 22 ms in turn): the estimate shows from 32 tokens on, on that one plain step, its margin
+    twice the verify steps' relative spread (0.1) times sqrt(1/1 + 1/n): wide, as a figure on one step must be."""
+    live, elapsed, n, stats = LiveSpeedUp(), 0.0, 1, {}
+    for step in range(12):
+        plain = step == 1
+        elapsed += 10.0 if plain else (18.0 if step % 2 else 22.0)
+        n += 1 if plain else 5
+        verify = step + int(step < 1)
+        stats = {"plain_steps": int(step >= 1), "verify_steps": verify, "decode_ms": elapsed, "n_generated": n,
+                 "drafted": 5 * verify, "decode_tok_s": (n - 1) / (elapsed / 1000), "draft_length": "auto"}
+        live.add(stats)
+        estimate = live.current(stats)
+        if n < 32:
+            assert isinstance(estimate, Pending), (n, estimate)
+    assert isinstance(estimate, Estimate) and estimate.plain_steps == 1 and estimate.plain_speed == pytest.approx(100.0)
+    spread = (10 * 0.1**2 / 9) ** 0.5  # ten verify steps 10 % off their mean, one group
+    assert estimate.margin == pytest.approx(estimate.ratio * 2 * spread * (1 + 1 / n) ** 0.5)
+
+
 def test_the_panel_counts_add_up_as_shown() -> None:
     """Tokens = the draft's accepted ones + the target's own (one after the prompt, one per verify step, one per
     plain step); tokens per verify step = accepted per step + the target's one; prompt = reused + read now."""

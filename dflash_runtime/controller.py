@@ -66,13 +66,17 @@ class AdaptiveLength:
     and slow to rise;
     unmeasured row counts are interpolated between measured ones, or scaled by the number of rows.
     While plain (n = 0) it re-plans only at probes: at the start of each request and every `probe_interval`
-    plain rounds. A probe whose drafts are all accepted doubles its length each round while that lasts, so drafting
+    plain rounds. While drafting it takes a plain round every `plain_every` rounds, and at the second round of each
+    request: the plain cost moves with the load as every cost does, and what an answer measures of it is what tells
+    how much faster than plain decoding the answer runs (one round in `plain_every` costs about 1 / plain_every of the
+    speed-up). A probe whose drafts are all accepted doubles its length each round while that lasts, so drafting
     comes back within a few rounds; the wait doubles after each probe that never beat plain decoding (up to
     `probe_max`) and resets after one that did.
     """
 
     def __init__(self, n_max: int, *, decay: float = 0.9, plain_decay: float = 0.98, cost_decay: float = 0.8,
-                 probe_every: int = 8, probe_max: int = 64, prior: float = 0.5, shrink: float = 2.0) -> None:
+                 probe_every: int = 8, probe_max: int = 64, prior: float = 0.5, shrink: float = 2.0,
+                 plain_every: int = 32) -> None:
         self.n_max = n_max
         self.decay = decay
         self.plain_decay = plain_decay
@@ -83,6 +87,8 @@ class AdaptiveLength:
         self.prior = prior
         self.shrink = shrink
         self.since_draft = 0
+        self.plain_every = plain_every
+        self.since_plain = 0  # drafting rounds since the last plain one
         self.hits = [0.0] * (n_max + 1)        # index j ≥ 1: decayed accepted count at position j
         self.reached = [0.0] * (n_max + 1)     # decayed times position j was verified with 1..j-1 accepted
         self.cost: list[float | None] = [None] * (n_max + 1)  # by own length, whatever shared the decode
@@ -142,6 +148,7 @@ class AdaptiveLength:
 
     def begin_request(self) -> None:
         self._new_request = True
+        self.since_plain = max(self.since_plain, self.plain_every - 1)  # a plain round after the first one
 
     def choose(self, pos0: int, limit: int, others: int = 0) -> int:
         self.others = others
@@ -155,8 +162,8 @@ class AdaptiveLength:
         self._probing = False
         if self.cost[self.n_max] is None:
             n = self.n_max  # first round: learn every position's acceptance and the longest round's cost
-        elif self.cost[0] is None:
-            return 0, True  # both ends measured after this plain round: plan at the next one, not at a probe
+        elif self.cost[0] is None or (self.since_plain >= self.plain_every and self.history[-1:] != [0]):
+            return 0, True  # the plain cost (re)measured by this round: plan at the next one, not at a probe
         elif self._ramping:
             n = min(self.n_max, max(self.best_length(), 2 * self.history[-1]))  # drafts pay again: climb fast
         elif self.history and self.history[-1] == 0:
@@ -182,8 +189,10 @@ class AdaptiveLength:
             self.reached[j] *= fade
         if n_block == 0:
             self.since_draft += 1
+            self.since_plain = 0
             return
         self.since_draft = 0
+        self.since_plain += 1
         for j in range(1, min(n_accepted + 1, n_drafted) + 1):
             self.reached[j] += 1.0
             self.hits[j] += 1.0 if j <= n_accepted else 0.0

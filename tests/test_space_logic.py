@@ -503,24 +503,28 @@ def snapshots(steps: str, plain_ms: tuple[float, ...], verify_ms: float = 20.0,
 
 def test_the_live_speed_up_rests_on_timed_plain_steps_and_says_its_uncertainty() -> None:
     """Plain steps of 9 and 11 ms in turn (10 ms: 100 tok/s plain) among verify steps that write 4 tokens in 20 ms:
-    the estimate is the answer's speed over 100 tok/s, shown once 8 plain steps are timed, with twice the standard
-    error of the mean plain step as its margin; an interval that mixes a verify step with a plain one is not timed."""
+    the estimate is the answer's speed over 100 tok/s, shown from 32 tokens on once a plain step and 8 steps timed
+    alone are known; with 8 timed plain steps or more its margin is twice the standard error of the difference between
+    their mean and that of a plain answer as long (one step a token), from their own spread; an interval that mixes a
+    verify step with a plain one is not timed."""
     live = LiveSpeedUp()
     shown = []
     for stats in snapshots("vp" * 12 + "m" * 5, (9.0, 11.0)):
         live.add(stats)
         shown.append(live.current(stats))
     first = next(i for i, e in enumerate(shown) if isinstance(e, Estimate))
-    assert first == 2 * 8 - 1, "shown once 8 plain steps are timed"
-    assert isinstance(shown[0], Pending) and "8 plain steps" in shown[0].reason
+    tokens = [int(s["n_generated"]) for s in snapshots("vp" * 12 + "m" * 5, (9.0, 11.0))]  # type: ignore[call-overload]
+    assert first == next(i for i, n in enumerate(tokens) if n >= 32), "shown from 32 tokens on"
+    assert isinstance(shown[0], Pending) and "plain step" in shown[0].reason
+    assert isinstance(shown[first], Estimate) and shown[first].plain_steps < 8, "before 8 plain steps are timed"
     final, stats = shown[-1], snapshots("vp" * 12 + "m" * 5, (9.0, 11.0))[-1]
     assert isinstance(final, Estimate) and final.plain_steps == 12, "the 5 mixed intervals are not timed"
     assert final.plain_speed == pytest.approx(100.0)
     assert final.ratio == pytest.approx(stats["decode_tok_s"] * 10.0 / 1000.0)  # type: ignore[operator]
-    # The mean leaves out the longest and the shortest tenth (one 11 ms and one 9 ms step): 10 steps, 10 ms, and
-    # the sample standard deviation of 9, 11, 9, ... ms.
-    spread = (10 / 9) ** 0.5
-    assert final.margin == pytest.approx(final.ratio * 2 * spread / 10**0.5 / 10.0)
+    # The sample standard deviation of 9, 11, 9, ... ms (12 steps), relative to 10 ms, and the plain answer's steps.
+    spread = (12 / 11) ** 0.5 / 10.0
+    n = int(stats["n_generated"])  # type: ignore[call-overload]
+    assert final.margin == pytest.approx(final.ratio * 2 * spread * (1 / 12 + 1 / n) ** 0.5)
     summary, details = stats_summary(stats, final), panel(stats, final)
     digits = 2 if final.margin < 0.1 else 1  # the figures the uncertainty leaves meaningful
     ratio, margin = f"{final.ratio:.{digits}f}", f"{final.margin:.{digits}f}"
@@ -535,6 +539,27 @@ def test_the_live_speed_up_rests_on_timed_plain_steps_and_says_its_uncertainty()
     pending = fixed.current({**stats, "draft_length": 3})
     assert isinstance(pending, Pending) and "fixed draft length" in pending.reason
     assert "no speed-up estimate yet: a fixed draft length" in stats_summary(stats, pending)
+
+
+def test_the_live_speed_up_shows_on_one_plain_step_with_the_spread_of_every_step_timed_alone() -> None:
+    """Where drafting pays the answer takes one plain step early (10 ms) and then verifies (5 drafted tokens, 4 of
+    them accepted, in 18 or 22 ms in turn): the estimate shows from 32 tokens on, on that one plain step, its margin
+    twice the verify steps' relative spread (0.1) times sqrt(1/1 + 1/n): wide, as a figure on one step must be."""
+    live, elapsed, n, stats = LiveSpeedUp(), 0.0, 1, {}
+    for step in range(12):
+        plain = step == 1
+        elapsed += 10.0 if plain else (18.0 if step % 2 else 22.0)
+        n += 1 if plain else 5
+        verify = step + int(step < 1)
+        stats = {"plain_steps": int(step >= 1), "verify_steps": verify, "decode_ms": elapsed, "n_generated": n,
+                 "drafted": 5 * verify, "decode_tok_s": (n - 1) / (elapsed / 1000), "draft_length": "auto"}
+        live.add(stats)
+        estimate = live.current(stats)
+        if n < 32:
+            assert isinstance(estimate, Pending), (n, estimate)
+    assert isinstance(estimate, Estimate) and estimate.plain_steps == 1 and estimate.plain_speed == pytest.approx(100.0)
+    spread = (10 * 0.1**2 / 9) ** 0.5  # ten verify steps 10 % off their mean, one group
+    assert estimate.margin == pytest.approx(estimate.ratio * 2 * spread * (1 + 1 / n) ** 0.5)
 
 
 def test_the_panel_counts_add_up_as_shown() -> None:

@@ -1,9 +1,13 @@
-"""The page's live speed-up against what the A/B measures, on the offline demo's pair and settings.
+"""The page's live speed-up against what the A/B measures, on the offline demo's pair, in a GPU-like cost regime.
 
-For each of three prompts, one try: plain decoding, the speculative answer (its statistics fed to the page's
-estimator after every step, as the page feeds them), plain decoding again, all on one engine and back to back, so a
-loaded machine slows the three alike; the A/B's ratio is the answer's speed over the plain runs' mean, each speed
-computed as the A/B computes it. The answer's final estimate must be within 25 % of that ratio in every try.
+On a GPU a verify of a few rows costs about what a one-row step costs, and the adaptive draft length then rarely takes
+a plain step: the estimate must still show early and hold. The CPU plays that regime with batches (verifies, draft
+blocks) on two threads and one-row decodes on one. For each of five prompts, one try: plain decoding, the speculative
+answer (its statistics fed to the page's estimator after every step, as the page feeds them), plain decoding again,
+all on one engine and back to back, so a loaded machine slows the three alike; the A/B's ratio is the answer's speed
+over the plain runs' mean, each speed computed as the A/B computes it. The estimate must show within the first 64
+tokens, and its interval must hold the A/B's ratio, give or take the A/B's own uncertainty (half the gap between its
+two plain runs, relative).
 """
 
 from __future__ import annotations
@@ -12,19 +16,20 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
-from space_client import reference_engine
+from space_client import demo_pair
 
+from dflash_runtime import load_pair
 from dflash_runtime.space.page.speedup import Estimate, LiveSpeedUp
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT
 from dflash_runtime.space.web.service import decode_speed
 
-# Three of the page's examples whose answers on the demo pair take plain steps early enough (the demo's target follows
-# stretches of phrases: a stretch the draft predicts takes none), from about 50 to over 100 in 256 tokens.
 PROMPTS = ("Explain speculative decoding in three sentences.",
            "Write a Python function that checks whether a string is a palindrome.",
-           "Translate 'the quick brown fox jumps over the lazy dog' into French and German.")  # fmt: skip
-MAX_TOKENS = 256
-TOLERANCE = 0.25
+           "List five facts about the planet Mars.",
+           "Translate 'the quick brown fox jumps over the lazy dog' into French and German.",
+           "Write a haiku about the sea.")  # fmt: skip
+MAX_TOKENS = 192
+SHOWN_BY = 64
 N_CTX = 4096  # the offline demo's
 
 
@@ -34,33 +39,40 @@ def page_stats(stats: Any) -> dict[str, Any]:
     return {**out, "decode_tok_s": decode_speed(out)}
 
 
-def answer(engine: Any, prompt: str, live: LiveSpeedUp | None = None, **options: Any) -> dict[str, Any]:
+def answer(engine: Any, prompt: str, live: LiveSpeedUp | None = None, **options: Any) -> tuple[dict[str, Any], int]:
+    """The answer's last statistics, and how many tokens it had written when the estimate first showed."""
     messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
     last: dict[str, Any] = {}
+    shown = MAX_TOKENS + 1
     for event in engine.stream_chat(messages, max_tokens=MAX_TOKENS, temperature=0.0, **options):
         last = page_stats(event.stats)
         if live is not None:
             live.add(last)
-    return last
+            if shown > MAX_TOKENS and isinstance(live.current(last), Estimate):
+                shown = last["n_generated"]
+    return last, shown
 
 
-def test_the_final_live_estimate_is_within_a_quarter_of_the_ab_ratio_for_the_same_prompt() -> None:
+def test_the_live_estimate_shows_early_and_holds_the_ab_ratio_where_a_verify_costs_a_plain_step() -> None:
     tries = []
-    with reference_engine(N_CTX) as engine:
+    pair = demo_pair()
+    with load_pair(pair.target, pair.draft, n_ctx=N_CTX, draft_capacity=7, n_threads=1, n_threads_batch=2) as engine:
         engine.generate("warm up", max_tokens=16)  # the first request pays allocations: measured by nobody
         for prompt in PROMPTS:
-            before = answer(engine, prompt, speculative=False)
+            before, _ = answer(engine, prompt, speculative=False)
             live = LiveSpeedUp()
-            speculative = answer(engine, prompt, live)
-            after = answer(engine, prompt, speculative=False)
+            speculative, shown = answer(engine, prompt, live)
+            after, _ = answer(engine, prompt, speculative=False)
             plain = statistics.mean([before["decode_tok_s"], after["decode_tok_s"]])
             ratio = speculative["decode_tok_s"] / plain
+            ab_margin = ratio * abs(before["decode_tok_s"] - after["decode_tok_s"]) / (2 * plain)
             estimate = live.current(speculative)
             assert isinstance(estimate, Estimate), f"{prompt!r}: no estimate at the end ({estimate})"
-            tries.append((prompt, estimate.ratio, estimate.margin, ratio, estimate.plain_steps,
-                          speculative["plain_steps"]))  # fmt: skip
-    for prompt, estimated, margin, measured, timed, plain_steps in tries:
-        print(f"{prompt!r}: estimate {estimated:.3f}× ± {margin:.3f} on {timed} timed of {plain_steps} plain steps, "
-              f"A/B {measured:.3f}×, off by {estimated / measured - 1:+.1%}")
-    off = [abs(estimated / measured - 1) for _, estimated, _, measured, _, _ in tries]
-    assert all(o <= TOLERANCE for o in off), f"estimates off by {[f'{o:.1%}' for o in off]} (tolerance 25 %)"
+            tries.append((prompt, shown, estimate, ratio, ab_margin, speculative["plain_steps"]))
+    for prompt, shown, estimate, measured, ab_margin, plain_steps in tries:
+        print(f"{prompt!r}: shown at {shown} tokens; estimate {estimate.ratio:.3f}× ± {estimate.margin:.3f} on "
+              f"{estimate.plain_steps} timed of {plain_steps} plain steps, A/B {measured:.3f}× ± {ab_margin:.3f}")
+    assert all(shown <= SHOWN_BY for _, shown, _, _, _, _ in tries), "a figure within the first 64 tokens"
+    missed = [(prompt, round(e.ratio, 3), round(e.margin, 3), round(m, 3), round(a, 3))
+              for prompt, _, e, m, a, _ in tries if abs(e.ratio - m) > e.margin + a]
+    assert not missed, f"intervals that do not hold the A/B's ratio: {missed}"

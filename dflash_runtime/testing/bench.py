@@ -1,12 +1,14 @@
 """`python -m dflash_runtime bench` on generated pairs, no downloads:
 
+    python -m dflash_runtime.testing.bench --pairs demo --runs 3 --max-tokens 512 --draft-length auto
     python -m dflash_runtime.testing.bench --pairs matrix --runs 3 --max-tokens 128 --draft-max 3,7,auto
     python -m dflash_runtime.testing.bench --pairs hybrid:soft:512 --temperature 0.6 --verify sample,match
     python -m dflash_runtime.testing.bench --pairs real --runs 1 --max-tokens 32
     python -m dflash_runtime.testing.bench --pairs methods --draft-length 3,auto --methods dflash mtp ngram-mod,dflash
     python -m dflash_runtime.testing.bench --pairs hybrid:shaped:128:mtp --methods dflash mtp --concurrency 1,2,4,8
 
-`--pairs`: a comma list of 'matrix' (widths 512 and 1024 × random/const heads × dense/hybrid targets),
+`--pairs`: a comma list of 'demo' (the offline demo's pair: dense width-512 target whose head writes words of a small
+Markov chain, one-layer DFlash 2 draft), 'matrix' (widths 512 and 1024 × random/const heads × dense/hybrid targets),
 'methods' (hybrid targets with an MTP head and a DFlash 2 draft, width 512, random/phrase/const heads: both methods
 on one target), target:head:width[:mtp] (DFlash 2 drafts; ':mtp' gives the hybrid target an MTP head) and 'real'
 (the pair in the real files' layout: NVFP4 + Q8_0 hybrid target with an MTP layer, Q4_K_M draft, the full Qwen3.5
@@ -23,10 +25,12 @@ from collections.abc import Sequence
 
 from ..cli import add_bench_args, run_bench_cli
 from ..errors import DFlashError
+from ..space.setup.presets import DEMO_PAIR
 from .real_layout import real_layout_pair
 from .tiny_models import tiny_pair
 
 REAL = "real"
+DEMO = "demo"
 
 
 def tiny_targets(spec: str) -> list[tuple[str, str, str]]:
@@ -36,8 +40,8 @@ def tiny_targets(spec: str) -> list[tuple[str, str, str]]:
             items += [(k, h, w, 0) for w in (512, 1024) for h in ("random", "const") for k in ("dense", "hybrid")]
         elif part == "methods":
             items += [("hybrid", h, 512, 1) for h in ("random", "phrase", "const")]
-        elif part == REAL:
-            items.append((REAL, "", 0, 0))
+        elif part in (REAL, DEMO):
+            items.append((part, "", 0, 0))
         else:
             kind, head, width, *mtp = part.split(":")
             items.append((kind, head, int(width), int(mtp == ["mtp"])))
@@ -46,6 +50,10 @@ def tiny_targets(spec: str) -> list[tuple[str, str, str]]:
         if kind == REAL:
             real = real_layout_pair()
             out.append(("real-layout", str(real.target), str(real.draft)))
+            continue
+        if kind == DEMO:
+            demo = tiny_pair(**DEMO_PAIR)
+            out.append(("demo", str(demo.target), str(demo.draft)))
             continue
         p = tiny_pair(kind, "dflash2", head=head, n_embd=width, dims="scaled" if width >= 256 else "tiny",
                       mtp_layers=mtp_layers)
@@ -56,7 +64,8 @@ def tiny_targets(spec: str) -> list[tuple[str, str, str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_runtime.testing.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", default="matrix", help="matrix, methods, target:head:width[:mtp], real (comma list)")
+    parser.add_argument("--pairs", default="matrix",
+                        help="demo, matrix, methods, target:head:width[:mtp], real (comma list)")
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--gpu-layers", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)

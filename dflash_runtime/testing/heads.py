@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .tokenizer import MASK, TinyVocab, is_plain_text_token
+from .tokenizer import MASK, TinyVocab, build_vocab, is_plain_text_token
+from .words import FLOOR, word_chain
 
-HEADS = ("random", "shaped", "const", "regime", "soft", "markov", "phrase")
+HEADS = ("random", "shaped", "const", "regime", "soft", "markov", "phrase", "words")
 
 REGIME_CHANNEL = 0
 BIAS_CHANNEL = 1
@@ -56,7 +57,7 @@ PHRASE_TOP_K = 8  # DFlash 2 candidates per block row: the whole phrase fits
 
 # DFlash 2 selector weights: large enough to reorder candidates on a random head, negligible otherwise.
 SELECTOR_SCALE = {"random": 0.3, "shaped": 0.01, "const": 0.01, "regime": 0.01, "soft": 0.01, "markov": 0.01,
-                  "phrase": 0.01}
+                  "phrase": 0.01, "words": 0.01}
 
 
 # MTP block on the structured heads: weight of the target's hidden state in the input projection, and of the block's
@@ -69,8 +70,11 @@ MTP_CONTROL_GAIN = 2.0
 
 
 def reserved_channels(head: str) -> tuple[int, ...]:
-    """Residual channels no layer writes: the two control channels, plus one per phrase token for head="phrase"."""
+    """Residual channels no layer writes: the two control channels, plus one per phrase token for head="phrase", and
+    for head="words" one per token of the word chain and one the mask alone raises (see _steer_words)."""
     extra = tuple(range(2, 2 + len(PHRASE))) if head == "phrase" else ()
+    if head == "words":
+        extra = tuple(range(2, 3 + len(word_chain(build_vocab()).ids)))
     return (REGIME_CHANNEL, BIAS_CHANNEL, *extra)
 
 
@@ -263,6 +267,95 @@ def phrase_selector(vocab: TinyVocab, n_embd: int, rank: int, source: TensorSour
     return predecessor, successor, hidden
 
 
+# head="words": the logit gain per nat of the chain's log-odds, calibrated on the dense scaled target of width 512 in
+# chat mode so that a DFlash 2 draft of length 7 keeps about as many tokens per verify as published DFlash 2 runs do
+# (~3.6): the target takes the chain's usual successor most of the time and another one where the context (the head's
+# random part) outweighs the odds. Other widths and hybrid targets are not calibrated (the text stays words).
+WORDS_GAIN = 1.2
+# The target's QK-norm gains per head (1 elsewhere). "words": sharp attention, so what the target reads from its
+# context depends on which tokens stand where (RoPE), not on their mean: a chain with one token's memory would
+# otherwise fall into a loop that the context, averaged, only confirms.
+QK_GAIN = {"words": 4.0}
+# The target's attention writes, scaled per head (1 elsewhere), and the share of a token embedding's random part kept
+# ("words": the context, read by attention, outweighs the last token in the head's random part).
+ATTENTION_WRITE_GAIN = {"words": 2.0}
+WORDS_EMBED_NOISE = 0.3
+# Heads whose target layers read nothing from the reserved channels: the control values (the same for many tokens)
+# would otherwise give every layer's output a fixed part, a fixed preference the context could not move.
+BLIND_LAYERS = ("words",)
+WORDS_MASK_BONUS = 1.0  # head weight on the mask's channel for the draft's candidates (the usual successors)
+WORDS_SELECTOR_GAIN = 2.0  # selector weight per nat of log-odds: the chain's transitions outweigh the draft's logits
+
+
+def words_top_k(n_embd: int) -> int:
+    """DFlash 2 candidates per block row for head="words": as many as the lattice fits (n_embd >= k (k + 1))."""
+    k = 1
+    while (k + 1) * (k + 2) <= n_embd:
+        k += 1
+    return k
+
+
+def _words_candidates(vocab: TinyVocab, n_embd: int) -> list[int]:
+    """Indices into the chain of the tokens the draft offers at every block row: the usual successors, the most
+    often needed first, as many as fit (words_top_k)."""
+    chain = word_chain(vocab)
+    need: dict[int, int] = {}
+    for usual in chain.usual:
+        need[usual] = need.get(usual, 0) + 1
+    ordered = sorted(need, key=lambda j: (-need[j], j))
+    return ordered[: words_top_k(n_embd)]
+
+
+def _steer_words(embd: np.ndarray, output: np.ndarray, vocab: TinyVocab, source: TensorSource) -> None:
+    """The word chain (see words.py): chain token i raises channel 2 + i alone, and every chain token's head row reads
+    those channels with the chain's log-odds of following it, so the target writes the chain's words, its usual
+    successor most of the time and another one where the context (the random part of its head row) outweighs the odds
+    gap. Tokens outside the chain are blocked. The mask raises only the last reserved channel, which the head rows of
+    the usual successors read: the draft's candidates at every block row are those tokens, and its selector (see
+    words_selector) walks the chain's odds from the anchor."""
+    chain = word_chain(vocab)
+    n = len(chain.ids)
+    gain = WORDS_GAIN / CHANNEL_LEVEL  # a channel reads ≈ CHANNEL_LEVEL before the output norm
+    plain = plain_ids(vocab)
+    keep = output[list(chain.ids), :].copy()
+    output[plain, :] = 0.0
+    output[plain, BIAS_CHANNEL] = BLOCKED_BIAS
+    output[list(chain.ids), :] = keep
+    output[list(chain.ids), BIAS_CHANNEL] = 0.0
+    mask_channel = 2 + n
+    embd[:, 2:] *= WORDS_EMBED_NOISE
+    embd[:, 2 : 3 + n] = 0.0
+    for i, token in enumerate(chain.ids):
+        embd[token, 2 + i] = CHANNEL_LEVEL
+        output[list(chain.ids), 2 + i] = gain * chain.log_odds[i, :]
+    embd[vocab.id_of(MASK), mask_channel] = CHANNEL_LEVEL
+    # a word's second piece only after its first: where the context is no chain token (the prompt's end), words start
+    output[[chain.ids[j] for j in chain.pieces], BIAS_CHANNEL] = gain * FLOOR / 2
+    output[:, mask_channel] = 0.0
+    for j in _words_candidates(vocab, embd.shape[1]):
+        output[chain.ids[j], mask_channel] = WORDS_MASK_BONUS
+
+
+def words_selector(vocab: TinyVocab, n_embd: int, rank: int, source: TensorSource
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """DFlash 2 selector weights for head="words": score(p → s) = WORDS_SELECTOR_GAIN · log P(s | p) · gate, with the
+    predecessor one-hot in the rank dimension of its chain index and the gate read from the bias channel. Needs
+    rank >= the chain's length."""
+    chain = word_chain(vocab)
+    if rank < len(chain.ids):
+        raise ValueError(f'head="words" needs selector_rank >= {len(chain.ids)}, got {rank}')
+    predecessor = source.normal(vocab.n_vocab, rank, std=0.01)
+    successor = source.normal(vocab.n_vocab, rank, std=0.01)
+    hidden = np.zeros((rank, n_embd), dtype=np.float32)
+    hidden[:, BIAS_CHANNEL] = 1.0
+    for i, token in enumerate(chain.ids):
+        predecessor[token, :] = 0.0
+        predecessor[token, i] = 1.0
+        successor[token, :] = 0.0
+        successor[token, : len(chain.ids)] = WORDS_SELECTOR_GAIN * chain.log_odds[:, i]
+    return predecessor, successor, hidden
+
+
 _STEERING: dict[str, Callable[[np.ndarray, np.ndarray, TinyVocab, TensorSource], None]] = {
     "random": _steer_random,
     "shaped": _steer_shaped,
@@ -271,4 +364,5 @@ _STEERING: dict[str, Callable[[np.ndarray, np.ndarray, TinyVocab, TensorSource],
     "soft": _steer_soft,
     "markov": _steer_markov,
     "phrase": _steer_phrase,
+    "words": _steer_words,
 }

@@ -11,8 +11,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .heads import HEADS, PHRASE_TOP_K
-from .tokenizer import IM_END
+from .heads import HEADS, PHRASE_TOP_K, words_top_k
+from .tokenizer import IM_END, build_vocab
+from .words import word_chain
 
 # Bump whenever the bytes written for an unchanged spec change (weights recipe, vocabulary, keys).
 GENERATOR_VERSION = 2
@@ -244,7 +245,9 @@ def resolve_pair_spec(
     unknown = sorted(set(overrides) - OVERRIDABLE)
     if unknown:
         raise TypeError(f"unknown tiny model override(s) {unknown}; known: {sorted(OVERRIDABLE)}")
-    head_defaults = {"selector_top_k": PHRASE_TOP_K} if head == "phrase" else {}
+    head_defaults: dict[str, Any] = {"selector_top_k": PHRASE_TOP_K} if head == "phrase" else {}
+    if head == "words":  # candidates: as many as the lattice fits; the selector's rank: one per chain token
+        head_defaults = {"selector_top_k": words_top_k(n_embd), "selector_rank": len(word_chain(build_vocab()).ids)}
     sizes = {**_size_defaults(dims, n_embd), **DRAFT_DEFAULTS, **head_defaults, **overrides}
     if "head_dim" not in overrides:
         sizes["head_dim"] = _default_head_dim(target, dims, n_embd, sizes["n_head"])

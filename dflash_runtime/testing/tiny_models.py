@@ -8,7 +8,9 @@ the converter writes an EAGLE-3 checkpoint: see writers.write_eagle3_draft); or 
 the target alone, e.g. a hybrid target with MTP). `tiny_draft_model(pair)` writes a draft for llama.cpp's
 `draft-simple`: a small dense model of the same vocabulary and head.
 Heads (see heads.py): `random` (≈0 % acceptance), `shaped` (one accepted token per step), `const`
-(≈100 %) and `regime` (≈100 % once the context ends in REGIME_TOKEN, ≈0 % otherwise).
+(≈100 %), `regime` (≈100 % once the context ends in REGIME_TOKEN, ≈0 % otherwise), `soft`, `markov`, `phrase`, and
+`words` (English words of a small Markov chain, words.py; at width 512 a DFlash 2 draft keeps about as many tokens per
+verify as published DFlash 2 runs: the offline demo's pair).
 
 Files are generated once into a cache, named by a digest of every parameter and the generator version,
 written to a temporary file and renamed, so concurrent generators never expose a partial file.

@@ -15,7 +15,10 @@ import gguf
 import numpy as np
 
 from .heads import (
+    ATTENTION_WRITE_GAIN,
+    BLIND_LAYERS,
     MTP_QUIET_GAIN,
+    QK_GAIN,
     SELECTOR_SCALE,
     TensorSource,
     build_head,
@@ -23,6 +26,7 @@ from .heads import (
     phrase_selector,
     plain_ids,
     reserved_channels,
+    words_selector,
 )
 from .specs import DraftSpec, HybridDims, PairSpec, TargetSpec
 from .tokenizer import CHAT_TEMPLATE, ENDOFTEXT, IM_END, MASK, TinyVocab, build_vocab
@@ -97,23 +101,31 @@ def add_llm_keys(sink: TensorSink, dims: LayerDims, rope_base: float) -> None:
 
 
 def _add_attention(
-    sink: TensorSink, src: TensorSource, prefix: str, dims: LayerDims, *, gated: bool, write_gain: float = 1.0
+    sink: TensorSink, src: TensorSource, prefix: str, dims: LayerDims, *, gated: bool, write_gain: float = 1.0,
+    qk_gain: float = 1.0, blind: tuple[int, ...] = (),
 ) -> None:
     """Attention with QK-norm; a gated query projection (qwen35) also carries the output gate. `write_gain` scales
-    what the layer writes into the residual stream."""
+    what the layer writes into the residual stream; `qk_gain` the QK-norm gains (sharper attention above 1); the
+    projections read nothing from the `blind` channels."""
     q_rows = dims.n_head * dims.head_dim
     kv_rows = dims.n_head_kv * dims.head_dim
-    sink.matrix(prefix + "attn_q.weight", src.matrix(2 * q_rows if gated else q_rows, dims.n_embd))
-    sink.matrix(prefix + "attn_k.weight", src.matrix(kv_rows, dims.n_embd))
-    sink.matrix(prefix + "attn_v.weight", src.matrix(kv_rows, dims.n_embd))
+    sink.matrix(prefix + "attn_q.weight", _blind(src.matrix(2 * q_rows if gated else q_rows, dims.n_embd), blind))
+    sink.matrix(prefix + "attn_k.weight", _blind(src.matrix(kv_rows, dims.n_embd), blind))
+    sink.matrix(prefix + "attn_v.weight", _blind(src.matrix(kv_rows, dims.n_embd), blind))
     sink.matrix(prefix + "attn_output.weight", write_gain * src.residual_write(dims.n_embd, q_rows, dims.n_layer))
-    sink.exact(prefix + "attn_q_norm.weight", unit_gains(dims.head_dim))
-    sink.exact(prefix + "attn_k_norm.weight", unit_gains(dims.head_dim))
+    sink.exact(prefix + "attn_q_norm.weight", qk_gain * unit_gains(dims.head_dim))
+    sink.exact(prefix + "attn_k_norm.weight", qk_gain * unit_gains(dims.head_dim))
 
 
-def _add_ffn(sink: TensorSink, src: TensorSource, prefix: str, dims: LayerDims, *, write_gain: float = 1.0) -> None:
-    sink.matrix(prefix + "ffn_gate.weight", src.matrix(dims.n_ff, dims.n_embd))
-    sink.matrix(prefix + "ffn_up.weight", src.matrix(dims.n_ff, dims.n_embd))
+def _blind(weight: np.ndarray, channels: tuple[int, ...]) -> np.ndarray:
+    weight[:, list(channels)] = 0.0
+    return weight
+
+
+def _add_ffn(sink: TensorSink, src: TensorSource, prefix: str, dims: LayerDims, *, write_gain: float = 1.0,
+             blind: tuple[int, ...] = ()) -> None:
+    sink.matrix(prefix + "ffn_gate.weight", _blind(src.matrix(dims.n_ff, dims.n_embd), blind))
+    sink.matrix(prefix + "ffn_up.weight", _blind(src.matrix(dims.n_ff, dims.n_embd), blind))
     sink.matrix(prefix + "ffn_down.weight", write_gain * src.residual_write(dims.n_embd, dims.n_ff, dims.n_layer))
 
 
@@ -136,12 +148,14 @@ def write_dense_target(path: Path, spec: PairSpec) -> None:
     t = spec.target
     sink = _target_sink(path, spec, rope_base=1e6)
     src = TensorSource(t.seed, "target-dense", reserved_channels(t.head))
+    blind = src.reserved if t.head in BLIND_LAYERS else ()
     for il in range(t.n_layer):
         prefix = f"blk.{il}."
         sink.exact(prefix + "attn_norm.weight", unit_gains(t.n_embd))
-        _add_attention(sink, src, prefix, t, gated=False)
+        _add_attention(sink, src, prefix, t, gated=False, qk_gain=QK_GAIN.get(t.head, 1.0),
+                       write_gain=ATTENTION_WRITE_GAIN.get(t.head, 1.0), blind=blind)
         sink.exact(prefix + "ffn_norm.weight", unit_gains(t.n_embd))
-        _add_ffn(sink, src, prefix, t)
+        _add_ffn(sink, src, prefix, t, blind=blind)
     sink.finish()
 
 
@@ -243,6 +257,8 @@ def _add_dynamic_conv(sink: TensorSink, src: TensorSource, name: str, d: DraftSp
 def _add_selector(sink: TensorSink, src: TensorSource, d: DraftSpec, vocab: TinyVocab, head: str) -> None:
     if head == "phrase":
         predecessor, successor, hidden = phrase_selector(vocab, d.n_embd, d.selector_rank, src)
+    elif head == "words":
+        predecessor, successor, hidden = words_selector(vocab, d.n_embd, d.selector_rank, src)
     else:
         scale = SELECTOR_SCALE[head]
         predecessor = src.normal(vocab.n_vocab, d.selector_rank, std=scale)

@@ -12,10 +12,19 @@ A plain step is timed as the wall time between two consecutive snapshots of the 
 but plain steps between them (`decode_ms` grows by the whole step: the target's decode, sampling, the host's work
 and the stream), less the time the draft took to take in the target's features then (`inject_ms`: plain decoding
 does no such thing), so it costs what a step of a plain answer costs. Snapshots that mix verify and plain steps are
-left out. The mean leaves out the tenth of the timed steps that took longest and the tenth that took shortest (a
-machine that stalls once for a second would otherwise move the figure by tens of percent). The estimate is shown only
-once it rests on `MIN_PLAIN_STEPS` timed steps and `MIN_TOKENS` tokens; its uncertainty is the standard error of
-that mean, twice (about 95 %), carried to the ratio.
+left out. The mean is of every timed step, the slow ones too: the answer's own speed counts its steps' stalls, and so
+does a plain answer's (a mean without its slowest tenth put the estimate a quarter below the A/B on a loaded machine).
+
+Where drafting pays, plain steps are rare: the adaptive draft length takes one at its second round and one every few
+dozen rounds after (dflash_runtime.controller), so the estimate rests on few of them. Its uncertainty is then that
+of a mean of so few steps, with the spread of one step's time taken from every step of the answer timed alone
+(`MIN_SPREAD_STEPS`: the verify steps too, each against the mean of the steps of its row count, pooled). A verify's
+rows are not extrapolated to one row: where batches run on more threads than one-row decodes (GPU-like settings),
+a verify of eight rows may cost what a one-row step costs, and only a one-row step says what plain decoding costs.
+With `MIN_PLAIN_STEPS` timed plain steps their own spread is used. The estimate is shown from `MIN_TOKENS` tokens on.
+Its margin, about 95 % carried to the ratio, is twice the standard error of the difference between the mean timed
+step and the mean step of a plain answer as long as this one (what the A/B measures: one token a step), so it holds
+for what the A/B then measures, not only for this answer's own steps.
 """
 
 from __future__ import annotations
@@ -25,9 +34,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-MIN_PLAIN_STEPS = 8  # timed plain steps before a figure is shown: fewer swing by tens of percent
-MIN_TOKENS = 32  # and tokens written: the first few steps are dominated by the answer's start
-TRIM = 0.1  # the share of timed intervals left out at each end of the mean
+MIN_PLAIN_STEPS = 8  # timed plain steps whose own spread gives the margin (fewer: the spread of every timed step)
+MIN_SPREAD_STEPS = 8  # steps timed alone before their spread stands for one step's
+MIN_TOKENS = 32  # tokens written before a figure: the first few steps are dominated by the answer's start
 
 
 @dataclass(frozen=True)
@@ -56,17 +65,25 @@ class LiveSpeedUp:
     min_plain_steps: int = MIN_PLAIN_STEPS
     min_tokens: int = MIN_TOKENS
     _samples: list[tuple[int, float]] = field(default_factory=list)  # (plain steps, their wall ms) per interval
-    # (plain steps, verify steps, decode ms, inject ms) of the previous snapshot
-    _last: tuple[int, int, float, float] | None = None
+    _alone: dict[int, list[float]] = field(default_factory=dict)  # wall ms of steps timed alone, by their rows
+    # (plain steps, verify steps, decode ms, inject ms, draft ms, drafted) of the previous snapshot
+    _last: tuple[int, int, float, float, float, int] | None = None
 
     def add(self, stats: Mapping[str, Any]) -> None:
         now = (int(stats.get("plain_steps") or 0), int(stats.get("verify_steps") or 0),
-               float(stats.get("decode_ms") or 0.0), float(stats.get("inject_ms") or 0.0))  # fmt: skip
+               float(stats.get("decode_ms") or 0.0), float(stats.get("inject_ms") or 0.0),
+               float(stats.get("draft_ms") or 0.0), int(stats.get("drafted") or 0))  # fmt: skip
         if self._last is not None:
             plain, verify = now[0] - self._last[0], now[1] - self._last[1]
             elapsed = (now[2] - self._last[2]) - (now[3] - self._last[3])
             if plain > 0 and verify == 0 and elapsed > 0:
                 self._samples.append((plain, elapsed))
+                if plain == 1:
+                    self._alone.setdefault(1, []).append(elapsed)
+            if plain == 0 and verify == 1:  # one verify alone: its target step, without the draft's own work
+                step = elapsed - (now[4] - self._last[4])
+                if step > 0:
+                    self._alone.setdefault(1 + now[5] - self._last[5], []).append(step)
         self._last = now
 
     @property
@@ -76,29 +93,42 @@ class LiveSpeedUp:
     def current(self, stats: Mapping[str, Any]) -> Estimate | Pending:
         """The estimate for the answer whose latest statistics are `stats` (its decode speed, `decode_tok_s`)."""
         timed, speed = self.timed_steps, stats.get("decode_tok_s")
-        if timed < self.min_plain_steps:
+        if timed == 0:
             fixed = stats.get("draft_length") not in ("auto", 0, None)
             if fixed and not stats.get("plain_steps"):
                 return Pending("a fixed draft length drafts at every step, so there is no plain step to compare with")
-            return Pending(f"it shows once this answer has taken {self.min_plain_steps} plain steps to compare with",
-                           timed)  # fmt: skip
+            return Pending("it shows once this answer has taken a plain step to compare with", timed)
+        if timed < self.min_plain_steps and self.spread_steps < MIN_SPREAD_STEPS:
+            return Pending(f"it shows once {MIN_SPREAD_STEPS} steps are timed", timed)
         if not speed or int(stats.get("n_generated") or 0) < self.min_tokens:
             return Pending(f"it shows after {self.min_tokens} tokens", timed)
-        kept = trimmed(self._samples)
-        steps = sum(n for n, _ in kept)
-        mean_ms = sum(ms for _, ms in kept) / steps
-        # Each interval's mean step, weighted by its steps: the spread of one step's time around the mean.
-        spread = sum(n * (ms / n - mean_ms) ** 2 for n, ms in kept) / max(1, steps - 1)
-        relative = 2 * math.sqrt(spread / steps) / mean_ms
+        samples = self._samples
+        mean_ms = sum(ms for _, ms in samples) / timed
+        if timed >= self.min_plain_steps:
+            # Each interval's mean step, weighted by its steps: the spread of one step's time around the mean.
+            spread = math.sqrt(sum(n * (ms / n - mean_ms) ** 2 for n, ms in samples) / (timed - 1)) / mean_ms
+        else:
+            spread = self.relative_spread()
+        plain_answer_steps = max(1, int(stats.get("n_generated") or 0))
+        relative = 2 * spread * math.sqrt(1 / timed + 1 / plain_answer_steps)
         ratio = float(speed) * mean_ms / 1000.0
         return Estimate(ratio, ratio * relative, float(speed), 1000.0 / mean_ms, timed)
 
+    @property
+    def spread_steps(self) -> int:
+        """Steps timed alone in groups of at least two (those whose spread is known)."""
+        return sum(len(times) for times in self._alone.values() if len(times) > 1)
 
-def trimmed(samples: list[tuple[int, float]], share: float = TRIM) -> list[tuple[int, float]]:
-    """The intervals less the `share` with the longest and the `share` with the shortest step time."""
-    cut = int(len(samples) * share)
-    ordered = sorted(samples, key=lambda sample: sample[1] / sample[0])
-    return ordered[cut : len(ordered) - cut] if cut else ordered
+    def relative_spread(self) -> float:
+        """One step's time around the mean of its row count's, relative to that mean: pooled over the steps timed
+        alone."""
+        deviations = []
+        for times in self._alone.values():
+            if len(times) > 1:
+                mean = sum(times) / len(times)
+                deviations += [t / mean - 1 for t in times]
+        groups = sum(1 for times in self._alone.values() if len(times) > 1)
+        return math.sqrt(sum(d * d for d in deviations) / max(1, len(deviations) - groups))
 
 
 # -- the chart's trace -------------------------------------------------------------------------------------------------

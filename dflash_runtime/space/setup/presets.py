@@ -242,17 +242,20 @@ def with_local_files(preset: PairPreset, target_path: Path, draft_path: Path, **
 
 TINY_PRESET_NAME = "tiny-random"
 TINY_N_CTX = 4096
-# The offline demo's generated pair: a dense qwen3 target whose "phrase" head follows a cycle of phrase tokens for
-# stretches of a few to a few dozen tokens and writes random text elsewhere, and a DFlash 2 draft that predicts the
-# stretches. Acceptance is high on the stretches and low elsewhere, as with real text, and at this width a target
-# step costs enough on a CPU for drafting to pay (at width 128 it does not).
-DEMO_PAIR: dict[str, Any] = {"target": "dense", "draft": "dflash2", "head": "phrase", "n_embd": 512, "dims": "scaled"}
-# DFLASH_DEMO_PAIR=methods: the same head on a hybrid qwen35 target that carries an MTP block, so the demo runs both
-# draft methods (the A/B shows plain / DFlash 2 / MTP).
+# The offline demo's generated pair (dflash_runtime.testing: heads.py, words.py): a dense qwen3 target of width 512
+# whose "words" head writes English words from a small Markov chain (the usual next word most of the time, another one
+# where its context says so), and a one-layer DFlash 2 draft that proposes the chain's usual words: about as many
+# tokens per verify as published DFlash 2 runs of the real pair keep, falling with the depth of the block as theirs do.
+DEMO_PAIR: dict[str, Any] = {"target": "dense", "draft": "dflash2", "head": "words", "n_embd": 512, "dims": "scaled",
+                             "draft_layers": 1}
+# DFLASH_DEMO_PAIR=methods: a hybrid qwen35 target that carries an MTP block, with the "phrase" head (stretches of a
+# phrase cycle that both drafts predict, random text between), so the demo runs both draft methods (the A/B shows
+# plain / DFlash 2 / MTP).
 DEMO_PAIRS: dict[str, tuple[dict[str, Any], str]] = {
-    "dense": (DEMO_PAIR, "dense qwen3 target + DFlash 2 draft"),
-    "methods": ({**DEMO_PAIR, "target": "hybrid", "mtp_layers": 1},
-                "hybrid qwen35 target with an MTP head + DFlash 2 draft"),
+    "dense": (DEMO_PAIR, "dense qwen3 target writing the words of a small Markov chain + DFlash 2 draft"),
+    "methods": ({"target": "hybrid", "draft": "dflash2", "head": "phrase", "n_embd": 512, "dims": "scaled",
+                 "mtp_layers": 1}, "hybrid qwen35 target with an MTP head, writing predictable stretches and random "
+                 "text + DFlash 2 draft"),
 }
 
 
@@ -281,7 +284,7 @@ def configured_preset(tiny: bool, env: Mapping[str, str] | None = None,
         target,
         draft,
         name=TINY_PRESET_NAME,
-        label=f"random-weight test models ({description}, generated: predictable stretches and random text)",
+        label=f"random-weight test models ({description}, generated)",
         n_ctx=preset.n_ctx if env.get("DFLASH_N_CTX", "").strip() else TINY_N_CTX,
         n_gpu_layers=preset.n_gpu_layers if preset.rpc else 0,  # with servers, DFLASH_GPU_LAYERS goes to them
         random_weights=True,

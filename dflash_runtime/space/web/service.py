@@ -204,7 +204,7 @@ class SpaceService:
         self.show_diagnostics = show_diagnostics
         self.callers = Callers(gate)  # engine calls and who reads them, shared with the HTTP gate (callers.py)
         # Adaptive drafting ("auto") with the pair's default method for the real pair and the offline demo alike: the
-        # demo's generated pair (head="phrase") has predictable stretches and unpredictable text, as real text has.
+        # demo's generated pair (head="words") has its draft right about as often, position by position, as a real one.
         # Sampling starts from the server's defaults; a real pair's own `general.sampling.*` replace them once its
         # target file is here (see model_files_known).
         self.defaults: dict[str, Any] = {**SERVER_SAMPLING, "max_tokens": 512, "method": AUTO, "draft_length": AUTO}

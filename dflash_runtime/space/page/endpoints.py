@@ -436,6 +436,14 @@ class PageHandlers:
         _, shown = session.start_turn(message, request)
         return shown, "", notice_line(""), "", skip, skip, skip, skip, skip, ab_button(False)
 
+    def submit_example(self, example: list[str], session: ChatSession, *settings: Any) -> tuple[Any, ...]:
+        """Inputs: the clicked example (the examples' one value), session, then the settings. Outputs: as `submit`.
+        Sends the example as if typed and sent; refused, it stays in the box (as a typed message does)."""
+        message = str(example[0]) if example else ""
+        shown, box, *rest = self.submit(message, session, *settings)
+        sent = box == ""  # `submit` empties the box of a message it sent, and leaves it as it is otherwise
+        return (shown, box if sent else message, *rest)
+
     async def respond(self, session: ChatSession, request: gr.Request) -> AsyncIterator[tuple[Any, ...]]:
         """Inputs: session. Outputs: chatbot, message box, statistics, details, acceptance plot, speed chart,
         acceptance chart, notice, thinking switch, info box, A/B button. Answers the turn `submit` showed. The chat

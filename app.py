@@ -66,9 +66,9 @@ PAGE_CSS = HIGHLIGHT_CSS + f"""
 #ab-result table {{ font-size: var(--text-sm); }}
 #ab-result th, #ab-result td {{ padding: 4px 6px; }}
 #stats-table th, #stats-table td {{ padding: 4px 6px; }}
-#stats-table table {{ font-size: var(--text-sm); width: 100%; }}
-/* Each term's explanation, under it: the body's colour and a size one reads without leaning in. */
-#stats-table small {{ display: block; color: var(--body-text-color); font-size: var(--text-sm); font-weight: normal;
+#stats-table table {{ font-size: var(--text-md); width: 100%; }}
+/* Each term's explanation, under it: the body's colour and size (the term above it is bold). */
+#stats-table small {{ display: block; color: var(--body-text-color); font-size: var(--text-md); font-weight: normal;
                       line-height: 1.35; margin-top: 2px; }}
 #method-help {{ font-size: var(--text-sm); }}
 #method-help ul {{ margin: 0; }}
@@ -78,7 +78,7 @@ PAGE_CSS = HIGHLIGHT_CSS + f"""
   /* The box, Send and Stop on one line; A/B and Clear too. */
   #message-row, #ab-row {{ flex-wrap: nowrap; gap: 8px; }}
   #message-row > *, #ab-row > * {{ min-width: 0 !important; }}
-  #message-row > button, #ab-row > #clear {{ flex: 0 0 60px; padding-left: 4px; padding-right: 4px; }}
+  #message-row > button, #ab-row > #clear {{ flex: 0 0 60px !important; padding-left: 4px; padding-right: 4px; }}
   #intro p, #mode-banner p {{ font-size: var(--text-sm); line-height: 1.4; }}
   #chatbot {{ height: 280px !important; max-height: 280px !important; }}
   /* The examples in one row that scrolls sideways: the first screen keeps room for the chat and the box. */

@@ -8,6 +8,13 @@ The page's layout and its wiring only. What runs lives in `dflash_runtime.space`
 
 from __future__ import annotations
 
+import signal
+import sys
+
+STOPPED = 128 + signal.SIGINT  # a shell's status for a command that Ctrl+C ended
+if __name__ == "__main__":  # Ctrl+C while the page is being built (the imports, the build check): no traceback
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(STOPPED))
+
 import logging
 import os
 from collections.abc import Mapping
@@ -313,6 +320,7 @@ SERVICE = build_service()
 demo, ENGINE_CALLS = build_ui(SERVICE)
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Gradio stops the server on Ctrl+C
     SERVICE.download.start()  # the web process fetches the files while the page is already up
     # api_open=False: the REST route /run/<name> refuses queued endpoints, so every answer goes through the queue.
     # HttpGate: bounded bodies, no uploads, limits on queued answers, and no answer runs that nobody reads (see

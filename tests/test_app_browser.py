@@ -435,8 +435,9 @@ def test_chat_in_the_browser_shows_answer_stats_and_plot(page: DevTools, server:
     stats = wait_for_answer(page, answers=1)
     assert re.search(r"The draft wrote \d+ of these 512 tokens at [\d.]+ tok/s; ", stats), stats
     # The demo's adaptive length takes plain steps: the estimate against plain comes from them, and says so.
-    assert re.search(r"this answer ran about [\d.]+× as fast as without the draft \(± [\d.]+, against \d+ plain "
-                     r"steps of this answer\)", stats), stats
+    estimate = re.search(r"this answer ran about [\d.]+× as fast as without the draft \(± [\d.]+, timed against "
+                         r"(?:its (\d+)|\d+ of its (\d+)) plain steps", stats)  # fmt: skip
+    assert estimate, stats
     details = details_of(page)
     for label in ("Decode speed", "vs plain (estimate)", "Verify steps", "steps of the target that checked a draft",
                   "Plain steps", "Draft length", "across your requests in this conversation", "Acceptance rate",
@@ -448,6 +449,7 @@ def test_chat_in_the_browser_shows_answer_stats_and_plot(page: DevTools, server:
     assert counts, details
     accepted, own, verify, plain = map(int, counts.groups())
     assert accepted + own == 512 and 1 + verify + plain == own and plain > 0, "the counts add up as shown"
+    assert int(estimate.group(1) or estimate.group(2)) == plain, "the summary's plain steps are the table's"
     answers = bot_texts(page)
     assert len(answers) == 1 and same_text(answers[0], expected_reply("hello world"))
     spans = draft_spans(page)

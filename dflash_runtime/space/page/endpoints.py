@@ -25,7 +25,7 @@ from ..requests import AUTO, DEFAULT_SYSTEM_PROMPT, MessageTooLongError
 from ..scrub import scrub_paths
 from ..web.callers import call_of
 from ..web.clients import ClientIdentity
-from ..web.service import Reply, SpaceService, wait_problem
+from ..web.service import MODEL_DEFAULTS, Reply, SpaceService, wait_problem
 from .items import item_stats
 from .panel import EMPTY_DETAILS, EMPTY_STATS, REFUSED_STATS, WAITING_STATS, stats_details, stats_summary
 from .session import ChatSession
@@ -369,9 +369,22 @@ def engine_sharing(service: SpaceService) -> str:
     return sharing_note(service.parallel, until_loaded=service.preset.parallel_fit and not service.engine_info)
 
 
+def sampling_values(defaults: dict[str, Any]) -> str:
+    return (f"temperature {defaults['temperature']:g}, top-p {defaults['top_p']:g}, top-k {defaults['top_k']}, "
+            f"min-p {defaults['min_p']:g}")  # fmt: skip
+
+
 def sampling_note(service: SpaceService) -> str:
-    """Where the sampling controls' starting values come from."""
-    return f"*Sampling defaults: from {service.sampling_source}.*"
+    """Where the sampling controls' starting values come from, and what they are (also what an API request that
+    leaves one out gets)."""
+    values = sampling_values(service.defaults)
+    if service.sampling_source == MODEL_DEFAULTS:
+        return (f"*Sampling starts as the model recommends ({MODEL_DEFAULTS} keys of its GGUF file): {values}. An "
+                "API request that leaves one out gets it too.*")
+    why = ("the target's file recommends none (no `general.sampling.*` keys)" if service.file_facts
+           else "the target's file is not read yet; its own recommendation, if it has one, replaces them then")
+    return (f"*Sampling starts from the server's defaults: {values}; temperature 0 is greedy decoding, the same "
+            f"text with or without the draft. Here {why}.*")
 
 
 class PageHandlers:
@@ -394,8 +407,9 @@ class PageHandlers:
         else:
             gpus = [d.get("name") or "GPU" for d in service.build.get("cuda_devices") or []]
             device = ", ".join(gpus) if gpus else "CPU"
+        sampling = f"{sampling_values(service.defaults)} (from {service.sampling_source})"
         lines = {"llama.cpp build": service.build_status, "Device": device, "Mode": service.mode.reason,
-                 "Sampling defaults": f"from {service.sampling_source}"}  # fmt: skip
+                 "Sampling defaults": sampling}  # fmt: skip
         if service.draft_problem() and not service.engine_info:
             lines["⚠️ Draft"] = service.draft_problem()
         return info_markdown(service.preset, service.limits, lines, service.engine_info)

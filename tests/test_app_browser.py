@@ -865,6 +865,7 @@ def test_on_zero_gpu_the_page_shows_the_gpu_time_and_keeps_its_worker(tmp_path: 
 def set_slider(page: DevTools, elem_id: str, value: float) -> None:
     """Type the value into a slider's number box, as a visitor would, and leave the box."""
     box = f"#{elem_id} input[type='number']"
+    page.wait_for(f"!!document.querySelector({json.dumps(box)})", 20, f"the slider {elem_id}")  # the page renders it
     page.evaluate(f"document.querySelector({json.dumps(box)}).select()")
     page.type_into(box, str(value))
     page.evaluate(f"document.querySelector({json.dumps(box)}).blur()")

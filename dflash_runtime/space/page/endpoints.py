@@ -365,7 +365,8 @@ def ab_button(ready: bool) -> Any:
 
 
 def engine_sharing(service: SpaceService) -> str:
-    """The note under the page's title: how many answers run at once (a most until `auto` has sized the engine)."""
+    """The note on top of the settings column: how many answers run at once (a most until `auto` has sized the
+    engine)."""
     return sharing_note(service.parallel, until_loaded=service.preset.parallel_fit and not service.engine_info)
 
 

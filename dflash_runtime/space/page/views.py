@@ -223,7 +223,7 @@ def ab_verdict(identical: bool, temperature: float, seed: int | None,
 
 
 def sharing_note(parallel: int, until_loaded: bool = False) -> str:
-    """How many answers share the engine (under the page's title): what a visitor may wait for, nothing of what
+    """How many answers share the engine (on top of the settings column): what a visitor may wait for, nothing of what
     others ask. `until_loaded`: `parallel` is a most, and the engine, not loaded yet, opens as many as fit."""
     if until_loaded and parallel > 1:
         return (f"*Up to {parallel} answers can run at once on this engine (as many as fit in memory when it loads; "

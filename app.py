@@ -12,7 +12,8 @@ import signal
 import sys
 
 STOPPED = 128 + signal.SIGINT  # a shell's status for a command that Ctrl+C ended
-if __name__ == "__main__":  # Ctrl+C while the page is being built (the imports, the build check): no traceback
+# Ctrl+C while the page is being built (the imports, the build check): no traceback (unless Ctrl+C is ignored here).
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, lambda *_: sys.exit(STOPPED))
 
 import logging

@@ -8,6 +8,14 @@ The page's layout and its wiring only. What runs lives in `dflash_runtime.space`
 
 from __future__ import annotations
 
+import signal
+import sys
+
+STOPPED = 128 + signal.SIGINT  # a shell's status for a command that Ctrl+C ended
+# Ctrl+C while the page is being built (the imports, the build check): no traceback (unless Ctrl+C is ignored here).
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(STOPPED))
+
 import logging
 import os
 from collections.abc import Mapping
@@ -31,7 +39,8 @@ from dflash_runtime.space.page.endpoints import (
     plot_frame,
     sampling_note,
 )
-from dflash_runtime.space.page.highlight import CSS, LEGEND
+from dflash_runtime.space.page.highlight import CSS as HIGHLIGHT_CSS
+from dflash_runtime.space.page.highlight import LEGEND
 from dflash_runtime.space.page.panel import EMPTY_DETAILS, EMPTY_STATS
 from dflash_runtime.space.page.session import ChatSession
 from dflash_runtime.space.page.views import mode_banner
@@ -54,6 +63,48 @@ EXAMPLES = [
     "List five facts about the planet Mars.",
     "Translate 'the quick brown fox jumps over the lazy dog' into French and German.",
 ]
+
+CHAT_HEIGHT = 400  # px at 1400 × 900: the message box and the examples still fit under it (a phone: PAGE_CSS)
+PHONE = "@media (max-width: 480px)"
+PAGE_CSS = HIGHLIGHT_CSS + f"""
+#intro h1 {{ margin-bottom: 2px; }}
+#intro p, #mode-banner p {{ margin: 0; }}
+/* No word is broken inside: a line breaks between words (a word longer than a whole line is the one exception). */
+.prose, .prose * {{ word-break: normal; overflow-wrap: break-word; hyphens: manual; }}
+#ab-result th {{ white-space: nowrap; overflow-wrap: normal; }}
+#ab-result table {{ font-size: var(--text-sm); }}
+#ab-result th, #ab-result td {{ padding: 4px 6px; }}
+#stats-table th, #stats-table td {{ padding: 4px 6px; }}
+#stats-table table {{ font-size: var(--text-md); width: 100%; }}
+/* Each term's explanation, under it: the body's colour and size (the term above it is bold). */
+#stats-table small {{ display: block; color: var(--body-text-color); font-size: var(--text-md); font-weight: normal;
+                      line-height: 1.35; margin-top: 2px; }}
+#method-help {{ font-size: var(--text-sm); }}
+#method-help ul {{ margin: 0; }}
+#examples {{ padding-top: 0; }}
+{PHONE} {{
+  #intro h1 {{ font-size: 1.15rem; }}
+  /* The box, Send and Stop on one line; A/B and Clear too. */
+  #message-row, #ab-row {{ flex-wrap: nowrap; gap: 8px; }}
+  #message-row > *, #ab-row > * {{ min-width: 0 !important; }}
+  #message-row > button, #ab-row > #clear {{ flex: 0 0 60px !important; padding-left: 4px; padding-right: 4px; }}
+  #intro p, #mode-banner p {{ font-size: var(--text-sm); line-height: 1.4; }}
+  #chatbot {{ height: 280px !important; max-height: 280px !important; }}
+  /* The examples in one row that scrolls sideways: the first screen keeps room for the chat and the box. */
+  #examples .gallery {{ flex-wrap: nowrap; overflow-x: auto; }}
+  #examples .gallery > * {{ flex: 0 0 auto; max-width: 75vw; }}
+  #ab-result th, #ab-result td {{ padding: 3px 3px; }}
+  .row:has(> #draft-legend) {{ flex-wrap: wrap; }}
+  #draft-legend {{ flex-basis: 100%; font-size: var(--text-xs); }}
+}}
+"""
+
+AB_SCROLL = """() => {
+    const row = document.querySelector('#ab-row'), box = document.querySelector('#ab-result');
+    if (!row || !box || row.getBoundingClientRect().top <= window.innerHeight * 0.3) return;
+    box.style.minHeight = Math.round(window.innerHeight * 0.7) + 'px';  // room to scroll to, before the result comes
+    row.scrollIntoView({block: 'start', behavior: 'smooth'});
+}"""
 
 
 def demo_files(spec: Mapping[str, Any]) -> tuple[Path, Path]:
@@ -98,37 +149,27 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
     handlers = PageHandlers(service)
     preset, limits, defaults = service.preset, service.limits, service.defaults
     with gr.Blocks(title="DFlash 2 speculative decoding") as demo:
+        # The first screen holds what a visitor came for, at 1400 × 900 and on a phone: a two-line header, the chat,
+        # the message box and the examples; the statistics, the A/B and the settings follow.
         gr.Markdown(
             "# DFlash 2 speculative decoding\n"
-            "A block-diffusion draft proposes several tokens at once; the target checks them in one pass and keeps "
-            "what it would have written anyway. Same answers as the target alone, fewer target steps. Where the "
-            "target has its own multi-token-prediction (MTP) head, compare the two draft methods with the A/B button."
+            "A small draft proposes several tokens at once; the target checks them in one pass and keeps what it "
+            "would have written anyway: the same answers, in fewer steps of the target.",
+            elem_id="intro",
         )
         gr.Markdown(mode_banner(service.mode), visible=service.mode.tiny, elem_id="mode-banner")
-        sharing = gr.Markdown(engine_sharing(service), elem_id="engine-sharing")
         download_box = gr.Markdown("", visible=False, elem_id="download-status")
         session = gr.State(ChatSession(), delete_callback=ChatSession.stop)
         with gr.Row(equal_height=False):
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(
                     label="Chat",
-                    height=520,
+                    height=CHAT_HEIGHT,
                     reasoning_tags=[("<think>", "</think>")],
                     feedback_options=None,
                     elem_id="chatbot",
                 )
-                with gr.Row(equal_height=True):
-                    highlight = gr.Checkbox(True, label="Highlight draft tokens", scale=0, min_width=200,
-                                            elem_id="highlight-draft")  # fmt: skip
-                    legend = gr.HTML(LEGEND, elem_id="draft-legend")  # shown while the highlight is on
-                # Under the answer and right above the message box, where the eye is (also on a phone, where the
-                # columns stack): one sentence in plain words, the technical table folded under it.
-                with gr.Group(elem_id="stats"):
-                    stats_box = gr.Markdown(EMPTY_STATS, elem_id="stats-summary")
-                    with gr.Accordion("Details: steps, acceptance, timings", open=False, elem_id="stats-details"):
-                        stats_table = gr.Markdown(EMPTY_DETAILS, elem_id="stats-table")
-                notice = gr.Markdown("", elem_id="context-notice")  # always mounted: see notice_line
-                with gr.Row():
+                with gr.Row(elem_id="message-row"):
                     message_box = gr.Textbox(
                         placeholder="Ask something…",
                         show_label=False,
@@ -139,12 +180,27 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
                     )
                     send_button = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
                     stop_button = gr.Button("Stop", variant="stop", scale=1, min_width=80, elem_id="stop")
-                with gr.Row():
+                # A click sends the example (see the wiring below); the box is left to what the visitor types.
+                examples = gr.Dataset(components=[message_box], samples=[[e] for e in EXAMPLES], label="Examples",
+                                      samples_per_page=len(EXAMPLES), elem_id="examples")  # fmt: skip
+                notice = gr.Markdown("", elem_id="context-notice")  # always mounted: see notice_line
+                # Under the message box, where the eye is while the answer streams (also on a phone, where the
+                # columns stack): one sentence in plain words, the technical table folded under it.
+                with gr.Group(elem_id="stats"):
+                    stats_box = gr.Markdown(EMPTY_STATS, elem_id="stats-summary")
+                    with gr.Accordion("Details: steps, acceptance, timings", open=False, elem_id="stats-details"):
+                        stats_table = gr.Markdown(EMPTY_DETAILS, elem_id="stats-table")
+                with gr.Row(equal_height=True):
+                    highlight = gr.Checkbox(True, label="Highlight draft tokens", scale=0, min_width=200,
+                                            elem_id="highlight-draft")  # fmt: skip
+                    legend = gr.HTML(LEGEND, elem_id="draft-legend")  # shown while the highlight is on
+                with gr.Row(elem_id="ab-row"):
                     ab_button = gr.Button(AB_LABEL, elem_id="ab")
                     clear_button = gr.Button("Clear", elem_id="clear")
-                ab_box = gr.Markdown("", elem_id="ab-result")  # next to its button: its progress, then its result
-                gr.Examples(EXAMPLES, inputs=[message_box], label="Examples")
+                # Right under its button: its progress, then what it found (first), then its table.
+                ab_box = gr.Markdown("", elem_id="ab-result")
             with gr.Column(scale=2):
+                sharing = gr.Markdown(engine_sharing(service), elem_id="engine-sharing")
                 speed_chart = trace_chart("Decode speed so far", "tok/s", "speed-chart")
                 acceptance_chart = trace_chart("Acceptance so far", "accepted %", "acceptance-chart", y_lim=[0, 100])
                 plot = gr.BarPlot(
@@ -203,17 +259,25 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
             queue=False,
             api_visibility="private",
         )
-        answer_event = shown_event.then(
-            handlers.respond,
-            [session],
-            [chatbot, message_box, stats_box, stats_table, plot, speed_chart, acceptance_chart, notice, thinking,
-             info_box, ab_button],
-            **engine,
-        )
+        answer_outputs = [chatbot, message_box, stats_box, stats_table, plot, speed_chart, acceptance_chart, notice,
+                          thinking, info_box, ab_button]  # fmt: skip
+        answer_event = shown_event.then(handlers.respond, [session], answer_outputs, **engine)
+        # An example is sent as it is, as if typed and sent: shown at once, then answered in the engine's queue.
+        example_event = examples.click(
+            handlers.submit_example,
+            [examples, session, *settings],
+            [chatbot, message_box, notice, ab_box, stats_box, stats_table, plot, speed_chart, acceptance_chart,
+             ab_button],
+            queue=False,
+            api_visibility="private",
+        ).then(handlers.respond, [session], answer_outputs, **engine)
         # The A/B says at once, under its button, what it will run (outside the queue), then runs in the queue.
         ab_event = ab_button.click(handlers.compare_start, [session, message_box], [ab_box, ab_button], queue=False,
                                    api_visibility="private").then(
             handlers.compare, [session, message_box, *settings], [ab_box, ab_button], **engine)  # fmt: skip
+        # In the browser alone: the A/B's button row goes to the top of the window (unless it is near it already),
+        # so that what the A/B finds, under it, shows where the visitor clicked, on a phone too.
+        ab_button.click(None, js=AB_SCROLL, queue=False, api_visibility="private")
         # Stop and Clear end the answer on the server: its handler then shows where it stopped (or that it was
         # cleared) as the last frame of its own stream, after any it sent before. An A/B run just ends.
         stop_button.click(handlers.stop, [session], [ab_button], cancels=[ab_event], queue=False,
@@ -246,8 +310,8 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
     def one() -> int:
         return 1
 
-    weights = {answer_event["id"]: one, ab_event["id"]: handlers.comparison_weight, chat_event["id"]: one,
-               generate_event["id"]: one}  # fmt: skip
+    weights = {answer_event["id"]: one, example_event["id"]: one, ab_event["id"]: handlers.comparison_weight,
+               chat_event["id"]: one, generate_event["id"]: one}  # fmt: skip
     return demo, EngineCalls(weights, {"chat": chat_event["id"], "generate": generate_event["id"]},
                              frozenset(demo.fns))  # fmt: skip
 
@@ -261,6 +325,7 @@ if __name__ == "__main__":
     replaced = servers_forward_nothing()  # the client is read from the socket or the trusted hops alone
     if replaced:
         log.warning("FORWARDED_ALLOW_IPS=%s ignored: set DFLASH_TRUSTED_PROXY_HOPS for a proxy in front", replaced)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Gradio stops the server on Ctrl+C
     SERVICE.download.start()  # the web process fetches the files while the page is already up
     # api_open=False: the REST route /run/<name> refuses queued endpoints, so every answer goes through the queue.
     # HttpGate: bounded bodies, no uploads, limits on queued answers, and no answer runs that nobody reads (see
@@ -272,5 +337,5 @@ if __name__ == "__main__":
     # waiting in the engine slot, and the page's own must all fit, or admitted answers wait in Gradio's queue in the
     # order they came, where the engine slot's turns cannot reach them.
     demo.queue(api_open=False, max_size=QUEUE_SIZE, default_concurrency_limit=1).launch(
-        css=CSS, max_file_size=MAX_FILE_SIZE, app_kwargs={"middleware": [gate, v1]}, max_threads=QUEUE_SIZE + 16
+        css=PAGE_CSS, max_file_size=MAX_FILE_SIZE, app_kwargs={"middleware": [gate, v1]}, max_threads=QUEUE_SIZE + 16
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -213,6 +214,9 @@ def run_bench_cli(args: argparse.Namespace, pairs: list[tuple[str, str, str]]) -
     return 0
 
 
+STOPPED = 128 + signal.SIGINT  # a shell's status for a command that Ctrl+C ended
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -220,3 +224,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DFlashError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl+C: the engine is closed on the way out (its `with`); no traceback to read
+        print("stopped", file=sys.stderr)
+        return STOPPED

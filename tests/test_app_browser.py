@@ -178,7 +178,8 @@ def open_page(url: str) -> Iterator[DevTools]:
         yield pages[0]
 
 
-DESKTOP = {"width": 1400, "height": 1000, "deviceScaleFactor": 1, "mobile": False}  # the window, without its frame
+DESKTOP = {"width": 1400, "height": 900, "deviceScaleFactor": 1, "mobile": False}  # the window, without its frame
+PHONE = {"width": 390, "height": 844, "deviceScaleFactor": 1, "mobile": True}
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +232,25 @@ def text_of(selector: str) -> str:
 BOT_MESSAGES = "#chatbot [data-testid='bot']"
 STATS = text_of("#stats")  # the sentence on top (the folded table's text is not rendered while it is folded)
 DETAILS = "(document.querySelector('#stats-table')?.innerText || '')"  # the table, once opened
+
+
+# Each explanation of the statistics table smaller than 13 px, or with a contrast against the page under 7:1 (WCAG's
+# enhanced level), with its size and contrast.
+EXPLANATION_FAULTS = """(() => {
+    const luminance = color => {
+        const [r, g, b] = color.match(/[\\d.]+/g).slice(0, 3).map(v => v / 255)
+            .map(v => v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4);
+        return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+    };
+    const page = luminance(getComputedStyle(document.body).backgroundColor);
+    const explanations = Array.from(document.querySelectorAll('#stats-table small'));
+    if (!explanations.length) return ['no explanation'];
+    return explanations.map(el => {
+        const style = getComputedStyle(el), text = luminance(style.color);
+        const contrast = (Math.max(page, text) + 0.05) / (Math.min(page, text) + 0.05);
+        return [el.innerText.slice(0, 30), parseFloat(style.fontSize), Math.round(contrast * 10) / 10];
+    }).filter(([, size, contrast]) => size < 13 || contrast < 7);
+})()"""
 
 
 def details_of(page: DevTools) -> str:
@@ -355,6 +375,48 @@ def test_no_chart_box_shows_before_the_first_answer(page: DevTools) -> None:
     page.screenshot(ARTIFACTS / "app_browser_before_answer.png")
 
 
+def below_the_fold(page: DevTools, selectors: tuple[str, ...]) -> dict[str, Any]:
+    """The elements not wholly inside the first screen (the page not scrolled), with their box's top and bottom."""
+    return page.evaluate(
+        f"(() => {{ const out = {{}}; for (const s of {json.dumps(selectors)}) {{"
+        " const el = document.querySelector(s); const r = el ? el.getBoundingClientRect() : null;"
+        " if (!r || r.height === 0 || r.top < 0 || r.bottom > window.innerHeight) out[s] = r && [r.top, r.bottom]; }"
+        " return out; })()"
+    )
+
+
+FIRST_SCREEN = ("#message-box textarea", "#send", "#examples", "#examples button")  # a phone scrolls the rest sideways
+EXAMPLE = "List five facts about the planet Mars."
+
+
+def test_the_first_screen_holds_the_message_box_and_the_examples_and_an_example_click_answers(
+        server: RunningApp) -> None:  # fmt: skip
+    """On load, at 1400 × 900 and at a phone's 390 × 844, the message box, Send and every example show without
+    scrolling; on the phone a click on an example sends it as it is: it shows as the visitor's message and is
+    answered as if typed and sent."""
+    with open_page(server.url) as tab:
+        for size, name in ((DESKTOP, "desktop"), (PHONE, "phone")):
+            tab.call("Emulation.setDeviceMetricsOverride", **size)
+            tab.navigate(server.url)
+            wait_for_page(tab)
+            tab.wait_for(f"document.querySelectorAll('#examples button').length === 4 && {is_shown('#stats')}", 20,
+                         "the examples")  # fmt: skip
+            tab.screenshot(ARTIFACTS / f"app_browser_first_screen_{name}.png", whole=False)
+            assert tab.evaluate("window.scrollY") == 0
+            assert below_the_fold(tab, FIRST_SCREEN) == {}, f"{name}: under the fold"
+            every_example = "Array.from(document.querySelectorAll('#examples button')).every(b => b.offsetParent)"
+            assert tab.evaluate(every_example), name
+        set_slider(tab, "max-tokens", 64)
+        example = "Array.from(document.querySelectorAll('#examples button'))" \
+                  f".find(b => b.innerText.includes({json.dumps(EXAMPLE[:20])}))"  # fmt: skip
+        tab.evaluate(f"{example}.setAttribute('id', 'mars-example')")
+        tab.click("#mars-example")
+        stats = wait_for_answer(tab, answers=1)
+        assert user_texts(tab) == [EXAMPLE] and generated_tokens(stats) == 64
+        assert same_text(bot_texts(tab)[0], expected_reply(EXAMPLE, 64))
+        assert tab.evaluate("document.querySelector('#message-box textarea').value") == "", "sent, not just filled"
+
+
 def test_chat_in_the_browser_shows_answer_stats_and_plot(page: DevTools, server: RunningApp) -> None:
     wait_for_page(page)
     for chart in CHARTS:  # empty: no axis with a meaningless tick
@@ -373,18 +435,21 @@ def test_chat_in_the_browser_shows_answer_stats_and_plot(page: DevTools, server:
     stats = wait_for_answer(page, answers=1)
     assert re.search(r"The draft wrote \d+ of these 512 tokens at [\d.]+ tok/s; ", stats), stats
     # The demo's adaptive length takes plain steps: the estimate against plain comes from them, and says so.
-    assert re.search(r"this answer ran about [\d.]+× as fast as without the draft \(± [\d.]+, against \d+ plain "
-                     r"steps of this answer\)", stats), stats
+    estimate = re.search(r"this answer ran about [\d.]+× as fast as without the draft \(± [\d.]+, timed against "
+                         r"(?:its (\d+)|\d+ of its (\d+)) plain steps", stats)  # fmt: skip
+    assert estimate, stats
     details = details_of(page)
     for label in ("Decode speed", "vs plain (estimate)", "Verify steps", "steps of the target that checked a draft",
                   "Plain steps", "Draft length", "across your requests in this conversation", "Acceptance rate",
                   "Tokens per verify step", "Prompt", "reused", "the shared system prompt", "Engine time"):  # fmt: skip
         assert label in details, f"{label!r} missing from the statistics table"
+    assert page.evaluate(EXPLANATION_FAULTS) == [], "an explanation of the statistics is hard to read"
     counts = re.search(r"512 = (\d+) from the draft \+ (\d+) from the target \(1 right after the prompt, (\d+) after "
                        r"verify steps, (\d+) from plain steps\)", details)  # fmt: skip
     assert counts, details
     accepted, own, verify, plain = map(int, counts.groups())
     assert accepted + own == 512 and 1 + verify + plain == own and plain > 0, "the counts add up as shown"
+    assert int(estimate.group(1) or estimate.group(2)) == plain, "the summary's plain steps are the table's"
     answers = bot_texts(page)
     assert len(answers) == 1 and same_text(answers[0], expected_reply("hello world"))
     spans = draft_spans(page)
@@ -464,6 +529,13 @@ def in_view(selector: str) -> str:
             f"r.top >= 0 && r.top < window.innerHeight - 16; }})(document.querySelector({json.dumps(selector)}))")
 
 
+# The A/B's findings (its first line, each method's speed sentence, the verdict) that are not wholly inside the window.
+AB_FINDINGS_OUT_OF_VIEW = """(() => {
+    const found = Array.from(document.querySelectorAll('#ab-result p')).filter(p => p.querySelector('strong'));
+    if (!found.length) return ['nothing found'];
+    return found.filter(p => { const r = p.getBoundingClientRect();
+        return r.top < 0 || r.bottom > window.innerHeight || r.height === 0; }).map(p => p.innerText.slice(0, 60));
+})()"""
 AB_PROGRESS = f"{in_view('#ab-result')} && /A\\/B (starting|running)/.test({text_of('#ab-result')})"
 
 
@@ -479,11 +551,13 @@ def run_ab(page: DevTools, verdict: str, running: str | None = None) -> str:
     if running:
         page.wait_for(f"{text_of('#ab-result')}.includes('A/B running: DFlash 2')", 240, "the DFlash 2 run")
         page.screenshot(ARTIFACTS / running)
+        assert page.evaluate(BROKEN_WORDS) == [], "a word breaks across lines while the A/B runs"
     # Five runs of up to 512 tokens each on the demo pair (plain, DFlash 2, two n-gram methods and a chain).
     result = page.wait_for(f"{text_of('#ab-result')}.includes({json.dumps(verdict)}) && {text_of('#ab-result')}", 600,
                            "the A/B comparison")  # fmt: skip
     shown = page.evaluate("window.dflashAb")
     assert any("A/B running: Plain" in t for t in shown), shown
+    assert page.evaluate(AB_FINDINGS_OUT_OF_VIEW) == [], "what the A/B found is not in view where it was clicked"
     for text in shown:
         if "A/B running" in text:
             assert "Texts identical" not in text, f"a verdict before every run has finished: {text}"
@@ -512,7 +586,7 @@ def test_ab_at_temperature_zero_reports_a_speed_up_and_identical_texts(page: Dev
     if not bot_texts(page):  # run alone
         send(page, "hello world")
         wait_for_answer(page, answers=1)
-    assert page.evaluate("[window.innerWidth, window.innerHeight]") == [1400, 1000]
+    assert page.evaluate("[window.innerWidth, window.innerHeight]") == [1400, 900]
     result = run_ab(page, "At temperature 0", running="app_browser_ab_running.png")
     assert re.search(SPEED_UP, result) and "÷" not in result, result
     assert "Plain" in result and "DFlash 2" in result and "greedy match" in result
@@ -546,11 +620,12 @@ def test_the_ab_table_fits_at_1400_px_and_on_a_phone(page: DevTools) -> None:
         page.wait_for("document.documentElement.clientWidth > 1300", 10, "the page's own width")
 
 
-# Every word of the statistics that the layout broke across two lines (a word: what lies between spaces, hyphens,
-# slashes and the panel's separators, where a line may break).
+# Every word of the page's texts (the chat's aside) that the layout broke across two lines (a word: what lies between
+# spaces, hyphens, slashes and the panel's separators, where a line may break).
 BROKEN_WORDS = """(() => {
     const broken = [];
-    for (const root of document.querySelectorAll('#stats-summary, #stats-table')) {
+    for (const root of document.querySelectorAll('.prose')) {
+        if (root.closest('#chatbot')) continue;  // the model's text: a gibberish word may be longer than a line
         const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
         for (let node = walker.nextNode(); node; node = walker.nextNode()) {
             const words = /[^\\s\\-\\/·=+]+/g;
@@ -588,7 +663,7 @@ def test_on_a_phone_the_statistics_show_while_an_answer_streams_and_no_word_brea
         assert phone.evaluate(BROKEN_WORDS) == [], "a word of the statistics breaks across lines"
         phone.screenshot_of("#stats", ARTIFACTS / "app_browser_phone_stats.png")
         run_ab(phone, "At temperature 0", running="app_browser_phone_ab_running.png")
-        phone.screenshot(ARTIFACTS / "app_browser_phone_ab.png")
+        phone.screenshot(ARTIFACTS / "app_browser_phone_ab.png", whole=False)  # what the phone shows once it ends
 
 
 def test_the_method_menu_says_what_each_method_is(page: DevTools) -> None:
@@ -790,6 +865,7 @@ def test_on_zero_gpu_the_page_shows_the_gpu_time_and_keeps_its_worker(tmp_path: 
 def set_slider(page: DevTools, elem_id: str, value: float) -> None:
     """Type the value into a slider's number box, as a visitor would, and leave the box."""
     box = f"#{elem_id} input[type='number']"
+    page.wait_for(f"!!document.querySelector({json.dumps(box)})", 20, f"the slider {elem_id}")  # the page renders it
     page.evaluate(f"document.querySelector({json.dumps(box)}).select()")
     page.type_into(box, str(value))
     page.evaluate(f"document.querySelector({json.dumps(box)}).blur()")

@@ -1,7 +1,7 @@
-"""docs/openai-api.md's blocks run as written: the bash block (it starts `python -m dflash_runtime serve` on a pair,
-asks with curl, stops it) in a fresh folder with `target.gguf` and `draft-dflash2.gguf` linked to a generated pair;
-the openai-client block (marked no-run: it needs a server left running) against a server this test starts on the same
-files, its address put in place of the doc's (the one substitution, printed)."""
+"""docs/openai-api.md's blocks run as written: the bash block (it generates a pair, starts `python -m dflash_runtime
+serve` on it, asks with curl, stops it) in an empty folder; the openai-client block (marked no-run: it needs a server
+left running) against a server this test starts as the bash block does, its address put in place of the doc's (the
+one substitution, printed)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ import pytest
 from app_fixtures import REPO_ROOT
 from openai_clients import running_serve
 
-from dflash_runtime.testing.tiny_models import tiny_pair
-
 DOC = REPO_ROOT / "docs" / "openai-api.md"
 DOC_SERVER = "http://127.0.0.1:8080"
 TIMEOUT_S = 300
@@ -30,12 +28,14 @@ def blocks(language: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pair = tiny_pair("dense", "dflash2")
-    assert pair.draft is not None
-    here = tmp_path_factory.mktemp("openai-doc")
-    (here / "target.gguf").symlink_to(pair.target)
-    (here / "draft-dflash2.gguf").symlink_to(pair.draft)
-    return here
+    return tmp_path_factory.mktemp("openai-doc")  # empty: the block makes what it uses
+
+
+def served_model(code: str) -> str:
+    """The id the bash block starts the server with (`--model`), which its requests must use."""
+    found = re.search(r"--model (\S+)", code)
+    assert found, "the block names the model id it serves"
+    return found.group(1)
 
 
 def block_env() -> dict[str, str]:
@@ -54,15 +54,21 @@ def test_the_curl_block_gets_a_chat_answer_from_serve(folder: Path) -> None:
     print(done.stdout[-3000:])
     assert done.returncode == 0, done.stderr[-3000:] + (folder / "serve.log").read_text()[-3000:]
     models, answer = (json.loads(line) for line in done.stdout.splitlines() if line.strip())
-    assert models["data"][0]["id"] == "target.gguf"
+    model = served_model(code)
+    assert [m["id"] for m in models["data"]] == [model] and answer["model"] == model
     assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["content"]
     assert answer["usage"]["completion_tokens"] == answer["timings"]["predicted_n"] > 0
+    assert "--fail-with-body" in code and " -sf " not in code, "an error answer is printed, not swallowed"
 
 
 def test_the_openai_client_block_runs_against_serve(folder: Path) -> None:
+    (bash,) = blocks("bash")
     (code,) = blocks("python")
-    with running_serve(folder / "target.gguf", folder / "draft-dflash2.gguf",
-                       REPO_ROOT / "test-artifacts" / "openai_docs_serve.log") as server:  # fmt: skip
+    pair = subprocess.run([sys.executable, "-m", "dflash_runtime.testing.tiny_models"], env=block_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT_S, check=True).stdout.split()  # fmt: skip
+    target, draft = map(Path, pair)
+    with running_serve(target, draft, REPO_ROOT / "test-artifacts" / "openai_docs_serve.log", "--model",
+                       served_model(bash)) as server:  # fmt: skip
         print(f"{DOC_SERVER} -> {server.url} (the test's server)")
         script = folder / "block.py"
         script.write_text(code.replace(DOC_SERVER, server.url), encoding="utf-8")

@@ -163,3 +163,19 @@ def test_a_readme_block_runs_as_written(block: Block, models: dict[str, Path], t
     shown = "\n".join(log[:40])
     assert len(log) <= MAX_LOG_LINES, f"{block.document} line {block.line} writes {len(log)} lines of log:\n{shown}"
     assert done.stdout.strip(), f"{block.document} line {block.line} shows nothing"
+
+
+def test_the_deploy_text_is_true_of_requirements_as_committed() -> None:
+    """What the README says a Space built from this repository installs follows requirements.txt as committed: no
+    wheel URL there, no published wheel claimed (a duplicate builds a CPU wheel from source); and the README says
+    that no GPU has run the code, naming the prepared check."""
+    requirements = (REPO_ROOT / "requirements.txt").read_text(encoding="utf-8").splitlines()
+    (line,) = [ln for ln in requirements if ln.startswith("llama-cpp-python")]
+    readme = " ".join(README.read_text(encoding="utf-8").split())
+    deploy = " ".join((REPO_ROOT / "docs" / "deploy.md").read_text(encoding="utf-8").split())
+    if "@ https://" not in line:  # no wheel published from this repository yet
+        assert f"the plain `{line}`" in readme and "names no CUDA wheel" in readme, line
+        assert "inherits the published CUDA wheel" not in readme
+        assert f"its llama-cpp-python line is `{line}`" in deploy and "names no wheel" in deploy
+    assert "No GPU has run this code yet." in readme
+    assert "`tools/gpu_evidence.py`" in readme and (REPO_ROOT / "tools" / "gpu_evidence.py").is_file()

@@ -10,6 +10,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+STOP_GRACE_S = 10  # seconds open answers get to end once the server is told to stop
+
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="target GGUF")
@@ -63,7 +65,9 @@ def server_config(app: Any) -> Any:
     `X-Forwarded-For` sent from 127.0.0.1, so that a local client could name any address it likes)."""
     import uvicorn
 
-    return uvicorn.Config(app, log_level="warning", proxy_headers=False, forwarded_allow_ips="")
+    # timeout_graceful_shutdown: a backstop, what has not ended this long after Ctrl+C (or SIGTERM) is cancelled.
+    return uvicorn.Config(app, log_level="warning", proxy_headers=False, forwarded_allow_ips="",
+                          timeout_graceful_shutdown=STOP_GRACE_S)
 
 
 def serve(args: argparse.Namespace, open_engine: Any) -> int:
@@ -80,7 +84,24 @@ def serve(args: argparse.Namespace, open_engine: Any) -> int:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((args.host, args.port))
         sock.listen(128)
-        print(f"serving {model} on http://{args.host}:{args.port}/v1 ({'API key required' if api_key else 'open'})",
-              flush=True)  # fmt: skip
-        uvicorn.Server(server_config(app)).run(sockets=[sock])
+        line = f"serving {model} on http://{args.host}:{args.port}/v1 ({'API key required' if api_key else 'open'})"
+
+        class Server(uvicorn.Server):
+            """Says that it serves once it does: by then Ctrl+C is uvicorn's to handle (it stops the server, then
+            raises KeyboardInterrupt, which the command line turns into its "stopped" line)."""
+
+            async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+                await super().startup(sockets)
+                print(line, flush=True)
+
+            async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+                # Open answers end as when their clients hang up (their engine requests stop); uvicorn would wait
+                # for them to finish, then cancel them with a traceback.
+                for connection in list(self.server_state.connections):
+                    transport = getattr(connection, "transport", None)
+                    if transport is not None:
+                        transport.close()
+                await super().shutdown(sockets)
+
+        Server(server_config(app)).run(sockets=[sock])
     return 0

@@ -25,7 +25,7 @@ from ..requests import AUTO, DEFAULT_SYSTEM_PROMPT, MessageTooLongError
 from ..scrub import scrub_paths
 from ..web.callers import call_of
 from ..web.clients import ClientIdentity
-from ..web.service import Reply, SpaceService, wait_problem
+from ..web.service import MODEL_DEFAULTS, Reply, SpaceService, wait_problem
 from .items import item_stats
 from .panel import EMPTY_DETAILS, EMPTY_STATS, REFUSED_STATS, WAITING_STATS, stats_details, stats_summary
 from .session import ChatSession
@@ -365,13 +365,27 @@ def ab_button(ready: bool) -> Any:
 
 
 def engine_sharing(service: SpaceService) -> str:
-    """The note under the page's title: how many answers run at once (a most until `auto` has sized the engine)."""
+    """The note on top of the settings column: how many answers run at once (a most until `auto` has sized the
+    engine)."""
     return sharing_note(service.parallel, until_loaded=service.preset.parallel_fit and not service.engine_info)
 
 
+def sampling_values(defaults: dict[str, Any]) -> str:
+    return (f"temperature {defaults['temperature']:g}, top-p {defaults['top_p']:g}, top-k {defaults['top_k']}, "
+            f"min-p {defaults['min_p']:g}")  # fmt: skip
+
+
 def sampling_note(service: SpaceService) -> str:
-    """Where the sampling controls' starting values come from."""
-    return f"*Sampling defaults: from {service.sampling_source}.*"
+    """Where the sampling controls' starting values come from, and what they are (also what an API request that
+    leaves one out gets)."""
+    values = sampling_values(service.defaults)
+    if service.sampling_source == MODEL_DEFAULTS:
+        return (f"*Sampling starts as the model recommends ({MODEL_DEFAULTS} keys of its GGUF file): {values}. An "
+                "API request that leaves one out gets it too.*")
+    why = ("the target's file recommends none (no `general.sampling.*` keys)" if service.file_facts
+           else "the target's file is not read yet; its own recommendation, if it has one, replaces them then")
+    return (f"*Sampling starts from the server's defaults: {values}; temperature 0 is greedy decoding, the same "
+            f"text with or without the draft. Here {why}.*")
 
 
 class PageHandlers:
@@ -394,8 +408,9 @@ class PageHandlers:
         else:
             gpus = [d.get("name") or "GPU" for d in service.build.get("cuda_devices") or []]
             device = ", ".join(gpus) if gpus else "CPU"
+        sampling = f"{sampling_values(service.defaults)} (from {service.sampling_source})"
         lines = {"llama.cpp build": service.build_status, "Device": device, "Mode": service.mode.reason,
-                 "Sampling defaults": f"from {service.sampling_source}"}  # fmt: skip
+                 "Sampling defaults": sampling}  # fmt: skip
         if service.draft_problem() and not service.engine_info:
             lines["⚠️ Draft"] = service.draft_problem()
         return info_markdown(service.preset, service.limits, lines, service.engine_info)
@@ -435,6 +450,14 @@ class PageHandlers:
                     *HIDDEN_CHARTS, skip)  # fmt: skip
         _, shown = session.start_turn(message, request)
         return shown, "", notice_line(""), "", skip, skip, skip, skip, skip, ab_button(False)
+
+    def submit_example(self, example: list[str], session: ChatSession, *settings: Any) -> tuple[Any, ...]:
+        """Inputs: the clicked example (the examples' one value), session, then the settings. Outputs: as `submit`.
+        Sends the example as if typed and sent; refused, it stays in the box (as a typed message does)."""
+        message = str(example[0]) if example else ""
+        shown, box, *rest = self.submit(message, session, *settings)
+        sent = box == ""  # `submit` empties the box of a message it sent, and leaves it as it is otherwise
+        return (shown, box if sent else message, *rest)
 
     async def respond(self, session: ChatSession, request: gr.Request) -> AsyncIterator[tuple[Any, ...]]:
         """Inputs: session. Outputs: chatbot, message box, statistics, details, acceptance plot, speed chart,

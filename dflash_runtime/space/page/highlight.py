@@ -23,22 +23,6 @@ CSS = f"""
 .{TEXT_CLASS} {{ white-space: pre-wrap; }}
 .{DRAFT_CLASS} {{ background: rgba(250, 190, 40, 0.35); border-radius: 2px; }}
 #draft-legend {{ font-size: var(--text-sm); }}
-#ab-result th {{ white-space: nowrap; word-break: normal; overflow-wrap: normal; hyphens: none; }}
-#ab-result table {{ font-size: var(--text-sm); }}
-#ab-result th, #ab-result td {{ padding: 4px 6px; }}
-@media (max-width: 480px) {{ #ab-result th, #ab-result td {{ padding: 3px 3px; }} }}
-#stats-summary, #stats-table, #method-help {{ word-break: normal; overflow-wrap: break-word; hyphens: none; }}
-#stats-table th, #stats-table td {{ word-break: normal; overflow-wrap: break-word; hyphens: none; padding: 4px 6px; }}
-#stats-table table {{ font-size: var(--text-sm); width: 100%; }}
-#stats-table small {{ color: var(--body-text-color-subdued); font-size: var(--text-xs); }}
-#method-help {{ font-size: var(--text-sm); }}
-#method-help ul {{ margin: 0; }}
-/* A phone stacks the columns: a shorter chat keeps the statistics under it in view while the answer streams. */
-@media (max-width: 480px) {{
-  #chatbot {{ height: 340px !important; max-height: 340px !important; }}
-  .row:has(> #draft-legend) {{ flex-wrap: wrap; }}
-  #draft-legend {{ flex-basis: 100%; font-size: var(--text-xs); }}
-}}
 """
 LEGEND = (
     f'<span class="{DRAFT_CLASS}">highlighted</span>: written by the draft and accepted by the target; '

@@ -37,14 +37,22 @@ def _finished(stats: Mapping[str, Any]) -> str | None:
     return f"{reason}" + (f" ({detail})" if detail else "")
 
 
-def speed_up_phrase(estimate: Estimate | Pending | None, done: bool) -> str:
-    """The second half of the sentence: the estimate with its uncertainty, or why there is none yet."""
+def timed_steps(estimate: Estimate, plain_steps: int) -> str:
+    """Which plain steps the estimate rests on, said so that it matches the table's count of plain steps: only those
+    timed alone (no verify step in the same update) are, so it can be fewer."""
+    if estimate.plain_steps >= plain_steps:
+        return f"its {_plural(estimate.plain_steps, 'plain step')}"
+    return f"{estimate.plain_steps} of its {plain_steps} plain steps, those timed with no verify step among them"
+
+
+def speed_up_phrase(estimate: Estimate | Pending | None, done: bool, plain_steps: int = 0) -> str:
+    """The second half of the sentence: the estimate with its uncertainty, or why there is none yet. `plain_steps`:
+    the answer's plain steps (the table's count)."""
     if isinstance(estimate, Estimate):
         verb = "ran" if done else "is running"
         digits = 2 if estimate.margin < 0.1 else 1  # as many as the uncertainty leaves meaningful
         return (f"this answer {verb} about **{estimate.ratio:.{digits}f}× as fast** as without the draft "
-                f"(± {estimate.margin:.{digits}f}, against {_plural(estimate.plain_steps, 'plain step')} of this "
-                "answer)")
+                f"(± {estimate.margin:.{digits}f}, timed against {timed_steps(estimate, plain_steps)})")
     if estimate is None:
         return "the speed-up is not estimated here (the A/B button measures it)"
     return f"no speed-up estimate yet: {estimate.reason} (the A/B button measures it)"
@@ -61,7 +69,8 @@ def stats_summary(stats: Mapping[str, Any], estimate: Estimate | Pending | None 
         accepted = int(stats.get("accepted") or 0)
         wrote = (f"The draft wrote **{accepted} of these {_plural(n, 'token')}**" if accepted
                  else f"The draft has had none of these {_plural(n, 'token')} accepted")  # fmt: skip
-        line = f"{wrote}{pace}; {speed_up_phrase(estimate, finished is not None)}."
+        phrase = speed_up_phrase(estimate, finished is not None, int(stats.get("plain_steps") or 0))
+        line = f"{wrote}{pace}; {phrase}."
     else:
         line = f"Plain decoding: **{_plural(n, 'token')}**{pace}, one step of the target each (no draft)."
     if finished:
@@ -101,7 +110,7 @@ def stats_details(stats: Mapping[str, Any], estimate: Estimate | Pending | None 
     if speculative:
         if isinstance(estimate, Estimate):
             vs_plain = (f"≈ {estimate.ratio:.2f}× ± {estimate.margin:.2f}: {estimate.speed:.1f} against "
-                        f"{estimate.plain_speed:.1f} tok/s")  # fmt: skip
+                        f"{estimate.plain_speed:.1f} tok/s, timed over {timed_steps(estimate, plain)}")  # fmt: skip
         else:
             vs_plain = "not yet" if estimate is None else f"not yet: {estimate.reason}"
         rows += [

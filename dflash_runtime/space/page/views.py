@@ -75,9 +75,16 @@ def comparison_markdown(
     None or empty while it has not started), per method its acceptance, mean accepted length and speed-up, and what
     the texts being equal or not (`identical`: label → whether its text equals plain's, None until both finished)
     means at this temperature, once every method has finished (`divergences`: label → why its text differs from
-    plain's at temperature 0, Divergence.to_dict()). Five short columns: it fits a phone."""
-    lines = [comparison_progress(methods, plain, identical or {}), "",
-             "| Method | Tokens | tok/s | Accepted | Tok/step |", "| --- | --- | --- | --- | --- |"]
+    plain's at temperature 0, Divergence.to_dict()). What it found comes first, right under its button, where the
+    visitor who clicked it looks; the table follows. Five short columns: it fits a phone."""
+    lines = [comparison_progress(methods, plain, identical or {})]
+    if plain and plain.get("finish_reason"):  # each method's sentence once its own run has finished
+        for name, stats in methods.items():
+            if stats and (identical.get(name) is not None or stats.get("finish_reason")):
+                lines.append("\n" + speed_up_line(stats, plain, name))
+    if identical and all(same is not None for same in identical.values()):  # every method has finished
+        lines.append("\n" + comparison_verdict(identical, temperature, seed, divergences))  # type: ignore[arg-type]
+    lines += ["", "| Method | Tokens | tok/s | Accepted | Tok/step |", "| --- | --- | --- | --- | --- |"]
     modes = []
     for name, stats in ((PLAIN_LABEL, plain), *methods.items()):
         if stats:
@@ -94,12 +101,6 @@ def comparison_markdown(
     checked = f" Drafts checked by {' / '.join(dict.fromkeys(modes))}." if modes else ""
     lines.append(f"\n*Accepted: the drafted tokens the target kept. Tok/step: tokens per verify step (the mean "
                  f"accepted length, the target's own token included).{checked}*")  # fmt: skip
-    if plain and plain.get("finish_reason"):  # each method's sentence once its own run has finished
-        for name, stats in methods.items():
-            if stats and (identical.get(name) is not None or stats.get("finish_reason")):
-                lines.append("\n" + speed_up_line(stats, plain, name))
-    if identical and all(same is not None for same in identical.values()):  # every method has finished
-        lines.append("\n" + comparison_verdict(identical, temperature, seed, divergences))  # type: ignore[arg-type]
     return "\n".join(lines)
 
 
@@ -212,7 +213,7 @@ def ab_verdict(identical: bool, temperature: float, seed: int | None,
 
 
 def sharing_note(parallel: int, until_loaded: bool = False) -> str:
-    """How many answers share the engine (under the page's title): what a visitor may wait for, nothing of what
+    """How many answers share the engine (on top of the settings column): what a visitor may wait for, nothing of what
     others ask. `until_loaded`: `parallel` is a most, and the engine, not loaded yet, opens as many as fit."""
     if until_loaded and parallel > 1:
         return (f"*Up to {parallel} answers can run at once on this engine (as many as fit in memory when it loads; "

@@ -1,4 +1,4 @@
-"""Owning wrappers of the two native batch kinds the engine feeds: token rows and target-feature rows."""
+"""Owning wrappers of the native batches the engine feeds: token rows, target-feature rows, and (token, row) pairs."""
 
 from __future__ import annotations
 
@@ -117,6 +117,48 @@ class FeatureBatch:
         raise_if_lost(self._ctx)
         if rc != 0:
             raise decode_error("draft feature injection", rc, n)
+
+    def free(self) -> None:
+        if self._batch:
+            ll.llama_batch_ext_free(self._batch)
+            self._batch = None
+
+
+class TokenRowBatch:
+    """A `llama_batch_ext` of tokens each with an embedding row (the MTP head's and EAGLE-3's decoder input: the
+    token with the target's or the encoder's row), decoded into a drafter's context (row_chain.py)."""
+
+    def __init__(self, ctx: Any, name: str, width: int) -> None:
+        self._ctx = ctx
+        self.name = name
+        self.width = width
+        self._pos = (ll.llama_pos * 4)()
+        self._batch = ll.llama_batch_ext_init(ctx)
+        if not self._batch:
+            raise DecodeError(f"libllama could not create a batch for the {name} context")
+
+    def clear(self) -> None:
+        ll.llama_batch_ext_clear(self._batch)
+
+    def add(self, seq: int, token: int, pos: int, row: np.ndarray, *, output: bool) -> None:
+        """One row: `token` at `pos` of `seq` with `row` (float32, `width`, kept alive until the decode)."""
+        batch = self._batch
+        idx = ll.llama_batch_ext_add_token(batch, seq, token)
+        if idx < 0:
+            raise DecodeError(f"the {self.name} batch refused token {token} (error {idx})")
+        self._pos[0] = pos
+        embd = ll.llama_embd(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, self.width)
+        ok = ll.llama_batch_ext_set_pos(batch, idx, self._pos) and ll.llama_batch_ext_set_embd_token(batch, idx, embd)
+        if ok and output:
+            ok = ll.llama_batch_ext_set_output_logits(batch, idx, True)
+        if not ok:
+            raise DecodeError(f"the {self.name} batch refused the row of position {pos}")
+
+    def process(self, what: str) -> None:
+        rc = int(ll.llama_process(self._ctx, ll.LLAMA_PROCESS_TYPE_DECODE, self._batch))
+        raise_if_lost(self._ctx)
+        if rc != 0:
+            raise decode_error(what, rc, 0)
 
     def free(self) -> None:
         if self._batch:

@@ -15,7 +15,7 @@ leaves the draft cache at what the target's tokens say. g rows are encoded after
 `process`) and kept per sequence and position in host memory, so that after any cut of the caches the row before it
 is at hand; the decoder's cells are caught up when the request drafts (`eager`) or when it resumes drafting.
 Each step drafts the draft's argmax under p_min, as llama.cpp's top-10 sampler does (or samples the request's
-chain at temperature > 0: see proposal.py).
+chain at temperature > 0: see proposal.py). The chained decodes and the bookkeeping are MTP's too (row_chain.py).
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ from .batches import decode_error
 from .drafting import DraftAsk, Implementation, Rows, TokenView
 from .errors import ContextCreationError, DecodeError, PairMismatchError
 from .gguf_meta import GGUFInfo
-from .memory import SequenceMemory
 from .native import DFlashApi, dflash_api
 from .pair import LinkedPair, Threads, new_context
 from .proposal import Proposal
+from .row_chain import Parked, RowChain
 from .rpc import raise_if_lost
-from .states import WHOLE, load_seq, save_seq
 from .validation import check_vocab
 
 EAGLE3 = "eagle3"
@@ -124,28 +123,6 @@ class Eagle3File:
         return {"draft_kind": EAGLE3, "block_size": None, "target_layer_ids": list(spec.target_layer_ids)}
 
 
-@dataclass
-class _Parked:
-    kv: np.ndarray
-    g: np.ndarray
-
-
-class _Sequence:
-    """One sequence: its g row per position, and how far the draft cache got."""
-
-    def __init__(self, ctx: Any, seq: int, n_embd: int) -> None:
-        self.memory = SequenceMemory(ctx, "EAGLE-3 draft", seq)
-        self.g = np.zeros((256, n_embd), dtype=np.float32)  # grown on demand
-        self.n_known = 0  # positions whose token and g row are held (the target cache's length)
-        self.n_fed = 0    # positions decoded into the draft cache (at most n_known - 1)
-
-    def grow(self, n: int) -> None:
-        if n > len(self.g):
-            g = np.zeros((max(n, 2 * len(self.g)), self.g.shape[1]), dtype=np.float32)
-            g[:len(self.g)] = self.g
-            self.g = g
-
-
 class Eagle3Drafter:
     method = EAGLE3
 
@@ -153,22 +130,21 @@ class Eagle3Drafter:
                  spec: Eagle3Spec, *, n_layer_target: int, n_vocab: int, capacity: int) -> None:
         self.capacity = capacity
         self._api = api
-        self._views = views  # each sequence's target-cache tokens (read only)
         self._target = target_ctx
         self._ctx = draft_ctx
         self._spec = spec
         self._n_layer_target = n_layer_target
         self._n_embd = spec.n_embd
-        self._n_vocab = n_vocab
         self._n_ubatch = int(ll.llama_n_ubatch(draft_ctx))
-        self._seqs = [_Sequence(draft_ctx, seq, spec.n_embd) for seq in range(len(views))]
+        self._chain = RowChain(draft_ctx, "EAGLE-3", views, width=spec.n_embd, n_vocab=n_vocab,
+                               n_batch=self._n_ubatch, capacity=capacity, lag=1)  # cell p: (token_{p+1}, g_p)
         self._features = np.zeros((self._n_ubatch, N_TAPS * spec.n_embd_target), dtype=np.float32)
-        self._chain = np.zeros((len(views), capacity + 1, spec.n_embd), dtype=np.float32)
         self._pos = (ll.llama_pos * 4)()
-        batch = ll.llama_batch_ext_init(draft_ctx)
-        if not batch:
-            raise ContextCreationError("libllama could not create a batch for the EAGLE-3 draft context")
-        self._batch = batch
+        encoder = ll.llama_batch_ext_init(draft_ctx)
+        if not encoder:
+            self._chain.free()
+            raise ContextCreationError("libllama could not create a batch for the EAGLE-3 encoder")
+        self._encoder = encoder
 
     # -- the target's rows --------------------------------------------------------------------------------------
 
@@ -187,24 +163,22 @@ class Eagle3Drafter:
                 raise DecodeError(f"target layer {lid} rows were not extracted (taps not enabled?)")
             layers.append(np.ctypeslib.as_array(ptr, shape=(n_rows, width)))
         for r in rows:
-            state = self._seqs[r.seq]
-            self.keep(r.seq, r.pos0)
-            state.grow(r.pos0 + len(r.tokens))
+            self.keep(r.seq, r.pos0)  # before encoding: the encoder's placeholder positions follow sequence 0's cells
+            g = np.empty((len(r.tokens), self._n_embd), dtype=np.float32)
             for start in range(0, len(r.tokens), self._n_ubatch):
                 n = min(self._n_ubatch, len(r.tokens) - start)
                 src = r.row0 + start
                 for k, layer in enumerate(layers):
                     self._features[:n, k * width:(k + 1) * width] = layer[src:src + n]
-                at = r.pos0 + start
-                state.g[at:at + n] = self._encode(n)
-            state.n_known = r.pos0 + len(r.tokens)
+                g[start:start + n] = self._encode(n)
+            self._chain.known(r.seq, r.pos0, g)
         eager = [r.seq for r in rows if r.eager]
         if eager:
             self.catch_up(eager)
 
     def _encode(self, n: int) -> np.ndarray:
         """g rows of the first n feature rows: the draft's encoder graph (positions are placeholders to it)."""
-        batch = self._batch
+        batch = self._encoder
         ll.llama_batch_ext_clear(batch)
         base = self._features.ctypes.data
         stride = self._features.strides[0]
@@ -229,81 +203,13 @@ class Eagle3Drafter:
         return np.ctypeslib.as_array(ptr, shape=(n, self._n_embd))
 
     def catch_up(self, seqs: Sequence[int]) -> None:
-        """Decode the positions the draft cache lacks, for these sequences together: (token_{p+1}, g_p) at p."""
-        while True:
-            ll.llama_batch_ext_clear(self._batch)
-            room, fed = self._n_ubatch, []
-            for seq in seqs:
-                state = self._seqs[seq]
-                stop = min(state.n_known - 1, state.n_fed + room)
-                if stop <= state.n_fed:
-                    continue
-                tokens = self._views[seq]
-                for p in range(state.n_fed, stop):
-                    self._add(seq, int(tokens[p + 1]), p, state.g[p], output=False)
-                room -= stop - state.n_fed
-                fed.append((state, stop))
-                if room == 0:
-                    break
-            if not fed:
-                return
-            self._process(f"EAGLE-3 catch-up at {fed[0][0].n_fed}")
-            for state, stop in fed:
-                state.n_fed = stop
+        self._chain.catch_up(seqs)
 
     def begin(self, seq: int) -> None:
         pass  # the rows come with every decode (process)
 
-    # -- drafting -----------------------------------------------------------------------------------------------
-
     def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
-        """Every ask's chain in the same decodes: the seed (id_last, g_{pos0-1}) at pos0 - 1, then each drafted
-        token with the pre-norm row that produced it."""
-        self.catch_up([a.seq for a in asks])
-        out = [Proposal.start(a.sampling) for a in asks]
-        current = []
-        for a in asks:
-            if a.pos0 < 1 or self._seqs[a.seq].n_known != a.pos0:
-                raise DecodeError(f"the EAGLE-3 draft holds {self._seqs[a.seq].n_known} target rows of sequence "
-                                  f"{a.seq}, a draft after position {a.pos0 - 1} needs them all")
-            current.append((a.id_last, self._seqs[a.seq].g[a.pos0 - 1]))
-        going = [i for i, a in enumerate(asks) if a.n > 0]
-        try:
-            step = 0
-            while going:
-                ll.llama_batch_ext_clear(self._batch)
-                for i in going:
-                    token, h = current[i]
-                    self._add(asks[i].seq, token, asks[i].pos0 - 1 + step, h, output=True)
-                self._process("EAGLE-3 draft step")
-                still = []
-                for row, i in enumerate(going):
-                    ask = asks[i]
-                    ptr = ll.llama_get_logits_ith(self._ctx, row)
-                    if not ptr:
-                        raise DecodeError("the EAGLE-3 draft produced no logits")
-                    logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
-                    token = out[i].add_from_logits(logits, ask.p_min, ask.sampling)
-                    if token is None or step + 1 >= ask.n:
-                        continue
-                    h_ptr = lx.llama_get_embeddings_nextn_ith(self._ctx, row)
-                    if not h_ptr:
-                        raise DecodeError("the EAGLE-3 draft produced no pre-norm row")
-                    chain = self._chain[ask.seq]
-                    chain[step + 1] = np.ctypeslib.as_array(h_ptr, shape=(self._n_embd,))
-                    current[i] = (token, chain[step + 1])
-                    still.append(i)
-                going = still
-                step += 1
-        finally:
-            # the seed's and the drafts' cells go; the verify rows come next (process)
-            refused = [a for a in asks if not self._seqs[a.seq].memory.remove_from(max(a.pos0 - 1, 0))]
-        if refused:
-            raise self._seqs[refused[0].seq].memory.refused(f"drop its drafts at position {refused[0].pos0 - 1}")
-        for ask in asks:
-            state = self._seqs[ask.seq]
-            state.n_fed = min(state.n_fed, max(ask.pos0 - 1, 0))
-        return [p.at_least(a.n_min, a.sampling) for p, a in zip(out, asks, strict=True)]
+        return self._chain.draft(asks)
 
     def accept(self, seq: int, n_accepted: int) -> None:
         pass  # the g row of every kept position is held; keep() drops the rest
@@ -311,62 +217,25 @@ class Eagle3Drafter:
     # -- the cache ----------------------------------------------------------------------------------------------
 
     def keep(self, seq: int, n: int) -> None:
-        """The sequence is cut to n tokens: its g rows past them go, and the cells whose next token went."""
-        state = self._seqs[seq]
-        state.n_known = min(state.n_known, n)
-        last = max(n - 1, 0)
-        if state.n_fed > last:
-            state.memory.cut(last)
-            state.n_fed = last
+        self._chain.seqs[seq].keep(n)
 
     def clear(self, seq: int) -> None:
-        state = self._seqs[seq]
-        state.memory.clear()
-        state.n_known = state.n_fed = 0
+        self._chain.seqs[seq].clear()
 
-    def save(self, seq: int) -> _Parked:
-        self.catch_up([seq])
-        state = self._seqs[seq]
-        return _Parked(save_seq(self._ctx, WHOLE, seq=seq), state.g[:state.n_known].copy())
+    def save(self, seq: int) -> Parked:
+        return self._chain.save(seq)
 
-    def restore(self, seq: int, parked: _Parked) -> None:
-        state = self._seqs[seq]
-        state.memory.clear()
-        load_seq(self._ctx, parked.kv, WHOLE, seq)
-        n = len(parked.g)
-        state.grow(n)
-        state.g[:n] = parked.g
-        state.n_known = n
-        state.n_fed = max(n - 1, 0)
+    def restore(self, seq: int, parked: Parked) -> None:
+        self._chain.restore(seq, parked)
 
-    def state_bytes(self, state: _Parked) -> int:
-        return int(state.kv.nbytes + state.g.nbytes)
+    def state_bytes(self, state: Parked) -> int:
+        return int(state.kv.nbytes + state.rows.nbytes)
 
     def free(self) -> None:
-        if self._batch:
-            ll.llama_batch_ext_free(self._batch)
-            self._batch = None
-
-    # -- internals ----------------------------------------------------------------------------------------------
-
-    def _add(self, seq: int, token: int, pos: int, g: np.ndarray, *, output: bool) -> None:
-        batch = self._batch
-        idx = ll.llama_batch_ext_add_token(batch, seq, token)
-        if idx < 0:
-            raise DecodeError(f"the EAGLE-3 batch refused token {token} (error {idx})")
-        self._pos[0] = pos
-        embd = ll.llama_embd(g.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, self._n_embd)
-        ok = ll.llama_batch_ext_set_pos(batch, idx, self._pos) and ll.llama_batch_ext_set_embd_token(batch, idx, embd)
-        if ok and output:
-            ok = ll.llama_batch_ext_set_output_logits(batch, idx, True)
-        if not ok:
-            raise DecodeError(f"the EAGLE-3 batch refused the row of position {pos}")
-
-    def _process(self, what: str) -> None:
-        rc = int(ll.llama_process(self._ctx, ll.LLAMA_PROCESS_TYPE_DECODE, self._batch))
-        raise_if_lost(self._ctx)
-        if rc != 0:
-            raise decode_error(what, rc, 0)
+        self._chain.free()
+        if self._encoder:
+            ll.llama_batch_ext_free(self._encoder)
+            self._encoder = None
 
 
 def open_drafter(pair: LinkedPair, views: Sequence[TokenView], capacity: int) -> Eagle3Drafter:

@@ -45,10 +45,10 @@ class SequenceMemory:
 
 
 class DraftSequence:
-    """What a drafter with a context of its own (draft-simple's model, MTP's head) keeps of one sequence there: how
-    far the target's cache is known (`n_known`) and how far it went into the context (`n_fed`), and the one way of
-    going back in it — after a cut of the target's cache (`keep`), after its own drafted cells (`drafting`,
-    `drop_drafts`), for parking (`save`, `restore`).
+    """What a drafter with a context of its own (draft-simple's model, MTP's head, EAGLE-3's decoder) keeps of one
+    sequence there: how far the target's cache is known (`n_known`) and how far it went into the context (`n_fed`),
+    and the one way of going back in it — after a cut of the target's cache (`keep`), after its own drafted cells
+    (`drafting`, `drop_drafts`), for parking (`save`, `restore`).
 
     An attention-only context cuts any suffix. A recurrent (hybrid) context cannot cut its recurrent state, and its
     chained one-row draft decodes leave nothing a snapshot could undo, so, as the target's checkpoints do, it keeps a
@@ -56,11 +56,12 @@ class DraftSequence:
     exactly, and so is anything fed after that point later; a cut below it starts the sequence over (the drafter then
     decodes the target's tokens again)."""
 
-    def __init__(self, ctx: Any, name: str, seq: int, *, recurrent: bool = False) -> None:
+    def __init__(self, ctx: Any, name: str, seq: int, *, recurrent: bool = False, lag: int = 0) -> None:
         self.memory = SequenceMemory(ctx, name, seq)
         self._ctx = ctx
         self.seq = seq
         self.recurrent = recurrent
+        self.lag = lag  # the context's cell p holds what follows position p + lag - 1 (EAGLE-3: 1, row_chain.py)
         self.n_known = 0  # the target cache's length as the last decode left it
         self.n_fed = 0  # positions decoded into the drafter's context
         self._mark: tuple[int, np.ndarray] | None = None  # (n_fed, recurrent state) where drafting last began
@@ -73,12 +74,13 @@ class DraftSequence:
     def keep(self, n: int) -> None:
         """The target's cache was cut to n tokens: so is ours (RollbackError where libllama refuses)."""
         self.n_known = min(self.n_known, n)
-        if self.n_fed <= n:
+        cells = max(n - self.lag, 0)
+        if self.n_fed <= cells:
             return
         if not self.recurrent:
-            self.memory.cut(n)
-            self.n_fed = n
-        elif self._mark is not None and self._mark[0] <= n:
+            self.memory.cut(cells)
+            self.n_fed = cells
+        elif self._mark is not None and self._mark[0] <= cells:
             self._back_to_mark()
         else:
             self.clear()
@@ -102,14 +104,15 @@ class DraftSequence:
         self._mark = None
 
     def save(self) -> np.ndarray:
-        """A copy of everything the sequence holds in the context (its tokens up to n_fed)."""
+        """A copy of everything the sequence holds in the context (its cells up to n_fed)."""
         return save_seq(self._ctx, WHOLE, seq=self.seq)
 
     def restore(self, data: np.ndarray, n: int) -> None:
-        """Bring back a `save` copy of n tokens in place of what the sequence holds."""
+        """Bring back a `save` copy made when n target tokens were known, in place of what the sequence holds."""
         self.clear()
         load_seq(self._ctx, data, WHOLE, self.seq)
-        self.n_known = self.n_fed = n
+        self.n_known = n
+        self.n_fed = max(n - self.lag, 0)
 
     def _back_to_mark(self) -> None:
         assert self._mark is not None

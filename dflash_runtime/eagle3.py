@@ -30,13 +30,12 @@ from llama_cpp import llama_cpp as ll
 from llama_cpp import llama_cpp_ext as lx
 
 from .batches import decode_error
-from .drafting import DraftAsk, Implementation, Rows, TokenView
+from .drafting import Implementation, Rows, TokenView
 from .errors import ContextCreationError, DecodeError, PairMismatchError
 from .gguf_meta import GGUFInfo
 from .native import DFlashApi, dflash_api
 from .pair import LinkedPair, Threads, new_context
-from .proposal import Proposal
-from .row_chain import Parked, RowChain
+from .row_chain import ChainDrafter, RowChain
 from .rpc import raise_if_lost
 from .validation import check_vocab
 
@@ -123,37 +122,28 @@ class Eagle3File:
         return {"draft_kind": EAGLE3, "block_size": None, "target_layer_ids": list(spec.target_layer_ids)}
 
 
-class Eagle3Drafter:
-    method = EAGLE3
+class Encoder:
+    """EAGLE-3's rows: the three tapped target layers of every decoded row, fused into its g row by the draft's
+    encoder graph (a `row_chain.RowSource`)."""
 
-    def __init__(self, api: DFlashApi, target_ctx: Any, draft_ctx: Any, views: Sequence[Sequence[int]],
-                 spec: Eagle3Spec, *, n_layer_target: int, n_vocab: int, capacity: int) -> None:
-        self.capacity = capacity
+    def __init__(self, api: DFlashApi, target_ctx: Any, draft_ctx: Any, spec: Eagle3Spec, *,
+                 n_layer_target: int) -> None:
         self._api = api
         self._target = target_ctx
         self._ctx = draft_ctx
         self._spec = spec
         self._n_layer_target = n_layer_target
-        self._n_embd = spec.n_embd
         self._n_ubatch = int(ll.llama_n_ubatch(draft_ctx))
-        self._chain = RowChain(draft_ctx, "EAGLE-3", views, width=spec.n_embd, n_vocab=n_vocab,
-                               n_batch=self._n_ubatch, capacity=capacity, lag=1)  # cell p: (token_{p+1}, g_p)
         self._features = np.zeros((self._n_ubatch, N_TAPS * spec.n_embd_target), dtype=np.float32)
         self._pos = (ll.llama_pos * 4)()
-        encoder = ll.llama_batch_ext_init(draft_ctx)
-        if not encoder:
-            self._chain.free()
+        batch = ll.llama_batch_ext_init(draft_ctx)
+        if not batch:
             raise ContextCreationError("libllama could not create a batch for the EAGLE-3 encoder")
-        self._encoder = encoder
+        self._batch = batch
 
-    # -- the target's rows --------------------------------------------------------------------------------------
-
-    def process(self, rows: Sequence[Rows]) -> None:
-        """Encode the last target decode's tapped rows into each sequence's g rows (they are valid until the next
-        decode); the decoder's cells follow at once for `eager` rows."""
-        if not rows:
-            return
-        n_rows = max(r.row0 + len(r.tokens) for r in rows)
+    def rows(self, decoded: Sequence[Rows]) -> list[np.ndarray]:
+        """The g rows of the last target decode's tapped rows (they are valid until the next decode)."""
+        n_rows = max(r.row0 + len(r.tokens) for r in decoded)
         width = self._spec.n_embd_target
         layers = []
         for lid in self._spec.target_layer_ids:
@@ -162,23 +152,21 @@ class Eagle3Drafter:
             if not ptr:
                 raise DecodeError(f"target layer {lid} rows were not extracted (taps not enabled?)")
             layers.append(np.ctypeslib.as_array(ptr, shape=(n_rows, width)))
-        for r in rows:
-            self.keep(r.seq, r.pos0)  # before encoding: the encoder's placeholder positions follow sequence 0's cells
-            g = np.empty((len(r.tokens), self._n_embd), dtype=np.float32)
+        out = []
+        for r in decoded:
+            g = np.empty((len(r.tokens), self._spec.n_embd), dtype=np.float32)
             for start in range(0, len(r.tokens), self._n_ubatch):
                 n = min(self._n_ubatch, len(r.tokens) - start)
                 src = r.row0 + start
                 for k, layer in enumerate(layers):
                     self._features[:n, k * width:(k + 1) * width] = layer[src:src + n]
                 g[start:start + n] = self._encode(n)
-            self._chain.known(r.seq, r.pos0, g)
-        eager = [r.seq for r in rows if r.eager]
-        if eager:
-            self.catch_up(eager)
+            out.append(g)
+        return out
 
     def _encode(self, n: int) -> np.ndarray:
         """g rows of the first n feature rows: the draft's encoder graph (positions are placeholders to it)."""
-        batch = self._encoder
+        batch = self._batch
         ll.llama_batch_ext_clear(batch)
         base = self._features.ctypes.data
         stride = self._features.strides[0]
@@ -200,48 +188,22 @@ class Eagle3Drafter:
         ptr = lx.llama_get_embeddings_nextn(self._ctx)
         if not ptr:
             raise DecodeError("the EAGLE-3 encoder produced no g rows")
-        return np.ctypeslib.as_array(ptr, shape=(n, self._n_embd))
-
-    def catch_up(self, seqs: Sequence[int]) -> None:
-        self._chain.catch_up(seqs)
-
-    def begin(self, seq: int) -> None:
-        pass  # the rows come with every decode (process)
-
-    def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
-        return self._chain.draft(asks)
-
-    def accept(self, seq: int, n_accepted: int) -> None:
-        pass  # the g row of every kept position is held; keep() drops the rest
-
-    # -- the cache ----------------------------------------------------------------------------------------------
-
-    def keep(self, seq: int, n: int) -> None:
-        self._chain.seqs[seq].keep(n)
-
-    def clear(self, seq: int) -> None:
-        self._chain.seqs[seq].clear()
-
-    def save(self, seq: int) -> Parked:
-        return self._chain.save(seq)
-
-    def restore(self, seq: int, parked: Parked) -> None:
-        self._chain.restore(seq, parked)
-
-    def state_bytes(self, state: Parked) -> int:
-        return int(state.kv.nbytes + state.rows.nbytes)
+        return np.ctypeslib.as_array(ptr, shape=(n, self._spec.n_embd))
 
     def free(self) -> None:
-        self._chain.free()
-        if self._encoder:
-            ll.llama_batch_ext_free(self._encoder)
-            self._encoder = None
+        if self._batch:
+            ll.llama_batch_ext_free(self._batch)
+            self._batch = None
 
 
-def open_drafter(pair: LinkedPair, views: Sequence[TokenView], capacity: int) -> Eagle3Drafter:
-    return Eagle3Drafter(dflash_api(), pair.target_ctx, pair.draft_ctx, views, pair.spec,
-                         n_layer_target=int(ll.llama_model_n_layer(pair.target_model)), n_vocab=pair.n_vocab,
-                         capacity=capacity)
+def open_drafter(pair: LinkedPair, views: Sequence[TokenView], capacity: int) -> ChainDrafter:
+    """Cell p of the decoder: (token_{p+1}, g_p), every drafting sequence's chain in the same decodes."""
+    n_ubatch = int(ll.llama_n_ubatch(pair.draft_ctx))
+    encoder = Encoder(dflash_api(), pair.target_ctx, pair.draft_ctx, pair.spec,
+                      n_layer_target=int(ll.llama_model_n_layer(pair.target_model)))
+    chain = RowChain(pair.draft_ctx, "EAGLE-3", views, width=pair.spec.n_embd, n_vocab=pair.n_vocab,
+                     n_batch=n_ubatch, capacity=capacity, lag=1)
+    return ChainDrafter(EAGLE3, chain, encoder, capacity)
 
 
 IMPLEMENTATION = Implementation(open_drafter, draft_file=Eagle3File())

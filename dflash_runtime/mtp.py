@@ -23,72 +23,30 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 from llama_cpp import llama_cpp_ext as lx
 
-from .drafting import MTP, DraftAsk, Implementation, Rows
+from .drafting import MTP, Implementation, Rows
 from .errors import ContextCreationError, DecodeError, PairMismatchError
 from .gguf_meta import GGUFInfo
 from .pair import LinkedPair, Threads, new_context
-from .proposal import Proposal
-from .row_chain import Parked, RowChain
+from .row_chain import ChainDrafter, RowChain
 
 
-class MTPDrafter:
-    method = MTP
+class NextnRows:
+    """The MTP head's rows: the target's nextn hidden row of every decoded row (a `row_chain.RowSource`)."""
 
-    def __init__(self, target_ctx: Any, mtp_ctx: Any, views: Sequence[Sequence[int]], *, n_embd: int, n_vocab: int,
-                 n_batch: int, capacity: int) -> None:
-        self.capacity = capacity
+    def __init__(self, target_ctx: Any, n_embd: int) -> None:
         self._target = target_ctx
         self._n_embd = n_embd
-        self._chain = RowChain(mtp_ctx, "MTP", views, width=n_embd, n_vocab=n_vocab, n_batch=n_batch,
-                               capacity=capacity, lag=0)  # cell p: (token_p, h_{p-1})
 
-    # -- the target's rows --------------------------------------------------------------------------------------
-
-    def process(self, rows: Sequence[Rows]) -> None:
-        if not rows:
-            return
+    def rows(self, decoded: Sequence[Rows]) -> list[np.ndarray]:
         ptr = lx.llama_get_embeddings_nextn(self._target)
         if not ptr:
             raise DecodeError("the target produced no nextn hidden rows (MTP needs them for every decoded row)")
-        n_batch_rows = max(r.row0 + len(r.tokens) for r in rows)
-        hidden = np.ctypeslib.as_array(ptr, shape=(n_batch_rows, self._n_embd))
-        for r in rows:
-            self._chain.known(r.seq, r.pos0, hidden[r.row0:r.row0 + len(r.tokens)])
-        eager = [r.seq for r in rows if r.eager]
-        if eager:
-            self.catch_up(eager)
-
-    def catch_up(self, seqs: Sequence[int]) -> None:
-        self._chain.catch_up(seqs)
-
-    def begin(self, seq: int) -> None:
-        pass  # the rows come with every decode (process)
-
-    def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
-        return self._chain.draft(asks)
-
-    def accept(self, seq: int, n_accepted: int) -> None:
-        pass  # the target row of every kept position is held; keep() drops the rest
-
-    # -- the cache ----------------------------------------------------------------------------------------------
-
-    def keep(self, seq: int, n: int) -> None:
-        self._chain.seqs[seq].keep(n)
-
-    def clear(self, seq: int) -> None:
-        self._chain.seqs[seq].clear()
-
-    def save(self, seq: int) -> Parked:
-        return self._chain.save(seq)
-
-    def restore(self, seq: int, parked: Parked) -> None:
-        self._chain.restore(seq, parked)
-
-    def state_bytes(self, state: Parked) -> int:
-        return int(state.kv.nbytes + state.rows.nbytes)
+        n_rows = max(r.row0 + len(r.tokens) for r in decoded)
+        hidden = np.ctypeslib.as_array(ptr, shape=(n_rows, self._n_embd))
+        return [hidden[r.row0:r.row0 + len(r.tokens)] for r in decoded]
 
     def free(self) -> None:
-        self._chain.free()
+        pass
 
 
 NEXTN = "nextn"  # what the pair holds once the MTP context is open
@@ -132,9 +90,11 @@ class MTPHead:
         return {"mtp_head": pair.target_layers.get(trunk)}
 
 
-def open_drafter(pair: LinkedPair, views: Sequence[Sequence[int]], capacity: int) -> MTPDrafter:
-    return MTPDrafter(pair.target_ctx, pair.parts[NEXTN], views, n_embd=pair.n_embd_out, n_vocab=pair.n_vocab,
-                      n_batch=pair.n_ubatch, capacity=capacity)
+def open_drafter(pair: LinkedPair, views: Sequence[Sequence[int]], capacity: int) -> ChainDrafter:
+    """Cell p of the MTP context: (token_p, h_{p-1}), every drafting sequence's chain in the same decodes."""
+    chain = RowChain(pair.parts[NEXTN], "MTP", views, width=pair.n_embd_out, n_vocab=pair.n_vocab,
+                     n_batch=pair.n_ubatch, capacity=capacity, lag=0)
+    return ChainDrafter(MTP, chain, NextnRows(pair.target_ctx, pair.n_embd_out), capacity)
 
 
 IMPLEMENTATION = Implementation(open_drafter, target_part=MTPHead())

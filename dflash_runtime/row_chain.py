@@ -10,20 +10,23 @@ request drafts (`catch_up`). A draft decodes the seed (id_last, row_{pos0-1}) at
 token with the row the context output for it, every drafting sequence's step i in the same decode: n drafts cost n
 small decodes. The seed's and the drafts' cells are removed afterwards (the verify rows come next, through the
 drafter's `process`), as in llama.cpp.
+
+`ChainDrafter` is the whole drafter (the `Drafter` protocol); a method adds only where its rows come from (a
+`RowSource`: MTP reads the target's nextn rows, EAGLE-3 encodes three tapped layers into g rows).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from llama_cpp import llama_cpp as ll
 from llama_cpp import llama_cpp_ext as lx
 
 from .batches import TokenRowBatch
-from .drafting import DraftAsk
+from .drafting import DraftAsk, Rows
 from .errors import DecodeError
 from .memory import DraftSequence
 from .proposal import Proposal
@@ -163,3 +166,71 @@ class RowChain:
         if not ptr:
             raise DecodeError(f"the {self.name} drafter produced no row for its next cell")
         return np.ctypeslib.as_array(ptr, shape=(self._width,))
+
+
+class RowSource(Protocol):
+    """Where a chained drafter's rows come from: after each target decode, the row of every position it held."""
+
+    def rows(self, decoded: Sequence[Rows]) -> list[np.ndarray]:
+        """For each `Rows` of the last target decode, its positions' rows (len(tokens) × width)."""
+        ...
+
+    def free(self) -> None: ...
+
+
+class ChainDrafter:
+    """A drafter of chained (token, row) decodes: `chain` keeps and decodes, `source` gives the rows."""
+
+    def __init__(self, method: str, chain: RowChain, source: RowSource, capacity: int) -> None:
+        self.method = method
+        self.capacity = capacity
+        self._chain = chain
+        self._source = source
+
+    # -- the target's rows --------------------------------------------------------------------------------------
+
+    def process(self, rows: Sequence[Rows]) -> None:
+        if not rows:
+            return
+        for r in rows:
+            self.keep(r.seq, r.pos0)  # what followed pos0 is stale before the source reads anything
+        for r, values in zip(rows, self._source.rows(rows), strict=True):
+            self._chain.known(r.seq, r.pos0, values)
+        eager = [r.seq for r in rows if r.eager]
+        if eager:
+            self.catch_up(eager)
+
+    def begin(self, seq: int) -> None:
+        pass  # the rows come with every decode (process)
+
+    def catch_up(self, seqs: Sequence[int]) -> None:
+        self._chain.catch_up(seqs)
+
+    # -- drafting -----------------------------------------------------------------------------------------------
+
+    def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
+        return self._chain.draft(asks)
+
+    def accept(self, seq: int, n_accepted: int) -> None:
+        pass  # the row of every kept position is held; keep() drops the rest
+
+    # -- the cache ----------------------------------------------------------------------------------------------
+
+    def keep(self, seq: int, n: int) -> None:
+        self._chain.seqs[seq].keep(n)
+
+    def clear(self, seq: int) -> None:
+        self._chain.seqs[seq].clear()
+
+    def save(self, seq: int) -> Parked:
+        return self._chain.save(seq)
+
+    def restore(self, seq: int, state: Parked) -> None:
+        self._chain.restore(seq, state)
+
+    def state_bytes(self, state: Parked) -> int:
+        return int(state.kv.nbytes + state.rows.nbytes)
+
+    def free(self) -> None:
+        self._chain.free()
+        self._source.free()

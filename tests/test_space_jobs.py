@@ -270,9 +270,15 @@ def test_limits_count_answers_per_client_per_session_and_in_all() -> None:
     assert isinstance(over, str) and "you have 4 answers queued or running (in all your sessions)" in over
     callers.queued(first, None)  # Gradio refused it: its place is free again
     assert isinstance(callers.admit(1, 1, "t", "other"), Call) and isinstance(callers.admit(1, 1, "u", "more"), Call)
-    assert isinstance(callers.admit(1, 1, "w", "me"), Call)
-    full = callers.admit(1, 1, "v", "yet-another")
-    assert isinstance(full, str) and "its limit is 6" in full
+    newest = callers.admit(1, 1, "w", "me")
+    assert isinstance(newest, Call)
+    # The total is full: a client with none gets in by taking the newest place of the client with the most.
+    taker = callers.admit(1, 1, "v", "yet-another")
+    assert isinstance(taker, Call) and callers.taken(newest.id) and not callers.taken(taker.id)
+    even = Callers(GateSettings(total_jobs=2), Clock())
+    assert isinstance(even.admit(1, 1, "a", "one"), Call) and isinstance(even.admit(1, 1, "b", "two"), Call)
+    full = even.admit(1, 1, "c", "three")  # nobody holds more than the newcomer would: no place to take
+    assert isinstance(full, str) and "its limit is 2" in full
     alone = Callers(GateSettings(session_jobs=3), Clock())
     big = alone.admit(1, 5, "s")  # an A/B run of four methods and plain decoding, alone in its session
     assert isinstance(big, Call) and isinstance(alone.admit(1, 5, "s"), str)
@@ -320,16 +326,16 @@ def test_the_slot_seats_up_to_its_capacity_and_one_job_per_owner() -> None:
     """Two seats: two owners run at once; a third job waits (and is refused once its wait is up), as does a second
     job of an owner already running, with a message that says why; a freed seat goes to the next job at once."""
     slot = EngineSlot(timeout_s=0.2, capacity=2)
-    first, second = slot.acquire("a"), slot.acquire("b")
+    first, second = slot.acquire("a", "x"), slot.acquire("b", "y")
     assert slot.running() == 2 and slot.busy()
     with pytest.raises(RequestError, match=r"the engine stayed busy for 0 s; retry"):
-        slot.acquire("c")
+        slot.acquire("c", "z")  # a client served not at all for the busy timeout
     slot.release(second)
     with pytest.raises(RequestError, match="this session's previous answer was still running"):
-        slot.acquire("a")
-    fresh = slot.acquire(None)  # nobody's (a session-less call): a fresh owner, it waits for nobody's turn
+        slot.acquire("a", "w")
+    fresh = slot.acquire(None, "v")  # nobody's (a session-less call): a fresh owner, it waits for nobody's turn
     slot.release(first)
-    again = slot.acquire("a")
+    again = slot.acquire("a", "x")
     assert slot.running() == 2
     slot.release(fresh)
     slot.release(again)
@@ -361,9 +367,9 @@ def test_a_resized_slot_seats_what_the_loaded_engine_holds() -> None:
     assert slot.running() == 1, "the running job keeps its seat"
     slot.timeout_s = 0.0
     with pytest.raises(RequestError, match="the engine stayed busy"):
-        slot.acquire("c")
+        slot.acquire("c", "another client")  # (a client that holds a seat waits its turn however long)
     slot.release(first)
-    slot.release(slot.acquire("c"))
+    slot.release(slot.acquire("c", "another client"))
     with pytest.raises(ValueError, match="capacity must be at least 1"):
         slot.resize(0)
 

@@ -243,7 +243,8 @@ class Callers:
             most = max((c for c in held if c != client), key=lambda c: held[c], default=None)
             if most is None:
                 break
-            newest = max((c for c in live if c.client == most), key=lambda c: c.posted)
+            # the newest: the latest posted, and of calls posted at one instant the last admitted
+            newest = max(reversed([c for c in live if c.client == most]), key=lambda c: c.posted)
             if held[most] - newest.weight < mine:
                 break
             del self._calls[newest.id]

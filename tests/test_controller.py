@@ -34,7 +34,8 @@ def regime_engine():
 def test_controller_moves_down_and_back_up(regime_engine) -> None:
     eng = regime_engine
     low = eng.generate("hello world", max_tokens=160, draft_length="auto")
-    high = eng.generate("hello world" + REGIME_TOKEN, max_tokens=160, draft_length="auto")
+    high = eng.generate("hello world" + REGIME_TOKEN, max_tokens=160, draft_length="auto",
+                        cache_owner="another visitor")  # a policy of its own: it starts where a fresh one does
     assert low.tokens == eng.generate("hello world", max_tokens=160, speculative=False).tokens
     assert high.tokens == eng.generate("hello world" + REGIME_TOKEN, max_tokens=160, speculative=False).tokens
     down = low.stats.draft_lengths[len(low.stats.draft_lengths) // 2:]

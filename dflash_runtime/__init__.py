@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     ContextCreationError,
@@ -20,28 +20,18 @@ from .errors import (
     RollbackError,
 )
 
+if TYPE_CHECKING:
+    from .engine import Engine, load_pair
+
 __version__ = "0.1.0"
-
-
-def load_pair(target_path: Any, draft_path: Any = None, *, numerics: str = "exact", **kwargs: Any) -> Any:
-    """Open a target and (optionally) its DFlash draft, linked, and the target's MTP head when it has one; returns an
-    Engine (see dflash_runtime.engine). `load_pair(target)` on a target with an MTP head gives an MTP engine.
-
-    `numerics`: "exact" (default) opens a CPU target on kernels whose rows do not depend on their batch, so every
-    temperature-0 answer is bit-identical to plain decoding's after any history; "fast" takes the fastest kernels
-    (FlashAttention, repacked weights), exact up to near-ties. `engine.info()["numerics"]` says which holds and why
-    (a GPU's kernels are never batch-invariant); docs/numerics.md."""
-    from .engine import Engine
-
-    return Engine(target_path, draft_path, numerics=numerics, **kwargs)
 
 
 def __getattr__(name: str) -> Any:
     # Heavy modules load on first use, so `import dflash_runtime` never touches libllama by itself.
-    if name in ("Engine",):
-        from .engine import Engine
+    if name in ("Engine", "load_pair"):
+        from . import engine
 
-        return Engine
+        return getattr(engine, name)
     if name in ("SessionPolicy",):
         from .sessions import SessionPolicy
 

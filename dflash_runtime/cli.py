@@ -138,7 +138,7 @@ def _lengths(args: argparse.Namespace, default: str) -> str:
 
 
 def _open(args: argparse.Namespace, target: str, draft: str | None, parallel: int = 1, **options: Any):
-    from . import load_pair
+    from .engine import load_pair
     from .gguf_meta import read_gguf
 
     capacity = args.draft_capacity

@@ -29,7 +29,7 @@ from .cache import PairCache
 from .checkpoints import CheckpointCosts, prompt_marks
 from .controller import DraftPolicy
 from .drafting import DraftAsk, Drafter
-from .methods import Chain, split
+from .method_chains import Chain, split
 from .pair import LinkedPair
 from .proposal import DRAFT, TARGET, DraftSampling, Proposal, draw
 from .results import StreamEvent

@@ -442,6 +442,17 @@ class Engine:
         return RequestStream(self._occupancy, decoding, final)
 
 
+def load_pair(target_path: Any, draft_path: Any = None, *, numerics: str = "exact", **kwargs: Any) -> Engine:
+    """Open a target and (optionally) its DFlash draft, linked, and the target's MTP head when it has one; returns an
+    Engine (see dflash_runtime.engine). `load_pair(target)` on a target with an MTP head gives an MTP engine.
+
+    `numerics`: "exact" (default) opens a CPU target on kernels whose rows do not depend on their batch, so every
+    temperature-0 answer is bit-identical to plain decoding's after any history; "fast" takes the fastest kernels
+    (FlashAttention, repacked weights), exact up to near-ties. `engine.info()["numerics"]` says which holds and why
+    (a GPU's kernels are never batch-invariant); docs/numerics.md."""
+    return Engine(target_path, draft_path, numerics=numerics, **kwargs)
+
+
 def _all_checkpoints(stores: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     """Every sequence's checkpoints in one description: the policy (the same for all), count and bytes summed over
     the sequences, sequence 0's positions (as with one sequence), and each sequence's own under "by_sequence" (None

@@ -14,7 +14,7 @@ methods declare (`target_parts`), and opens a drafter for each method the open p
 with its own options; a drafter reads the sequence's tokens through the read-only view it is opened with.
 
 A request names one method or a chain, "a,b" in order of preference (llama.cpp's `--spec-type a,b`): each step
-drafts with the first member that proposes something (see `Chain`). Adding a method is one module with its
+drafts with the first member that proposes something (see method_chains.py). Adding a method is one module with its
 `Implementation` (drafting.py) and one line in `REGISTRY` (`register` adds one from outside the package). A
 method's implementation is loaded when a pair opens, never by listing the methods: the Space's web process lists
 them without loading libllama.
@@ -29,15 +29,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import ngram
-from .drafting import DFLASH, MTP, DraftAsk, Drafter, Implementation, TokenView
+from .drafting import DFLASH, MTP, Drafter, Implementation, TokenView
 from .errors import PairMismatchError, RequestError
+from .method_chains import CHAIN_SEPARATOR, split
 
 if TYPE_CHECKING:
     from .gguf_meta import GGUFInfo
     from .pair import DraftFile, LinkedPair, TargetPart
-    from .proposal import Proposal
 
-CHAIN_SEPARATOR = ","
 NOTHING, NEXTN = "", "nextn"  # what a method without a file of its own needs
 LEGACY_PRIORITY = 50  # a draft file that claims files itself (no `claims` on its line): between draft-simple and DFlash
 TREE_BRANCHES = "draft+branches"  # a DFlash 2 draft, and spare target sequences for a tree's paths
@@ -170,10 +169,6 @@ def label(name: str) -> str:
     """A method's or a chain's label: "A → B" for a chain."""
     known = registry()
     return " → ".join(known[m].label if m in known else m for m in split(name))
-
-
-def split(name: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in name.split(CHAIN_SEPARATOR))
 
 
 def holds(pair: LinkedPair, needs: str) -> bool:
@@ -335,65 +330,6 @@ def open_drafters(pair: LinkedPair, views: Sequence[TokenView],
     return drafters
 
 
-class Chain:
-    """A request's methods in order of preference: a step is drafted by the first that proposes something (as
-    llama.cpp's common_speculative_draft walks its implementations). The engine drafts every sequence of a step
-    through the chains' members together (see `draft_all`); `last` is the member that drafted the sequence's last
-    step, which alone hears how many of its tokens were accepted."""
-
-    def __init__(self, drafters: Mapping[str, Drafter], members: Sequence[str], seq: int = 0) -> None:
-        self.members = [drafters[m] for m in members]
-        self.method = CHAIN_SEPARATOR.join(members)
-        self.capacity = min(d.capacity for d in self.members)
-        self.seq = seq
-        self.last: Drafter | None = None
-
-    def begin(self) -> None:
-        for drafter in self.members:
-            drafter.begin(self.seq)
-
-    def accept(self, n_accepted: int) -> None:
-        if self.last is not None:
-            self.last.accept(self.seq, n_accepted)
-
-
-def draft_all(asks: Sequence[tuple[Chain, DraftAsk]]) -> list[tuple[Proposal, str | None]]:
-    """Draft every ask through its chain: each method drafts, in one call, the asks whose chain reaches it (the first
-    member of each chain, then the next member for the asks still without a draft). Returns each ask's proposal (the
-    last member's empty one when nobody drafted) and the method that drafted it (None)."""
-    results: list[tuple[Proposal, str | None] | None] = [None] * len(asks)
-    empty: dict[int, Proposal] = {}
-    waiting = list(range(len(asks)))
-    depth = 0
-    while waiting:
-        by_drafter: dict[int, tuple[Drafter, list[int]]] = {}
-        later = []
-        for i in waiting:
-            chain = asks[i][0]
-            if depth >= len(chain.members):
-                chain.last = None
-                results[i] = (empty[i], None)
-                continue
-            drafter = chain.members[depth]
-            by_drafter.setdefault(id(drafter), (drafter, []))[1].append(i)
-            later.append(i)
-        waiting = []
-        for drafter, members in by_drafter.values():
-            drafter.catch_up([asks[i][1].seq for i in members])
-            proposals = drafter.draft([asks[i][1] for i in members])
-            for i, proposal in zip(members, proposals, strict=True):
-                if proposal.tokens:
-                    asks[i][0].last = drafter
-                    results[i] = (proposal, drafter.method)
-                else:
-                    empty[i] = proposal
-                    waiting.append(i)
-        still = set(waiting)
-        waiting = [i for i in later if i in still]
-        depth += 1
-    return [r for r in results if r is not None]
-
-
-__all__ = ["CHAIN_SEPARATOR", "REGISTRY", "Chain", "Method", "available", "capacity", "check", "check_options",
-           "claimant", "default", "draft_all", "draft_file", "from_headers", "label", "names",
-           "open_drafters", "register", "target_alone", "target_parts", "unregister"]
+__all__ = ["CHAIN_SEPARATOR", "REGISTRY", "Method", "available", "capacity", "check", "check_options",
+           "claimant", "default", "draft_file", "from_headers", "label", "names",
+           "open_drafters", "register", "split", "target_alone", "target_parts", "unregister"]

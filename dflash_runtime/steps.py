@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from .cache import drop_sequences
 from .decoding import Decoding, Parts, Planned
 from .drafting import DraftAsk, Rows
-from .methods import Chain, draft_all
+from .method_chains import Chain, draft_all
 
 
 @dataclass

@@ -215,3 +215,30 @@ def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
     assert circles(graph) == [["a", "b", "sub.c"]] and graph["e"] == {"sub.__init__"}
     (package / "sub" / "c.py").write_text("")
     assert circles(module_graph(package)) == []
+
+
+def floors(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each module's floor: 1 + the highest floor it imports (1: imports nothing of the package)."""
+    found: dict[str, int] = {}
+
+    def floor(module: str) -> int:
+        if module not in found:
+            found[module] = 1 + max((floor(m) for m in graph.get(module, ()) if m != module), default=0)
+        return found[module]
+
+    for module in graph:
+        floor(module)
+    return found
+
+
+def test_the_drafting_path_needs_no_registry_and_the_engine_stands_low() -> None:
+    """Decoding a step runs the drafters a request chose (method_chains.py); only the engine and the request checks ask
+    the registry which. The engine tops the data path at most 11 floors up (it stood 12 up while decoding reached the
+    drafters through the registry), so a chain of imports added on the way shows here."""
+    graph = module_graph(PACKAGE)
+    assert "methods" not in graph["decoding"] | graph["steps"] | graph["method_chains"]
+    assert floors(graph)["engine"] <= 11
+
+
+def test_floors_count_the_longest_chain() -> None:
+    assert floors({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": set()}) == {"a": 3, "b": 2, "c": 1, "d": 1}

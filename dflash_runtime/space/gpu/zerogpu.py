@@ -37,7 +37,7 @@ def gpu_size_from_env() -> str | None:
 
 
 def _load_pair(*args: Any, **kwargs: Any) -> Any:
-    from ... import load_pair  # imported where generation runs: the web process of a ZeroGPU Space never loads it
+    from ...engine import load_pair  # imported where generation runs: the web process of a ZeroGPU Space never loads it
 
     return load_pair(*args, **kwargs)
 

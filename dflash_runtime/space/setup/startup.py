@@ -371,20 +371,20 @@ def _cuda_devices(major: int = CUDA_MAJOR) -> list[dict[str, Any]]:
 
 def _dflash_missing_symbols() -> list[str] | None:
     try:
-        from dflash_runtime import native
+        from dflash_runtime.native import missing_symbols
     except ImportError:
         return None
-    return list(native.missing_symbols())
+    return list(missing_symbols())
 
 
 def _backends() -> dict[str, Any]:
     """Load ggml's backends as a model load would, and report them (modules, registered, skipped and why)."""
     try:
-        from dflash_runtime import backends
+        from dflash_runtime.backends import backend_report
     except ImportError as error:
         return {"backends_error": f"{type(error).__name__}: {error}"}
     try:
-        report = backends.backend_report()
+        report = backend_report()
     except (AttributeError, OSError) as error:  # a libggml without the registry functions
         return {"backends_error": f"{type(error).__name__}: {error}"}
     return {

@@ -30,12 +30,12 @@ from llama_cpp import llama_cpp as ll
 
 from .batches import TokenBatch
 from .drafting import DFLASH, DraftAsk, Implementation, Rows, TokenView
-from .errors import ContextCreationError, DecodeError, PairMismatchError
+from .errors import DecodeError, PairMismatchError
 from .features import FeatureBridge
 from .gguf_meta import GGUFInfo
 from .memory import SequenceMemory
 from .native import DFlashApi, dflash_api
-from .pair import LinkedPair, Threads, new_context
+from .pair import LinkedPair, Threads
 from .proposal import DraftSampling, Proposal, draw
 from .states import WHOLE, load_seq, save_seq
 from .validation import DraftSpec, validate_pair
@@ -223,30 +223,16 @@ class DFlashFile:
 
     def open_context(self, pair: LinkedPair, threads: Threads) -> Any:
         spec, api, model = pair.spec, dflash_api(), pair.draft_model
-        params = ll.llama_context_default_params()
-        # One injection chunk per target ubatch, and every sequence's block in one ubatch.
-        params.n_batch = params.n_ubatch = max(pair.n_ubatch, pair.parallel * (pair.draft_capacity + 1))
-        # A KV stream per sequence, as the target's (and llama-server's with -np N): a block attends to its own
+        # One injection chunk per target ubatch, and every sequence's block in one ubatch; a block attends to its own
         # sequence's cells only. Blocks of one size from consecutive sequences share a ubatch.
-        params.n_seq_max = pair.parallel
-        params.kv_unified = False
-        params.n_ctx = pair.n_ctx * pair.parallel
-        params.n_rs_seq = 0
-        threads.apply(params)
-        params.ctx_other = pair.target_ctx
-        ctx = new_context(model, params, "draft")
-        try:
-            if api.get_ctx_other(ctx) != pair.target_ctx:
-                raise ContextCreationError("the draft context is not linked to the target context (ctx_other)")
+        params = pair.side_context_params(threads)
+
+        def selector_read(ctx: Any) -> None:
             top_k = int(api.model_dflash_selector_top_k(model))
             if top_k != spec.selector_top_k:
                 raise PairMismatchError(f"libllama reads selector_top_k={top_k}, the header {spec.selector_top_k}")
-            layer_ids = tuple(api.target_layer_ids(model))
-            if layer_ids != spec.target_layer_ids:
-                raise PairMismatchError(f"libllama reads layer ids {layer_ids}, the header {spec.target_layer_ids}")
-        except BaseException:
-            ll.llama_free(ctx)
-            raise
+
+        ctx = pair.linked_draft_context(params, "draft", spec.target_layer_ids, selector_read)
         # DFlash 2 reads its candidate lattice from the nextn rows; v1 reads logits (masked nextn).
         api.set_embeddings_nextn(ctx, True, not spec.is_dflash2)
         ll.llama_set_causal_attn(ctx, spec.causal)

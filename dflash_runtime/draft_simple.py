@@ -67,14 +67,8 @@ class DraftModelFile:
         pass  # the draft reads tokens only
 
     def open_context(self, pair: LinkedPair, threads: Threads) -> Any:
-        params = ll.llama_context_default_params()
         # A prompt chunk of the target catches up in one decode; every sequence's draft row in one ubatch.
-        params.n_batch = params.n_ubatch = max(pair.n_ubatch, pair.parallel * (pair.draft_capacity + 1))
-        params.n_seq_max = pair.parallel
-        params.kv_unified = False  # a KV stream per sequence, as the target's
-        params.n_ctx = pair.n_ctx * pair.parallel
-        params.n_rs_seq = 0
-        threads.apply(params)
+        params = pair.side_context_params(threads)
         if pair.n_gpu_layers == 0:
             params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED  # a row's numbers do not depend on its batch
         return new_context(pair.draft_model, params, "draft model")

@@ -34,7 +34,7 @@ from .drafting import Implementation, Rows, TokenView
 from .errors import ContextCreationError, DecodeError, PairMismatchError
 from .gguf_meta import GGUFInfo
 from .native import DFlashApi, dflash_api
-from .pair import LinkedPair, Threads, new_context
+from .pair import LinkedPair, Threads
 from .row_chain import ChainDrafter, RowChain
 from .rpc import raise_if_lost
 from .validation import check_vocab
@@ -92,28 +92,11 @@ class Eagle3File:
                 lx.llama_set_embeddings_nextn(pair.target_ctx, True, False)
 
     def open_context(self, pair: LinkedPair, threads: Threads) -> Any:
-        spec, api, model = pair.spec, dflash_api(), pair.draft_model
-        params = ll.llama_context_default_params()
         # A target ubatch's rows encode (and catch up) in one pass, every sequence's draft row in one ubatch.
-        params.n_batch = params.n_ubatch = max(pair.n_ubatch, pair.parallel * (pair.draft_capacity + 1))
-        params.n_seq_max = pair.parallel
-        params.kv_unified = False  # a KV stream per sequence, as the target's
-        params.n_ctx = pair.n_ctx * pair.parallel
-        params.n_rs_seq = 0
-        threads.apply(params)
+        params = pair.side_context_params(threads)
         if pair.batch_invariant:  # the target's attention kernels (as llama-server's -fa reaches both contexts)
             params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        params.ctx_other = pair.target_ctx  # its token embedding (and head) are the target's
-        ctx = new_context(model, params, "EAGLE-3 draft")
-        try:
-            if api.get_ctx_other(ctx) != pair.target_ctx:
-                raise ContextCreationError("the draft context is not linked to the target context (ctx_other)")
-            layer_ids = tuple(api.target_layer_ids(model))
-            if layer_ids != spec.target_layer_ids:
-                raise PairMismatchError(f"libllama reads layer ids {layer_ids}, the header {spec.target_layer_ids}")
-        except BaseException:
-            ll.llama_free(ctx)
-            raise
+        ctx = pair.linked_draft_context(params, "EAGLE-3 draft", pair.spec.target_layer_ids)
         # g rows (encoder) and the decoder's pre-norm rows, for the output rows only.
         lx.llama_set_embeddings_nextn(ctx, True, True)
         return ctx

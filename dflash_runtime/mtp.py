@@ -69,14 +69,8 @@ class MTPHead:
     def open_context(self, pair: LinkedPair, threads: Threads) -> Any:
         if int(ll.llama_model_n_layer_nextn(pair.target_model)) < 1:
             raise ContextCreationError("libllama reads no nextn layer in the target")
-        params = ll.llama_context_default_params()
+        params = pair.side_context_params(threads, n_ubatch=pair.n_ubatch)
         params.ctx_type = ll.LLAMA_CONTEXT_TYPE_MTP
-        params.n_batch = params.n_ubatch = pair.n_ubatch
-        params.n_seq_max = pair.parallel
-        params.kv_unified = False
-        params.n_ctx = pair.n_ctx * pair.parallel
-        params.n_rs_seq = 0
-        threads.apply(params)
         return new_context(pair.target_model, params, "MTP")
 
     def link(self, pair: LinkedPair, ctx: Any) -> None:

@@ -30,6 +30,7 @@ from .backends import load_backends
 from .deprecated import renamed_keyword
 from .errors import ContextCreationError, EngineClosedError, PairMismatchError, RemoteDeviceError
 from .gguf_meta import GGUFInfo, read_gguf, sampling_defaults
+from .native import dflash_api
 from .placement import DeviceList, layer_ranges
 from .rpc import REPLY_TIMEOUT_S, RemoteDevices, unwatch, watch
 from .vocab import Vocabulary
@@ -507,6 +508,41 @@ class LinkedPair:
         self.n_embd_draft = int(ll.llama_model_n_embd(self.draft_model))
         self.draft_ctx = self.own(draft_file.open_context(self, threads), ll.llama_free)
         self._watch(self.draft_ctx)
+
+    def side_context_params(self, threads: Threads, *, n_ubatch: int | None = None) -> Any:
+        """The parameters of a context beside the target's (a draft's, MTP's): a KV stream per sequence, as the
+        target's (and llama-server's with -np N), so that a sequence's rows attend to its own cells only; `n_ubatch`
+        rows a pass (default: a target ubatch's, to catch up or inject in one pass, and at least every sequence's
+        draft rows at once)."""
+        params = ll.llama_context_default_params()
+        params.n_batch = params.n_ubatch = n_ubatch or max(self.n_ubatch, self.parallel * (self.draft_capacity + 1))
+        params.n_seq_max = self.parallel
+        params.kv_unified = False
+        params.n_ctx = self.n_ctx * self.parallel
+        params.n_rs_seq = 0
+        threads.apply(params)
+        return params
+
+    def linked_draft_context(self, params: Any, what: str, layer_ids: tuple[int, ...],
+                             check: Callable[[Any], None] | None = None) -> Any:
+        """The draft model's context linked to the target's through `ctx_other` (the draft borrows the target's token
+        embedding and head), checked: the link holds, libllama reads the target layers `layer_ids` of the header, and
+        `check(ctx)` passes. Freed when a check fails."""
+        api = dflash_api()
+        params.ctx_other = self.target_ctx
+        ctx = new_context(self.draft_model, params, what)
+        try:
+            if api.get_ctx_other(ctx) != self.target_ctx:
+                raise ContextCreationError("the draft context is not linked to the target context (ctx_other)")
+            read = tuple(api.target_layer_ids(self.draft_model))
+            if read != tuple(layer_ids):
+                raise PairMismatchError(f"libllama reads layer ids {read}, the header {tuple(layer_ids)}")
+            if check is not None:
+                check(ctx)
+        except BaseException:
+            ll.llama_free(ctx)
+            raise
+        return ctx
 
     def own(self, handle: Any, free: Callable[[Any], None]) -> Any:
         """Take a native handle into the pair: freed with it, in reverse order of creation."""

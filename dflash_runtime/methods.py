@@ -39,14 +39,16 @@ if TYPE_CHECKING:
 
 NOTHING, NEXTN = "", "nextn"  # what a method without a file of its own needs
 LEGACY_PRIORITY = 50  # a draft file that claims files itself (no `claims` on its line): between draft-simple and DFlash
-TREE_BRANCHES = "draft+branches"  # a DFlash 2 draft, and spare target sequences for a tree's paths
+NEEDS_SEPARATOR = "+"  # a method that needs several things: "dflash2+branches"
 
 
 @dataclass(frozen=True)
 class Method:
     name: str
     label: str  # how a person reads it (the Space's menus and tables)
-    needs: str  # NOTHING, NEXTN (the target's MTP layers), or the `needs` of the draft file its module declares
+    # What the open pair must hold (`LinkedPair.holds`): NOTHING, NEXTN (the target's MTP layers), the `needs` of the
+    # draft file its module declares, or several of what a pair holds joined by "+" (a draft's kind, "branches").
+    needs: str
     implementation: Callable[[], Implementation]  # its module's (loaded with libllama for the methods with a model)
     auto: bool = True  # a candidate for the pair's default method (a request that names none)
     help: str = ""  # what it is, in one line of the Space's method menu
@@ -113,7 +115,7 @@ def _has_nextn(target: GGUFInfo) -> bool:
 REGISTRY: tuple[Method, ...] = (
     Method(DFLASH, "DFlash 2", "draft", _dflash, claims=_is_dflash, priority=100,
            help="a small draft model writes a block of tokens in one pass, from the target's own hidden features"),
-    Method("dflash-tree", "DFlash 2 tree", TREE_BRANCHES, _dflash_tree, auto=False,
+    Method("dflash-tree", "DFlash 2 tree", "dflash2+branches", _dflash_tree, auto=False,
            help="DFlash 2's block as a tree: the draft's likeliest alternatives verified beside its first choice, "
                 "each on a spare target sequence"),
     Method(MTP, "MTP", NEXTN, _mtp, target_has=_has_nextn,
@@ -172,11 +174,12 @@ def label(name: str) -> str:
 
 
 def holds(pair: LinkedPair, needs: str) -> bool:
-    """Whether the opened pair holds what a method needs: nothing, a part of the target, or a draft of that kind
-    (a draft tree: a DFlash 2 draft and spare target sequences for its paths)."""
-    if needs == TREE_BRANCHES:
-        return bool(pair.branch_seqs) and "draft" in pair.holds and bool(getattr(pair.spec, "is_dflash2", False))
-    return needs == NOTHING or needs in pair.holds
+    """Whether the opened pair holds what a method needs: nothing, or every part of it (`LinkedPair.holds`)."""
+    return all(part in pair.holds for part in needs_parts(needs))
+
+
+def needs_parts(needs: str) -> tuple[str, ...]:
+    return tuple(part for part in needs.split(NEEDS_SEPARATOR) if part)
 
 
 # -- from the files' headers (no libllama) ---------------------------------------------------------------------
@@ -199,7 +202,7 @@ def _claiming(draft: GGUFInfo, *, loaded: bool = False) -> Method | None:
     claiming = [m for m in REGISTRY if m.claims is not None and m.claims(draft)]
     if loaded:
         for m in REGISTRY:
-            if m.claims is None and m.needs not in (NOTHING, NEXTN, TREE_BRANCHES) and m.target_has is None:
+            if m.claims is None and m.needs != NOTHING and m.target_has is None:
                 declared = m.implementation().draft_file
                 if declared is not None and hasattr(declared, "claims") and declared.claims(draft):
                     claiming.append(dataclasses.replace(m, priority=getattr(declared, "priority", LEGACY_PRIORITY)))
@@ -213,7 +216,7 @@ def from_headers(target: GGUFInfo, draft: GGUFInfo | None) -> tuple[str, ...]:
     if draft is not None:
         with contextlib.suppress(PairMismatchError):
             held.add(claimant(draft).needs)
-    return runnable(lambda needs: needs in held)
+    return runnable(lambda needs: all(part in held for part in needs_parts(needs)))
 
 
 def target_alone(target: GGUFInfo) -> tuple[str, ...]:

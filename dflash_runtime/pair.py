@@ -221,6 +221,9 @@ class Threads:
         params.n_threads, params.n_threads_batch = self.decode, self.batch
 
 
+BRANCHES = "branches"  # what a pair with spare target sequences holds (`PairOptions.branches`)
+
+
 class DraftFile(Protocol):
     """What a method with a model of its own declares to the pair (its module implements it, drafting.Implementation
     names it). Which files are its drafts is said by its registry line (methods.py: `claims`, `priority`), read
@@ -442,10 +445,14 @@ class LinkedPair:
 
     @property
     def holds(self) -> frozenset[str]:
-        """What the open pair holds for the methods (their `needs`): its draft's kind and its open target parts."""
+        """What the open pair holds for the methods (the parts of their `needs`): its open target parts, its draft
+        (the draft file's `needs` and the draft's kind, as `describe` names it: "dflash2", "eagle3", ...) and
+        "branches" where it keeps spare target sequences for a draft tree's paths."""
         held = set(self.parts)
         if self.draft_ctx is not None and self.draft_file is not None:
-            held.add(self.draft_file.needs)
+            held |= {self.draft_file.needs, self.draft_file.describe(self.spec)["draft_kind"]}
+        if self.branch_seqs:
+            held.add(BRANCHES)
         return frozenset(held)
 
     # -- construction -------------------------------------------------------------------------------------------

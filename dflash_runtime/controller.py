@@ -231,29 +231,48 @@ class TreeOrChain:
     tokens per second — a tree step's emitted tokens and time, plus those of the step that decodes an accepted path
     off its spine — as decayed sums; the better arm runs, the other is tried every `probe_every` steps, twice as
     seldom after each probe that did not change the choice (up to `probe_max`; the first `warmup` steps of each arm
-    are taken in turn). It lives with the request's draft policy, so it carries over to the owner's next request.
-    A tree costs more rows than the chain (on a CPU about in proportion; on a GPU nearly nothing up to its small-batch
-    limit), so which wins is measured, not assumed."""
+    are taken in turn, the chain's first). It lives with the request's draft policy, so it carries over to the
+    owner's next request. A tree costs more rows than the chain (on a CPU about in proportion; on a GPU nearly nothing
+    up to its small-batch limit), so which wins is measured, not assumed.
 
-    ARMS = ("tree", "chain")
+    A step emits at most its draft length + 1 tokens, tree or chain, and a tree's step costs at least the chain's:
+    while the chain's steps fill that ceiling so nearly that even a tree at the chain's cost could not be `margin`
+    faster, the tree is not tried at all (a draft the target already takes whole leaves a tree nothing to add)."""
 
-    def __init__(self, *, decay: float = 0.9, probe_every: int = 16, probe_max: int = 256, warmup: int = 2) -> None:
+    ARMS = ("chain", "tree")
+
+    def __init__(self, *, decay: float = 0.9, probe_every: int = 16, probe_max: int = 256, warmup: int = 2,
+                 margin: float = 0.05) -> None:
         self.decay, self.probe_every, self.probe_max, self.warmup = decay, probe_every, probe_max, warmup
+        self.margin = margin
         self._probe_first = probe_every
         self._probing: str | None = None  # the arm a probe tried
         self.tokens = dict.fromkeys(self.ARMS, 0.0)
         self.seconds = dict.fromkeys(self.ARMS, 0.0)
         self.steps = dict.fromkeys(self.ARMS, 0)
+        self._fill = self._fill_weight = 0.0  # the chain's steps' tokens over their ceilings, decayed
         self._since_probe = 0
-        self.chosen: str = "tree"
+        self.chosen: str = "chain"
 
     def rate(self, arm: str) -> float:
         return self.tokens[arm] / self.seconds[arm] if self.seconds[arm] > 0 else 0.0
 
+    def fill(self) -> float | None:
+        """How full the chain's steps run: emitted tokens over draft length + 1, decayed (None: none seen)."""
+        return self._fill / self._fill_weight if self._fill_weight > 0 else None
+
+    def tree_has_room(self) -> bool:
+        fill = self.fill()
+        return fill is None or fill * (1 + self.margin) < 1
+
     def choose(self) -> str:
         """The arm for the next step."""
-        if min(self.steps.values()) < self.warmup:
-            self.chosen = min(self.ARMS, key=lambda arm: self.steps[arm])
+        if self.steps["chain"] < self.warmup or not self.tree_has_room():
+            self._probing = None
+            self.chosen = "chain"
+            return self.chosen
+        if self.steps["tree"] < self.warmup:
+            self.chosen = "tree"
             return self.chosen
         best = max(self.ARMS, key=self.rate)
         if self._probing is not None:  # the probe's outcome: back off while it does not change the leader
@@ -268,8 +287,9 @@ class TreeOrChain:
         self.chosen = best
         return best
 
-    def observe(self, arm: str, tokens: int, seconds: float, *, more: bool = False) -> None:
-        """A step of `arm`: its emitted tokens and time (`more`: the rest of a step already counted, not a step)."""
+    def observe(self, arm: str, tokens: int, seconds: float, *, more: bool = False, ceiling: int = 0) -> None:
+        """A step of `arm`: its emitted tokens and time (`more`: the rest of a step already counted, not a step);
+        `ceiling`: the most a chain step could emit (its draft length + 1)."""
         if not more:
             self.steps[arm] += 1
             for name in self.ARMS:
@@ -277,10 +297,14 @@ class TreeOrChain:
                 self.seconds[name] *= self.decay
         self.tokens[arm] += tokens
         self.seconds[arm] += seconds
+        if arm == "chain" and ceiling > 0:
+            self._fill = self._fill * self.decay + min(1.0, tokens / ceiling)
+            self._fill_weight = self._fill_weight * self.decay + 1
 
     def describe(self) -> dict[str, Any]:
+        fill = self.fill()
         return {"tree_or_chain": self.chosen, "tok_s": {arm: round(self.rate(arm), 2) for arm in self.ARMS},
-                "steps": dict(self.steps)}
+                "steps": dict(self.steps), "chain_fill": None if fill is None else round(fill, 4)}
 
 
 def make_policy(draft_length: int | str, capacity: int, *, verify_cap: int) -> DraftPolicy:

@@ -373,7 +373,7 @@ class Decoding:
             elif planned.tree is not None:
                 arms.observe("tree", len(emitted.tokens), seconds)
             elif proposal.tokens and not self._tree_asked:
-                arms.observe("chain", len(emitted.tokens), seconds)
+                arms.observe("chain", len(emitted.tokens), seconds, ceiling=planned.n_block + 1)
         if self.cache.interval_due():
             self.cache.save_checkpoint(self.costs)
         self._conclude(emitted)

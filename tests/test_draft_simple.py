@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from pairs import PROMPTS
+from pairs import PROMPTS, owners_in_turns_answer_alone
 
 from dflash_runtime import load_pair
 from dflash_runtime.footprint import sequence_footprint
@@ -60,22 +60,7 @@ def test_a_small_model_drafts_and_every_answer_is_the_targets_own(pair) -> None:
 def test_parallel_sequences_and_owners_answer_as_one_request_alone(pair) -> None:
     target, draft = pair
     with load_pair(target.target, draft, n_ctx=512, draft_capacity=4, parallel=3) as engine:
-        prompts = PROMPTS[:5]
-        alone = {p: engine.generate(p, max_tokens=32, speculative=False).tokens for p in prompts}
-        # Three at once; the second round's owners take the first round's sequences (parked and restored states).
-        for round_, (batch, owners) in enumerate(((prompts[:3], (0, 1, 2)), (prompts[2:], (3, 0, 1)))):
-            streams = [engine.stream(p, max_tokens=32, method=METHOD, cache_owner=f"owner-{o}")
-                       for p, o in zip(batch, owners, strict=True)]
-            tokens: dict[int, list[int]] = {i: [] for i in range(len(streams))}
-            running = set(tokens)
-            while running:
-                for i in sorted(running):
-                    event = next(streams[i])
-                    tokens[i] += event.tokens
-                    if event.finish_reason is not None:
-                        running.discard(i)
-            for i, prompt in enumerate(batch):
-                assert tokens[i] == alone[prompt], (round_, prompt)
+        owners_in_turns_answer_alone(engine, METHOD)
         info = engine.info()
         assert len(info["n_cached_by_sequence"]) == 3 and info["n_cached"] == sum(info["n_cached_by_sequence"])
 

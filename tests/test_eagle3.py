@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import gguf
 import pytest
-from pairs import PROMPTS
+from pairs import PROMPTS, owners_in_turns_answer_alone
 
 from dflash_runtime import PairMismatchError, load_pair
 from dflash_runtime.gguf_meta import read_gguf
@@ -63,22 +63,7 @@ def test_every_answer_is_the_targets_own_drafts_right_and_wrong(kind) -> None:
 def test_parallel_sequences_and_owners_answer_as_one_request_alone(kind) -> None:
     pair = tiny_pair(kind, METHOD, head="markov")
     with load_pair(pair.target, pair.draft, n_ctx=512, draft_capacity=4, parallel=3) as engine:
-        prompts = PROMPTS[:5]
-        alone = {p: engine.generate(p, max_tokens=32, speculative=False).tokens for p in prompts}
-        # Three at once; the second round's owners take the first round's sequences (parked and restored states).
-        for round_, (batch, owners) in enumerate(((prompts[:3], (0, 1, 2)), (prompts[2:], (3, 0, 1)))):
-            streams = [engine.stream(p, max_tokens=32, method=METHOD, cache_owner=f"owner-{o}")
-                       for p, o in zip(batch, owners, strict=True)]
-            tokens: dict[int, list[int]] = {i: [] for i in range(len(streams))}
-            running = set(tokens)
-            while running:
-                for i in sorted(running):
-                    event = next(streams[i])
-                    tokens[i] += event.tokens
-                    if event.finish_reason is not None:
-                        running.discard(i)
-            for i, prompt in enumerate(batch):
-                assert tokens[i] == alone[prompt], (round_, prompt)
+        owners_in_turns_answer_alone(engine, METHOD)
 
 
 def test_a_long_lived_engine_answers_as_a_fresh_one(kind) -> None:
@@ -98,6 +83,21 @@ def test_a_long_lived_engine_answers_as_a_fresh_one(kind) -> None:
         fixed = engine.generate(prompt, max_tokens=40, method=METHOD, draft_length=4)
         assert fixed.tokens == expected and fixed.stats.accepted > 0
         assert engine.generate(prompt, max_tokens=40, speculative=False).tokens == expected
+
+
+def test_long_answers_are_the_targets_own(kind) -> None:
+    """Hundreds of tokens through the target's recurrent state (hybrid) and the draft's growing cache, drafts right
+    and wrong along the way: still plain decoding's answer, token for token."""
+    pair = tiny_pair(kind, METHOD, head="markov")
+    with load_pair(pair.target, pair.draft, n_ctx=1024, draft_capacity=5) as engine:
+        for prompt in (PROMPTS[1], PROMPTS[6]):
+            plain = engine.generate(prompt, max_tokens=320, speculative=False)
+            for length in (5, "auto"):
+                result = engine.generate(prompt, max_tokens=320, method=METHOD, draft_length=length)
+                assert result.tokens == plain.tokens, (prompt, length)
+                assert len(result.tokens) == 320  # no end of generation in these answers: all of them
+                if length == 5:
+                    assert 0 < result.stats.accepted < result.stats.drafted  # right and wrong drafts
 
 
 def test_a_draft_of_another_target_is_refused() -> None:

@@ -221,3 +221,23 @@ def test_the_tree_or_chain_choice_follows_measured_tokens_per_second() -> None:
         assert later.count(winner) >= len(later) * 7 // 8, chosen  # the loser only at probes
         assert 0 < later.count("chain" if winner == "tree" else "tree") <= len(later) // 8 + 1
         assert arms.describe()["tree_or_chain"] in ("tree", "chain")
+
+
+def test_no_tree_is_tried_where_the_chain_already_fills_its_steps() -> None:
+    """A chain whose drafts the target takes whole leaves a tree nothing to add: after the chain's warm-up the tree is
+    never tried, however fast a tree would be measured; as the chain's steps stop filling, the tree is tried."""
+    from dflash_runtime.controller import TreeOrChain
+
+    arms = TreeOrChain(probe_every=4)
+    chosen = []
+    for step in range(96):
+        arm = arms.choose()
+        chosen.append(arm)
+        full = step < 48
+        if arm == "chain":
+            arms.observe(arm, 8 if full else 3, 0.01, ceiling=8)  # a depth-7 chain: 8 tokens at most
+        else:
+            arms.observe(arm, 5, 0.001)
+    assert chosen[:48] == ["chain"] * 48 and arms.steps["tree"] > 0
+    assert chosen[48:].count("tree") > 24  # once there is room, the (faster) tree runs
+    assert TreeOrChain().fill() is None and TreeOrChain().tree_has_room()

@@ -1,6 +1,6 @@
 """Draft tree against chain at the same depth: accepted tokens per verify, tokens per target decode, and speed.
 
-    python tools/tree_benchmark.py [--depth 7] [--tree-nodes 16] [--max-tokens 96] [--real-layout]
+    python tools/tree_benchmark.py [--depth 7] [--tree-nodes 16] [--max-tokens 96] [--rounds 4] [--real-layout]
 
 Pairs: generated tiny pairs whose draft distributions are not one-hot (heads "soft", "markov"; "shaped" for
 contrast), dense and hybrid targets; with --real-layout also the pair in the real files' layout
@@ -26,17 +26,21 @@ SEEDS = (1, 2, 3)
 
 def measure(engine, method: str, depth: int, nodes: int | str, temperature: float, verify: str, max_tokens: int,
             plain: dict) -> dict:
-    totals = {"verify_steps": 0, "verify_emitted": 0, "target_steps": 0, "n_generated": 0, "tree_rows": 0,
-              "tree_steps": 0, "tree_off_spine": 0, "decode_ms": 0.0}
+    """One round of a mode: every prompt (and seed) once; the stats' totals."""
+    totals = dict.fromkeys(("verify_steps", "verify_emitted", "target_steps", "n_generated", "tree_rows", "tree_steps",
+                            "tree_off_spine", "decode_ms"), 0)
     for prompt in PROMPTS:
         for seed in SEEDS if temperature > 0 else (0,):
             result = engine.generate(prompt, max_tokens=max_tokens, method=method, draft_length=depth,
                                      tree_nodes=nodes, temperature=temperature, seed=seed, verify=verify)
             if temperature == 0 and result.tokens != plain[prompt]:
                 raise AssertionError(f"{method} differs from plain decoding on {prompt!r}")
-            s = result.stats
             for key in totals:
-                totals[key] += getattr(s, key) if key != "target_steps" else s.target_steps
+                totals[key] += getattr(result.stats, key)
+    return totals
+
+
+def figures(totals: dict) -> dict:
     return {
         "accepted_per_verify": round(totals["verify_emitted"] / max(1, totals["verify_steps"]), 3),
         "tokens_per_decode": round(totals["n_generated"] / max(1, totals["target_steps"]), 3),
@@ -55,10 +59,17 @@ def bench(name: str, target, draft, args: argparse.Namespace) -> None:
             if temperature > 0:
                 runs.append(("chain-sample", "dflash", "sample", args.tree_nodes))
             runs += [("tree", "dflash-tree", "match", args.tree_nodes), ("tree-auto", "dflash-tree", "match", "auto")]
-            for label, method, verify, nodes in runs:
-                t = time.perf_counter()
-                rows[label] = measure(engine, method, args.depth, nodes, temperature, verify, args.max_tokens, plain)
-                rows[label]["wall_s"] = round(time.perf_counter() - t, 2)
+            # Rounds in alternating order, so that a machine's drift weighs on every mode alike.
+            totals: dict[str, dict] = {}
+            walls = dict.fromkeys((label for label, *_ in runs), 0.0)
+            for round_ in range(args.rounds):
+                for label, method, verify, nodes in runs if round_ % 2 == 0 else runs[::-1]:
+                    t = time.perf_counter()
+                    got = measure(engine, method, args.depth, nodes, temperature, verify, args.max_tokens, plain)
+                    walls[label] += time.perf_counter() - t
+                    totals[label] = {k: totals.get(label, {}).get(k, 0) + v for k, v in got.items()}
+            for label in walls:
+                rows[label] = {**figures(totals[label]), "wall_s": round(walls[label], 2)}
             ratio = rows["tree"]["accepted_per_verify"] / max(1e-9, rows["chain"]["accepted_per_verify"])
             speed = rows["tree"]["tok_s"] / max(1e-9, rows["chain"]["tok_s"])
             auto = rows["tree-auto"]["tok_s"] / max(1e-9, rows["chain"]["tok_s"])
@@ -74,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree-nodes", type=int, default=16)
     parser.add_argument("--branches", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of every mode, in alternating order")
     parser.add_argument("--heads", default="soft,markov,shaped")
     parser.add_argument("--targets", default="dense,hybrid")
     parser.add_argument("--real-layout", action="store_true")

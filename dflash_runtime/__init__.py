@@ -33,7 +33,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(engine, name)
     if name in ("SessionPolicy",):
-        from .sessions import SessionPolicy
+        from .cache.sessions import SessionPolicy
 
         return SessionPolicy
     if name in ("Verifiers",):

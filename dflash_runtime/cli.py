@@ -90,7 +90,7 @@ def _rpc_server(args: argparse.Namespace) -> int:
     import os
     import shlex
 
-    from .rpc import server_command
+    from .native.rpc import server_command
 
     argv, env = server_command(args.host, args.port, threads=args.threads, devices=args.device, cache=args.cache)
     if args.print:

@@ -1,7 +1,7 @@
 """One request on its sequence, split as llama.cpp splits speculative decoding, in the phases an engine step drives
 (steps.py) — every running request's phase shares the step's one target decode:
 
-- begin: make a sequence the request owner's (sessions.py), reuse its cached prefix (rolling back, or restoring a
+- begin: make a sequence the request owner's (cache/sessions.py), reuse its cached prefix (rolling back, or restoring a
   context checkpoint);
 - prefill: the rest of the prompt in chunks, as the step's token budget allows, each drafter processing every
   chunk, checkpoints saved where a later request can use them; then the first sample;
@@ -24,20 +24,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .batches import TokenBatch
-from .cache import PairCache
-from .checkpoints import CheckpointCosts, prompt_marks
+from .cache.checkpoints import CheckpointCosts, prompt_marks
+from .cache.pair_cache import PairCache
+from .cache.sessions import CacheOwners
 from .controller import DraftPolicy
-from .drafting import DraftAsk, Drafter
-from .method_chains import Chain, split
+from .drafters.drafting import DraftAsk, Drafter
+from .drafters.method_chains import Chain, split
+from .drafters.proposal import DRAFT, TARGET, DraftSampling, Proposal, draw
+from .drafters.tree import ROOT, DraftTree, accepted_path
+from .native.batches import TokenBatch
 from .pair import LinkedPair
-from .proposal import DRAFT, TARGET, DraftSampling, Proposal, draw
 from .results import StreamEvent
 from .sampling import ChainProbabilities, Sampler, SamplingParams
-from .sessions import CacheOwners
 from .stats import Stats
 from .textstream import TextStream
-from .tree import ROOT, DraftTree, accepted_path
 from .verify import Verifier, Verifiers, target_distribution
 
 EVENTS_AHEAD = 4  # events a request may make before its reader has taken them
@@ -54,11 +54,11 @@ class Request:
     n_min: int
     p_min: float
     verify: str  # "sample" or "match": how drafts are checked above temperature 0
-    owner: Hashable | None = None  # whose text this is: only its own cached tokens are reused (sessions.py)
+    owner: Hashable | None = None  # whose text this is: only its own cached tokens are reused (cache/sessions.py)
     public_prefix: int = 0  # leading prompt tokens that any owner may reuse
     on_prefill: Callable[[int, int], None] | None = None  # (tokens prefilled, tokens to prefill) after each chunk
-    tree_nodes: int | str = "auto"  # a draft tree's verify rows beside the root's (dflash_tree.py); "auto": see
-    # AUTO_TREE_NODES
+    # a draft tree's verify rows beside the root's (drafters/dflash_tree.py); "auto": see AUTO_TREE_NODES
+    tree_nodes: int | str = "auto"
 
     @property
     def speculative(self) -> bool:
@@ -229,7 +229,7 @@ class Decoding:
         end = len(prompt)
         stats.n_prompt, stats.n_reused, stats.n_prefilled = end, kept, end - kept
         marks = prompt_marks(prompt, parts.controls, req.public_prefix) if cache.checkpointing else []
-        # The first request that declares a public prefix keeps a copy of the caches right after it (sessions.py).
+        # The first request that declares a public prefix keeps a copy of the caches right after it (cache/sessions.py).
         public_base = req.public_prefix if kept < req.public_prefix and parts.owners.needs_public_base(
             prompt, req.public_prefix) else 0  # fmt: skip
         self._marks = sorted({m for m in marks if m > kept} | ({public_base} if public_base else set()))

@@ -2,8 +2,8 @@
 
 Every emitted token is a target sample given the accepted prefix, so the output is the target's own: token for
 token at temperature 0, and in distribution above it (see verify.py). The caches are kept between requests: a new
-request prefills only what follows the prefix it shares with the cache (see cache.py for the one rule of going
-back, and checkpoints.py for hybrid targets). Lifetime, cancellation and busy rules are in streams.py.
+request prefills only what follows the prefix it shares with the cache (see cache/pair_cache.py for the one rule of
+going back, and cache/checkpoints.py for hybrid targets). Lifetime, cancellation and busy rules are in streams.py.
 """
 
 from __future__ import annotations
@@ -18,22 +18,22 @@ from typing import Any
 import llama_cpp
 
 from . import methods
-from .batches import TokenBatch
-from .cache import PairCache
+from .cache.checkpoints import CheckpointPolicy, CheckpointStore
+from .cache.pair_cache import PairCache
+from .cache.sessions import CacheOwners, SessionPolicy
 from .chat import ChatTemplate, ControlToken, control_tokens, model_template
-from .checkpoints import CheckpointPolicy, CheckpointStore
 from .controller import Policies
 from .decoding import Decoding, Parts, Request
 from .deprecated import renamed, renamed_keyword
 from .divergence import Divergence, explain
-from .drafting import MTP, TokenView
+from .drafters.drafting import MTP, TokenView
 from .errors import EngineBusyError, EngineClosedError, RequestError
 from .gguf_meta import read_gguf
+from .native.batches import TokenBatch
 from .pair import LinkedPair, PairOptions
 from .request_checks import check_length, check_tree_nodes, checked_owner, checked_request, prompt_tokens
 from .results import Result, StreamEvent
 from .sampling import SamplingParams
-from .sessions import CacheOwners, SessionPolicy
 from .stats import Stats
 from .steps import Steps
 from .streams import CLOSED_MESSAGE, Occupancy, RequestStream
@@ -227,9 +227,9 @@ class Engine:
         default the engine's `draft_length`. `verify` ("sample" or "match") chooses how drafts are checked above
         temperature 0. `cache_owner` (any hashable key, e.g. a visitor's session) limits prefix reuse to what the
         same owner put in the cache, plus the first `public_prefix` tokens of the prompt when they are cached (see
-        sessions.py). `on_prefill(done, total)` is called after each prompt chunk the engine decodes (progress of a
-        long prompt); it runs inside the engine step (on whichever request's thread steps the engine), so it must be
-        quick and must not start or read requests of this engine; it may cancel the request.
+        cache/sessions.py). `on_prefill(done, total)` is called after each prompt chunk the engine decodes (progress
+        of a long prompt); it runs inside the engine step (on whichever request's thread steps the engine), so it must
+        be quick and must not start or read requests of this engine; it may cancel the request.
         `tree_nodes` (method "dflash-tree"): a draft tree's verify rows beside the root's, "auto" (twice the draft
         length, at least 8) or an integer ≥ 1; the tree is `draft_length` deep.
         `draft_max=` is the deprecated spelling of `draft_length=`."""
@@ -294,7 +294,7 @@ class Engine:
         """Copy `owner`'s live state aside now (host memory), so that it comes back at its owner's next request even
         after its sequence went to another owner, and no other owner's request pays for the copy. With one sequence,
         `park()` parks its current owner's. Owners that never park are not kept when
-        `SessionPolicy(park_on_switch=False)`; see sessions.py. Runs between two steps: other requests go on."""
+        `SessionPolicy(park_on_switch=False)`; see cache/sessions.py. Runs between two steps: other requests go on."""
         with self._occupancy.native():
             self._parts.owners.park(owner, current=owner is None)
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .backends import FreeMemory
 from .gguf_meta import GGUFInfo, read_gguf
+from .native.backends import FreeMemory
 
 F16, F32 = 2, 4
 CTX_PAD = 256  # libllama pads n_ctx (and each sequence's share) to a multiple of 256
@@ -261,11 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [(part, *(_mib(f[part]) for f in prints)) for part in (*DEVICE_PARTS, *HOST_PARTS, "device", "total")]
     print(table(("MiB per sequence", *(f"n_ctx {n}" for n in sizes)), rows))
     if args.fit is not None:
-        from .backends import free_memory
+        from .native.backends import free_memory
 
         memory = free_memory(args.n_gpu_layers)
         if args.rpc:
-            from .rpc import remote_memory
+            from .native.rpc import remote_memory
 
             memory = with_remote_memory(memory, remote_memory([e for e in args.rpc.split(",") if e.strip()]))
         for n in sizes:

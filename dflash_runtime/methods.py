@@ -14,10 +14,10 @@ methods declare (`target_parts`), and opens a drafter for each method the open p
 with its own options; a drafter reads the sequence's tokens through the read-only view it is opened with.
 
 A request names one method or a chain, "a,b" in order of preference (llama.cpp's `--spec-type a,b`): each step
-drafts with the first member that proposes something (see method_chains.py). Adding a method is one module with its
-`Implementation` (drafting.py) and one line in `REGISTRY` (`register` adds one from outside the package). A
-method's implementation is loaded when a pair opens, never by listing the methods: the Space's web process lists
-them without loading libllama.
+drafts with the first member that proposes something (see drafters/method_chains.py). Adding a method is one
+module with its `Implementation` (drafters/drafting.py) and one line in `REGISTRY` (`register` adds one from
+outside the package). A method's implementation is loaded when a pair opens, never by listing the methods: the
+Space's web process lists them without loading libllama.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import ngram
-from .drafting import DFLASH, MTP, Drafter, Implementation, TokenView
+from .drafters import ngram
+from .drafters.drafting import DFLASH, MTP, Drafter, Implementation, TokenView
+from .drafters.method_chains import CHAIN_SEPARATOR, split
 from .errors import PairMismatchError, RequestError
-from .method_chains import CHAIN_SEPARATOR, split
 
 if TYPE_CHECKING:
     from .gguf_meta import GGUFInfo
@@ -67,31 +67,31 @@ class Method:
 
 
 def _dflash() -> Implementation:
-    from . import dflash  # libllama comes with it: loaded when a pair opens, not where methods are listed
+    from .drafters import dflash  # libllama comes with it: loaded when a pair opens, not where methods are listed
 
     return dflash.IMPLEMENTATION
 
 
 def _mtp() -> Implementation:
-    from . import mtp  # as _dflash
+    from .drafters import mtp  # as _dflash
 
     return mtp.IMPLEMENTATION
 
 
 def _eagle3() -> Implementation:
-    from . import eagle3  # as _dflash
+    from .drafters import eagle3  # as _dflash
 
     return eagle3.IMPLEMENTATION
 
 
 def _dflash_tree() -> Implementation:
-    from . import dflash_tree  # as _dflash
+    from .drafters import dflash_tree  # as _dflash
 
     return dflash_tree.IMPLEMENTATION
 
 
 def _draft_simple() -> Implementation:
-    from . import draft_simple  # as _dflash
+    from .drafters import draft_simple  # as _dflash
 
     return draft_simple.IMPLEMENTATION
 

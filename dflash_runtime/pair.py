@@ -26,14 +26,14 @@ from typing import Any, Protocol
 from llama_cpp import _logger
 from llama_cpp import llama_cpp as ll
 
-from .backends import load_backends
 from .deprecated import renamed_keyword
 from .errors import ContextCreationError, EngineClosedError, PairMismatchError, RemoteDeviceError
 from .gguf_meta import GGUFInfo, read_gguf, sampling_defaults
-from .native import dflash_api
-from .placement import DeviceList, layer_ranges
-from .rpc import REPLY_TIMEOUT_S, RemoteDevices, unwatch, watch
-from .vocab import Vocabulary
+from .native.backends import load_backends
+from .native.ext import dflash_api
+from .native.placement import DeviceList, layer_ranges
+from .native.rpc import REPLY_TIMEOUT_S, RemoteDevices, unwatch, watch
+from .native.vocab import Vocabulary
 
 MAX_PARALLEL = 64  # sequences per context (llama.cpp allows 256): 64 verify batches of 8 rows fill n_batch 512
 MAX_BRANCHES = 16  # target sequences for draft-tree paths (each a KV stream of n_ctx cells and a recurrent state)
@@ -356,12 +356,12 @@ class LinkedPair:
     sequence's context. `placement.rpc`: RPC servers ("host:port", started with `python -m dflash_runtime
     rpc-server`) whose devices join the local GPUs, remote first; `n_gpu_layers` layers go to those devices,
     weighted by `tensor_split` (one weight per device, remote first; default: by free memory), the rest stay on the
-    local CPU (see placement.py, rpc.py). The draft's layers follow `draft_gpu_layers` (default `n_gpu_layers`) on
-    the same devices (its graph reads the target's output head and token embeddings wherever they are), on the
-    local GPUs where there are some. `rpc_cpu=True` says the servers compute with the CPU backend of this same
-    build, so the pair keeps its CPU numerics (and batch invariance). `branches`: spare target sequences for
-    the paths of draft trees (dflash_tree.py), each a KV stream of `n_ctx` cells and a recurrent state of its own;
-    no request holds one.
+    local CPU (see native/placement.py, native/rpc.py). The draft's layers follow `draft_gpu_layers` (default
+    `n_gpu_layers`) on the same devices (its graph reads the target's output head and token embeddings wherever
+    they are), on the local GPUs where there are some. `rpc_cpu=True` says the servers compute with the CPU backend
+    of this same build, so the pair keeps its CPU numerics (and batch invariance). `branches`: spare target
+    sequences for the paths of draft trees (drafters/dflash_tree.py), each a KV stream of `n_ctx` cells and a
+    recurrent state of its own; no request holds one.
     Raw pointers are exposed as `.target_model`, `.target_ctx`, `.draft_model`, `.draft_ctx` for callers that
     drive libllama themselves. Free with `close()` or a `with` block; the draft goes before the target.
     """
@@ -399,7 +399,8 @@ class LinkedPair:
                        if part.wanted(self.target_info, required)]
         self.parts: dict[str, Any] = {}  # needs → the context of an open target part
         self.part_errors: dict[str, str] = {}  # needs → why an optional part did not open
-        # Target sequences beside the requests' for the paths of a draft tree (dflash_tree.py): ids parallel.. on.
+        # Target sequences beside the requests' for the paths of a draft tree (drafters/dflash_tree.py): ids
+        # parallel.. on.
         self.branch_seqs = tuple(range(options.parallel, options.parallel + options.branches))
         self.longest_draft = capacity  # every method's drafts, and so the verify batches and rollback snapshots
         self.draft_capacity = capacity if self.draft_file else 0

@@ -73,7 +73,7 @@ def checked_request(pair: LinkedPair, default_length: int | str, max_tokens: int
 
 
 def checked_owner(cache_owner: Hashable | None, public_prefix: int, n_tokens: int) -> dict[str, Any]:
-    """A request's `owner` and `public_prefix` (at most the prompt), checked (see sessions.py)."""
+    """A request's `owner` and `public_prefix` (at most the prompt), checked (see cache/sessions.py)."""
     if isinstance(public_prefix, bool) or not isinstance(public_prefix, int) or public_prefix < 0:
         raise RequestError(f"public_prefix must be an integer ≥ 0 (got {public_prefix!r})")
     try:

@@ -14,10 +14,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .cache import drop_sequences
+from .cache.pair_cache import drop_sequences
 from .decoding import Decoding, Parts, Planned
-from .drafting import DraftAsk, Rows
-from .method_chains import Chain, draft_all
+from .drafters.drafting import DraftAsk, Rows
+from .drafters.method_chains import Chain, draft_all
 
 
 @dataclass

@@ -26,10 +26,10 @@ from typing import Any, Protocol
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
+from .drafters.proposal import DRAFT, TARGET, Proposal, draw
+from .drafters.tree import TreeWalk, TreeWalker
 from .errors import DecodeError
-from .proposal import DRAFT, TARGET, Proposal, draw
 from .sampling import ChainProbabilities, Sampler
-from .tree import TreeWalk, TreeWalker
 
 
 class Verifier(Protocol):

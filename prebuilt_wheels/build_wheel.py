@@ -80,7 +80,7 @@ X86_ISA_ARGS = (
     "-DGGML_BMI2=ON",
 )
 # The RPC backend and its server, built into every variant: remote machines' devices join a pair's device list
-# (dflash_runtime.rpc). The backend module goes to a folder of its own: ggml loads every module it finds in
+# (dflash_runtime.native.rpc). The backend module goes to a folder of its own: ggml loads every module it finds in
 # llama_cpp/lib, and a registered RPC backend makes libllama report GPU offload on any machine, so a process opts in
 # by loading it (llama_cpp/lib/rpc/). llama-cpp-python builds none of llama.cpp's tools: its CMakeLists gets the
 # server's one target, installed beside the libraries (RUNPATH $ORIGIN).

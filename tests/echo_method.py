@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dflash_runtime import methods
-from dflash_runtime.drafting import Implementation, PerSequence, TokenView
-from dflash_runtime.proposal import DraftSampling, Proposal
+from dflash_runtime.drafters.drafting import Implementation, PerSequence, TokenView
+from dflash_runtime.drafters.proposal import DraftSampling, Proposal
 
 NAME = "echo"
 LABEL = "Echo (test)"

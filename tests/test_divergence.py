@@ -10,8 +10,8 @@ import pytest
 
 from dflash_runtime import load_pair
 from dflash_runtime.divergence import FAULT, IDENTICAL, NEAR_TIE, Divergence, first_difference
+from dflash_runtime.drafters.proposal import DRAFT, TARGET, Proposal
 from dflash_runtime.engine import Engine
-from dflash_runtime.proposal import DRAFT, TARGET, Proposal
 from dflash_runtime.sampling import Sampler
 from dflash_runtime.testing.tiny_models import tiny_pair
 from dflash_runtime.verify import MatchVerifier, Verifiers

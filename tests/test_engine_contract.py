@@ -13,10 +13,10 @@ import pytest
 from pairs import pair_files
 
 from dflash_runtime import DFlashDraftModel, DFlashLlama, EngineBusyError, EngineClosedError, load_pair
-from dflash_runtime.batches import TokenBatch
-from dflash_runtime.dflash import BlockDrafter
+from dflash_runtime.drafters.dflash import BlockDrafter
 from dflash_runtime.errors import DecodeError
-from dflash_runtime.native import dflash_api
+from dflash_runtime.native.batches import TokenBatch
+from dflash_runtime.native.ext import dflash_api
 
 LIMIT_S = 20.0
 

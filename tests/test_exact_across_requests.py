@@ -10,7 +10,7 @@ import pytest
 from pairs import ALL_PAIRS, PAIR_IDS
 
 from dflash_runtime import load_pair
-from dflash_runtime.checkpoints import CheckpointPolicy
+from dflash_runtime.cache.checkpoints import CheckpointPolicy
 from dflash_runtime.engine import Engine
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
 

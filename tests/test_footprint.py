@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 
 from dflash_runtime import load_pair
-from dflash_runtime.backends import FreeMemory, device_memory, free_memory
 from dflash_runtime.footprint import (
     ParallelPlan,
     fit_parallel,
@@ -20,7 +19,8 @@ from dflash_runtime.footprint import (
     sequence_footprint,
 )
 from dflash_runtime.gguf_meta import read_gguf
-from dflash_runtime.states import PARTIAL_ONLY, state_size
+from dflash_runtime.native.backends import FreeMemory, device_memory, free_memory
+from dflash_runtime.native.states import PARTIAL_ONLY, state_size
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
 
 N_CTX, CAPACITY = 1024, 5

@@ -189,15 +189,27 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circle_in_the_package() -> None:
     graph = module_graph(PACKAGE)
-    assert {"pair", "methods", "drafting", "dflash", "engine"} <= set(graph)
+    assert {"pair", "methods", "drafters.drafting", "drafters.dflash", "engine"} <= set(graph)
     assert circles(graph) == []
 
 
 def test_the_pair_names_no_method_and_the_registry_sits_above_it() -> None:
     graph = module_graph(PACKAGE)
-    assert not graph["pair"] & {"methods", "drafting", "dflash", "mtp", "ngram"}
-    assert {"dflash", "mtp", "ngram"} <= graph["methods"]  # the registry reaches every method's module
-    assert "methods" not in graph["dflash"] | graph["mtp"] | graph["ngram"] | graph["drafting"]
+    methods = {f"drafters.{m}" for m in ("dflash", "mtp", "ngram", "eagle3", "draft_simple")}
+    assert not any(m == "methods" or m.startswith("drafters.") for m in graph["pair"])  # the pair names no method
+    assert methods <= graph["methods"]  # the registry reaches every method's module
+    assert "methods" not in set().union(*(graph[m] for m in methods | {"drafters.drafting"}))
+
+
+def test_the_folders_follow_the_data_path() -> None:
+    """native/ (the foundation) imports nothing above it; drafters/ nothing of cache/ or above the drafters."""
+    graph = module_graph(PACKAGE)
+    for module, imports in graph.items():
+        if module.startswith("native."):
+            assert all(m.startswith("native.") or m in ("errors", "gguf_meta") for m in imports), (module, imports)
+        if module.startswith("drafters."):
+            assert not any(m.startswith("cache.") or m in ("methods", "decoding", "steps", "engine")
+                           for m in imports), (module, imports)
 
 
 def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
@@ -232,11 +244,11 @@ def floors(graph: dict[str, set[str]]) -> dict[str, int]:
 
 
 def test_the_drafting_path_needs_no_registry_and_the_engine_stands_low() -> None:
-    """Decoding a step runs the drafters a request chose (method_chains.py); only the engine and the request checks ask
-    the registry which. The engine tops the data path at most 11 floors up (it stood 12 up while decoding reached the
-    drafters through the registry), so a chain of imports added on the way shows here."""
+    """Decoding a step runs the drafters a request chose (drafters/method_chains.py); only the engine and the request
+    checks ask the registry which. The engine tops the data path at most 11 floors up (it stood 12 up while decoding
+    reached the drafters through the registry), so a chain of imports added on the way shows here."""
     graph = module_graph(PACKAGE)
-    assert "methods" not in graph["decoding"] | graph["steps"] | graph["method_chains"]
+    assert "methods" not in graph["decoding"] | graph["steps"] | graph["drafters.method_chains"]
     assert floors(graph)["engine"] <= 11
 
 

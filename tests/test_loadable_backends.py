@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from pairs import pair_files
 
-from dflash_runtime import backends, load_pair
+from dflash_runtime import load_pair
+from dflash_runtime.native import backends
 from dflash_runtime.space.setup import startup
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +38,8 @@ import json, sys
 maps = lambda: open("/proc/self/maps").read()
 import llama_cpp
 imported_only = [name for name in ("libggml-cpu", "libggml-cuda") if name in maps()]
-from dflash_runtime import backends, load_pair
+from dflash_runtime import load_pair
+from dflash_runtime.native import backends
 report = backends.backend_report()
 with load_pair(sys.argv[1], sys.argv[2], n_ctx=512, draft_capacity=7) as engine:
     result = engine.generate(sys.argv[3], max_tokens=24)
@@ -133,7 +135,7 @@ def test_the_same_module_loads_once_its_library_is_found(package_with_stand_in: 
     """The control: with the library on the loader's path the stand-in loads (and, having no real backend, does not
     register), so the skip above is the loader failing on the missing library."""
     site, driver_dir = package_with_stand_in
-    code = "from dflash_runtime import backends; r = backends.backend_report(); print(r.registered, r.skipped)"
+    code = "from dflash_runtime.native import backends; r = backends.backend_report(); print(r.registered, r.skipped)"
     out = run_child(site, "-c", code, extra_env={"LD_LIBRARY_PATH": str(driver_dir)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == (

@@ -20,10 +20,10 @@ from dflash_runtime import (
     load_pair,
     methods,
 )
-from dflash_runtime.batches import TokenBatch
-from dflash_runtime.dflash import BlockDrafter
+from dflash_runtime.drafters.dflash import BlockDrafter
 from dflash_runtime.gguf_meta import GGML_TYPE_SIZES, read_gguf
-from dflash_runtime.native import DFlashApi, dflash_api, missing_symbols
+from dflash_runtime.native.batches import TokenBatch
+from dflash_runtime.native.ext import DFlashApi, dflash_api, missing_symbols
 from dflash_runtime.pair import LinkedPair, live_handles
 from dflash_runtime.testing.tiny_models import write_broken_draft
 

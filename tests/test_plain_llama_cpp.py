@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from pairs import pair_files
 
-from dflash_runtime import backends
 from dflash_runtime.llama_compat import DFlashDraftModel, DFlashLlama
+from dflash_runtime.native import backends
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "prebuilt_wheels" / "build_wheel.py"
@@ -80,7 +80,8 @@ from llama_cpp import Llama
 llm = Llama(model_path=sys.argv[1], n_ctx=256, verbose=False)
 plain = llm.create_completion(sys.argv[3], max_tokens=int(sys.argv[4]), temperature=0)["choices"][0]["text"]
 llm.close()
-from dflash_runtime import backends, load_pair
+from dflash_runtime import load_pair
+from dflash_runtime.native import backends
 loaded_before = backends.backends_loaded()
 report = backends.backend_report()
 with load_pair(sys.argv[1], sys.argv[2], n_ctx=256, draft_length=7) as engine:
@@ -91,7 +92,8 @@ print(json.dumps({"plain": plain, "dflash": result.text, "verify_steps": result.
 """
 DFLASH_THEN_PLAIN = MAPS + """
 import json, sys
-from dflash_runtime import backends, load_pair
+from dflash_runtime import load_pair
+from dflash_runtime.native import backends
 with load_pair(sys.argv[1], sys.argv[2], n_ctx=256, draft_length=7) as engine:
     result = engine.generate(sys.argv[3], max_tokens=int(sys.argv[4]))
 report = backends.backend_report()
@@ -107,7 +109,7 @@ print(json.dumps({"plain": plain, "dflash": result.text, "verify_steps": result.
 RACE = """
 import json, threading
 import llama_cpp
-from dflash_runtime import backends
+from dflash_runtime.native import backends
 barrier = threading.Barrier(8)
 errors = []
 def run(call):

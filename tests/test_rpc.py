@@ -19,8 +19,8 @@ import pytest
 
 from dflash_runtime import RemoteDeviceError, load_pair
 from dflash_runtime.engine import Engine
+from dflash_runtime.native.rpc import server_command
 from dflash_runtime.pair import live_handles
-from dflash_runtime.rpc import server_command
 from dflash_runtime.space.crossing import GpuJob
 from dflash_runtime.space.gpu.host import EngineHost
 from dflash_runtime.space.requests import Limits, build_request

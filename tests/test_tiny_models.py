@@ -19,7 +19,7 @@ import pytest
 
 import dflash_runtime
 from dflash_runtime import load_pair
-from dflash_runtime.backends import load_backends
+from dflash_runtime.native.backends import load_backends
 from dflash_runtime.testing import (
     BROKEN_KINDS,
     CONST_TOKEN,

@@ -16,8 +16,16 @@ import numpy as np
 import pytest
 from test_distribution import Z_LIMIT, chi_square_z
 
-from dflash_runtime.proposal import DRAFT, TARGET, draw
-from dflash_runtime.tree import ROOT, DraftTree, LatticeLevels, MarginalLevels, TreeWalk, TreeWalker, build_tree
+from dflash_runtime.drafters.proposal import DRAFT, TARGET, draw
+from dflash_runtime.drafters.tree import (
+    ROOT,
+    DraftTree,
+    LatticeLevels,
+    MarginalLevels,
+    TreeWalk,
+    TreeWalker,
+    build_tree,
+)
 
 VOCAB = 5
 LENGTH = 3  # tokens whose joint distribution is compared

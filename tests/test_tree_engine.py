@@ -18,11 +18,11 @@ from test_parallel import Reference as FreshEngine
 from test_parallel import _jobs, check_against_reference, interleave
 
 from dflash_runtime import load_pair
+from dflash_runtime.drafters.proposal import DRAFT, TARGET
+from dflash_runtime.drafters.tree import ROOT, DraftTree
 from dflash_runtime.engine import Engine
 from dflash_runtime.errors import RequestError
-from dflash_runtime.proposal import DRAFT, TARGET
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
-from dflash_runtime.tree import ROOT, DraftTree
 from dflash_runtime.verify import Verifiers
 
 TREE = "dflash-tree"

@@ -23,8 +23,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_runtime import load_pair
-from dflash_runtime.rpc import ask
-from dflash_runtime.rpc_relay import CONN_CAPS_SIZE, DEVICE_COUNT, HELLO, Relay
+from dflash_runtime.native.rpc import ask
+from dflash_runtime.native.rpc_relay import CONN_CAPS_SIZE, DEVICE_COUNT, HELLO, Relay
 from dflash_runtime.space.setup.presets import DEMO_PAIRS
 from dflash_runtime.testing.rpc_server import LoopbackServer
 from dflash_runtime.testing.tiny_models import tiny_pair

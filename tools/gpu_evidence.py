@@ -187,7 +187,7 @@ def environment(cpu: bool) -> dict[str, Any]:
         status, startup = f"start-up check failed: {type(error).__name__}: {error}", {}
     import llama_cpp
 
-    from dflash_runtime.backends import backend_report
+    from dflash_runtime.native.backends import backend_report
 
     report = backend_report()
     installed_s = os.environ.get(CHILD_ENV)
@@ -347,7 +347,7 @@ def check_lengths(engine: Any, reference: Reference, target: str, method: str, l
 
 
 def lossless(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any]:
-    from dflash_runtime.checkpoints import CheckpointPolicy
+    from dflash_runtime.cache.checkpoints import CheckpointPolicy
 
     rows: list[dict[str, Any]] = []
     mismatches: list[dict[str, Any]] = []
@@ -383,7 +383,7 @@ def decode_rows(engine: Any, repeats: int, prompt_len: int = 64) -> list[dict[st
     removed again; median and minimum over `repeats` after one warm-up. Dense targets (their cache cuts anywhere)."""
     from llama_cpp import llama_cpp as ll
 
-    from dflash_runtime.batches import TokenBatch
+    from dflash_runtime.native.batches import TokenBatch
 
     ctx = engine.target_ctx
     memory = ll.llama_get_memory(ctx)
@@ -452,7 +452,7 @@ def checkpoints(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any
     """A long prompt, prefilled in chunks of `interval` tokens, saves a checkpoint after each; a second request
     shares 60 % of it and diverges, so the engine restores the newest checkpoint below the shared part. Three rounds,
     the cache forgotten between."""
-    from dflash_runtime.checkpoints import CheckpointPolicy
+    from dflash_runtime.cache.checkpoints import CheckpointPolicy
 
     name = "large-hybrid-phrase-mtp" if "large-hybrid-phrase-mtp" in models.names else "small-hybrid-phrase-mtp"
     pair = models.pair(name)
@@ -624,7 +624,7 @@ def sizing(pair: Any, plan: Plan, before: Any, after: Any) -> dict[str, Any]:
 
 def streams(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any]:
     """n requests started together on one engine of max(STREAMS) sequences: they run in the same steps."""
-    from dflash_runtime.backends import free_memory
+    from dflash_runtime.native.backends import free_memory
 
     name = "large-dense-phrase"
     rows = []

@@ -37,12 +37,12 @@ from llama_cpp import llama_cpp as ll
 from llama_cpp.llama import Llama
 from llama_cpp.llama_speculative import LlamaDraftModel
 
-from ..backends import load_backends
 from ..deprecated import renamed_keyword
 from ..engine import Engine
 from ..errors import DownloadError, EngineClosedError, ModelFileError, PairMismatchError, RequestError
+from ..native.backends import load_backends
+from ..native.vocab import Vocabulary
 from ..pair import DEFAULT_DRAFT_CAPACITY
-from ..vocab import Vocabulary
 from .openai import (
     CHAT_OPTIONS_OFF,
     COMPLETION_OPTIONS_OFF,

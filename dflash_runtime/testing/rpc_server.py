@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ..errors import RemoteDeviceError
-from ..rpc import probe
+from ..native.rpc import probe
 
 READY_TIMEOUT_S = 60.0
 

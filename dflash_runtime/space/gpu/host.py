@@ -25,7 +25,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ...backends import FreeMemory, free_memory
 from ...errors import (
     DecodeError,
     DFlashError,
@@ -37,6 +36,7 @@ from ...errors import (
 )
 from ...footprint import ParallelPlan, plan_parallel, with_remote_memory
 from ...gguf_meta import read_gguf
+from ...native.backends import FreeMemory, free_memory
 from ..crossing import GpuJob, ReplyChunk, Resume, client_of_owner, info_digest, phase_decoding, resumed_stats
 from ..requests import DEFAULT_SYSTEM_PROMPT, ChatRequest, thinking_prefix
 from ..scrub import scrub_paths
@@ -79,7 +79,7 @@ def _public_info(info: dict[str, Any]) -> dict[str, Any]:
 
 def without_endpoints(text: str, endpoints: tuple[str, ...]) -> str:
     """`text` with the RPC servers' addresses (as given and as parsed) replaced by "<DFLASH_RPC>"."""
-    from ...rpc import parse_endpoint
+    from ...native.rpc import parse_endpoint
 
     for endpoint in endpoints:
         host, port = parse_endpoint(endpoint)
@@ -229,7 +229,7 @@ class EngineHost:
         key = (preset, files)
         self._close()
         started = time.monotonic()
-        from ...sessions import SessionPolicy  # the core's cache modules import libllama: only where engines run
+        from ...cache.sessions import SessionPolicy  # the core's cache modules import libllama: only where engines run
 
         # Only a visitor's own request parks its state (see run): nobody's request pays for, or times, another's.
         # `parallel` sequences of n_ctx tokens each: the requests that run at once (see presets.parallel_from_env).
@@ -270,7 +270,7 @@ class EngineHost:
             return preset.parallel
         memory = self._memory(preset.n_gpu_layers)
         if preset.rpc:
-            from ...rpc import remote_memory
+            from ...native.rpc import remote_memory
 
             memory = with_remote_memory(memory, remote_memory(preset.rpc))
         try:

@@ -209,7 +209,7 @@ def preset_from_env(env: Mapping[str, str] | None = None) -> PairPreset:
 
 def rpc_from_env(env: Mapping[str, str]) -> tuple[str, ...]:
     """DFLASH_RPC: host:port endpoints, comma separated (checked here, so a typo stops the start)."""
-    from ...rpc import parse_endpoint
+    from ...native.rpc import parse_endpoint
 
     endpoints = tuple(e.strip() for e in (env_text(env, "DFLASH_RPC") or "").split(",") if e.strip())
     for endpoint in endpoints:

@@ -326,7 +326,7 @@ def compiled_architectures(library: Path, cuobjdump: str | None) -> list[str] | 
 
 def _ggml_devices() -> list[dict[str, Any]]:
     """ggml's backend devices, through the libggml that libllama uses (llama_cpp binds no device enumeration)."""
-    from dflash_runtime.backends import ggml_library
+    from dflash_runtime.native.backends import ggml_library
 
     lib = ggml_library()
     count_fn, get_fn = lib.ggml_backend_dev_count, lib.ggml_backend_dev_get
@@ -371,7 +371,7 @@ def _cuda_devices(major: int = CUDA_MAJOR) -> list[dict[str, Any]]:
 
 def _dflash_missing_symbols() -> list[str] | None:
     try:
-        from dflash_runtime.native import missing_symbols
+        from dflash_runtime.native.ext import missing_symbols
     except ImportError:
         return None
     return list(missing_symbols())
@@ -380,7 +380,7 @@ def _dflash_missing_symbols() -> list[str] | None:
 def _backends() -> dict[str, Any]:
     """Load ggml's backends as a model load would, and report them (modules, registered, skipped and why)."""
     try:
-        from dflash_runtime.backends import backend_report
+        from dflash_runtime.native.backends import backend_report
     except ImportError as error:
         return {"backends_error": f"{type(error).__name__}: {error}"}
     try:

@@ -151,7 +151,7 @@ def _scrubbed(value: Any) -> Any:
 
 def web_process_facts() -> dict[str, Any]:
     """What this process has loaded (it must load no llama.cpp backend, model or context on ZeroGPU)."""
-    from ... import backends
+    from ...native import backends
 
     pair = sys.modules.get("dflash_runtime.pair")  # never imported here: then it holds nothing
     return {

@@ -30,14 +30,14 @@ from typing import Any
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from .batches import TokenBatch
+from ..errors import DecodeError, PairMismatchError
+from ..gguf_meta import GGUFInfo
+from ..native.batches import TokenBatch
+from ..native.memory import DraftSequence
+from ..pair import LinkedPair, Threads, new_context
+from ..validation import check_vocab
 from .drafting import DraftAsk, Implementation, Rows
-from .errors import DecodeError, PairMismatchError
-from .gguf_meta import GGUFInfo
-from .memory import DraftSequence
-from .pair import LinkedPair, Threads, new_context
 from .proposal import Proposal
-from .validation import check_vocab
 
 DRAFT_SIMPLE = "draft-simple"
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .cache import PairCache, ParkedCache, reusable_prefix
+from .pair_cache import PairCache, ParkedCache, reusable_prefix
 
 DEFAULT_MAX_PARKED = 8
 DEFAULT_MAX_PARKED_BYTES = 8 << 30

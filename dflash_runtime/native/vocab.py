@@ -10,7 +10,7 @@ from typing import Any
 
 from llama_cpp import llama_cpp as ll
 
-from .errors import RequestError
+from ..errors import RequestError
 
 CONTROL_ATTRS = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_UNKNOWN
 LSTRIP, RSTRIP = ll.LLAMA_TOKEN_ATTR_LSTRIP, ll.LLAMA_TOKEN_ATTR_RSTRIP

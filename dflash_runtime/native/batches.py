@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from .errors import DecodeError
+from ..errors import DecodeError
 from .rpc import raise_if_lost
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, overload
 
 if TYPE_CHECKING:
-    from .pair import DraftFile, TargetPart
+    from ..pair import DraftFile, TargetPart
     from .proposal import DraftSampling, Proposal
 
 DFLASH, MTP = "dflash", "mtp"

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..pair import LinkedPair
 from .dflash import DFlashDrafter, opened_drafter
 from .drafting import DraftAsk, Implementation, Rows, TokenView
-from .pair import LinkedPair
 from .proposal import Proposal
 from .tree import DEFAULT_BRANCHING, LatticeLevels, build_tree
 

@@ -13,7 +13,7 @@ from typing import Any
 import llama_cpp
 from llama_cpp import llama_cpp as _llama
 
-from .errors import MissingSymbolsError
+from ..errors import MissingSymbolsError
 
 _ctx_p = _llama.llama_context_p_ctypes
 _model_p = _llama.llama_model_p_ctypes

@@ -25,10 +25,10 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 from llama_cpp import llama_cpp_ext as lx
 
-from .batches import TokenRowBatch
+from ..errors import DecodeError
+from ..native.batches import TokenRowBatch
+from ..native.memory import DraftSequence
 from .drafting import DraftAsk, Rows
-from .errors import DecodeError
-from .memory import DraftSequence
 from .proposal import Proposal
 
 

@@ -23,10 +23,10 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 from llama_cpp import llama_cpp_ext as lx
 
+from ..errors import ContextCreationError, DecodeError, PairMismatchError
+from ..gguf_meta import GGUFInfo
+from ..pair import LinkedPair, Threads, new_context
 from .drafting import MTP, Implementation, Rows
-from .errors import ContextCreationError, DecodeError, PairMismatchError
-from .gguf_meta import GGUFInfo
-from .pair import LinkedPair, Threads, new_context
 from .row_chain import ChainDrafter, RowChain
 
 

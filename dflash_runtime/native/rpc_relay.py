@@ -7,7 +7,7 @@ back. When the server goes away (its socket closes or errs, a reply does not com
 host stops answering TCP keepalives), the relay records why, naming the endpoint, and from then on answers each
 command itself with a well-formed reply that harms nothing: an allocation fails, data reads as zeros, a copy or a
 cached upload is reported done. The native call in flight returns, and the runtime, which checks the relay after
-every decode (`dflash_runtime.rpc`), raises `RemoteDeviceError` before any of those numbers is used. Freeing the
+every decode (`dflash_runtime.native.rpc`), raises `RemoteDeviceError` before any of those numbers is used. Freeing the
 engine's buffers then completes too, so the engine closes cleanly.
 
 The protocol (RPC_PROTO 7.0): a command is | cmd (1 byte) | payload size (8 bytes, little-endian) | payload |, and

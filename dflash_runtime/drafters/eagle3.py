@@ -29,15 +29,15 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 from llama_cpp import llama_cpp_ext as lx
 
-from .batches import decode_error
+from ..errors import ContextCreationError, DecodeError, PairMismatchError
+from ..gguf_meta import GGUFInfo
+from ..native.batches import decode_error
+from ..native.ext import DFlashApi, dflash_api
+from ..native.rpc import raise_if_lost
+from ..pair import LinkedPair, Threads
+from ..validation import check_vocab
 from .drafting import Implementation, Rows, TokenView
-from .errors import ContextCreationError, DecodeError, PairMismatchError
-from .gguf_meta import GGUFInfo
-from .native import DFlashApi, dflash_api
-from .pair import LinkedPair, Threads
 from .row_chain import ChainDrafter, RowChain
-from .rpc import raise_if_lost
-from .validation import check_vocab
 
 EAGLE3 = "eagle3"
 N_TAPS = 3  # libllama's EAGLE-3 reads exactly three target layers

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from .batches import FeatureBatch
+from ..errors import DecodeError
+from ..native.batches import FeatureBatch
+from ..native.ext import DFlashApi
 from .drafting import Rows
-from .errors import DecodeError
-from .native import DFlashApi
 
 
 class _Pending:

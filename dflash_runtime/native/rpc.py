@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import RemoteDeviceError
+from ..errors import RemoteDeviceError
 from .rpc_relay import (
     CONN_CAPS_SIZE,
     DEVICE_COUNT,

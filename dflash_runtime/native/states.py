@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from .errors import RollbackError
+from ..errors import RollbackError
 
 WHOLE = 0
 PARTIAL_ONLY = ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY

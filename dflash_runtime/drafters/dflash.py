@@ -28,17 +28,17 @@ from typing import Any
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from .batches import TokenBatch
+from ..errors import DecodeError, PairMismatchError
+from ..gguf_meta import GGUFInfo
+from ..native.batches import TokenBatch
+from ..native.ext import DFlashApi, dflash_api
+from ..native.memory import SequenceMemory
+from ..native.states import WHOLE, load_seq, save_seq
+from ..pair import LinkedPair, Threads
+from ..validation import DraftSpec, validate_pair
 from .drafting import DFLASH, DraftAsk, Implementation, Rows, TokenView
-from .errors import DecodeError, PairMismatchError
 from .features import FeatureBridge
-from .gguf_meta import GGUFInfo
-from .memory import SequenceMemory
-from .native import DFlashApi, dflash_api
-from .pair import LinkedPair, Threads
 from .proposal import DraftSampling, Proposal, draw
-from .states import WHOLE, load_seq, save_seq
-from .validation import DraftSpec, validate_pair
 
 
 class BlockDrafter:

@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from ..drafters.drafting import Drafter
+from ..errors import RollbackError
+from ..native.memory import SequenceMemory
+from ..native.states import PARTIAL_ONLY, WHOLE, load_seq, save_seq
 from .checkpoints import Checkpoint, CheckpointCosts, CheckpointStore
-from .drafting import Drafter
-from .errors import RollbackError
-from .memory import SequenceMemory
-from .states import PARTIAL_ONLY, WHOLE, load_seq, save_seq
 
 
 def reusable_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:

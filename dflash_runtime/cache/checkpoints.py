@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .states import PARTIAL_ONLY, load_seq, save_seq, state_size
+from ..native.states import PARTIAL_ONLY, load_seq, save_seq, state_size
 
 DEFAULT_MAX_COUNT = 8
 DEFAULT_MAX_BYTES = 4 << 30

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from .errors import RollbackError
+from ..errors import RollbackError
 from .states import PARTIAL_ONLY, WHOLE, load_seq, save_seq
 
 

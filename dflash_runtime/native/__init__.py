@@ -1,0 +1,2 @@
+"""The foundation: libllama and ggml through owning wrappers — the backends, the DFlash ext bindings (`ext`),
+batches, the vocabulary, sequence memory and states, the RPC devices and where layers live."""

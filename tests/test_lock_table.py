@@ -60,9 +60,10 @@ def owners(source: str) -> set[str]:
 
 
 def file_name(path: Path) -> str:
-    """How the table names a module's file: its name, and for the Space's its place below space/ (`web/jobs.py`)."""
+    """How the table names a module's file: its place in the package (`native/backends.py`, `engine.py`), and for the
+    Space's its place below space/ (`web/jobs.py`)."""
     space = PACKAGE / "space"
-    return path.relative_to(space).as_posix() if path.is_relative_to(space) else path.name
+    return path.relative_to(space if path.is_relative_to(space) else PACKAGE).as_posix()
 
 
 def in_code() -> set[tuple[str, str]]:

@@ -124,14 +124,17 @@ def test_two_visitors_answers_stream_at_the_same_time_each_with_its_own_statisti
 
 def test_one_visitors_calls_take_turns(server: RunningApp) -> None:
     """Two calls of one session (one cache owner, one parked prompt) do not run at once: the second's first item
-    comes after the first's last, though the engine has a free sequence."""
+    comes after the first's last, though the engine has a free sequence. (Each answer is read in a thread of its own,
+    so the two readers may note the first's last item and the second's first in either order: at most the first's
+    last two items may be noted after the second began, where answers running at once would interleave throughout.)"""
     client = new_client(server)
     first = TimedAnswer().read(client, chat_args("one two three", max_tokens=200))
     first.wait_started()
     second = TimedAnswer(first=1).read(client, chat_args("four five six", max_tokens=50))
     first.end()
     second.end()
-    assert second.times[0] > first.times[-1]
+    after = sum(1 for t in first.times if t > second.times[0])
+    assert len(first.times) >= 10 and after <= 2, (len(first.times), after)
 
 
 def test_a_caller_who_hangs_up_stops_its_answer_while_the_other_streams_on(server: RunningApp, reference: Any) -> None:

@@ -168,6 +168,7 @@ class ParallelPlan:
     reserve_bytes: int
     sequence: Mapping[str, int]  # what one sequence costs (sequence_footprint)
     free_host_bytes: int | None = None  # for the checkpoints, when the caches are on a GPU
+    branches_bytes: int = 0  # the spare target sequences of draft trees (`branches`), set aside first
 
     @property
     def sequence_bytes(self) -> int:
@@ -179,7 +180,9 @@ class ParallelPlan:
         """Why `parallel`, in one line for logs and the Space's About box."""
         gib = 2**30
         room = (f"{self.where} ({self.free_bytes / gib:,.1f} GiB free − {self.weights_bytes / gib:,.1f} GiB weights "
-                f"− {self.reserve_bytes / gib:,.1f} GiB reserve, {self.sequence_bytes / 2**20:,.0f} MiB a sequence")
+                f"− {self.reserve_bytes / gib:,.1f} GiB reserve"
+                + (f" − {self.branches_bytes / gib:,.1f} GiB tree branches" if self.branches_bytes else "")
+                + f", {self.sequence_bytes / 2**20:,.0f} MiB a sequence")
         if self.free_host_bytes is not None and self.sequence["host"]:
             room += f", its checkpoints {self.sequence['host'] / 2**20:,.0f} MiB of host memory"
         if not self.fits:
@@ -199,22 +202,31 @@ def weights_bytes(info: GGUFInfo, n_gpu_layers: int = -1) -> int:
 
 def plan_parallel(target_info: GGUFInfo, draft_info: GGUFInfo | None, memory: FreeMemory, *, n_ctx: int,
                   draft_capacity: int, limit: int, n_gpu_layers: int = -1,
-                  reserve_bytes: int = DEFAULT_RESERVE_BYTES, mtp: bool | None = None) -> ParallelPlan:
+                  reserve_bytes: int = DEFAULT_RESERVE_BYTES, mtp: bool | None = None,
+                  branches: int = 0) -> ParallelPlan:
     """How many sequences of n_ctx tokens to open the pair with, in the memory that is free before it is opened
     (`backends.free_memory(n_gpu_layers)`): on a GPU its weights and caches, the checkpoints in host memory; on the
-    host all of them."""
+    host all of them. `branches` spare target sequences (a draft tree's paths) are set aside first."""
     sequence = sequence_footprint(target_info, draft_info, n_ctx=n_ctx, draft_capacity=draft_capacity, mtp=mtp)
     infos = [i for i in (target_info, draft_info) if i is not None]
     weights = sum(weights_bytes(i, n_gpu_layers if memory.on_gpu else -1) for i in infos)
+    branches_bytes = branches * branch_footprint(sequence)
+    taken = reserve_bytes + weights + branches_bytes
     if memory.on_gpu:
-        fits = fit_parallel(memory.free, sequence, reserve_bytes=reserve_bytes + weights,
-                            free_host_bytes=memory.host_free, limit=NO_LIMIT)
-    else:
-        fits = fit_parallel(memory.free, {"device": sequence["total"]}, reserve_bytes=reserve_bytes + weights,
+        fits = fit_parallel(memory.free, sequence, reserve_bytes=taken, free_host_bytes=memory.host_free,
                             limit=NO_LIMIT)
+    else:
+        fits = fit_parallel(memory.free, {"device": sequence["total"]}, reserve_bytes=taken, limit=NO_LIMIT)
     return ParallelPlan(parallel=max(1, min(fits, limit)), fits=fits, limit=limit, where=memory.where,
                         free_bytes=memory.free, weights_bytes=weights, reserve_bytes=reserve_bytes,
-                        sequence=sequence, free_host_bytes=memory.host_free if memory.on_gpu else None)
+                        sequence=sequence, free_host_bytes=memory.host_free if memory.on_gpu else None,
+                        branches_bytes=branches_bytes)
+
+
+def branch_footprint(sequence: Mapping[str, int]) -> int:
+    """What a spare target sequence for a draft tree's path costs (`LinkedPair` branches): the target's KV cells and
+    recurrent state, with its rollback snapshots; no draft, MTP or checkpoint of its own."""
+    return sequence["target_kv"] + sequence["recurrent_state"] + sequence["rollback_snapshots"]
 
 
 def with_remote_memory(memory: FreeMemory, remote: Sequence[tuple[str, int, int]]) -> FreeMemory:

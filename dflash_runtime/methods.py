@@ -32,6 +32,7 @@ from .drafters import ngram
 from .drafters.drafting import DFLASH, MTP, Drafter, Implementation, TokenView
 from .drafters.method_chains import CHAIN_SEPARATOR, split
 from .errors import PairMismatchError, RequestError
+from .validation import dflash_kind
 
 if TYPE_CHECKING:
     from .gguf_meta import GGUFInfo
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 NOTHING, NEXTN = "", "nextn"  # what a method without a file of its own needs
 LEGACY_PRIORITY = 50  # a draft file that claims files itself (no `claims` on its line): between draft-simple and DFlash
 NEEDS_SEPARATOR = "+"  # a method that needs several things: "dflash2+branches"
+BRANCHES = "branches"  # what a pair with spare target sequences holds (LinkedPair.holds)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,9 @@ class Method:
     priority: int = 0
     # A method that opens a part of the target (its `Implementation.target_part`): whether a target has it.
     target_has: Callable[[GGUFInfo], bool] | None = None
+    # A method with a draft file of its own: its draft's kind from the file's header, as the open pair names it
+    # (`LinkedPair.holds`: "dflash2", ...), so that a method needing that kind is listed before the pair opens.
+    kind_of: Callable[[GGUFInfo], str] | None = None
 
     def ready(self, pair: LinkedPair) -> bool:
         """Once the contexts are open: whether the pair can run this method."""
@@ -113,7 +118,7 @@ def _has_nextn(target: GGUFInfo) -> bool:
 
 
 REGISTRY: tuple[Method, ...] = (
-    Method(DFLASH, "DFlash 2", "draft", _dflash, claims=_is_dflash, priority=100,
+    Method(DFLASH, "DFlash 2", "draft", _dflash, claims=_is_dflash, priority=100, kind_of=dflash_kind,
            help="a small draft model writes a block of tokens in one pass, from the target's own hidden features"),
     Method("dflash-tree", "DFlash 2 tree", "dflash2+branches", _dflash_tree, auto=False,
            help="DFlash 2's block as a tree: the draft's likeliest alternatives verified beside its first choice, "
@@ -209,13 +214,19 @@ def _claiming(draft: GGUFInfo, *, loaded: bool = False) -> Method | None:
     return max(claiming, key=lambda m: m.priority, default=None)
 
 
-def from_headers(target: GGUFInfo, draft: GGUFInfo | None) -> tuple[str, ...]:
+def from_headers(target: GGUFInfo, draft: GGUFInfo | None, *, branches: int = 0) -> tuple[str, ...]:
     """The methods (and listed chains) a pair of these files runs, from their headers: what the Space lists before
-    a pair opens. A draft no method claims adds nothing."""
+    a pair opens (with `branches` spare target sequences, as `load_pair(branches=...)`). A draft no method claims
+    adds nothing."""
     held = {m.needs for m in REGISTRY if m.target_has is not None and m.target_has(target)}
     if draft is not None:
         with contextlib.suppress(PairMismatchError):
-            held.add(claimant(draft).needs)
+            method = claimant(draft)
+            held.add(method.needs)
+            if method.kind_of is not None:
+                held.add(method.kind_of(draft))
+    if branches > 0:
+        held.add(BRANCHES)
     return runnable(lambda needs: all(part in held for part in needs_parts(needs)))
 
 

@@ -26,9 +26,19 @@ class DraftSpec:
         return self.selector_top_k > 0
 
     @property
+    def kind(self) -> str:
+        """"dflash2" (a candidate lattice: a selector) or "dflash1"."""
+        return "dflash2" if self.is_dflash2 else "dflash1"
+
+    @property
     def block_capacity(self) -> int:
         """A block is [id_last, mask × n]: at most block_size − 1 drafted tokens."""
         return self.block_size - 1
+
+
+def dflash_kind(draft: GGUFInfo) -> str:
+    """A DFlash draft's kind from its header, as `DraftSpec.kind` names it once validated."""
+    return "dflash2" if int(draft.key("selector_top_k", 0)) > 0 else "dflash1"
 
 
 def validate_pair(target: GGUFInfo, draft: GGUFInfo, draft_capacity: int) -> DraftSpec:
@@ -58,7 +68,7 @@ def validate_pair(target: GGUFInfo, draft: GGUFInfo, draft_capacity: int) -> Dra
     spec = DraftSpec(
         target_layer_ids=layer_ids,
         block_size=block_size,
-        selector_top_k=int(draft.key("selector_top_k", 0)),
+        selector_top_k=int(draft.key("selector_top_k", 0)),  # dflash_kind reads the same key
         causal=bool(draft.key("attention.causal", False)),
         mask_token_id=draft.mask_token_id,
     )

@@ -11,6 +11,7 @@ import pytest
 from dflash_runtime import load_pair
 from dflash_runtime.footprint import (
     ParallelPlan,
+    branch_footprint,
     fit_parallel,
     info_from_keys,
     padded_ctx,
@@ -150,6 +151,13 @@ def test_a_pair_is_planned_to_the_memory_that_is_free() -> None:
     assert (on_host.fits, on_host.free_host_bytes) == (3, None), "on the host the checkpoints count with the caches"
     assert plan(replace(host, free=host.free - 1)).fits == 2
     assert on_host.sequence == one
+    # A draft tree's spare target sequences are set aside first: the target's caches and state, no draft's.
+    branch = branch_footprint(one)
+    assert branch == one["target_kv"] + one["recurrent_state"] + one["rollback_snapshots"] < one["device"]
+    three = replace(gpu, free=weights + reserve + 3 * one["device"])
+    assert plan(three).fits == 3 and plan(three, branches=1).fits == 2
+    assert plan(replace(three, free=three.free + branch), branches=1).fits == 3
+    assert "tree branches" in plan(three, branches=2).describe() and "tree branches" not in plan(three).describe()
 
 
 def test_the_free_memory_is_read_from_the_machine() -> None:

@@ -239,7 +239,7 @@ class DFlashFile:
         return ctx
 
     def describe(self, spec: DraftSpec) -> dict[str, Any]:
-        return {"draft_kind": "dflash2" if spec.is_dflash2 else "dflash1", "block_size": spec.block_size,
+        return {"draft_kind": spec.kind, "block_size": spec.block_size,
                 "target_layer_ids": list(spec.target_layer_ids)}
 
 

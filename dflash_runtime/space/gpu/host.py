@@ -241,6 +241,8 @@ class EngineHost:
                                              per_group=PARKED_PER_CLIENT, active_share=ACTIVE_SHARE)}  # fmt: skip
         if preset.rpc:
             options["rpc"] = list(preset.rpc)
+        if preset.branches and files.draft_path is not None:  # the tree's spare sequences (a DFlash 2 draft's)
+            options["branches"] = preset.branches
         self.draft_problem = files.draft_problem
         self._fallback = fallback_methods(files.target_path) if files.draft_problem else ()
         if files.draft_path is None:
@@ -279,7 +281,7 @@ class EngineHost:
             draft = None  # the load says what is wrong with it, and may run the target alone (see _ensure)
         self.parallel_plan = plan_parallel(read_gguf(files.target_path), draft, memory, n_ctx=preset.n_ctx,
                                            draft_capacity=preset.draft_capacity, limit=preset.parallel,
-                                           n_gpu_layers=preset.n_gpu_layers)  # fmt: skip
+                                           n_gpu_layers=preset.n_gpu_layers, branches=preset.branches)  # fmt: skip
         log.info("answers at once: %d (DFLASH_PARALLEL=auto: %s)", self.parallel_plan.parallel,
                  self.parallel_plan.describe())
         return self.parallel_plan.parallel

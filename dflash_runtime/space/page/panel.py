@@ -132,6 +132,14 @@ def stats_details(stats: Mapping[str, Any], estimate: Estimate | Pending | None 
             per_step = accepted / verify
             rows.append(("Tokens per verify step", f"{per_step + 1:.2f} = {per_step:.2f} accepted + 1 of the target's",
                          "what one verify step wrote on average (also called the mean accepted length)"))
+        trees = int(stats.get("tree_steps") or 0)
+        if trees:
+            nodes, path = int(stats.get("tree_nodes") or 0), int(stats.get("tree_accepted") or 0)
+            rows.append(("Draft trees", f"{trees} steps · {nodes / trees:.1f} nodes verified a tree · accepted path "
+                                        f"{path / trees:.2f} tokens · {int(stats.get('tree_off_spine') or 0)} off the "
+                                        "draft's first choice",
+                         "steps that verified a tree of the draft's likeliest alternatives in one target pass, instead "
+                         "of its first choice alone; the accepted path is the drafted tokens the target kept"))
         length = stats.get("draft_length")
         rows.append(("Draft length", "auto (adaptive)" if length == "auto" else f"{length} (fixed)",
                      "the longest draft a step asks for; auto chooses it at every step from what it measured, and "

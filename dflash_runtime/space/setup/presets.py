@@ -15,6 +15,7 @@
 | `DFLASH_PARALLEL` | answers the engine runs at once (>= 1, or `auto`: 1 on ZeroGPU, else what fits, <= 4) | `auto` |
 | `DFLASH_RPC` | comma list of RPC servers (`host:port`) whose devices take layers (docs/rpc.md) | unset |
 | `DFLASH_NUMERICS` | `exact`: batch-invariant CPU kernels (bit-exact); `fast`: exact up to near-ties | `exact` |
+| `DFLASH_BRANCHES` | spare target sequences for draft trees: with some, the menu offers DFlash 2 tree | `0` |
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class PairPreset:
     parallel_fit: bool = False  # `parallel` is a most: the engine opens as many sequences as fit in memory, up to it
     rpc: tuple[str, ...] = ()  # RPC servers whose devices take part of the layers (DFLASH_RPC)
     numerics: str = "exact"  # load_pair(numerics=...): "exact" (batch-invariant CPU kernels) or "fast"
+    branches: int = 0  # spare target sequences for draft trees (DFLASH_BRANCHES): with some, "dflash-tree" runs
 
     @property
     def quantisation(self) -> str:
@@ -79,6 +81,7 @@ class PairPreset:
             "parallel": self.parallel,
             "parallel_fit": self.parallel_fit,
             "numerics": self.numerics,
+            "branches": self.branches,
         }
 
 
@@ -101,11 +104,13 @@ def fallback_methods(target_path: Path) -> tuple[str, ...]:
     return methods.target_alone(read_gguf(target_path))
 
 
-def pair_methods(target_path: Path, draft_path: Path | None) -> list[str]:
-    """The methods a pair of these files runs, from their headers (the registry's `from_headers`)."""
+def pair_methods(target_path: Path, draft_path: Path | None, branches: int = 0) -> list[str]:
+    """The methods a pair of these files runs, from their headers (the registry's `from_headers`), opened with
+    `branches` spare target sequences."""
     from ...gguf_meta import read_gguf
 
-    return list(methods.from_headers(read_gguf(target_path), read_gguf(draft_path) if draft_path else None))
+    draft = read_gguf(draft_path) if draft_path else None
+    return list(methods.from_headers(read_gguf(target_path), draft, branches=branches))
 
 
 def draft_unavailable(why: str, fallback: Sequence[str]) -> str:
@@ -204,6 +209,7 @@ def preset_from_env(env: Mapping[str, str] | None = None) -> PairPreset:
         draft_capacity=draft_capacity_from_env(env),
         rpc=rpc_from_env(env),
         numerics=numerics_from_env(env),
+        branches=env_int(env, "DFLASH_BRANCHES", 0, minimum=0),
     )
 
 

@@ -281,7 +281,7 @@ class SpaceService:
         if self.file_facts:
             return
         try:
-            methods = pair_methods(files.target_path, files.draft_path)
+            methods = pair_methods(files.target_path, files.draft_path, self.preset.branches)
             fallback = fallback_methods(files.target_path)
             sampling = {} if self.mode.tiny else header_sampling_defaults(files.target_path)
         except DFlashError as error:  # the load reports it properly; here it only means "not known"

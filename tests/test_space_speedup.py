@@ -7,7 +7,8 @@ answer (its statistics fed to the page's estimator after every step, as the page
 all on one engine and back to back, so a loaded machine slows the three alike; the A/B's ratio is the answer's speed
 over the plain runs' mean, each speed computed as the A/B computes it. The estimate must show within the first 64
 tokens, and its interval must hold the A/B's ratio, give or take the A/B's own uncertainty (half the gap between its
-two plain runs, relative).
+two plain runs, relative), on four of the five prompts at least (the rate an interval of about 95 % holds at), the
+fifth missing by less than its interval again.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ def test_the_live_estimate_shows_early_and_holds_the_ab_ratio_where_a_verify_cos
         print(f"{prompt!r}: shown at {shown} tokens; estimate {estimate.ratio:.3f}× ± {estimate.margin:.3f} on "
               f"{estimate.plain_steps} timed of {plain_steps} plain steps, A/B {measured:.3f}× ± {ab_margin:.3f}")
     assert all(shown <= SHOWN_BY for _, shown, _, _, _, _ in tries), "a figure within the first 64 tokens"
-    missed = [(prompt, round(e.ratio, 3), round(e.margin, 3), round(m, 3), round(a, 3))
+    missed = [(prompt, round(e.ratio, 3), round(e.margin, 3), round(m, 3), round(a, 3),
+               round(abs(e.ratio - m) / (e.margin + a), 2))
               for prompt, _, e, m, a, _ in tries if abs(e.ratio - m) > e.margin + a]
-    assert not missed, f"intervals that do not hold the A/B's ratio: {missed}"
+    # About 95 % intervals: five hold their A/B's ratio with a probability of about 0.77, four or five with about
+    # 0.98. So one of five may miss, by little (an estimate off by twice its interval is not noise); two may not.
+    assert len(missed) <= 1 and all(far <= 2 for *_, far in missed), (
+        f"intervals that do not hold the A/B's ratio: {missed}")

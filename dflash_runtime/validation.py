@@ -27,8 +27,7 @@ class DraftSpec:
 
     @property
     def kind(self) -> str:
-        """"dflash2" (a candidate lattice: a selector) or "dflash1"."""
-        return "dflash2" if self.is_dflash2 else "dflash1"
+        return kind_of_selector(self.selector_top_k)
 
     @property
     def block_capacity(self) -> int:
@@ -36,9 +35,14 @@ class DraftSpec:
         return self.block_size - 1
 
 
+def kind_of_selector(selector_top_k: int) -> str:
+    """A DFlash draft's kind: "dflash2" (a candidate lattice, read through a selector) or "dflash1"."""
+    return "dflash2" if selector_top_k > 0 else "dflash1"
+
+
 def dflash_kind(draft: GGUFInfo) -> str:
     """A DFlash draft's kind from its header, as `DraftSpec.kind` names it once validated."""
-    return "dflash2" if int(draft.key("selector_top_k", 0)) > 0 else "dflash1"
+    return kind_of_selector(int(draft.key("selector_top_k", 0)))
 
 
 def validate_pair(target: GGUFInfo, draft: GGUFInfo, draft_capacity: int) -> DraftSpec:
@@ -68,7 +72,7 @@ def validate_pair(target: GGUFInfo, draft: GGUFInfo, draft_capacity: int) -> Dra
     spec = DraftSpec(
         target_layer_ids=layer_ids,
         block_size=block_size,
-        selector_top_k=int(draft.key("selector_top_k", 0)),  # dflash_kind reads the same key
+        selector_top_k=int(draft.key("selector_top_k", 0)),
         causal=bool(draft.key("attention.causal", False)),
         mask_token_id=draft.mask_token_id,
     )

@@ -233,7 +233,8 @@ class EngineHost:
 
         # Only a visitor's own request parks its state (see run): nobody's request pays for, or times, another's.
         # `parallel` sequences of n_ctx tokens each: the requests that run at once (see presets.parallel_from_env).
-        self._parallel = self._sequences(preset, files)
+        branches = preset.branches if files.draft_path is not None else 0  # a tree's paths need the draft
+        self._parallel = self._sequences(preset, files, branches)
         # The engine's own wait for a sequence is the Space's one wait (DFLASH_BUSY_TIMEOUT_S), not the library's.
         options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
                    "parallel": self._parallel, "numerics": preset.numerics, "busy_timeout_s": self._busy_timeout_s,
@@ -241,8 +242,8 @@ class EngineHost:
                                              per_group=PARKED_PER_CLIENT, active_share=ACTIVE_SHARE)}  # fmt: skip
         if preset.rpc:
             options["rpc"] = list(preset.rpc)
-        if preset.branches and files.draft_path is not None:  # the tree's spare sequences (a DFlash 2 draft's)
-            options["branches"] = preset.branches
+        if branches:
+            options["branches"] = branches
         self.draft_problem = files.draft_problem
         self._fallback = fallback_methods(files.target_path) if files.draft_problem else ()
         if files.draft_path is None:
@@ -264,9 +265,9 @@ class EngineHost:
         self.last_load_s = round(time.monotonic() - started, 3)
         return self._engine, True
 
-    def _sequences(self, preset: PairPreset, files: ResolvedPair) -> int:
+    def _sequences(self, preset: PairPreset, files: ResolvedPair, branches: int) -> int:
         """How many sequences to open: the preset's, or with `parallel_fit` as many as fit in the memory free now (at
-        least 1, at most the preset's), from the files' headers."""
+        least 1, at most the preset's) beside `branches` spare ones, from the files' headers."""
         self.parallel_plan = None
         if not preset.parallel_fit:
             return preset.parallel
@@ -281,7 +282,7 @@ class EngineHost:
             draft = None  # the load says what is wrong with it, and may run the target alone (see _ensure)
         self.parallel_plan = plan_parallel(read_gguf(files.target_path), draft, memory, n_ctx=preset.n_ctx,
                                            draft_capacity=preset.draft_capacity, limit=preset.parallel,
-                                           n_gpu_layers=preset.n_gpu_layers, branches=preset.branches)  # fmt: skip
+                                           n_gpu_layers=preset.n_gpu_layers, branches=branches)  # fmt: skip
         log.info("answers at once: %d (DFLASH_PARALLEL=auto: %s)", self.parallel_plan.parallel,
                  self.parallel_plan.describe())
         return self.parallel_plan.parallel

@@ -12,36 +12,56 @@ A plain step is timed as the wall time between two consecutive snapshots of the 
 but plain steps between them (`decode_ms` grows by the whole step: the target's decode, sampling, the host's work
 and the stream), less the time the draft took to take in the target's features then (`inject_ms`: plain decoding
 does no such thing), so it costs what a step of a plain answer costs. Snapshots that mix verify and plain steps are
-left out. The mean is of every timed step, the slow ones too: the answer's own speed counts its steps' stalls, and so
-does a plain answer's (a mean without its slowest tenth put the estimate a quarter below the A/B on a loaded machine).
+left out. Where many are timed, the mean is of every timed step, the slow ones too: the answer's own speed counts its
+steps' stalls, and so does a plain answer's (a mean without its slowest tenth put the estimate a quarter below the A/B
+on a loaded machine).
 
 Where drafting pays, plain steps are rare: the adaptive draft length takes one at its second round and one every few
-dozen rounds after (dflash_runtime.controller), so the estimate rests on few of them. Its uncertainty is then that
-of a mean of so few steps, with the spread of one step's time taken from every step of the answer timed alone
-(`MIN_SPREAD_STEPS`: the verify steps too, each against the mean of the steps of its row count, pooled). A verify's
-rows are not extrapolated to one row: where batches run on more threads than one-row decodes (GPU-like settings),
-a verify of eight rows may cost what a one-row step costs, and only a one-row step says what plain decoding costs.
-With `MIN_PLAIN_STEPS` timed plain steps their own spread is used. The estimate is shown from `MIN_TOKENS` tokens on.
-Its margin, about 95 % carried to the ratio, is twice the standard error of the difference between the mean timed
-step and the mean step of a plain answer as long as this one (three times where the spread is borrowed: see
-Z_BORROWED) (what the A/B measures: one token a step), so it holds
-for what the A/B then measures, not only for this answer's own steps.
+dozen rounds after (dflash_runtime.controller), so the estimate rests on few of them. Two things then move a mean of
+them away from a plain answer's mean step, and the estimate meets both:
+- One step may stall (a page fault, the scheduler, a collection): of two or three steps, one stall would be the
+  figure. So the centre of a few is their median; of two, the faster one raised by what the faster of two falls
+  short of their centre (`FASTER_OF_TWO` spreads).
+- A plain step among verify steps is not a plain answer's step: it runs after a verify of several rows, on other
+  threads (GPU-like settings), with other data in the caches. Measured here it sits 6 % (one standard deviation) off
+  a plain answer's mean step beyond its own noise, alike for every lone step of the answer, so more of them do not
+  average it away: `LONE_STEP`, in the margin for the share of the timed plain steps that came alone.
+The spread of one step is that of the verify steps around the median of their row count (from their median absolute
+deviation: the spread of steps that did not stall), or the plain steps' own where they disagree more. A verify's rows
+are not extrapolated to one row: where batches run on more threads than one-row decodes, a verify of eight rows may
+cost what a one-row step costs, and only a one-row step says what plain decoding costs. Nor is a plain step corrected
+for the load its neighbouring verify steps say: load slows a verify on two threads far more than a one-row step on
+one, and on 87 answers such a correction's error was no smaller (9.6 % against 9.0 %; one plain step was put at 2.9
+times a plain answer's). Measured on 100 answers of the demo pair (GPU-like
+thread regime; 60 on a quiet machine, 40 with bursts of load on one core), against the A/B: off by 6 % (root mean
+square) quiet and 12 % with bursts, margins about ±13 %, two of 100 missed; the plain mean of the same steps with
+three verify spreads was off by 6 % and 18 %, margins about ±11 % and ±22 %, four missed.
+
+With `MIN_PLAIN_STEPS` timed plain steps, spread over the answer and carrying its load themselves, their plain mean and
+their own spread are used. The estimate is shown from `MIN_TOKENS` tokens on. Its margin, about 95 % carried to the
+ratio, is Z standard errors of the difference between the mean timed step and the mean step of a plain answer as long
+as this one (what the A/B measures: one token a step), so it holds for what the A/B then measures, not only for this
+answer's own steps.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-MIN_PLAIN_STEPS = 8  # timed plain steps whose own spread gives the margin (fewer: the spread of every timed step)
-MIN_SPREAD_STEPS = 8  # steps timed alone before their spread stands for one step's
+MIN_PLAIN_STEPS = 8  # timed plain steps whose own mean and spread stand for the answer's
+MIN_SPREAD_STEPS = 8  # verify steps timed alone (of row counts seen twice) before their spread stands for one step's
 MIN_TOKENS = 32  # tokens written before a figure: the first few steps are dominated by the answer's start
-# Standard errors in the margin: 2 (about 95 %) with the plain steps' own spread; 3 where it is borrowed from the
-# steps timed alone, verifies mostly, which vary less than a lone one-row step among them does (with two to four
-# plain steps, intervals of 2 missed the A/B's ratio by up to 1.1 times their width on 3 of 15 prompts).
-Z_OWN, Z_BORROWED = 2.0, 3.0
+FASTER_OF_TWO = 0.5642  # how far below their mean the faster of two normal samples falls, in standard deviations
+MAD_TO_SD = 1.4826  # a normal spread's standard deviation over its median absolute deviation
+Z = 2.0  # standard errors in the margin: about 95 %
+# How far a plain step timed alone among verify steps may sit from a plain answer's mean step beyond its own noise
+# (relative, one standard deviation): it runs after a verify of several rows, on other threads (GPU-like settings) and
+# with other data in the caches. Measured 6 % over 25 answers of the demo pair in the GPU-like thread regime.
+LONE_STEP = 0.06
 
 
 @dataclass(frozen=True)
@@ -63,14 +83,25 @@ class Pending:
     timed: int = 0  # timed plain steps so far
 
 
+@dataclass(frozen=True)
+class _Timed:
+    """A stretch between two snapshots with one kind of step in it: plain steps (`plain` > 0, one row each), or one
+    verify step of `rows` rows (`ms`: its target step, without the draft's own work)."""
+
+    rows: int
+    ms: float
+    plain: int = 0
+    lone: bool = False  # one plain step right after a verify step (not in a run of plain steps)
+
+
 @dataclass
 class LiveSpeedUp:
     """Fed every snapshot of one answer's statistics, in order (`add`); `current` is the estimate so far."""
 
     min_plain_steps: int = MIN_PLAIN_STEPS
     min_tokens: int = MIN_TOKENS
-    _samples: list[tuple[int, float]] = field(default_factory=list)  # (plain steps, their wall ms) per interval
-    _alone: dict[int, list[float]] = field(default_factory=dict)  # wall ms of steps timed alone, by their rows
+    _timeline: list[_Timed] = field(default_factory=list)  # in the answer's order
+    _verified_last: bool = False  # whether the latest stretch had a verify step in it
     # (plain steps, verify steps, decode ms, inject ms, draft ms, drafted) of the previous snapshot
     _last: tuple[int, int, float, float, float, int] | None = None
 
@@ -82,18 +113,17 @@ class LiveSpeedUp:
             plain, verify = now[0] - self._last[0], now[1] - self._last[1]
             elapsed = (now[2] - self._last[2]) - (now[3] - self._last[3])
             if plain > 0 and verify == 0 and elapsed > 0:
-                self._samples.append((plain, elapsed))
-                if plain == 1:
-                    self._alone.setdefault(1, []).append(elapsed)
+                self._timeline.append(_Timed(1, elapsed, plain, lone=plain == 1 and self._verified_last))
             if plain == 0 and verify == 1:  # one verify alone: its target step, without the draft's own work
                 step = elapsed - (now[4] - self._last[4])
                 if step > 0:
-                    self._alone.setdefault(1 + now[5] - self._last[5], []).append(step)
+                    self._timeline.append(_Timed(1 + now[5] - self._last[5], step))
+        self._verified_last = now[1] > (self._last[1] if self._last is not None else 0)
         self._last = now
 
     @property
     def timed_steps(self) -> int:
-        return sum(steps for steps, _ in self._samples)
+        return sum(t.plain for t in self._timeline)
 
     def current(self, stats: Mapping[str, Any]) -> Estimate | Pending:
         """The estimate for the answer whose latest statistics are `stats` (its decode speed, `decode_tok_s`)."""
@@ -103,38 +133,51 @@ class LiveSpeedUp:
             if fixed and not stats.get("plain_steps"):
                 return Pending("a fixed draft length drafts at every step, so there is no plain step to compare with")
             return Pending("it shows once this answer has taken a plain step to compare with", timed)
-        if timed < self.min_plain_steps and self.spread_steps < MIN_SPREAD_STEPS:
+        few = timed < self.min_plain_steps
+        deviations = _verify_deviations(self._timeline) if few else []
+        if few and len(deviations) < MIN_SPREAD_STEPS:
             return Pending(f"it shows once {MIN_SPREAD_STEPS} steps are timed", timed)
         if not speed or int(stats.get("n_generated") or 0) < self.min_tokens:
             return Pending(f"it shows after {self.min_tokens} tokens", timed)
-        samples = self._samples
-        mean_ms = sum(ms for _, ms in samples) / timed
-        if timed >= self.min_plain_steps:
-            # Each interval's mean step, weighted by its steps: the spread of one step's time around the mean.
-            spread = math.sqrt(sum(n * (ms / n - mean_ms) ** 2 for n, ms in samples) / (timed - 1)) / mean_ms
-            z = Z_OWN
-        else:
-            spread, z = self.relative_spread(), Z_BORROWED
         plain_answer_steps = max(1, int(stats.get("n_generated") or 0))
-        relative = z * spread * math.sqrt(1 / timed + 1 / plain_answer_steps)
+        if not few:
+            plain = [(t.plain, t.ms) for t in self._timeline if t.plain]
+            mean_ms = sum(ms for _, ms in plain) / timed
+            # Each stretch's mean step, weighted by its steps: the spread of one step's time around the mean.
+            spread = math.sqrt(sum(n * (ms / n - mean_ms) ** 2 for n, ms in plain) / (timed - 1)) / mean_ms
+            sampled = spread**2 * (1 / timed + 1 / plain_answer_steps)
+        else:
+            steps = [t.ms / t.plain for t in self._timeline if t.plain]  # each stretch's mean step
+            centre = statistics.median(deviations)
+            spread = MAD_TO_SD * statistics.median(abs(d - centre) for d in deviations)
+            mean_ms = _centre(steps, spread)
+            if len(steps) > 1:  # plain steps that disagree more than verify steps do say so
+                spread = max(spread, statistics.stdev(steps) / statistics.mean(steps))
+            sampled = spread**2 * (1 / len(steps) + 1 / plain_answer_steps)
+        # Lone plain steps share their offset from a plain answer's steps: more of them do not average it away.
+        lone = sum(t.plain for t in self._timeline if t.lone) / timed
+        relative = Z * math.sqrt(sampled + (LONE_STEP * lone) ** 2)
         ratio = float(speed) * mean_ms / 1000.0
         return Estimate(ratio, ratio * relative, float(speed), 1000.0 / mean_ms, timed)
 
-    @property
-    def spread_steps(self) -> int:
-        """Steps timed alone in groups of at least two (those whose spread is known)."""
-        return sum(len(times) for times in self._alone.values() if len(times) > 1)
 
-    def relative_spread(self) -> float:
-        """One step's time around the mean of its row count's, relative to that mean: pooled over the steps timed
-        alone."""
-        deviations = []
-        for times in self._alone.values():
-            if len(times) > 1:
-                mean = sum(times) / len(times)
-                deviations += [t / mean - 1 for t in times]
-        groups = sum(1 for times in self._alone.values() if len(times) > 1)
-        return math.sqrt(sum(d * d for d in deviations) / max(1, len(deviations) - groups))
+def _verify_deviations(timeline: list[_Timed]) -> list[float]:
+    """Each verify step's time against the median of its row count's, relative (row counts seen once say nothing)."""
+    times: dict[int, list[float]] = {}
+    for t in timeline:
+        if not t.plain:
+            times.setdefault(t.rows, []).append(t.ms)
+    return [ms / mid - 1 for group in times.values() if len(group) > 1 for mid in [statistics.median(group)]
+            for ms in group]  # fmt: skip
+
+
+def _centre(steps: list[float], spread: float) -> float:
+    """What a plain step costs, from a few timed ones: their median, so that one stalled step of three is not the
+    answer's cost. Of two, the faster one, raised by what the faster of two falls short of their centre (0.56 spreads):
+    the slower may be a stall."""
+    if len(steps) == 2:
+        return min(steps) * (1 + FASTER_OF_TWO * spread)
+    return statistics.median(steps)
 
 
 # -- the chart's trace -------------------------------------------------------------------------------------------------

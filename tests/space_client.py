@@ -8,7 +8,7 @@ import concurrent.futures
 import itertools
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -18,9 +18,12 @@ import pytest
 from gradio_client import Client
 
 from dflash_runtime import load_pair
+from dflash_runtime.space.crossing import GpuJob, ReplyChunk
+from dflash_runtime.space.gpu.host import EngineHost
 from dflash_runtime.space.page.endpoints import API_PARAMETERS
 from dflash_runtime.space.page.items import GROWING, GROWING_PER_POSITION, ITEM_OWN
-from dflash_runtime.space.setup.presets import DEMO_PAIR
+from dflash_runtime.space.requests import Limits, build_request
+from dflash_runtime.space.setup.presets import DEMO_PAIR, ModelSource, PairPreset, ResolvedPair
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
 
 Message = dict[str, str]
@@ -48,6 +51,26 @@ def expected_answer(engine: Any, messages: list[Message], max_tokens: int, think
 
 def prompt_length(engine: Any, messages: list[Message]) -> int:
     return len(engine.chat_tokens(messages, enable_thinking=False))
+
+
+def whole_reply(chunks: Iterable[ReplyChunk]) -> ReplyChunk:
+    """The chunks of one reply as one (each carries what its step added): what a reader that skips none sees."""
+    taken = list(chunks)
+    joined = taken[0]
+    for chunk in taken[1:]:
+        joined = joined.then(chunk)
+    return joined
+
+
+def host_reply(host: EngineHost, files: ResolvedPair, message: str, *, n_ctx: int, max_tokens: int, branches: int = 0,
+               **fields: Any) -> ReplyChunk:  # fmt: skip
+    """The GPU worker's whole reply to one message on these local files (a preset of them, on the CPU)."""
+    preset = PairPreset(name="p", label="p", target=ModelSource(local_path=files.target_path),
+                        draft=ModelSource(local_path=files.draft_path), n_ctx=n_ctx, n_gpu_layers=0,
+                        branches=branches)  # fmt: skip
+    request = build_request(preset="p", presets=["p"], limits=Limits(), message=message, max_tokens=max_tokens,
+                            **fields)  # fmt: skip
+    return whole_reply(host.run(GpuJob(request, preset, files)))
 
 
 def chat_args(message: str, **changes: Any) -> dict[str, Any]:

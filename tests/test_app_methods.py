@@ -17,13 +17,13 @@ import pytest
 from app_fixtures import REPO_ROOT, FakeHub, RunningApp, running_app
 from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 from gradio_client import Client
-from space_client import chat_args
+from space_client import chat_args, host_reply
 from test_app_browser import open_page, set_temperature, text_of, wait_for_page
 
 from dflash_runtime import load_pair
-from dflash_runtime.space.crossing import GpuJob, ReplyChunk
+from dflash_runtime.space.crossing import ReplyChunk
 from dflash_runtime.space.gpu.host import EngineHost
-from dflash_runtime.space.requests import Limits, build_request
+from dflash_runtime.space.requests import Limits
 from dflash_runtime.space.setup.downloads import PairDownload
 from dflash_runtime.space.setup.presets import ModelSource, PairPreset, ResolvedPair
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair, write_broken_draft
@@ -159,14 +159,7 @@ def test_the_page_offers_the_methods_and_the_ab_run_compares_them(server: Runnin
 
 
 def run_job(host: EngineHost, files: ResolvedPair, **fields: Any) -> ReplyChunk:
-    preset = PairPreset(name="p", label="p", target=ModelSource(local_path=files.target_path),
-                        draft=ModelSource(local_path=files.draft_path), n_ctx=N_CTX, n_gpu_layers=0)  # fmt: skip
-    request = build_request(preset="p", presets=["p"], limits=Limits(), message=PROMPT, max_tokens=32, **fields)
-    chunks = list(host.run(GpuJob(request, preset, files)))
-    joined = chunks[0]
-    for chunk in chunks[1:]:
-        joined = joined.then(chunk)
-    return joined
+    return host_reply(host, files, PROMPT, n_ctx=N_CTX, max_tokens=32, **fields)
 
 
 def test_a_draft_that_fails_validation_leaves_the_target_drafting_with_its_mtp_head(tmp_path: Path) -> None:

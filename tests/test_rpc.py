@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from space_client import whole_reply
 
 from dflash_runtime import RemoteDeviceError, load_pair
 from dflash_runtime.engine import Engine
@@ -158,7 +159,7 @@ def test_the_space_reports_a_lost_server_without_its_address_and_loads_again_onc
     job = GpuJob(request, preset, ResolvedPair(pair.target, pair.draft))
     host = EngineHost(load_pair)
     try:
-        first = _final(host.run(job))
+        first = whole_reply(host.run(job))
         assert first.finish_reason == "length", first.error
         placement = first.engine_info["placement"]
         assert [d["where"] for d in placement["devices"]] == ["local", "remote"] and "rpc" not in placement
@@ -166,23 +167,15 @@ def test_the_space_reports_a_lost_server_without_its_address_and_loads_again_onc
         assert host.parallel_plan is not None and "1 remote device" in host.parallel_plan.where  # auto counts it
         server.kill()
         for reason in ("went away", "is not reachable"):  # mid-use, then at the reload the failure asked for
-            failed = _final(host.run(job))
+            failed = whole_reply(host.run(job))
             assert failed.error_type == "RemoteDeviceError" and reason in (failed.error or "")
             assert server.endpoint not in (failed.error or "") and "<DFLASH_RPC>" in (failed.error or "")
         server.start()
-        again = _final(host.run(job))
+        again = whole_reply(host.run(job))
         assert again.delta == first.delta and again.worker["loaded_now"]
     finally:
         host.close()
         server.kill()
-
-
-def _final(chunks: Iterator[Any]) -> Any:
-    taken = list(chunks)
-    joined = taken[0]
-    for chunk in taken[1:]:
-        joined = joined.then(chunk)
-    return joined
 
 
 def test_the_server_command_is_the_wheels_binary_with_its_rpc_backend() -> None:

@@ -11,7 +11,7 @@ from threading import Event, Thread
 from typing import Any
 
 import pytest
-from space_client import demo_pair, expected_answer, reference_engine
+from space_client import demo_pair, expected_answer, reference_engine, whole_reply
 
 from dflash_runtime import load_pair
 from dflash_runtime.footprint import DEFAULT_RESERVE_BYTES, sequence_footprint
@@ -56,27 +56,18 @@ def job(message: str, max_tokens: int = 16, **fields: Any) -> GpuJob:
     return GpuJob(request, preset, ResolvedPair(pair.target, pair.draft))
 
 
-def final(chunks: Iterator[ReplyChunk]) -> ReplyChunk:
-    """The last chunk, carrying the whole reply's text (chunks carry what each step added)."""
-    taken = list(chunks)
-    joined = taken[0]
-    for chunk in taken[1:]:
-        joined = joined.then(chunk)
-    return joined
-
-
 def reply(engine_host: EngineHost, message: str, owner: str, **fields: Any) -> ReplyChunk:
-    return final(engine_host.run(replace(job(message, **fields), cache_owner=owner)))
+    return whole_reply(engine_host.run(replace(job(message, **fields), cache_owner=owner)))
 
 
 def test_request_errors_come_back_as_data_and_keep_the_engine(host: tuple[EngineHost, RecordingLoader]) -> None:
     engine_host, loader = host
-    first = final(engine_host.run(job("hello world")))
+    first = whole_reply(engine_host.run(job("hello world")))
     assert first.finish_reason == "length" and first.worker["loaded_now"] and first.worker["engine_loaded"]
-    error = final(engine_host.run(job("0123456789 " * 200)))
+    error = whole_reply(engine_host.run(job("0123456789 " * 200)))
     assert error.error_type == "PromptTooLongError" and "context cannot hold it" in (error.error or "")
     assert error.worker["engine_loaded"] is True and error.delta == ""
-    again = final(engine_host.run(job("hello world")))
+    again = whole_reply(engine_host.run(job("hello world")))
     assert again.delta == first.delta and again.worker["loads"] == 1 and len(loader.engines) == 1
     assert again.worker["previous_request"]["error_type"] == "PromptTooLongError"
 
@@ -85,11 +76,11 @@ def test_an_engine_failure_closes_the_engine_and_the_next_request_loads_it_again
     host: tuple[EngineHost, RecordingLoader],
 ) -> None:
     engine_host, loader = host
-    final(engine_host.run(job("hello world")))
+    whole_reply(engine_host.run(job("hello world")))
     loader.engines[0].close()  # the engine breaks between two requests
-    failed = final(engine_host.run(job("hello world")))
+    failed = whole_reply(engine_host.run(job("hello world")))
     assert failed.error_type == "EngineClosedError" and failed.worker["engine_loaded"] is False
-    recovered = final(engine_host.run(job("hello world")))
+    recovered = whole_reply(engine_host.run(job("hello world")))
     assert recovered.finish_reason == "length" and recovered.worker["loaded_now"] and recovered.worker["loads"] == 2
     with reference_engine(N_CTX) as reference:
         assert recovered.delta == expected_answer(reference, [{"role": "user", "content": "hello world"}], 16)
@@ -101,7 +92,7 @@ def test_closing_a_reply_stops_the_engine_and_is_recorded(host: tuple[EngineHost
     for _ in range(3):
         next(stream)
     stream.close()
-    after = final(engine_host.run(job("one two three")))
+    after = whole_reply(engine_host.run(job("one two three")))
     stopped = after.worker["previous_request"]
     assert stopped["finish_reason"] == "closed by the caller" and 0 < stopped["n_generated"] < 400
     assert after.engine_info["target"] == demo_pair().target.name, "file names only, no server paths"
@@ -192,7 +183,7 @@ def test_the_methods_demo_pair_drafts_with_both_methods(host: tuple[EngineHost, 
     for method in ("dflash", "mtp"):
         request = build_request(preset=preset.name, presets=[preset.name], limits=Limits(), message="hello world",
                                 max_tokens=24, draft_length=3, method=method)
-        answer = final(engine_host.run(GpuJob(request, preset, pair)))
+        answer = whole_reply(engine_host.run(GpuJob(request, preset, pair)))
         assert answer.error is None and answer.stats["method"] == method and answer.stats["drafted"] > 0
         texts.add(answer.delta)
     assert len(texts) == 1  # temperature 0: both methods give the target's own answer
@@ -245,7 +236,7 @@ def test_two_owners_run_on_one_engine_at_once_each_with_its_own_reply() -> None:
                 assert whole.stats["n_generated"] == max_tokens
                 assert whole.delta == expected_answer(reference, [{"role": "user", "content": message}], max_tokens)
         history = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "x"}]
-        again = final(engine_host.run(parallel_job("and now?", "first", 8, history=history)))
+        again = whole_reply(engine_host.run(parallel_job("and now?", "first", 8, history=history)))
         assert again.stats["n_reused"] > template_start(), "the owner's parked prompt is reused"
     finally:
         engine_host.close()
@@ -282,16 +273,16 @@ def test_one_owner_runs_one_request_at_a_time_and_waits_are_bounded() -> None:
     engine_host = EngineHost(RecordingLoader(), busy_timeout_s=0.5)
     try:
         running = Holder(engine_host, parallel_job("hello there", "visitor", 400))  # holds its sequence
-        same = final(engine_host.run(parallel_job("one two three", "visitor", 8)))
+        same = whole_reply(engine_host.run(parallel_job("one two three", "visitor", 8)))
         assert same.error_type == "RequestError" and "the engine stayed busy" in (same.error or "")
-        other = final(engine_host.run(parallel_job("one two three", "other visitor", 8)))
+        other = whole_reply(engine_host.run(parallel_job("one two three", "other visitor", 8)))
         assert other.error is None and other.stats["n_generated"] == 8, "another owner takes the free sequence"
         full = Holder(engine_host, parallel_job("hello there", "third visitor", 400))  # both sequences taken
-        beyond = final(engine_host.run(parallel_job("one two three", "fourth visitor", 8)))
+        beyond = whole_reply(engine_host.run(parallel_job("one two three", "fourth visitor", 8)))
         assert beyond.error_type == "RequestError" and "the engine stayed busy" in (beyond.error or "")
         running.release()
         full.release()
-        after = final(engine_host.run(parallel_job("one two three", "visitor", 8)))
+        after = whole_reply(engine_host.run(parallel_job("one two three", "visitor", 8)))
         assert after.error is None and after.stats["n_generated"] == 8
     finally:
         engine_host.close()
@@ -303,7 +294,7 @@ def test_the_engine_waits_as_long_as_the_space_does() -> None:
     loader = RecordingLoader()
     engine_host = EngineHost(loader, busy_timeout_s=7.5)
     try:
-        assert final(engine_host.run(job("one two", max_tokens=2))).error is None
+        assert whole_reply(engine_host.run(job("one two", max_tokens=2))).error is None
         assert [options["busy_timeout_s"] for options in loader.options] == [7.5]
     finally:
         engine_host.close()
@@ -335,12 +326,12 @@ def test_auto_opens_as_many_sequences_as_fit_in_the_free_memory() -> None:
     try:
         first = Holder(engine_host, sized_job("hello there", "first", 400))
         second = Holder(engine_host, sized_job("the quick brown fox", "second", 400))
-        beyond = final(engine_host.run(sized_job("one two three", "third", 8)))
+        beyond = whole_reply(engine_host.run(sized_job("one two three", "third", 8)))
         assert beyond.error_type == "RequestError" and "the engine stayed busy" in (beyond.error or "")
         assert [engine.parallel for engine in loader.engines] == [2] and asked == [preset.n_gpu_layers]
         first.release()
         second.release()
-        after = final(engine_host.run(sized_job("one two three", "third", 8)))
+        after = whole_reply(engine_host.run(sized_job("one two three", "third", 8)))
         assert after.error is None and after.stats["n_generated"] == 8
         assert after.engine_info is not None and after.engine_info["parallel"] == 2
         assert str(after.engine_info["parallel_plan"]).startswith("2 sequences fit in host memory (")
@@ -370,10 +361,7 @@ def yielded_at(engine_host: EngineHost, spec: GpuJob, turns: list[int]) -> tuple
         resume = answer.resume()
         assert resume is not None
         current = replace(spec, resume=resume)
-    joined = taken[0]
-    for chunk in taken[1:]:
-        joined = joined.then(chunk)
-    return joined, turns.index(count) + 1 if count is not None else len(turns) + 1
+    return whole_reply(taken), turns.index(count) + 1 if count is not None else len(turns) + 1
 
 
 @pytest.mark.parametrize("owner", ["visitor/1", ""])
@@ -382,7 +370,7 @@ def test_an_answer_that_yields_its_turn_goes_on_exactly(host: tuple[EngineHost, 
     again): the same tokens, text, sources and counts at temperature 0 as the answer in one piece, stop strings
     matched across the joins; an A/B run goes on in the phase where it was."""
     engine_host, loader = host
-    whole = final(engine_host.run(replace(job("Tell me about the sea.", max_tokens=48), cache_owner=owner)))
+    whole = whole_reply(engine_host.run(replace(job("Tell me about the sea.", max_tokens=48), cache_owner=owner)))
     spec = replace(job("Tell me about the sea.", max_tokens=48), cache_owner=owner)
     joined, turns = yielded_at(engine_host, spec, [1, 2, 3, 5])
     assert turns > 2 and joined.tokens == whole.tokens and joined.delta == whole.delta
@@ -393,7 +381,7 @@ def test_an_answer_that_yields_its_turn_goes_on_exactly(host: tuple[EngineHost, 
     assert loader.engines[-1].info()["sessions"]["parked"] == (1 if owner else 0), "parked when it yielded"
     stop = whole.delta[len(whole.delta) // 2 : len(whole.delta) // 2 + 3]
     stopping = replace(spec, request=replace(spec.request, stop=(stop,)))
-    stopped_whole = final(engine_host.run(stopping))
+    stopped_whole = whole_reply(engine_host.run(stopping))
     stopped, _ = yielded_at(engine_host, stopping, [1, 1, 1, 1, 1])
     assert stopped.delta == stopped_whole.delta and stopped.finish_reason == "stop"
     ab = replace(job("Tell me about the sea.", max_tokens=12), phases=("dflash", "plain"), cache_owner=owner)

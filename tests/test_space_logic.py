@@ -485,17 +485,17 @@ def test_statistics_panel_plot_rows_and_ab_summary() -> None:
     assert " at **" not in stats_summary({**api, "decode_tok_s": None})
 
 
-def snapshots(steps: str, plain_ms: tuple[float, ...], verify_ms: float = 20.0,
+def snapshots(steps: str, plain_ms: tuple[float, ...], verify_ms: tuple[float, ...] = (20.0,),
               accepted_per_verify: int = 3) -> list[dict[str, object]]:  # fmt: skip
     """An answer's statistics after each of its steps ("v": a verify step, "p": a plain one, "m": both between two
-    snapshots), plain steps taking the `plain_ms` times in turn."""
+    snapshots), plain and verify steps taking the `plain_ms` and `verify_ms` times in turn."""
     out, plain, verify, accepted, elapsed, n = [], 0, 0, 0, 0.0, 1
     for kind in steps:
         if kind in "pm":
             plain, n, elapsed = plain + 1, n + 1, elapsed + plain_ms[plain % len(plain_ms)]
         if kind in "vm":
             verify, accepted = verify + 1, accepted + accepted_per_verify
-            n, elapsed = n + accepted_per_verify + 1, elapsed + verify_ms
+            n, elapsed = n + accepted_per_verify + 1, elapsed + verify_ms[(verify - 1) % len(verify_ms)]
         out.append({"plain_steps": plain, "verify_steps": verify, "decode_ms": elapsed, "n_generated": n,
                     "accepted": accepted, "drafted": verify * 4, "decode_tok_s": (n - 1) / (elapsed / 1000),
                     "draft_length": "auto", "speculative": True, "method": "dflash"})  # fmt: skip
@@ -564,27 +564,17 @@ def test_the_live_speed_up_rests_on_timed_plain_steps_and_says_its_uncertainty()
     assert "no speed-up estimate yet: a fixed draft length" in stats_summary(stats, pending)
 
 
-def answer_steps(verify_ms: list[float], plain_ms: dict[int, float]) -> list[dict[str, object]]:
-    """An answer's statistics after each of its steps: plain steps at the given step numbers, taking the given times,
-    verify steps (5 drafted tokens, 4 of them accepted) between them taking `verify_ms` in turn."""
-    out: list[dict[str, object]] = []
-    elapsed, n, plain, verify = 0.0, 1, 0, 0
-    for step in range(len(verify_ms) + len(plain_ms)):
-        ms = plain_ms[step] if step in plain_ms else verify_ms[verify]
-        plain, verify = plain + (step in plain_ms), verify + (step not in plain_ms)
-        elapsed, n = elapsed + ms, n + (1 if step in plain_ms else 5)
-        speed = (n - 1) / (elapsed / 1000)
-        out.append({"plain_steps": plain, "verify_steps": verify, "decode_ms": elapsed, "n_generated": n,
-                    "drafted": 5 * verify, "decode_tok_s": speed, "draft_length": "auto"})  # fmt: skip
-    return out
+def plain_at(steps: tuple[int, ...], verify: int) -> str:
+    """Steps for `snapshots`: plain ones at these step numbers, `verify` verify steps around them."""
+    return "".join("p" if step in steps else "v" for step in range(verify + len(steps)))
 
 
-def jittered(levels: list[float]) -> list[float]:
+def jittered(levels: list[float]) -> tuple[float, ...]:
     """Verify step times 10 % under and over their level in turn."""
-    return [level * (0.9 if k % 2 else 1.1) for k, level in enumerate(levels)]
+    return tuple(level * (0.9 if k % 2 else 1.1) for k, level in enumerate(levels))
 
 
-def verify_spread(verify_ms: list[float]) -> float:
+def verify_spread(verify_ms: tuple[float, ...]) -> float:
     """The spread the estimate borrows, by its rule: each verify step's time against the median (one row count here),
     from the median absolute deviation."""
     deviations = [ms / statistics.median(verify_ms) - 1 for ms in verify_ms]
@@ -599,7 +589,7 @@ def test_the_live_speed_up_shows_on_one_plain_step_with_the_spread_of_the_verify
     taken alone among verify steps may have from a plain answer's (6 %): wide, as a figure on one step must be."""
     verify_ms = jittered([20.0] * 24)
     live = LiveSpeedUp()
-    for stats in answer_steps(verify_ms, {6: 10.0}):
+    for stats in snapshots(plain_at((6,), len(verify_ms)), (10.0,), verify_ms):
         live.add(stats)
         estimate = live.current(stats)
         if int(stats["n_generated"]) < 32:  # type: ignore[call-overload]
@@ -617,15 +607,14 @@ def test_a_stalled_plain_step_does_not_count_as_the_answers_plain_cost() -> None
     of three, the median: the stall moves neither. The margin says the two or three disagree (their own spread)."""
     verify_ms = jittered([20.0] * 60)
     spread = verify_spread(verify_ms[1:])
-    for plain_ms, expected in (({6: 10.0, 30: 30.0}, 10.0 * (1 + 0.5642 * spread)),
-                               ({6: 10.0, 30: 30.0, 50: 10.0}, 10.0)):  # fmt: skip
+    for steps, expected in (((10.0, 30.0), 10.0 * (1 + 0.5642 * spread)),
+                            ((10.0, 30.0, 10.0), 10.0)):  # fmt: skip
         live = LiveSpeedUp()
-        for stats in answer_steps(verify_ms, plain_ms):
+        for stats in snapshots(plain_at((6, 30, 50)[: len(steps)], len(verify_ms)), steps, verify_ms):
             live.add(stats)
         estimate = live.current(stats)
-        assert isinstance(estimate, Estimate) and estimate.plain_steps == len(plain_ms)
+        assert isinstance(estimate, Estimate) and estimate.plain_steps == len(steps)
         assert 1000.0 / estimate.plain_speed == pytest.approx(expected)
-        steps = list(plain_ms.values())
         own = statistics.stdev(steps) / statistics.mean(steps)
         n = int(stats["n_generated"])  # type: ignore[call-overload]
         sampled = own**2 * (1 / len(steps) + 1 / n)

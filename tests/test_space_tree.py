@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from space_client import host_reply
+
 from dflash_runtime import load_pair
-from dflash_runtime.space.crossing import GpuJob, ReplyChunk
+from dflash_runtime.space.crossing import ReplyChunk
 from dflash_runtime.space.gpu.host import EngineHost
 from dflash_runtime.space.page.panel import stats_details
-from dflash_runtime.space.requests import Limits, build_request
-from dflash_runtime.space.setup.presets import ModelSource, PairPreset, ResolvedPair, pair_methods, preset_from_env
+from dflash_runtime.space.setup.presets import ResolvedPair, pair_methods, preset_from_env
 from dflash_runtime.testing.tiny_models import tiny_pair
 
 TREE = "dflash-tree"
@@ -19,16 +20,7 @@ PROMPT = "the quick brown fox jumps over the lazy dog."
 
 
 def answer(host: EngineHost, files: ResolvedPair, branches: int, **fields: Any) -> ReplyChunk:
-    preset = PairPreset(name="p", label="p", target=ModelSource(local_path=files.target_path),
-                        draft=ModelSource(local_path=files.draft_path), n_ctx=1024, n_gpu_layers=0,
-                        branches=branches)  # fmt: skip
-    request = build_request(preset="p", presets=["p"], limits=Limits(), message=PROMPT, max_tokens=48,
-                            temperature=0.0, **fields)  # fmt: skip
-    chunks = list(host.run(GpuJob(request, preset, files)))
-    joined = chunks[0]
-    for chunk in chunks[1:]:
-        joined = joined.then(chunk)
-    return joined
+    return host_reply(host, files, PROMPT, n_ctx=1024, max_tokens=48, branches=branches, temperature=0.0, **fields)
 
 
 def test_the_files_list_the_tree_only_with_spare_sequences_and_a_dflash2_draft() -> None:

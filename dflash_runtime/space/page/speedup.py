@@ -32,10 +32,10 @@ are not extrapolated to one row: where batches run on more threads than one-row 
 cost what a one-row step costs, and only a one-row step says what plain decoding costs. Nor is a plain step corrected
 for the load its neighbouring verify steps say: load slows a verify on two threads far more than a one-row step on
 one, and on 87 answers such a correction's error was no smaller (9.6 % against 9.0 %; one plain step was put at 2.9
-times a plain answer's). Measured on 100 answers of the demo pair (GPU-like
-thread regime; 60 on a quiet machine, 40 with bursts of load on one core), against the A/B: off by 6 % (root mean
-square) quiet and 12 % with bursts, margins about ±13 %, two of 100 missed; the plain mean of the same steps with
-three verify spreads was off by 6 % and 18 %, margins about ±11 % and ±22 %, four missed.
+times a plain answer's). Measured on 100 answers of the demo pair (GPU-like thread regime; 60 on a quiet machine, 40
+with bursts of load on one core), against the A/B: off by 6 % (root mean square) quiet and 12 % with bursts, margins
+about ±13 %, two of 100 missed; the plain mean of the same steps with three verify spreads was off by 6 % and 18 %,
+margins about ±11 % and ±22 %, four missed.
 
 With `MIN_PLAIN_STEPS` timed plain steps, spread over the answer and carrying its load themselves, their plain mean and
 their own spread are used. The estimate is shown from `MIN_TOKENS` tokens on. Its margin, about 95 % carried to the

@@ -86,8 +86,12 @@ class Engine:
               method_options: dict[str, Mapping[str, Any]]) -> None:
         pair = self.pair
         batch = TokenBatch(pair.n_batch)
-        caches: list[PairCache] = []  # made with the drafters; they read each sequence's tokens through these views
-        views = [TokenView(functools.partial(lambda seq: caches[seq].tokens, seq)) for seq in range(pair.parallel)]
+        # Made with the drafters: they read each sequence's tokens, and whose requests it runs, through these views.
+        caches: list[PairCache] = []
+        owners: list[CacheOwners] = []
+        views = [TokenView(functools.partial(lambda seq: caches[seq].tokens, seq),
+                           functools.partial(lambda seq: owners[0].owner_of(seq), seq),
+                           lambda owner: owners[0].keeps(owner)) for seq in range(pair.parallel)]
         try:
             drafters = methods.open_drafters(pair, views, method_options)
         except BaseException:
@@ -99,7 +103,8 @@ class Engine:
                                     n_rs_seq=pair.n_rs_seq, checkpoints=store, seq=seq))
         # Control tokens are read once, here: chat prompts and checkpoint positions need them on every request.
         self._controls: list[ControlToken] = control_tokens(pair.vocabulary)
-        self._parts = Parts(pair, caches, batch, drafters, verifiers, CacheOwners(caches, sessions),
+        owners.append(CacheOwners(caches, sessions))
+        self._parts = Parts(pair, caches, batch, drafters, verifiers, owners[0],
                             frozenset(t.id for t in self._controls))
         self._steps = Steps(self._parts)
         self._occupancy = Occupancy(self._free, busy_timeout_s, pair.parallel, self._steps.run)

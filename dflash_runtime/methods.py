@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .drafters import ngram
+from .drafters import ngram, ngram_cache, ngram_map
 from .drafters.drafting import DFLASH, MTP, Drafter, Implementation, TokenView
 from .drafters.method_chains import CHAIN_SEPARATOR, split
 from .errors import PairMismatchError, RequestError
@@ -135,9 +135,18 @@ REGISTRY: tuple[Method, ...] = (
     Method(ngram.NGRAM_MOD, "ngram-mod", NOTHING, lambda: ngram.MOD, auto=False,
            help="no draft model: the tokens that followed the last few tokens where they occurred before, in the "
                 "prompt or the answer (llama.cpp's ngram-mod)"),
-    Method(ngram.NGRAM_MAP_K, "ngram-map-k", NOTHING, lambda: ngram.MAP_K, auto=False,
+    Method(ngram_map.NGRAM_MAP_K, "ngram-map-k", NOTHING, lambda: ngram_map.MAP_K, auto=False,
            help="no draft model: what followed the newest earlier occurrence of the last 12 tokens (llama.cpp's "
                 "ngram-map-k)"),
+    Method(ngram_map.NGRAM_SIMPLE, "ngram-simple", NOTHING, lambda: ngram_map.SIMPLE, auto=False,
+           help="no draft model: up to 48 tokens that followed the newest earlier occurrence of the last 12, found "
+                "by a plain scan (llama.cpp's ngram-simple)"),
+    Method(ngram_map.NGRAM_MAP_K4V, "ngram-map-k4v", NOTHING, lambda: ngram_map.MAP_K4V, auto=False,
+           help="no draft model: the last 12 tokens looked up, drafting only where one continuation followed them "
+                "at least twice as often as the others together (llama.cpp's ngram-map-k4v)"),
+    Method(ngram_cache.NGRAM_CACHE, "ngram-cache", NOTHING, lambda: ngram_cache.IMPLEMENTATION, auto=False,
+           help="no draft model: the tokens most often seen after the last 1 to 4 tokens, in this answer's text and "
+                "in what your own earlier requests taught it (llama.cpp's ngram-cache, lookup decoding)"),
 )
 # Chains the pair lists beside its methods when all their members run (any other chain may still be asked for):
 # the n-gram draft where the answer copies its prompt, DFlash everywhere else.

@@ -31,6 +31,7 @@ from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair, write_broken
 ARTIFACTS = REPO_ROOT / "test-artifacts"
 N_CTX = 1024
 PRESET = "methods-pair"
+NGRAMS = ["ngram-mod", "ngram-map-k", "ngram-simple", "ngram-map-k4v", "ngram-cache"]  # every pair runs them
 # What a model card recommends (Qwen3's thinking-mode values), as general.sampling.* keys
 SAMPLING = {"temp": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.05}
 SAMPLING_TYPES = {"temp": gguf.GGUFValueType.FLOAT32, "top_k": gguf.GGUFValueType.INT32,
@@ -76,7 +77,7 @@ def generate(client: Client, **changes: Any) -> tuple[str, dict[str, Any]]:
 
 def test_info_lists_the_methods_and_the_models_sampling_defaults(client: Client) -> None:
     info = client.predict(api_name="/info")
-    assert info["methods"] == ["dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-mod,dflash"]
+    assert info["methods"] == ["dflash", "mtp", *NGRAMS, "ngram-mod,dflash"]
     assert info["default_method"] == "dflash"
     assert info["draft_problem"] is None and info["offline_demo"] is False
     assert info["sampling_defaults_from"] == "the model's general.sampling"
@@ -86,8 +87,8 @@ def test_info_lists_the_methods_and_the_models_sampling_defaults(client: Client)
     assert defaults["method"] == "auto" and defaults["draft_length"] == "auto"
     limits = info["limits"]
     assert limits["draft_length"] == ["auto", [0, 7]]
-    assert limits["method"] == ["auto", "dflash", "dflash-tree", "mtp", "eagle3", "draft-simple", "ngram-mod",
-                                "ngram-map-k", "ngram-mod,dflash"]
+    assert limits["method"] == ["auto", "dflash", "dflash-tree", "mtp", "eagle3", "draft-simple", *NGRAMS,
+                                "ngram-mod,dflash"]
 
 
 def test_each_method_writes_the_plain_text_at_temperature_zero(client: Client) -> None:
@@ -114,7 +115,7 @@ def test_unset_sampling_takes_the_models_defaults(client: Client) -> None:
         ({"draft_length": "three"}, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got 'three'"),
         ({"method": "eagle"},
          "method must be one of 'auto', 'dflash', 'dflash-tree', 'mtp', 'eagle3', 'draft-simple', 'ngram-mod', "
-         "'ngram-map-k', 'ngram-mod,dflash', got 'eagle'"),
+         "'ngram-map-k', 'ngram-simple', 'ngram-map-k4v', 'ngram-cache', 'ngram-mod,dflash', got 'eagle'"),
         ({"top_k": -1}, "top_k must be an integer in 0..1000 (0 = off), got -1"),
         ({"min_p": 1.5}, "min_p must be a number in [0.0, 0.99], got 1.5"),
     ],
@@ -149,7 +150,7 @@ def test_the_page_offers_the_methods_and_the_ab_run_compares_them(server: Runnin
                                240, "the A/B comparison")  # fmt: skip
         page.screenshot(ARTIFACTS / "app_methods_ab.png")
     rows = [line.split("\t")[0].strip() for line in result.splitlines() if line.count("\t") >= 4]
-    assert rows == ["Method", "Plain", "DFlash 2", "MTP", "ngram-mod", "ngram-map-k", "ngram-mod → DFlash 2"], result
+    assert rows == ["Method", "Plain", "DFlash 2", "MTP", *NGRAMS, "ngram-mod → DFlash 2"], result
     assert "Texts identical: yes" in result and "DFlash 2: " in result and "MTP: " in result
     assert re.search(r"(DFlash 2|MTP): (no measurable speed-up|no speed-up|slower than plain here|[\d.]+× as fast)",
                      result), result  # fmt: skip
@@ -170,7 +171,7 @@ def test_a_draft_that_fails_validation_leaves_the_target_drafting_with_its_mtp_h
         answer = run_job(host, ResolvedPair(pair.target, broken))
         assert answer.error is None, answer.error
         info = answer.engine_info
-        assert info is not None and info["methods"] == ["mtp", "ngram-mod", "ngram-map-k"]
+        assert info is not None and info["methods"] == ["mtp", *NGRAMS]
         assert info["draft_problem"].startswith("Draft unavailable: ")
         assert info["draft_problem"].endswith("; drafting with the target's MTP head")
         assert str(tmp_path) not in info["draft_problem"], "no server paths"
@@ -206,7 +207,7 @@ def test_a_draft_that_cannot_be_downloaded_leaves_the_target_alone(tmp_path: Pat
     host = EngineHost(load_pair)
     try:
         answer = run_job(host, files)
-        assert answer.engine_info is not None and answer.engine_info["methods"] == ["mtp", "ngram-mod", "ngram-map-k"]
+        assert answer.engine_info is not None and answer.engine_info["methods"] == ["mtp", *NGRAMS]
         assert "Draft unavailable: Could not download the draft" in answer.engine_info["draft_problem"]
         assert answer.stats["method"] == "mtp"
     finally:

@@ -81,7 +81,8 @@ def test_libllama_opens_the_pair_within_budget(opened: tuple[Any, float]) -> Non
     info = engine.info()
     assert info["target_arch"] == "qwen35" and info["hybrid"] and info["n_vocab"] == N_VOCAB
     assert info["draft_kind"] == "dflash2" and info["block_size"] == 8 and info["target_layer_ids"] == [1, 3, 4, 6, 7]
-    assert engine.methods == ("dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-mod,dflash")
+    assert engine.methods == ("dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-simple",
+                              "ngram-map-k4v", "ngram-cache", "ngram-mod,dflash")
     assert engine.info()["part_errors"] == {}  # the target's MTP layer opens too
     assert engine.pair.meta("qwen35.nextn_predict_layers") == "1"
     assert engine.token_text(THINK) == THINK_OPEN and engine.token_text(THINK_END) == THINK_CLOSE

@@ -61,10 +61,11 @@ class BlockDrafter:
         """Draft up to n_max tokens following id_last (decoded at pos0 of sequence 0)."""
         return self.draft_blocks([DraftAsk(0, id_last, pos0, n_max, n_min, p_min, sampling)])[0]
 
-    def draft_blocks(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
+    def draft_blocks(self, asks: Sequence[DraftAsk], *, trees: bool = False) -> list[Proposal]:
         """Each ask's block in one decode; the blocks' cells are removed afterwards. The draft graph takes blocks of
         one size (as llama.cpp drafts every slot with n_max): each is as long as the longest ask's, and an ask reads
-        the first n positions of its own."""
+        the first n positions of its own. `trees`: an ask for a tree gets its lattice rows (`lattices`) and no walk
+        (the tree draws its own spine, dflash_tree.py)."""
         batch = self._batch
         batch.clear()
         rows = []
@@ -79,10 +80,12 @@ class BlockDrafter:
             batch.decode(self._ctx, "draft block")
             if self._spec.is_dflash2:
                 lattice = self._lattice(batch.n_rows)
-                out = [self._walk_lattice(lattice[r + 1:r + 1 + a.n], a) for a, r in zip(asks, rows, strict=True)]
+                tree = [trees and a.tree_nodes > 0 for a in asks]
+                out = [Proposal.start(a.sampling) if t else self._walk_lattice(lattice[r + 1:r + 1 + a.n], a)
+                       for a, r, t in zip(asks, rows, tree, strict=True)]
                 width = self._k + self._k * self._k
-                self.lattices = [lattice[r + 1:r + 1 + a.n, :width].copy() if a.tree_nodes else lattice[:0, :width]
-                                 for a, r in zip(asks, rows, strict=True)]
+                self.lattices = [lattice[r + 1:r + 1 + a.n, :width].copy() if t else lattice[:0, :width]
+                                 for a, r, t in zip(asks, rows, tree, strict=True)]
             else:
                 out = [self._per_position(r, a) for a, r in zip(asks, rows, strict=True)]
         finally:
@@ -169,12 +172,15 @@ class DFlashDrafter:
     def begin(self, seq: int) -> None:
         pass  # the features come with every decode (process)
 
-    def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
-        return self._block.draft_blocks(asks)
+    def draft(self, asks: Sequence[DraftAsk], *, trees: bool = False) -> list[Proposal]:
+        """Each ask's draft; with `trees` (the tree method drafting through this one) an ask for a tree gets its
+        block's lattice rows (`lattices`) instead of a walk."""
+        return self._block.draft_blocks(asks, trees=trees)
 
     @property
     def lattices(self) -> list[np.ndarray]:
-        """DFlash 2: the lattice rows of each ask of the last `draft` that asked for a tree (empty otherwise)."""
+        """DFlash 2: the lattice rows of each ask of the last `draft(..., trees=True)` that asked for a tree (empty
+        otherwise)."""
         return self._block.lattices
 
     def accept(self, seq: int, n_accepted: int) -> None:

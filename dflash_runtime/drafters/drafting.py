@@ -84,6 +84,7 @@ class DraftAsk:
     p_min: float = 0.0
     sampling: DraftSampling | None = None
     tree_nodes: int = 0  # a draft tree's row budget (dflash_tree.py); 0: a chain
+    tree_paths: int = 0  # the most paths beside the spine the step can decode (its free spare target sequences)
 
 
 class Drafter(Protocol):

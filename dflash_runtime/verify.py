@@ -12,6 +12,11 @@ target's distribution exactly (token for token at temperature 0):
   an n-gram lookup) was drawn from a point mass on its token: it is kept with probability p(x), and on rejection the
   token comes from p with x removed, renormalised.
 
+A draft tree (drafters/tree.py) has a verifier of its own: `TreeWalk` for a chosen tree (the walk that samples each
+node's row and follows the child holding the sample), `TreeRejection` for a tree drawn from q (recursive rejection
+sampling over each node's siblings, the residual renormalised after each rejection; one `rejection_stage` is the
+chain's step too).
+
 Rows are those of the last target decode, from `first_row` on. `walk()` yields (token, source) lazily, so sampling
 stops where the caller stops reading (end of generation, a stop string): "draft" for an accepted draft token,
 "target" for the target's own sample that ends the walk.

@@ -20,12 +20,12 @@ from test_parallel import _jobs, check_against_reference, interleave
 from test_tree import UnnormalisedResidual
 
 from dflash_runtime import load_pair
-from dflash_runtime.drafters.proposal import DRAFT, TARGET
+from dflash_runtime.drafters.proposal import DRAFT, TARGET, Proposal
 from dflash_runtime.drafters.tree import ROOT, DraftTree
 from dflash_runtime.engine import Engine
 from dflash_runtime.errors import RequestError
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
-from dflash_runtime.verify import TreeRejection, Verifiers
+from dflash_runtime.verify import RejectionVerifier, TreeRejection, Verifiers
 
 TREE = "dflash-tree"
 
@@ -145,6 +145,37 @@ def test_a_hybrid_trees_paths_get_their_state_on_the_device() -> None:
                 engine.explain_divergence("hello world", [1, 2], [1, 3])  # decodes on the idle sequence
         assert tokens == plain and event.stats.tree_host_bytes > 0
         assert engine.step_counters()["fork_host_bytes"] == event.stats.tree_host_bytes
+
+
+CHAIN_DRAFTS: list[tuple[int, int]] = []  # (drafted tokens, distributions recorded) of every chain verify
+
+
+class ChainRecorded(RejectionVerifier):
+    def walk(self, proposal: Proposal, first_row: int = 0) -> Iterator[tuple[int, str]]:
+        CHAIN_DRAFTS.append((len(proposal.tokens), -1 if proposal.q is None else len(proposal.q)))
+        yield from super().walk(proposal, first_row)
+
+
+def test_a_tree_that_gets_no_path_is_a_chain_step() -> None:
+    """Two tree requests stepped together on one spare sequence: the tree that gets no path is its spine, the chain's
+    draw, verified by the chain's rejection sampling with the draft's q and counted as a chain step."""
+    pair = tiny_pair("dense", "dflash2", head="markov")
+    with load_pair(pair.target, pair.draft, n_ctx=512, draft_capacity=7, branches=1, parallel=2,
+                   verifiers=Verifiers(sample=ChainRecorded)) as engine:
+        CHAIN_DRAFTS.clear()
+        streams = [engine.stream(prompt, max_tokens=60, method=TREE, draft_length=5, tree_nodes=12, temperature=1.0,
+                                 seed=seed, cache_owner=seed) for seed, prompt in enumerate(PROMPTS[1:3])]
+        last = {}
+        while streams:
+            for stream in list(streams):
+                event = next(stream)
+                if event.finish_reason is not None:
+                    last[id(stream)] = event.stats
+                    streams.remove(stream)
+        drafts = [(n, q) for n, q in CHAIN_DRAFTS if n]  # (the prompt's own first sample is a walk of no draft)
+        chains = sum(s.verify_steps - s.tree_steps for s in last.values())
+        assert sum(s.tree_steps for s in last.values()) > 0 and chains == len(drafts) > 0
+        assert all(q == n for n, q in drafts)  # the spine's tokens, each with its q
 
 
 def test_tree_nodes_is_checked_and_the_method_needs_spare_sequences() -> None:

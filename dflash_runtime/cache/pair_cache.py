@@ -9,7 +9,9 @@ snapshots are written by a decode for the last min(n_rows, n_rs_seq + 1) states 
 n rows the state can move back by at most min(n - 1, n_rs_seq) tokens, once. `llama_memory_seq_rm` cannot tell: it
 also accepts rollbacks into snapshots left by an older decode, and the state is then silently wrong. Anything deeper
 restores the newest context checkpoint at or below the target position, or starts over; either way the cache keeps
-fewer tokens than asked and the caller prefills the rest.
+fewer tokens than asked and the caller prefills the rest. A rollback through the snapshots takes effect at the
+sequence's next decode; until then it is pending (`pending_rollback`), which a draft tree's paths must know when
+they share the sequence's state (spares.py).
 """
 
 from __future__ import annotations

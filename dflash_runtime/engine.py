@@ -233,8 +233,9 @@ class Engine:
         cache/sessions.py). `on_prefill(done, total)` is called after each prompt chunk the engine decodes (progress
         of a long prompt); it runs inside the engine step (on whichever request's thread steps the engine), so it must
         be quick and must not start or read requests of this engine; it may cancel the request.
-        `tree_nodes` (method "dflash-tree"): a draft tree's verify rows beside the root's, "auto" (twice the draft
-        length, at least 8) or an integer ≥ 1; the tree is `draft_length` deep.
+        `tree_nodes` (method "dflash-tree"): a draft tree's verify rows beside the root's down to where its paths
+        leave the chain's draft (each path then runs to the full depth), "auto" (twice the draft length, at least 8)
+        or an integer ≥ 1; the tree is `draft_length` deep.
         `draft_max=` is the deprecated spelling of `draft_length=`."""
         self.check_open()
         length = renamed_keyword("draft_max", "draft_length", draft_max, draft_length, None)

@@ -10,6 +10,7 @@ failure of a shared pass (a draft or target decode) ends every request in it, ea
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -214,7 +215,8 @@ class Steps:
                                  for run in ordered if run.planned is not None])
             inject_ms = (time.perf_counter() - t) * 1000.0
         except Exception as error:
-            parts.spares.drop(forked)  # whatever the failure left in them
+            with contextlib.suppress(Exception):  # the failure that ended the step is the one to report
+                parts.spares.drop(forked)  # whatever the failure left in them
             for run in ordered:
                 run.fail(error)
             return False

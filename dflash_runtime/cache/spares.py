@@ -18,6 +18,8 @@ counted (`fork` returns them).
 
 The spare sequences keep their cells between steps (their contents are never read: the next fork replaces them);
 `prime` gives each one a cell of its own when no request holds a pending rollback (the engine's opening, a reset).
+Were `llama_memory_recurrent::seq_cp` to copy the source's snapshot index to the destination, a bare copy would be
+exact, in every case, and neither the own cells nor the host copy would be needed.
 """
 
 from __future__ import annotations

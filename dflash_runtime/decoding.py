@@ -313,8 +313,9 @@ class Decoding:
         else:
             nodes = int(req.tree_nodes)
         self._tree_asked = nodes > 0
+        asked = req.draft_length if isinstance(req.draft_length, int) else 0
         return n_block, DraftAsk(self.seq, self._id_last, pos0, n_block, self.req.n_min, self.req.p_min,
-                                 self._draft_sampling, nodes)
+                                 self._draft_sampling, nodes, n_asked=asked)
 
     def set_draft(self, proposal: Proposal, drafted_by: str | None, draft_ms: float) -> None:
         self._drafted_by = drafted_by

@@ -300,7 +300,8 @@ class Decoding:
         req, stats, policy = self.req, self.stats, self.policy
         pos0 = len(self.cache)
         # Like llama.cpp's server: leave room in the context, and draft nothing past max_tokens.
-        room = max(0, min(self.parts.pair.n_ctx - pos0 - 2, req.max_tokens - stats.n_generated - 1))
+        in_context = self.parts.pair.n_ctx - pos0 - 2
+        room = max(0, min(in_context, req.max_tokens - stats.n_generated - 1))
         if self._lead:  # an accepted tree path off the spine: its tokens are decoded first, in a plain step
             self._n_block = 0
             return 0, None
@@ -313,7 +314,9 @@ class Decoding:
         else:
             nodes = int(req.tree_nodes)
         self._tree_asked = nodes > 0
-        asked = req.draft_length if isinstance(req.draft_length, int) else 0
+        # A fixed length cut by max_tokens alone: the block keeps its length (see DraftAsk.n_asked); the context's end
+        # cuts the block too, its cells must fit.
+        asked = min(req.draft_length, in_context) if isinstance(req.draft_length, int) else 0
         return n_block, DraftAsk(self.seq, self._id_last, pos0, n_block, self.req.n_min, self.req.p_min,
                                  self._draft_sampling, nodes, n_asked=asked)
 

@@ -84,8 +84,8 @@ class DraftAsk:
     p_min: float = 0.0
     sampling: DraftSampling | None = None
     tree_nodes: int = 0  # a draft tree's row budget (dflash_tree.py); 0: a chain
-    # The request's fixed draft length before the room left (in the context, in max_tokens) cut it to n; 0: n. A
-    # block drafter whose rows see one another drafts a block this long and keeps n, as llama.cpp does.
+    # The request's fixed draft length before the room left in max_tokens cut it to n (at most what the context
+    # holds); 0: n. A block drafter whose rows see one another drafts a block this long and keeps n, as llama.cpp does.
     n_asked: int = 0
 
     @property

@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import inspect
 import json
 import os
@@ -100,7 +101,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file fr
 from dflash_runtime import load_pair
 from dflash_runtime.bench_concurrency import distinct_prompts, run_streams
 from dflash_runtime.engine import Engine
-from dflash_runtime.pair import LinkedPair
+from dflash_runtime.pair import LinkedPair, PairOptions
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_draft_model, tiny_pair
 
 PROMPTS = (
@@ -491,7 +492,10 @@ class Level:
 
 
 def engine_has_parallel() -> bool:
-    """Whether this checkout's engine opens parallel sequences (`load_pair(..., parallel=N)`)."""
+    """Whether this checkout's engine opens parallel sequences (`load_pair(..., parallel=N)`: a pair option, or a
+    keyword of older checkouts)."""
+    if any(f.name == "parallel" for f in dataclasses.fields(PairOptions)):
+        return True
     return any("parallel" in inspect.signature(f).parameters for f in (LinkedPair.__init__, Engine.__init__))
 
 

@@ -302,7 +302,8 @@ class Decoding:
         req, stats, policy = self.req, self.stats, self.policy
         pos0 = len(self.cache)
         # Like llama.cpp's server: leave room in the context, and draft nothing past max_tokens.
-        room = max(0, min(self.parts.pair.n_ctx - pos0 - 2, req.max_tokens - stats.n_generated - 1))
+        in_context = self.parts.pair.n_ctx - pos0 - 2
+        room = max(0, min(in_context, req.max_tokens - stats.n_generated - 1))
         if self._lead:  # an accepted tree path off the spine: its tokens are decoded first, in a plain step
             self._n_block = 0
             return 0, None
@@ -316,8 +317,11 @@ class Decoding:
             nodes = max(2 * n_block, AUTO_TREE_NODES) if self.tree_or_chain.choose() == "tree" else 0
         else:
             nodes = int(req.tree_nodes)
+        # A fixed length cut by max_tokens alone: the block keeps its length (see DraftAsk.n_asked); the context's end
+        # cuts the block too, its cells must fit.
+        asked = min(req.draft_length, in_context) if isinstance(req.draft_length, int) else 0
         return n_block, DraftAsk(self.seq, self._id_last, pos0, n_block, self.req.n_min, self.req.p_min,
-                                 self._draft_sampling, nodes, paths if nodes else 0)
+                                 self._draft_sampling, nodes, paths if nodes else 0, n_asked=asked)
 
     def set_draft(self, proposal: Proposal, drafted_by: str | None, draft_ms: float) -> None:
         self._drafted_by = drafted_by

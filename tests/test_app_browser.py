@@ -671,7 +671,8 @@ def test_the_method_menu_says_what_each_method_is(page: DevTools) -> None:
     help_text = page.wait_for(f"{text_of('#method-help')}.includes('DFlash 2') && {text_of('#method-help')}", 20,
                               "the method menu's help")  # fmt: skip
     for line in ("auto: the pair's default (DFlash 2)", "DFlash 2: a small draft model", "ngram-mod: no draft model",
-                 "ngram-map-k: no draft model", "ngram-mod → DFlash 2: each step drafted by ngram-mod"):
+                 "ngram-map-k: no draft model", "ngram-simple: no draft model", "ngram-map-k4v: no draft model",
+                 "ngram-cache: no draft model", "ngram-mod → DFlash 2: each step drafted by ngram-mod"):
         assert line in help_text, f"{line!r} missing from {help_text!r}"
 
 

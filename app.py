@@ -81,6 +81,10 @@ PAGE_CSS = HIGHLIGHT_CSS + f"""
 #ab-result th {{ white-space: nowrap; overflow-wrap: normal; }}
 #ab-result table {{ font-size: var(--text-sm); }}
 #ab-result th, #ab-result td {{ padding: 4px 6px; }}
+/* The A/B's findings and table beside its chart where both fit, the chart under them where not (a phone). */
+#ab-found {{ flex-wrap: wrap; }}
+#ab-found > #ab-result, #ab-found > :has(#ab-result) {{ flex: 3 1 320px; min-width: min(320px, 100%); }}
+#ab-found > #ab-chart, #ab-found > :has(#ab-chart) {{ flex: 2 1 240px; min-width: min(240px, 100%); }}
 .ab-texts {{ display: grid; grid-template-columns: repeat(auto-fit, minmax(240px, 1fr)); gap: 8px; }}
 .ab-text {{ border: 1px solid var(--border-color-primary); border-radius: 6px; padding: 6px 8px; min-width: 0; }}
 .ab-name {{ font-size: var(--text-sm); margin-bottom: 4px; }}
@@ -125,13 +129,14 @@ AB_SCROLL = """() => {
     box.style.minHeight = Math.round(window.innerHeight * 0.7) + 'px';  // room to scroll to, before the result comes
     row.scrollIntoView({block: 'start', behavior: 'smooth'});
 }"""
-# When an answer ends: its one-line summary into view where it is not (a phone's first screen ends above it).
-SUMMARY_SCROLL = """() => {
+# When an answer ends: its one-line summary into view where it is not (a phone's first screen ends above it),
+# measured once the page has laid out the answer's last frame (two animation frames on).
+SUMMARY_SCROLL = """() => requestAnimationFrame(() => requestAnimationFrame(() => {
     const summary = document.querySelector('#stats-summary');
     if (!summary) return;
     const r = summary.getBoundingClientRect();
     if (r.top < 0 || r.bottom > window.innerHeight) summary.scrollIntoView({block: 'nearest'});
-}"""
+}))"""
 
 
 def demo_files(spec: Mapping[str, Any]) -> tuple[Path, Path]:

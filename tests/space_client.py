@@ -231,18 +231,20 @@ def wait_done(job: Any, timeout_s: float = 60.0) -> None:
     assert done, f"the job did not end within {timeout_s} s"
 
 
-SHARE = re.compile(r"\*\*(\d+) %\*\* of these")
-FIGURE = re.compile(r"about (\d+\.\d+)× as fast\*\* as the main model alone \(estimate: ([\d.]+)–([\d.]+)×\)")
+SHARE = re.compile(r"(\d+) % of these")
+FIGURE = re.compile(r"about (\d+\.\d+)× as fast as the main model alone \(estimate: ([\d.]+)–([\d.]+)×\)")
 UNCERTAIN = ("too early to tell", "too uncertain to tell", "by how much still uncertain")
 
 
 def summary_contradiction(summary: str, too_wide: float = 0.25) -> str | None:
     """What in one statistics summary contradicts itself, or None: a speed-up stated as a figure without its range,
     or with a range too wide to be the figure; a draft share above half beside a speed-up of about 1× that neither
-    says the estimate is uncertain nor why drafting gained nothing."""
+    says the estimate is uncertain nor why drafting gained nothing. `summary`: its Markdown, or its text as the page
+    shows it."""
+    summary = " ".join(summary.replace("**", "").split())
     share = SHARE.search(summary)
     figures = FIGURE.findall(summary)
-    if "× as fast**" in summary and not figures:
+    if "× as fast" in summary and not figures:
         return "a speed-up figure without its range"
     for ratio, low, high in figures:
         if (float(high) - float(low)) / 2 > too_wide * float(ratio) + 0.051:  # + the last digit's rounding

@@ -163,6 +163,12 @@ def speed_up_chart(rows: list[dict[str, Any]]) -> Any:
                      visible=True)  # fmt: skip
 
 
+def ab_frame(found: str, rows: list[dict[str, Any]], texts: str, button: Any) -> tuple[Any, ...]:
+    """One frame of the A/B's outputs: its box, its chart (an update in every frame, made anew, never a skip after
+    one: see notice_line), its texts and its button."""
+    return found, speed_up_chart(rows), texts, button
+
+
 # The A/B box, chart and texts as a new message (or a new A/B run) leaves them: empty.
 AB_CLEARED = ("", speed_up_chart([]), "")
 
@@ -646,17 +652,20 @@ class PageHandlers:
         the pair runs, in one GPU call, all with the same seed: the findings and a table, the speed-ups as a chart
         beside them, the texts side by side once every run has finished."""
         call = call_of(request)
-        last: tuple[Any, ...] = (gr.skip(),) * 3
+        found: tuple[Any, Any, Any] | None = None
         try:
             async with aclosing(self._compare(session, typed, settings, call, self.service.client(request))) as frames:
-                async for last in frames:
-                    yield (*last, gr.skip())
-            yield (*last, ab_button(True))  # the last frame again, not skips that would undo its chart's update
+                async for found in frames:
+                    yield ab_frame(*found, gr.skip())
+            # The last frame again, made anew (Gradio changes an update it has sent): a skip after the chart's update
+            # would undo it when the frames reach the page in a burst (see notice_line).
+            yield ab_frame(*found, ab_button(True)) if found else (gr.skip(),) * 3 + (ab_button(True),)
         finally:
             self.service.callers.end(call)
 
     async def _compare(self, session: ChatSession, typed: str, settings: tuple[Any, ...], call: str | None,
-                       client: ClientIdentity) -> AsyncIterator[tuple[Any, Any, Any]]:  # fmt: skip
+                       client: ClientIdentity) -> AsyncIterator[tuple[str, list[dict[str, Any]], str]]:  # fmt: skip
+        """The A/B's frames as plain data: its findings (Markdown), the chart's bars, the texts side by side."""
         last = session.last_prompt()
         if last is None and not typed.strip():  # compare_start said so
             return
@@ -667,16 +676,15 @@ class PageHandlers:
             request = self.service.check(message=message, history=earlier, **self._settings(settings))
             request = replace(request, seed=random.randrange(2**31))
             phases, labels = self.comparison_phases()
-            yield f"**A/B running: {PLAIN_LABEL}** (1 of {len(phases)})…", *AB_CLEARED[1:]
+            yield f"**A/B running: {PLAIN_LABEL}** (1 of {len(phases)})…", [], ""
             comparison = Comparison(request.temperature, request.seed, labels)
             async for reply in self.service.reply(request, phases, owner=session.owner, client=client,
                                                   latest_only=True, session=session, call=call):  # fmt: skip
                 found = comparison.add(reply)
-                # The chart as an update in every frame (never a skip after it: see notice_line), the texts a value.
-                yield found, speed_up_chart(comparison.chart_rows), texts_side_by_side(comparison.texts)
+                yield found, list(comparison.chart_rows), texts_side_by_side(comparison.texts)
         except Exception as error:  # told, not raised: see the class doc
             _, text = visitor_message(error)
-            yield f"⚠️ **A/B not run:** {text}", *AB_CLEARED[1:]
+            yield f"⚠️ **A/B not run:** {text}", [], ""
 
     def highlight(self, session: ChatSession, on: bool) -> list[dict[str, str]]:
         """Inputs: session, highlight switch. Output: chatbot. Shows the conversation with or without the draft's

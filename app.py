@@ -135,7 +135,7 @@ SUMMARY_SCROLL = """() => requestAnimationFrame(() => requestAnimationFrame(() =
     const summary = document.querySelector('#stats-summary');
     if (!summary) return;
     const r = summary.getBoundingClientRect();
-    if (r.top < 0 || r.bottom > window.innerHeight) summary.scrollIntoView({block: 'nearest'});
+    if (r.top < -1 || r.bottom > window.innerHeight + 1) summary.scrollIntoView({block: 'nearest'});
 }))"""
 
 

@@ -322,8 +322,9 @@ def generated_tokens(stats: str) -> int:
 
 
 def wait_for_page(page: DevTools) -> None:
-    page.wait_for("!!document.querySelector('#message-box textarea') && !!document.querySelector('#send')", 60,
-                  "the page to load")  # fmt: skip
+    """Until the page has rendered, to its last components in each column (they come after the first ones)."""
+    rendered = ["#message-box textarea", "#send", "#draft-legend", "#max-tokens input[type='number']", "#about"]
+    page.wait_for(" && ".join(f"!!document.querySelector({json.dumps(s)})" for s in rendered), 60, "the page to load")
 
 
 def wait_idle(server: RunningApp, timeout_s: float = 60) -> None:
@@ -444,8 +445,8 @@ PAGE_FAULTS = """(() => {
     }
     return faults.slice(0, 20);
 })()"""
-# The answer's summary wholly inside the window.
-SUMMARY_IN_VIEW = ("(r => r.height > 0 && r.top >= 0 && r.bottom <= window.innerHeight)("
+# The answer's summary wholly inside the window (a pixel's rounding aside: the page scrolls by whole pixels).
+SUMMARY_IN_VIEW = ("(r => r.height > 0 && r.top >= -1 && r.bottom <= window.innerHeight + 1)("
                    "document.querySelector('#stats-summary').getBoundingClientRect())")  # fmt: skip
 MESSAGE_BOX_SHARE = ("document.querySelector('#message-box textarea').getBoundingClientRect().width / "
                      "document.documentElement.clientWidth")  # fmt: skip

@@ -169,8 +169,10 @@ def ab_frame(found: str, rows: list[dict[str, Any]], texts: str, button: Any) ->
     return found, speed_up_chart(rows), texts, button
 
 
-# The A/B box, chart and texts as a new message (or a new A/B run) leaves them: empty.
-AB_CLEARED = ("", speed_up_chart([]), "")
+def ab_cleared() -> tuple[Any, Any, Any]:
+    """The A/B box, chart and texts as a new message (or a new A/B run) leaves them: empty (a new update each time:
+    Gradio changes one it has sent)."""
+    return "", speed_up_chart([]), ""
 
 
 def notice_line(text: str) -> str:
@@ -489,7 +491,7 @@ class PageHandlers:
             return (skip, skip, self._told(error, "Not sent", toast=False), skip, skip, skip, REFUSED_STATS,
                     EMPTY_DETAILS, *HIDDEN_CHARTS, skip)  # fmt: skip
         _, shown = session.start_turn(message, request, keep)
-        return shown, "", notice_line(""), *AB_CLEARED, skip, skip, skip, skip, skip, ab_button(False)
+        return shown, "", notice_line(""), *ab_cleared(), skip, skip, skip, skip, skip, ab_button(False)
 
     def retry(self, session: ChatSession, *settings: Any) -> tuple[Any, ...]:
         """Inputs: session, then the settings. Outputs: as `submit`. The chat's retry: the last message sent again in
@@ -513,7 +515,8 @@ class PageHandlers:
         if turn is None:
             return (session.shown(), *(gr.skip(),) * 11)
         sent = self._send(typed_user_text(str(data.value)), session, settings, turn[1])
-        return (sent[0] if sent[0] is not gr.skip() else session.shown(), gr.skip(), *sent[2:])
+        # Refused (or busy), the chat shows the conversation as it was: the page had put the edit in its own copy.
+        return (sent[0] if isinstance(sent[0], list) else session.shown(), gr.skip(), *sent[2:])
 
     def undo(self, session: ChatSession) -> tuple[Any, ...]:
         """Inputs: session. Outputs: chatbot, message box, notice, statistics, details, acceptance plot, speed
@@ -643,7 +646,7 @@ class PageHandlers:
                     gr.skip())  # fmt: skip
         _, labels = self.comparison_phases()
         return (f"**A/B starting:** the prompt with plain decoding, then with {', '.join(labels.values())}, all with "
-                "the same seed…", *AB_CLEARED[1:], ab_button(False, running=True))  # fmt: skip
+                "the same seed…", *ab_cleared()[1:], ab_button(False, running=True))  # fmt: skip
 
     async def compare(self, request: gr.Request, session: ChatSession, typed: str,
                       *settings: Any) -> AsyncIterator[tuple[Any, ...]]:  # fmt: skip
@@ -702,7 +705,7 @@ class PageHandlers:
         acceptance chart, notice, A/B box, A/B chart, A/B texts, A/B button. Stops the running answer and forgets
         the conversation."""
         session.clear()
-        return ([], "", EMPTY_STATS, EMPTY_DETAILS, *HIDDEN_CHARTS, notice_line(""), *AB_CLEARED,
+        return ([], "", EMPTY_STATS, EMPTY_DETAILS, *HIDDEN_CHARTS, notice_line(""), *ab_cleared(),
                 ab_button(True))  # fmt: skip
 
     def page_load(self) -> tuple[Any, ...]:

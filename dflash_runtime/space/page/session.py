@@ -177,8 +177,9 @@ class ChatSession:
             return self._shown()
 
     def _shown(self) -> list[Message]:
-        """The conversation as the chat shows it: answers with draft runs as highlighted HTML when the highlight is
-        on, every other message as its plain text. Call with the lock held."""
+        """The conversation as the chat shows it: answers with draft runs as highlighted Markdown when the highlight is
+        on, every other message as its plain text; an answer that has ended with its speed badge under it. Call with
+        the lock held."""
         shown = []
         for i, message in enumerate(self.messages):
             if message["role"] == "user":

@@ -50,6 +50,7 @@ _PLAIN = re.compile(r"(?:[^\W_]|[.,;:!?%@/+=&'’\-])+")
 _HAS_LETTER = re.compile(r"[^\W_]")
 _BLOCK_MARKER = re.compile(r"\d{1,9}[.)]|[-*+>]|#{1,6}")
 _FENCE = re.compile(r"(`{3,}|~{3,})")
+_LEAD = re.compile(r"\s*")
 
 
 def escape(text: str) -> str:
@@ -151,10 +152,9 @@ def _blocks(text: str, done: bool) -> tuple[str | None, list[tuple[str, int, int
     last). Mode "plain", "thinking" (a thinking block still open) or "answer" (the answer after a closed thinking
     block) can only grow; None: the next text may change the blocks (a thinking tag not yet decided, an answer not
     yet begun)."""
-    lead = len(text) - len(text.lstrip())
-    head = text[lead:]
-    if not head.startswith(THINK_OPEN):
-        undecided = THINK_OPEN.startswith(head) and not done
+    lead = _LEAD.match(text).end()  # type: ignore[union-attr] - `\s*` always matches
+    if not text.startswith(THINK_OPEN, lead):
+        undecided = not done and len(text) - lead < len(THINK_OPEN) and THINK_OPEN.startswith(text[lead:])
         return (None if undecided else "plain"), [("", 0, len(text))], ""
     think_start = lead + len(THINK_OPEN)
     think_end = text.find(THINK_CLOSE, think_start)

@@ -21,6 +21,7 @@ from . import methods
 from .cache.checkpoints import CheckpointPolicy, CheckpointStore
 from .cache.pair_cache import PairCache
 from .cache.sessions import CacheOwners, SessionPolicy
+from .cache.spares import SpareSequences
 from .chat import ChatTemplate, ControlToken, control_tokens, model_template
 from .controller import Policies
 from .decoding import Decoding, Parts, Request
@@ -99,8 +100,10 @@ class Engine:
                                     n_rs_seq=pair.n_rs_seq, checkpoints=store, seq=seq))
         # Control tokens are read once, here: chat prompts and checkpoint positions need them on every request.
         self._controls: list[ControlToken] = control_tokens(pair.vocabulary)
+        spares = SpareSequences(pair.target_ctx, pair.branch_seqs, recurrent=pair.is_recurrent, n_rs_seq=pair.n_rs_seq)
         self._parts = Parts(pair, caches, batch, drafters, verifiers, CacheOwners(caches, sessions),
-                            frozenset(t.id for t in self._controls))
+                            frozenset(t.id for t in self._controls), spares)
+        spares.prime()
         self._steps = Steps(self._parts)
         self._occupancy = Occupancy(self._free, busy_timeout_s, pair.parallel, self._steps.run)
         self.default_draft_length = check_length(draft_length, max(map(self.capacity, self.methods), default=0))
@@ -230,8 +233,9 @@ class Engine:
         cache/sessions.py). `on_prefill(done, total)` is called after each prompt chunk the engine decodes (progress
         of a long prompt); it runs inside the engine step (on whichever request's thread steps the engine), so it must
         be quick and must not start or read requests of this engine; it may cancel the request.
-        `tree_nodes` (method "dflash-tree"): a draft tree's verify rows beside the root's, "auto" (twice the draft
-        length, at least 8) or an integer ≥ 1; the tree is `draft_length` deep.
+        `tree_nodes` (method "dflash-tree"): a draft tree's verify rows beside the root's down to where its paths
+        leave the chain's draft (each path then runs to the full depth), "auto" (twice the draft length, at least 8)
+        or an integer ≥ 1; the tree is `draft_length` deep.
         `draft_max=` is the deprecated spelling of `draft_length=`."""
         self.check_open()
         length = renamed_keyword("draft_max", "draft_length", draft_max, draft_length, None)
@@ -289,6 +293,7 @@ class Engine:
             for cache in self._parts.caches:
                 cache.clear()
             self._parts.owners.forget()
+            self._parts.spares.prime()  # nothing of the requests' stays in them either
 
     def park(self, owner: Hashable | None = None) -> None:
         """Copy `owner`'s live state aside now (host memory), so that it comes back at its owner's next request even
@@ -332,6 +337,8 @@ class Engine:
                 cache.clear()
                 if parked is not None:
                     cache.unpark(parked)
+                for other in self._parts.caches:  # its decodes ran beside every other sequence
+                    other.beside_decode()
 
     def step_counters(self) -> dict[str, float | int]:
         """Engine-wide totals since it opened (for benchmarks): target decodes, the rows they held, time in steps."""
@@ -401,6 +408,7 @@ class Engine:
         for drafter in parts.drafters.values():
             drafter.free()
         parts.batch.free()
+        parts.spares.free()
         self.pair.close()
 
     @contextlib.contextmanager

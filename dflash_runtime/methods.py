@@ -32,7 +32,7 @@ from .drafters import ngram
 from .drafters.drafting import DFLASH, MTP, Drafter, Implementation, TokenView
 from .drafters.method_chains import CHAIN_SEPARATOR, split
 from .errors import PairMismatchError, RequestError
-from .validation import dflash_kind
+from .validation import dflash_kind, has_markov_head
 
 if TYPE_CHECKING:
     from .gguf_meta import GGUFInfo
@@ -75,6 +75,12 @@ def _dflash() -> Implementation:
     from .drafters import dflash  # libllama comes with it: loaded when a pair opens, not where methods are listed
 
     return dflash.IMPLEMENTATION
+
+
+def _dspark() -> Implementation:
+    from .drafters import dspark  # as _dflash
+
+    return dspark.IMPLEMENTATION
 
 
 def _mtp() -> Implementation:
@@ -123,6 +129,9 @@ REGISTRY: tuple[Method, ...] = (
     Method("dflash-tree", "DFlash 2 tree", "dflash2+branches", _dflash_tree, auto=False,
            help="DFlash 2's block as a tree: the draft's likeliest alternatives verified beside its first choice, "
                 "each on a spare target sequence"),
+    Method("dspark", "DSpark", "dspark", _dspark, claims=has_markov_head, priority=110, kind_of=dflash_kind,
+           help="a DFlash draft with a Markov head: each guessed token leans on the one before it, and a confidence "
+                "head may end the draft where it doubts (llama.cpp's draft-dspark)"),
     Method(MTP, "MTP", NEXTN, _mtp, target_has=_has_nextn,
            help="the target's own multi-token-prediction head guesses the next tokens",
            about="MTP (the target's own multi-token-prediction head)", source="the target's MTP head"),

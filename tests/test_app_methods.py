@@ -86,7 +86,7 @@ def test_info_lists_the_methods_and_the_models_sampling_defaults(client: Client)
     assert defaults["method"] == "auto" and defaults["draft_length"] == "auto"
     limits = info["limits"]
     assert limits["draft_length"] == ["auto", [0, 7]]
-    assert limits["method"] == ["auto", "dflash", "dflash-tree", "mtp", "eagle3", "draft-simple", "ngram-mod",
+    assert limits["method"] == ["auto", "dflash", "dflash-tree", "dspark", "mtp", "eagle3", "draft-simple", "ngram-mod",
                                 "ngram-map-k", "ngram-mod,dflash"]
 
 
@@ -113,8 +113,8 @@ def test_unset_sampling_takes_the_models_defaults(client: Client) -> None:
         ({"draft_length": 8}, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got 8"),
         ({"draft_length": "three"}, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got 'three'"),
         ({"method": "eagle"},
-         "method must be one of 'auto', 'dflash', 'dflash-tree', 'mtp', 'eagle3', 'draft-simple', 'ngram-mod', "
-         "'ngram-map-k', 'ngram-mod,dflash', got 'eagle'"),
+         "method must be one of 'auto', 'dflash', 'dflash-tree', 'dspark', 'mtp', 'eagle3', 'draft-simple', "
+         "'ngram-mod', 'ngram-map-k', 'ngram-mod,dflash', got 'eagle'"),
         ({"top_k": -1}, "top_k must be an integer in 0..1000 (0 = off), got -1"),
         ({"min_p": 1.5}, "min_p must be a number in [0.0, 0.99], got 1.5"),
     ],

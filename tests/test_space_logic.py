@@ -158,8 +158,8 @@ def test_an_unusable_gpu_build_serves_the_offline_demo_with_the_fix() -> None:
         ("draft_length", "3", "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got '3'"),
         ("draft_length", True, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got True"),
         ("method", "eagle",
-         "method must be one of 'auto', 'dflash', 'dflash-tree', 'mtp', 'eagle3', 'draft-simple', 'ngram-mod', "
-         "'ngram-map-k', 'ngram-mod,dflash', got 'eagle'"),
+         "method must be one of 'auto', 'dflash', 'dflash-tree', 'dspark', 'mtp', 'eagle3', 'draft-simple', "
+         "'ngram-mod', 'ngram-map-k', 'ngram-mod,dflash', got 'eagle'"),
         ("top_k", -1, "top_k must be an integer in 0..1000 (0 = off), got -1"),
         ("min_p", 1.0, "min_p must be a number in [0.0, 0.99], got 1.0"),
         ("temperature", float("nan"), "temperature must be a number in [0.0, 2.0], got nan"),

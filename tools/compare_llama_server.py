@@ -16,6 +16,10 @@ counts differ for the same reason as below): the server runs `-md DRAFT --spec-t
 `load_pair(target, DRAFT)` with `method="draft-simple"`, the same n-max, n-min and p-min.
 Draft `eagle3` is the generator's EAGLE-3 draft of the target: the server runs `-md DRAFT --spec-type draft-eagle3`,
 the engine `load_pair(target, DRAFT)` with `method="eagle3"`.
+Drafts `dspark` and `dspark-conf` are the generator's DSpark drafts (a DFlash draft with a Markov head; `dspark-conf`
+with a confidence head too): the server runs `-md DRAFT --spec-type draft-dspark`, the engine `method="dspark"`. The
+`dspark-conf` rows run at `--confidence-p-min` (default 0.5), so that the confidence head cuts drafts; the `dspark`
+rows at `--p-min` (the server refuses a p-min above 0 for a draft without a confidence head).
 On a hybrid target the server's `draft-simple` counts differ by design, the tokens not: llama-server classifies a
 hybrid memory for `draft-simple` as cut-only-whole (`need_n_rs_seq()` in common/common.h keeps recurrent states per
 draft position for MTP, EAGLE3 and DFlash only), so after a partly accepted draft it loads its context checkpoint
@@ -37,13 +41,14 @@ streams; every stream's tokens must equal the server's for that prompt and the e
 aggregate tok/s of both (all streams' tokens / the wall time from the first request sent to the last answer; the
 median of `--rounds` rounds, the engine's and the server's alternating) as a markdown table; `--json PATH` keeps
 every figure, the server's own per-request `timings` (prompt_ms, predicted_ms, predicted_per_second, per slot) and
-its `n_decode_total` included. The model drafts only (DFlash, MTP, draft-simple, EAGLE-3).
+its `n_decode_total` included. The model drafts only (DFlash, MTP, draft-simple, EAGLE-3, DSpark).
 
 Requests must end before the context does: there llama-server stops one cell early (it keeps room for a context
 shift) and drops the accepted tokens of a step that reaches that cell, while the engine fills the context.
 
     python tools/compare_llama_server.py --server-bin /path/to/llama-server [--targets dense,hybrid]
-        [--drafts dflash2,dflash1,mtp,draft-simple,eagle3,ngram-mod,ngram-map-k] [--heads shaped,regime] [--n-max 3,7]
+        [--drafts dflash2,dflash1,mtp,draft-simple,eagle3,dspark,dspark-conf,ngram-mod,ngram-map-k]
+        [--heads shaped,regime] [--n-max 3,7] [--confidence-p-min 0.5]
         [--max-tokens 48] [--n-embd 128] [--n-ctx 512] [--ngram-n 3] [--server-only] [--parallel N] [--scaling 1,2,4,8]
         [--rounds 3] [--json PATH]
 
@@ -74,6 +79,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import inspect
 import json
 import os
@@ -95,7 +101,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file fr
 from dflash_runtime import load_pair
 from dflash_runtime.bench_concurrency import distinct_prompts, run_streams
 from dflash_runtime.engine import Engine
-from dflash_runtime.pair import LinkedPair
+from dflash_runtime.pair import LinkedPair, PairOptions
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_draft_model, tiny_pair
 
 PROMPTS = (
@@ -113,6 +119,9 @@ DRAFT_SIMPLE = "draft-simple"  # a small model of the target's vocabulary
 DRAFT_SIMPLE_HYBRID = "draft-simple-hybrid"  # the same method with a small hybrid (qwen35) model as the draft
 DRAFT_MODELS = {DRAFT_SIMPLE: "dense", DRAFT_SIMPLE_HYBRID: "hybrid"}  # draft-simple's rows: the draft model's kind
 EAGLE3 = "eagle3"  # a one-layer draft reading three target layers (the server's draft-eagle3)
+# DSpark drafts (the server's draft-dspark): the generator's overrides of each row kind
+DSPARK_DRAFTS: dict[str, dict[str, Any]] = {"dspark": {}, "dspark-conf": {"confidence_head": True}}
+DSPARK = "dspark"
 NGRAMS = ("ngram-mod", "ngram-map-k")  # no draft file: the sequence drafts itself
 NGRAM_KEY = {"ngram-mod": "n_match", "ngram-map-k": "size_n"}  # the key length's engine option
 
@@ -269,6 +278,9 @@ def spec_args(args: argparse.Namespace, kind: str, draft: Path | None, n_max: in
     if kind == EAGLE3:
         assert draft is not None
         return ["-md", str(draft), "--spec-type", "draft-eagle3"]
+    if kind in DSPARK_DRAFTS:
+        assert draft is not None
+        return ["-md", str(draft), "--spec-type", "draft-dspark"]
     return ["--spec-type", "draft-mtp"] if draft is None else ["-md", str(draft), "--spec-type", "draft-dflash"]
 
 
@@ -279,7 +291,8 @@ def running_server(
     spec = spec_args(args, kind, draft, n_max)
     argv = [
         "-m", str(target), *spec,
-        "--spec-draft-n-max", str(n_max), "--spec-draft-n-min", str(args.n_min), "--spec-draft-p-min", str(args.p_min),
+        "--spec-draft-n-max", str(n_max), "--spec-draft-n-min", str(args.n_min),
+        "--spec-draft-p-min", str(p_min_of(args, kind)),
         # -c is shared by the slots (a cache split per slot): each gets n_ctx cells, as each engine sequence does
         "-c", str(args.n_ctx * n_parallel), "-np", str(n_parallel), "-t", str(args.threads), "-ngl", "0",
         "--spec-draft-ngl", "0", "--metrics", "--no-warmup", "--no-webui",
@@ -295,12 +308,28 @@ def running_server(
         server.stop()
 
 
-def generated_pair(args: argparse.Namespace, target: str, draft: str | None, head: str, **extra: int) -> TinyPair:
+def p_min_of(args: argparse.Namespace, kind: str) -> float:
+    """The p-min of a row kind: `--confidence-p-min` where a DSpark draft's confidence head cuts drafts."""
+    return args.confidence_p_min if DSPARK_DRAFTS.get(kind, {}).get("confidence_head") else args.p_min
+
+
+def engine_method(draft: str) -> str:
+    """The engine's method for a row kind."""
+    if draft in DRAFT_MODELS:
+        return DRAFT_SIMPLE
+    if draft in DSPARK_DRAFTS:
+        return DSPARK
+    return draft if draft in (MTP, EAGLE3, *NGRAMS) else "dflash"
+
+
+def generated_pair(args: argparse.Namespace, target: str, draft: str | None, head: str, **extra: Any) -> TinyPair:
     """The generated pair of a row: the tiny sizes, or from --n-embd 256 up the benchmarks' Qwen-like scaled ones;
     draft-simple: the target and a small model of its vocabulary as the draft."""
     if draft in DRAFT_MODELS:
         alone = generated_pair(args, target, None, head, **extra)
         return replace(alone, draft=tiny_draft_model(alone, kind=DRAFT_MODELS[draft]), draft_kind=DRAFT_SIMPLE)
+    if draft in DSPARK_DRAFTS:
+        draft, extra = DSPARK, {**DSPARK_DRAFTS[draft], **extra}
     return tiny_pair(target, draft, head=head, n_embd=args.n_embd, dims="scaled" if args.n_embd >= 256 else "tiny",
                      **extra)
 
@@ -313,9 +342,8 @@ def engine_has_mtp() -> bool:
 def engine_outcome(engine: Engine, args: argparse.Namespace, tokens: list[int], n_max: int, draft: str) -> Outcome:
     if not args.reuse:
         engine.reset()
-    common = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=args.p_min)
-    method = DRAFT_SIMPLE if draft in DRAFT_MODELS else draft if draft in (MTP, EAGLE3, *NGRAMS) else "dflash"
-    r = engine.generate(tokens, method=method, draft_length=n_max, **common)
+    common = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=p_min_of(args, draft))
+    r = engine.generate(tokens, method=engine_method(draft), draft_length=n_max, **common)
     s = r.stats
     return Outcome(tuple(r.tokens), r.text, s.drafted, s.accepted, s.verify_steps)
 
@@ -464,7 +492,10 @@ class Level:
 
 
 def engine_has_parallel() -> bool:
-    """Whether this checkout's engine opens parallel sequences (`load_pair(..., parallel=N)`)."""
+    """Whether this checkout's engine opens parallel sequences (`load_pair(..., parallel=N)`: a pair option, or a
+    keyword of older checkouts)."""
+    if any(f.name == "parallel" for f in dataclasses.fields(PairOptions)):
+        return True
     return any("parallel" in inspect.signature(f).parameters for f in (LinkedPair.__init__, Engine.__init__))
 
 
@@ -520,7 +551,8 @@ def engine_round(eng: Engine, prompts: Sequence[list[int]], options: dict[str, A
 def compare_parallel(args: argparse.Namespace, target: str, draft: str, head: str, logs: Path) -> list[Level]:
     """Every level of --scaling on one server (-np N) and one engine (parallel=N), for each draft length."""
     if draft in NGRAMS:
-        raise UsageError("--parallel compares the model drafts (dflash2, dflash1, mtp, draft-simple, eagle3), not the "
+        raise UsageError("--parallel compares the model drafts (dflash2, dflash1, mtp, draft-simple, eagle3, dspark), "
+                         "not the "
                          "n-gram "
                          "ones")
     if draft == MTP and target != "hybrid":
@@ -539,9 +571,8 @@ def compare_parallel(args: argparse.Namespace, target: str, draft: str, head: st
             raise UsageError(f"prompt + --max-tokens {args.max_tokens} reach the context end ({eng.n_ctx})")
         plain = tuple(plain_tokens(eng, x, args.max_tokens) for x in ids)
         for n_max in args.n_max:
-            method = DRAFT_SIMPLE if draft in DRAFT_MODELS else draft if draft in (MTP, EAGLE3) else "dflash"
-            options = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=args.p_min, draft_length=n_max,
-                           method=method)
+            options = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=p_min_of(args, draft),
+                           draft_length=n_max, method=engine_method(draft))
             log = logs / f"{target}-{draft}-{head}-n{n_max}-np{n_par}.log"
             with running_server(args, pair.target, draft, pair.draft, n_max, log, n_parallel=n_par) as server:
                 server.generate(ids[0], 8)  # warm-up, both sides: first-touch of the weights
@@ -635,8 +666,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--drafts", type=_csv(str), default=list(DFLASH_DRAFTS),
                    help=f"{', '.join(DFLASH_DRAFTS)} (draft files), {MTP} (the hybrid target's nextn block), "
                         f"{DRAFT_SIMPLE} (a small model of the target's vocabulary; {DRAFT_SIMPLE_HYBRID}: a hybrid "
-                        f"one), {EAGLE3} (an EAGLE-3 draft) or {', '.join(NGRAMS)} (the "
-                        "target alone)")
+                        f"one), {EAGLE3} (an EAGLE-3 draft), {', '.join(DSPARK_DRAFTS)} (DSpark drafts, the second "
+                        f"with a confidence head) or {', '.join(NGRAMS)} (the target alone)")
     p.add_argument("--heads", type=_csv(str), default=["shaped", "regime"])
     p.add_argument("--n-max", type=_csv(int), default=[3, 7], help="fixed draft lengths")
     p.add_argument("--max-tokens", type=int, default=48)
@@ -644,6 +675,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="the generated models' width (256 and up: the benchmarks' scaled sizes)")
     p.add_argument("--n-min", type=int, default=0, help="drop drafts shorter than this")
     p.add_argument("--p-min", type=float, default=0.0, help="stop a draft at a less confident position")
+    p.add_argument("--confidence-p-min", type=float, default=0.5,
+                   help="the p-min of the dspark-conf rows: where the DSpark confidence head cuts a draft")
     p.add_argument("--n-ctx", type=int, default=512)
     p.add_argument("--ngram-n", type=int, default=3, help="n-gram drafts: the key length (n_match / size_n)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
@@ -676,7 +709,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.server_bin.is_file():
         print(f"no llama-server at {args.server_bin}", file=sys.stderr)
         return 2
-    kinds = (*DFLASH_DRAFTS, MTP, *DRAFT_MODELS, EAGLE3, *NGRAMS)
+    kinds = (*DFLASH_DRAFTS, MTP, *DRAFT_MODELS, EAGLE3, *DSPARK_DRAFTS, *NGRAMS)
     unknown = sorted(set(args.drafts) - set(kinds))
     if unknown:
         print(f"unknown draft(s) {unknown}: choose from {', '.join(kinds)}",

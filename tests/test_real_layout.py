@@ -17,7 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dflash_runtime import load_pair
 from dflash_runtime.gguf_meta import read_gguf
-from dflash_runtime.space.page.highlight import reply_html
+from dflash_runtime.space.page.highlight import reply_markdown
 from dflash_runtime.space.requests import THINK_CLOSE, THINK_OPEN, strip_thinking, thinking_prefix
 from dflash_runtime.testing.real_layout import SAMPLING_DEFAULTS, RealLayoutPair, real_layout_pair, vendored_file
 from dflash_runtime.testing.tiny_models import tiny_pair
@@ -158,7 +158,7 @@ def test_thinking_block_folds_with_the_real_pieces(engine: Any) -> None:
     # The model's own tokens: <think> and </think> are user-defined tokens, rendered as text.
     text = engine.detokenize([THINK, *body, THINK_END, *answer])
     assert text.startswith(THINK_OPEN) and THINK_CLOSE in text
-    html = reply_html(text, [(len(text), "target")])
+    html = reply_markdown(text, [(len(text), "target")])
     assert html.startswith(THINK_OPEN) and html.count(THINK_CLOSE) == 1
     assert strip_thinking(text) == "An answer."
 

@@ -28,9 +28,11 @@ from starlette.middleware import Middleware
 from dflash_runtime.space.gpu import zerogpu
 from dflash_runtime.space.page.endpoints import (
     AB_LABEL,
+    AB_MOST,
     CHECKED_PARAMETERS,
     CHECKED_VALUES,
     PageHandlers,
+    ab_choices,
     draft_length_choices,
     engine_sharing,
     make_api,
@@ -283,6 +285,9 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
                     draft_length = gr.Dropdown(draft_length_choices(preset.draft_capacity),
                                                value=defaults["draft_length"], label="Draft length",
                                                elem_id="draft-length")  # fmt: skip
+                    ab_choices_now, ab_picked_now = ab_choices(service)
+                    ab_methods = gr.CheckboxGroup(ab_choices_now, value=ab_picked_now, elem_id="ab-methods",
+                                                  label=f"A/B compares (plain and at most {AB_MOST} methods)")
                     with gr.Row():
                         speculative = gr.Checkbox(True, label="Speculative decoding")
                         thinking = gr.Checkbox(False, label="Thinking", elem_id="thinking")
@@ -326,8 +331,9 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
                      **page_only)  # fmt: skip
         # The A/B says at once, under its button, what it will run (outside the queue), then runs in the queue.
         ab_outputs = [ab_box, ab_chart, ab_texts, ab_button]
-        ab_event = ab_button.click(handlers.compare_start, [session, message_box], ab_outputs, **page_only).then(
-            handlers.compare, [session, message_box, *settings], ab_outputs, **engine)  # fmt: skip
+        ab_event = ab_button.click(handlers.compare_start, [session, message_box, ab_methods], ab_outputs,
+                                   **page_only).then(handlers.compare, [session, message_box, ab_methods, *settings],
+                                                     ab_outputs, **engine)  # fmt: skip
         # In the browser alone: the A/B's button row goes to the top of the window (unless it is near it already),
         # so that what the A/B finds, under it, shows where the visitor clicked, on a phone too.
         ab_button.click(None, js=AB_SCROLL, **page_only)
@@ -344,7 +350,7 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
                          api_visibility="private")  # fmt: skip
         demo.load(handlers.page_load, None,
                   [thinking, info_box, temperature, top_p, top_k, min_p, sampling_source, method, method_help,
-                   sharing],
+                   sharing, ab_methods],
                   api_visibility="private")  # fmt: skip
         timer.tick(handlers.download_tick, None, [download_box, timer], api_visibility="private")
 

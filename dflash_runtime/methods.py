@@ -65,6 +65,9 @@ class Method:
     # A method with a draft file of its own: its draft's kind from the file's header, as the open pair names it
     # (`LinkedPair.holds`: "dflash2", ...), so that a method needing that kind is listed before the pair opens.
     kind_of: Callable[[GGUFInfo], str] | None = None
+    # Whether the Space's A/B compares it unless the visitor picks other methods: an A/B runs a few methods, so
+    # that it stays short (every method is offered there either way).
+    compared: bool = True
 
     def ready(self, pair: LinkedPair) -> bool:
         """Once the contexts are open: whether the pair can run this method."""
@@ -147,13 +150,14 @@ REGISTRY: tuple[Method, ...] = (
     Method(ngram_map.NGRAM_MAP_K, "ngram-map-k", NOTHING, lambda: ngram_map.MAP_K, auto=False,
            help="no draft model: what followed the newest earlier occurrence of the last 12 tokens (llama.cpp's "
                 "ngram-map-k)"),
-    Method(ngram_map.NGRAM_SIMPLE, "ngram-simple", NOTHING, lambda: ngram_map.SIMPLE, auto=False,
+    Method(ngram_map.NGRAM_SIMPLE, "ngram-simple", NOTHING, lambda: ngram_map.SIMPLE, auto=False, compared=False,
            help="no draft model: up to 48 tokens that followed the newest earlier occurrence of the last 12, found "
                 "by a plain scan (llama.cpp's ngram-simple)"),
-    Method(ngram_map.NGRAM_MAP_K4V, "ngram-map-k4v", NOTHING, lambda: ngram_map.MAP_K4V, auto=False,
+    Method(ngram_map.NGRAM_MAP_K4V, "ngram-map-k4v", NOTHING, lambda: ngram_map.MAP_K4V, auto=False, compared=False,
            help="no draft model: the last 12 tokens looked up, drafting only where one continuation followed them "
                 "at least twice as often as the others together (llama.cpp's ngram-map-k4v)"),
     Method(ngram_cache.NGRAM_CACHE, "ngram-cache", NOTHING, lambda: ngram_cache.IMPLEMENTATION, auto=False,
+           compared=False,
            help="no draft model: the tokens most often seen after the last 1 to 4 tokens, in this answer's text and "
                 "in what your own earlier requests taught it (llama.cpp's ngram-cache, lookup decoding)"),
 )
@@ -265,6 +269,13 @@ def runnable(holds: Callable[[str], bool]) -> tuple[str, ...]:
     singles = tuple(m.name for m in REGISTRY if not m.needs or holds(m.needs))
     chains = tuple(CHAIN_SEPARATOR.join(c) for c in LISTED_CHAINS if all(m in singles for m in c))
     return singles + chains
+
+
+def compared(name: str) -> bool:
+    """Whether the Space's A/B compares a method or listed chain unless the visitor picks others (a chain: where
+    every member is)."""
+    lines = registry()
+    return all(m in lines and lines[m].compared for m in split(name))
 
 
 def default(pair: LinkedPair) -> str | None:

@@ -2,8 +2,9 @@
 `general.sampling.*`) and a DFlash 2 draft, configured as a real pair (DFLASH_DEMO=off, local files, CPU). Through
 the real server: /info lists the methods and where the sampling defaults came from, /chat runs each method (the same
 text as plain decoding at temperature 0), draft_length is checked and the old draft_max still works; in the browser
-the A/B run shows plain / DFlash 2 / MTP side by side. And when the DFlash draft is unusable (fails validation, or
-cannot be downloaded), the target drafts with its own MTP head, and the Space says so."""
+the A/B offers every method and runs plain, DFlash 2, MTP and the n-gram methods picked side by side. And when the
+DFlash draft is unusable (fails validation, or cannot be downloaded), the target drafts with its own MTP head, and the
+Space says so."""
 
 from __future__ import annotations
 
@@ -135,6 +136,14 @@ def test_the_old_draft_max_still_works_and_says_it_is_deprecated(client: Client)
     assert fixed["draft_length"] == 2
 
 
+PICKED_JS = "Array.from(document.querySelectorAll('#ab-methods label')).filter(l => l.querySelector('input').checked)" \
+    ".map(l => l.innerText.trim())"
+
+
+def picked_for_ab(page: Any) -> list[str]:
+    return page.evaluate(PICKED_JS)
+
+
 @pytest.mark.browser
 def test_the_page_offers_the_methods_and_the_ab_run_compares_them(server: RunningApp) -> None:
     with open_page(server.url) as page:
@@ -144,13 +153,23 @@ def test_the_page_offers_the_methods_and_the_ab_run_compares_them(server: Runnin
         assert page.evaluate("document.querySelector(\"#temperature input[type='range']\").value") == "0.6"
         assert page.evaluate("!!document.querySelector('#method input')"), "the method choice"
         set_temperature(page, 0)
+        # The A/B offers every method the pair runs and compares the registry's few unless the visitor picks: here
+        # one of those is swapped for one it offers.
+        offered = page.evaluate("Array.from(document.querySelectorAll('#ab-methods label')).map(l => l.innerText"
+                                ".trim())")  # fmt: skip
+        assert offered == ["DFlash 2", "MTP", *NGRAMS, "ngram-mod → DFlash 2"], offered
+        assert picked_for_ab(page) == ["DFlash 2", "MTP", "ngram-mod", "ngram-map-k"]
+        for label in ("ngram-map-k", "ngram-cache"):
+            page.evaluate("Array.from(document.querySelectorAll('#ab-methods label')).find(l => l.innerText.trim() "
+                          f"=== {label!r}).click()")  # fmt: skip
+        page.wait_for(f"{PICKED_JS}.join() === 'DFlash 2,MTP,ngram-mod,ngram-cache'", 10, "the A/B's picks")
         page.type_into("#message-box textarea", PROMPT)
         page.click("#ab")
         result = page.wait_for(f"{text_of('#ab-result')}.includes('Texts identical') && {text_of('#ab-result')}",
                                240, "the A/B comparison")  # fmt: skip
         page.screenshot(ARTIFACTS / "app_methods_ab.png")
     rows = [line.split("\t")[0].strip() for line in result.splitlines() if line.count("\t") >= 4]
-    assert rows == ["Method", "Plain", "DFlash 2", "MTP", *NGRAMS, "ngram-mod → DFlash 2"], result
+    assert rows == ["Method", "Plain", "DFlash 2", "MTP", "ngram-mod", "ngram-cache"], result
     assert "Texts identical: yes" in result and "DFlash 2: " in result and "MTP: " in result
     assert re.search(r"(DFlash 2|MTP): (no measurable speed-up|no speed-up|slower than plain here|[\d.]+× as fast)",
                      result), result  # fmt: skip

@@ -21,6 +21,7 @@ from space_client import reference_engine, summary_contradiction
 from dflash_runtime.errors import PromptTooLongError, RequestError
 from dflash_runtime.space.crossing import GpuJob, ReplyChunk, resumed_stats
 from dflash_runtime.space.gpu.fitting import fit_conversation, prompt_tokens
+from dflash_runtime.space.page.endpoints import AB_MOST, ab_picked
 from dflash_runtime.space.page.panel import speed_badge, stats_summary, too_wide
 from dflash_runtime.space.page.panel import stats_details as panel
 from dflash_runtime.space.page.session import ChatSession
@@ -712,6 +713,20 @@ def test_the_ab_chart_and_the_texts_side_by_side() -> None:
     assert html.count('class="ab-text"') == 3 and 'class="ab-body">a &lt;b&gt; text</div>' in html, "escaped"
     assert "DFlash 2</b> · the same text" in html and "MTP</b> · differs from character 9" in html
     assert "a &lt;b&gt; te<mark>st</mark>" in html and texts_side_by_side({}) == ""
+
+
+def test_the_ab_compares_the_registrys_few_unless_the_visitor_picks_up_to_four() -> None:
+    runs = ["dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-simple", "ngram-map-k4v", "ngram-cache",
+            "ngram-mod,dflash"]  # fmt: skip
+    assert ab_picked(runs, None) == ["dflash", "mtp", "ngram-mod", "ngram-map-k"]  # the first AB_MOST compared
+    assert ab_picked(runs[2:], []) == ["ngram-mod", "ngram-map-k", "ngram-mod,dflash"]
+    assert ab_picked(runs, ["ngram-cache", "dflash", "ngram-cache"]) == ["dflash", "ngram-cache"], "the menu's order"
+    with pytest.raises(RequestError, match="at most 4 methods"):
+        ab_picked(runs, runs[:AB_MOST + 1])
+    with pytest.raises(RequestError, match="cannot compare eagle3: the pair runs dflash, mtp"):
+        ab_picked(runs, ["eagle3"])
+    with pytest.raises(RequestError, match="must be a list of method names"):
+        ab_picked(runs, [3])  # type: ignore[list-item]
 
 
 def test_the_panel_counts_add_up_as_shown() -> None:

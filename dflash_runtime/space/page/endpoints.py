@@ -20,6 +20,7 @@ import gradio as gr
 import pandas as pd
 
 from ...errors import DFlashError, PromptTooLongError, RequestError
+from ...methods import compared as compared_by_default
 from ...methods import runnable as registered_methods
 from ..requests import AUTO, DEFAULT_SYSTEM_PROMPT, MessageTooLongError
 from ..scrub import scrub_paths
@@ -386,7 +387,40 @@ def method_menu_help(service: SpaceService) -> str:
     return method_help(shown, service.engine_info.get("draft_kind"), methods[0] if methods else None)
 
 
-AB_LABEL = "A/B: same prompt, plain vs each draft method"
+AB_MOST = 4  # draft methods one A/B compares at most: with plain, five answers, so that an A/B stays short
+
+
+def ab_choices(service: SpaceService) -> tuple[list[tuple[str, str]], list[str]]:
+    """The A/B's methods to pick from (each method the pair runs: label, name) and those picked before the visitor
+    picks (the registry's `compared`, at most AB_MOST)."""
+    methods = service.methods() or []
+    kind = service.engine_info.get("draft_kind")
+    return [(method_label(m, kind), m) for m in methods], ab_picked(methods, None)
+
+
+def ab_picker(service: SpaceService) -> Any:
+    """The A/B's method picker as the pair's methods are now known."""
+    choices, picked = ab_choices(service)
+    return gr.update(choices=choices, value=picked)
+
+
+def ab_picked(methods: list[str], picked: list[str] | None) -> list[str]:
+    """The methods an A/B compares, in the menu's order: those picked (RequestError for one the pair does not run or
+    for more than AB_MOST), else those the registry compares by default."""
+    if not picked:
+        return [m for m in methods if compared_by_default(m)][:AB_MOST]
+    if not isinstance(picked, list) or not all(isinstance(m, str) for m in picked):
+        raise RequestError(f"the A/B's methods must be a list of method names, got {picked!r:.80}")
+    unknown = [m for m in picked if m not in methods]
+    if unknown:
+        raise RequestError(f"the A/B cannot compare {', '.join(unknown)!s:.80}: the pair runs {', '.join(methods)}")
+    if len(set(picked)) > AB_MOST:
+        raise RequestError(f"an A/B compares at most {AB_MOST} methods with plain decoding; {len(set(picked))} were "
+                           "picked")
+    return [m for m in methods if m in picked]
+
+
+AB_LABEL = "A/B: same prompt, plain vs draft methods"
 AB_WAITS = "A/B: once this answer has finished"  # the button while the conversation's answer runs
 AB_RUNNING = "A/B running: plain, then each draft method…"  # the button while its own run goes on
 
@@ -622,42 +656,49 @@ class PageHandlers:
         ended = session.end_reply(epoch, speed_badge(final, speed_up.current(final)))  # its last word, its badge
         yield ended if ended is not None else skip, skip, *panel, skip, skip, skip
 
-    def comparison_phases(self) -> tuple[tuple[str, ...], dict[str, str]]:
-        """The A/B run's phases (plain decoding, then each draft method the pair runs) and each method's row name."""
+    def comparison_phases(self, picked: list[str] | None = None) -> tuple[tuple[str, ...], dict[str, str]]:
+        """The A/B run's phases (plain decoding, then the draft methods picked, in the menu's order; none picked: those
+        the registry compares by default) and each method's row name. RequestError for a pick the pair does not run
+        or for more than AB_MOST methods."""
         methods = self.service.methods()
         if methods is None:  # not known yet (the files are still coming): the pair's default method
             return ("plain", "speculative"), {"speculative": "Speculative (default method)"}
         kind = self.service.engine_info.get("draft_kind")
-        return ("plain", *methods), {m: method_label(m, kind) for m in methods}
+        chosen = ab_picked(methods, picked)
+        return ("plain", *chosen), {m: method_label(m, kind) for m in chosen}
 
     def comparison_weight(self) -> int:
-        """How many answers an A/B run is (what the queue's limits count it as)."""
-        return len(self.comparison_phases()[0])
+        """How many answers an A/B run is at most (what the queue's limits count it as): plain and AB_MOST methods."""
+        return 1 + min(AB_MOST, len(self.service.methods() or ["speculative"]))
 
-    def compare_start(self, session: ChatSession, typed: str) -> tuple[Any, ...]:
-        """Inputs: session, message box. Outputs: the A/B box, the A/B chart, the A/B texts, the A/B button. At once,
-        outside the queue: what the A/B will run, under its button (the run itself may wait in the queue behind
-        other visitors' answers)."""
+    def compare_start(self, session: ChatSession, typed: str, picked: list[str] | None) -> tuple[Any, ...]:
+        """Inputs: session, message box, the A/B's methods. Outputs: the A/B box, the A/B chart, the A/B texts, the
+        A/B button. At once, outside the queue: what the A/B will run, under its button (the run itself may wait in
+        the queue behind other visitors' answers)."""
         if session.busy():
             return (("⚠️ **A/B not started:** an answer of this conversation is still running. Wait for it to "
                      "finish (or press Stop), then click A/B again."), gr.skip(), gr.skip(), gr.skip())  # fmt: skip
         if session.last_prompt() is None and not typed.strip():
             return ("*Send a message first (or type one): the A/B run repeats a prompt.*", gr.skip(), gr.skip(),
                     gr.skip())  # fmt: skip
-        _, labels = self.comparison_phases()
+        try:
+            _, labels = self.comparison_phases(picked)
+        except RequestError as error:
+            return f"⚠️ **A/B not started:** {error}", gr.skip(), gr.skip(), gr.skip()
         return (f"**A/B starting:** the prompt with plain decoding, then with {', '.join(labels.values())}, all with "
                 "the same seed…", *ab_cleared()[1:], ab_button(False, running=True))  # fmt: skip
 
-    async def compare(self, request: gr.Request, session: ChatSession, typed: str,
+    async def compare(self, request: gr.Request, session: ChatSession, typed: str, picked: list[str] | None,
                       *settings: Any) -> AsyncIterator[tuple[Any, ...]]:  # fmt: skip
-        """Inputs: session, message box, then the settings. Outputs: the A/B box, the A/B chart, the A/B texts, the
-        A/B button. Repeats the last prompt (or the typed message) with plain decoding, then with each draft method
-        the pair runs, in one GPU call, all with the same seed: the findings and a table, the speed-ups as a chart
-        beside them, the texts side by side once every run has finished."""
+        """Inputs: session, message box, the A/B's methods, then the settings. Outputs: the A/B box, the A/B chart,
+        the A/B texts, the A/B button. Repeats the last prompt (or the typed message) with plain decoding, then with
+        each draft method picked, in one GPU call, all with the same seed: the findings and a table, the speed-ups
+        as a chart beside them, the texts side by side once every run has finished."""
         call = call_of(request)
         found: tuple[Any, Any, Any] | None = None
         try:
-            async with aclosing(self._compare(session, typed, settings, call, self.service.client(request))) as frames:
+            frames = self._compare(session, typed, picked, settings, call, self.service.client(request))
+            async with aclosing(frames):
                 async for found in frames:
                     yield ab_frame(*found, gr.skip())
             # The last frame again, made anew (Gradio changes an update it has sent): a skip after the chart's update
@@ -666,7 +707,8 @@ class PageHandlers:
         finally:
             self.service.callers.end(call)
 
-    async def _compare(self, session: ChatSession, typed: str, settings: tuple[Any, ...], call: str | None,
+    async def _compare(self, session: ChatSession, typed: str, picked: list[str] | None, settings: tuple[Any, ...],
+                       call: str | None,
                        client: ClientIdentity) -> AsyncIterator[tuple[str, list[dict[str, Any]], str]]:  # fmt: skip
         """The A/B's frames as plain data: its findings (Markdown), the chart's bars, the texts side by side."""
         last = session.last_prompt()
@@ -678,7 +720,7 @@ class PageHandlers:
         try:
             request = self.service.check(message=message, history=earlier, **self._settings(settings))
             request = replace(request, seed=random.randrange(2**31))
-            phases, labels = self.comparison_phases()
+            phases, labels = self.comparison_phases(picked)
             yield f"**A/B running: {PLAIN_LABEL}** (1 of {len(phases)})…", [], ""
             comparison = Comparison(request.temperature, request.seed, labels)
             async for reply in self.service.reply(request, phases, owner=session.owner, client=client,
@@ -710,7 +752,7 @@ class PageHandlers:
 
     def page_load(self) -> tuple[Any, ...]:
         """Outputs: thinking switch, info box, temperature, top-p, top-k, min-p, sampling note, method, method help,
-        sharing note.
+        sharing note, the A/B's methods.
         The sampling controls start from the server's current defaults (the model's own once its header is read)."""
         service = self.service
         supports = service.engine_info.get("supports_thinking", True)
@@ -721,7 +763,7 @@ class PageHandlers:
                     for name in ("temperature", "top_p", "top_k", "min_p")]  # fmt: skip
         return (gr.update(visible=bool(supports)), self.about(), *sampling, sampling_note(service),
                 gr.update(choices=method_choices(service)), method_menu_help(service),
-                engine_sharing(service))  # fmt: skip
+                engine_sharing(service), ab_picker(service))  # fmt: skip
 
     def download_tick(self) -> tuple[Any, ...]:
         """Outputs: download box, timer."""

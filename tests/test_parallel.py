@@ -378,3 +378,32 @@ def test_long_concurrent_answers_on_a_flat_model_answer_as_alone(target: str) ->
     assert all(len(j.tokens) == 800 for j in jobs)
     assert padded > 800, "the plain answers' single rows were evened out to the drafts' (filler rows)"
     reference.engine.close()
+
+
+@pytest.mark.parametrize("draft", ["dflash2", "dspark"])
+def test_a_sequence_at_its_contexts_end_drafts_beside_a_neighbour_asking_a_longer_block(draft: str) -> None:
+    """A block drafter decodes every drafting sequence's block at one width, the longest ask's: a sequence whose
+    context ends sooner gets a block cut at its last cell, not one past it (its draft context has no cell there). The
+    sequence that fills its context drafts one token a step; its neighbour asks three, all along."""
+    pair = tiny_pair("dense", draft, head="phrase")
+    with load_pair(pair.target, pair.draft, n_ctx=64, draft_capacity=3, parallel=2) as engine:
+        prompt = engine.tokenize("the quick brown fox")
+        alone = engine.generate(prompt, max_tokens=10**6, draft_length=1)
+        assert alone.finish_reason == "length" and len(prompt) + len(alone.tokens) == engine.n_ctx + 1
+        filling = engine.stream(prompt, max_tokens=10**6, draft_length=1)
+        neighbour = engine.stream(engine.tokenize("hello world"), max_tokens=8, draft_length=3)
+        tokens, finish, asked_beside = [], None, 0
+        try:
+            while finish is None:
+                event = next(filling)
+                tokens += event.tokens
+                finish = event.finish_reason
+                if next(neighbour).finish_reason is not None:  # a new neighbour, so one always drafts beside
+                    neighbour.close()
+                    neighbour = engine.stream(engine.tokenize("hello world"), max_tokens=8, draft_length=3)
+                    asked_beside += 1
+        finally:
+            filling.close()
+            neighbour.close()
+        assert tokens == alone.tokens and finish == "length"
+        assert asked_beside > 2, "the neighbour drafted beside it to the end"

@@ -46,10 +46,12 @@ class BlockPass:
     """Blocks `[id_last, mask × (width − 1)]` of several sequences in one decode of the draft context, each at its
     ask's pos0; the blocks' cells are removed afterwards: their K/V must go before the verify rows' features are
     injected at the same positions. The draft graph takes blocks of one size (as llama.cpp drafts every slot with
-    n_max)."""
+    n_max), except where a sequence's context ends first: a block never reaches past its sequence's cells (a
+    neighbour's longer ask would take it there), as the context's end cuts the draft."""
 
     def __init__(self, draft_ctx: Any, block_size: int, mask_token_id: int, n_seq: int) -> None:
         self._ctx = draft_ctx
+        self._n_ctx = int(ll.llama_n_ctx_seq(draft_ctx))  # cells of each sequence's KV stream
         self._memories = [SequenceMemory(draft_ctx, "draft", seq) for seq in range(n_seq)]
         self._batch = TokenBatch(block_size * n_seq)
         self._block = np.full(block_size, mask_token_id, dtype=np.int32)
@@ -57,14 +59,14 @@ class BlockPass:
 
     @contextlib.contextmanager
     def decoded(self, asks: Sequence[DraftAsk], width: int, outputs: str) -> Iterator[list[int]]:
-        """The asks' blocks decoded together; yields the batch row of each block's anchor, for reading the block's
-        outputs before leaving. A failed removal is raised only when nothing else is being raised: it must not hide a
-        decode error."""
+        """The asks' blocks, `width` rows each where the sequence's cells hold them, decoded together; yields the
+        batch row of each block's anchor, for reading the block's outputs before leaving (`n_rows`: the batch's rows).
+        A failed removal is raised only when nothing else is being raised: it must not hide a decode error."""
         batch = self._batch
         batch.clear()
-        block = self._block[:width]
         rows = []
         for ask in asks:
+            block = self._block[:min(width, self._n_ctx - ask.pos0)]
             block[0] = ask.id_last
             block[1:] = self._mask
             rows.append(batch.add(block, ask.pos0, ask.seq, outputs=outputs))
@@ -76,6 +78,11 @@ class BlockPass:
             refused = [a for a in asks if not self._memories[a.seq].remove_from(a.pos0)]
         if refused:
             raise self._memories[refused[0].seq].refused(f"drop its block at position {refused[0].pos0}")
+
+    @property
+    def n_rows(self) -> int:
+        """The rows of the last decode (its blocks' rows)."""
+        return self._batch.n_rows
 
     def free(self) -> None:
         self._batch.free()
@@ -107,7 +114,7 @@ class BlockDrafter:
         width = max(a.width for a in asks)
         with self._pass.decoded(asks, width + 1, "none" if self._spec.is_dflash2 else "all") as rows:
             if self._spec.is_dflash2:
-                lattice = self._lattice(len(asks) * (width + 1))
+                lattice = self._lattice(self._pass.n_rows)
                 tree = [trees and a.tree_nodes > 0 for a in asks]
                 out = [Proposal.start(a.sampling) if t else self._walk_lattice(lattice[r + 1:r + 1 + a.n], a)
                        for a, r, t in zip(asks, rows, tree, strict=True)]

@@ -63,7 +63,7 @@ class SparkBlocks:
         width = max(a.width for a in asks) + self._first
         with self._pass.decoded(asks, width, "all") as rows:
             cut = self._spec.confidence_head and any(a.p_min > 0.0 for a in asks)
-            confidence = self._confidences(len(asks) * width) if cut else None
+            confidence = self._confidences(self._pass.n_rows) if cut else None
             out = [self._read(r + self._first, a, confidence) for a, r in zip(asks, rows, strict=True)]
         return [p.at_least(a.n_min, a.sampling) for p, a in zip(out, asks, strict=True)]
 

@@ -87,8 +87,12 @@ class Engine:
               method_options: dict[str, Mapping[str, Any]]) -> None:
         pair = self.pair
         batch = TokenBatch(pair.n_batch)
-        caches: list[PairCache] = []  # made with the drafters; they read each sequence's tokens through these views
-        views = [TokenView(functools.partial(lambda seq: caches[seq].tokens, seq)) for seq in range(pair.parallel)]
+        # Made with the drafters: they read each sequence's tokens, and whose requests it runs, through these views.
+        caches: list[PairCache] = []
+        owners: list[CacheOwners] = []
+        views = [TokenView(functools.partial(lambda seq: caches[seq].tokens, seq),
+                           functools.partial(lambda seq: owners[0].owner_of(seq), seq),
+                           lambda owner: owners[0].keeps(owner)) for seq in range(pair.parallel)]
         try:
             drafters = methods.open_drafters(pair, views, method_options)
         except BaseException:
@@ -100,8 +104,9 @@ class Engine:
                                     n_rs_seq=pair.n_rs_seq, checkpoints=store, seq=seq))
         # Control tokens are read once, here: chat prompts and checkpoint positions need them on every request.
         self._controls: list[ControlToken] = control_tokens(pair.vocabulary)
+        owners.append(CacheOwners(caches, sessions))
         spares = SpareSequences(pair.target_ctx, pair.branch_seqs, recurrent=pair.is_recurrent, n_rs_seq=pair.n_rs_seq)
-        self._parts = Parts(pair, caches, batch, drafters, verifiers, CacheOwners(caches, sessions),
+        self._parts = Parts(pair, caches, batch, drafters, verifiers, owners[0],
                             frozenset(t.id for t in self._controls), spares)
         spares.prime()
         self._steps = Steps(self._parts)

@@ -27,6 +27,7 @@ from dflash_runtime.verify import DRAFT, TARGET, RejectionVerifier, Verifiers
 
 PROMPT = "hello world"
 NGRAMS = ("ngram-mod", "ngram-map-k")
+NGRAM_DRAFTS = (*NGRAMS, "ngram-cache")
 DRAFT_SIMPLE = "draft-simple"
 NGRAM_KEYS = {"ngram-mod": {"n_match": 1}, "ngram-map-k": {"size_n": 1}}  # one-token keys: 3-token answers draft
 Z_LIMIT = 4.5  # one-sided normal quantile: a false alarm about once in 300,000 tests
@@ -149,6 +150,9 @@ CASES = [(*combo, VARIANTS[(i + j) % len(VARIANTS)]) for i, combo in enumerate(C
 # A small model drafts, sampled with its q, verified by rejection sampling (the verifiers are every method's; the
 # hybrid target and sample-and-match run its drafts at temperature 0 in tests/test_draft_simple.py).
 CASES += [("dense", DRAFT_SIMPLE, "sample", VARIANTS[0])]
+# Lookup decoding, whose dynamic cache each sample teaches: its drafts follow earlier samples, never the current one's
+# draws, so they are point masses all the same.
+CASES += [("hybrid", "ngram-cache", "sample", VARIANTS[3])]
 # EAGLE-3 (its own head over a draft vocabulary: -inf logits outside it), sampled with its q and matched.
 CASES += [("dense", "eagle3", "sample", VARIANTS[1]), ("hybrid", "eagle3", "match", VARIANTS[2])]
 # DSpark matched (sampled with its q: test_dspark_samples_follow_the_target_distribution_where_q_is_far_from_p).
@@ -169,7 +173,7 @@ def markov() -> Iterator[dict]:
     def get(target: str, draft: str, verifiers: Verifiers | None = None) -> tuple[Engine, Reference]:
         key = (target, draft, verifiers)
         if key not in opened:
-            if draft in NGRAMS:
+            if draft in NGRAM_DRAFTS:
                 pair = tiny_pair(target, None, head="markov")
                 engine = load_pair(pair.target, None, n_ctx=256, draft_capacity=3, verifiers=verifiers,
                                    method_options=NGRAM_KEYS)
@@ -232,7 +236,7 @@ class AcceptEverything:
 
 @pytest.mark.parametrize(("target", "draft"), [("dense", "dflash2"), ("dense", "dflash1"), ("hybrid", "mtp"),
                                                ("dense", "ngram-mod"), ("hybrid", "ngram-map-k"),
-                                               ("hybrid", "eagle3")])
+                                               ("hybrid", "ngram-cache"), ("hybrid", "eagle3")])
 def test_a_broken_verifier_fails_the_distribution_test(target, draft, markov) -> None:
     engine, reference = markov(target, draft, verifiers=Verifiers(sample=AcceptEverything))
     zs = check_distribution(engine, reference, Chain(1.0), "sample", n=1200)

@@ -23,6 +23,7 @@ from space_client import host_reply
 from dflash_runtime import PairMismatchError, RequestError, load_pair, methods
 from dflash_runtime.gguf_meta import read_gguf
 from dflash_runtime.space.gpu.host import EngineHost
+from dflash_runtime.space.page.endpoints import ab_picked
 from dflash_runtime.space.page.views import method_help
 from dflash_runtime.space.setup.presets import ResolvedPair, pair_methods
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
@@ -178,13 +179,14 @@ def test_parallel_sequences_and_owners_answer_as_one_request_alone(kind: str) ->
 
 def test_the_space_lists_explains_and_runs_dspark_from_the_registry() -> None:
     """No Space file names DSpark: the files' headers list it, the method menu's help explains it, the GPU worker runs
-    it, and the page's A/B runs every method the pair lists (endpoints.comparison_phases)."""
+    it, and the page's A/B compares it unless the visitor picks others (endpoints.ab_picked)."""
     pair = tiny_pair("hybrid", METHOD, head="phrase", **CONFIDENCE)
     listed = pair_methods(pair.target, pair.draft)
     assert listed[0] == METHOD and "dflash" not in listed
     shown = method_help(listed, METHOD, listed[0])
     assert "**auto**: the pair's default (DSpark)" in shown
     assert f"**DSpark**: {methods.registry()[METHOD].help}" in shown
+    assert ab_picked(list(listed), None)[0] == METHOD
     host = EngineHost(load_pair)
     try:
         files = ResolvedPair(pair.target, pair.draft)

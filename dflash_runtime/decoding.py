@@ -125,7 +125,7 @@ class Planned:
     pad: int = 0  # filler rows after `tokens` in the decode, cut with the rejected ones (see steps.Steps._pad)
     lead: int = 0  # leading tokens before id_last (no outputs): a tree's path accepted off its spine, decoded now
     tree: DraftTree | None = None  # the draft tree as decoded: its first path in `tokens`, the others in `branches`
-    branches: list[tuple[int, list[int]]] = field(default_factory=list)  # (spare sequence, [id_last, path...])
+    branches: list[tuple[int, list[int]]] = field(default_factory=list)  # (spare sequence, [lead, id_last, path])
     branch_row0: list[int] = field(default_factory=list)
     branch_pad: list[int] = field(default_factory=list)  # filler rows after each path (see steps.Steps._branch)
 

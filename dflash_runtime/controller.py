@@ -228,12 +228,12 @@ class AdaptiveLength:
 
 class TreeOrChain:
     """Whether a step drafts a tree or the chain (method "dflash-tree" with tree_nodes="auto"): each arm's measured
-    tokens per second — a tree step's emitted tokens and time, plus those of the step that decodes an accepted path
-    off its spine — as decayed sums; the better arm runs, the other is tried every `probe_every` steps, twice as
-    seldom after each probe that did not change the choice (up to `probe_max`; the first `warmup` steps of each arm
-    are taken in turn, the chain's first). It lives with the request's draft policy, so it carries over to the
-    owner's next request. A tree costs more rows than the chain (on a CPU about in proportion; on a GPU nearly nothing
-    up to its small-batch limit), so which wins is measured, not assumed.
+    tokens per second — a tree step's emitted tokens and time, plus the time the next step spends on the rows of an
+    accepted path off its spine (decoding.py) — as decayed sums; the better arm runs, the other is tried every
+    `probe_every` steps, twice as seldom after each probe that did not change the choice (up to `probe_max`; the
+    first `warmup` steps of each arm are taken in turn, the chain's first). It lives with the request's draft
+    policy, so it carries over to the owner's next request. A tree costs more rows than the chain (on a CPU about in
+    proportion; on a GPU nearly nothing up to its small-batch limit), so which wins is measured, not assumed.
 
     A step emits at most its draft length + 1 tokens, tree or chain, and a tree's step costs at least the chain's:
     while the chain's steps fill that ceiling so nearly that even a tree at the chain's cost could not be `margin`

@@ -7,7 +7,8 @@
   chunk, checkpoints saved where a later request can use them; then the first sample;
 - per step: choose a draft length (clamped to the room left), let the request's drafter draft, decode
   `[id_last, drafts]` on the target, let every drafter process it, walk the verifier over the rows (accept), cut the
-  sequence to what was accepted.
+  sequence to what was accepted. After a draft tree whose accepted path left its spine, the path's tokens (the
+  lead) come first: `[lead, id_last, drafts]`, its drafter having taken the path's rows from the tree's decode.
 
 Cancellation is checked between prefill chunks and between steps. A request's events wait in its own queue: a
 request whose reader is EVENTS_AHEAD events behind takes no part in the next step, so that readers a little slower
@@ -29,10 +30,11 @@ from .cache.pair_cache import PairCache
 from .cache.sessions import CacheOwners
 from .cache.spares import SpareSequences
 from .controller import DraftPolicy
-from .drafters.drafting import DraftAsk, Drafter
+from .drafters.drafting import DraftAsk, Drafter, Rows
 from .drafters.method_chains import Chain, split
 from .drafters.proposal import DRAFT, TARGET, DraftSampling, Proposal
 from .drafters.tree import ROOT, DraftTree, TreeWalker, accepted_path
+from .errors import RollbackError
 from .native.batches import TokenBatch
 from .pair import LinkedPair
 from .results import StreamEvent
@@ -121,9 +123,9 @@ class Planned:
     n_block: int = 0
     row0: int = 0
     pad: int = 0  # filler rows after `tokens` in the decode, cut with the rejected ones (see steps.Steps._pad)
-    lead: int = 0  # leading tokens before id_last: an accepted tree path off the spine, decoded now (a replay)
+    lead: int = 0  # leading tokens before id_last (no outputs): a tree's path accepted off its spine, decoded now
     tree: DraftTree | None = None  # the draft tree as decoded: its first path in `tokens`, the others in `branches`
-    branches: list[tuple[int, list[int]]] = field(default_factory=list)  # (spare sequence, [id_last, path...])
+    branches: list[tuple[int, list[int]]] = field(default_factory=list)  # (spare sequence, [lead, id_last, path])
     branch_row0: list[int] = field(default_factory=list)
     branch_pad: list[int] = field(default_factory=list)  # filler rows after each path (see steps.Steps._branch)
 
@@ -142,17 +144,27 @@ class Planned:
         """The rows this request takes in the target decode: its own and its tree's other paths'."""
         return self.rows + sum(len(tokens) for _, tokens in self.branches) + sum(self.branch_pad)
 
+    def branch(self, path: list[int]) -> list[int]:
+        """A path's rows in its spare sequence: the request's lead and id_last, then the path's tokens."""
+        return [*self.tokens[:self.lead + 1], *path]
+
     def tree_rows(self) -> dict[int, int]:
         """Each tree node's row in the decode (tree.ROOT: id_last's), a node shared by paths read from the first."""
-        assert self.tree is not None
-        paths = self.tree.paths()
-        rows = {ROOT: self.row0}
-        for depth, node in enumerate(paths[0]):
-            rows[node] = self.row0 + 1 + depth
-        for row0, path in zip(self.branch_row0, paths[1:], strict=True):
+        rows = {ROOT: self.row0 + self.lead}
+        for root, path in self._decoded_paths():
             for depth, node in enumerate(path):
-                rows.setdefault(node, row0 + 1 + depth)
+                rows.setdefault(node, root + 1 + depth)
         return rows
+
+    def root_through(self, node: int) -> int:
+        """The row of id_last in the first decoded path through `node`: the path's nodes follow it, one per depth."""
+        return next(root for root, path in self._decoded_paths() if node in path)
+
+    def _decoded_paths(self) -> list[tuple[int, list[int]]]:
+        """Each decoded path (the spine first) with its row of id_last."""
+        assert self.tree is not None
+        roots = [row0 + self.lead for row0 in (self.row0, *self.branch_row0)]
+        return list(zip(roots, self.tree.paths(), strict=True))
 
 
 class Decoding:
@@ -187,7 +199,7 @@ class Decoding:
         self._marks: list[int] = []
         self._public_base = 0
         self._id_last = -1
-        self._lead: list[int] = []  # emitted tokens before id_last that the cache does not hold yet (a replay)
+        self._lead: list[int] = []  # emitted tokens before id_last that the cache does not hold yet (see _walk_tree)
         self._tree_walker: TreeWalker | None = None
         # tree_nodes="auto": whether each step drafts a tree or the chain, from measured tokens per second
         self.tree_or_chain = policy.tree if policy is not None and req.tree_nodes == "auto" else None
@@ -241,6 +253,10 @@ class Decoding:
         if self.done:
             return
         if self.cache is not None:
+            if self.chain is not None and self.chain.ahead is not None:  # a path's rows its sequence never decoded
+                self.chain.ahead = None
+                with contextlib.suppress(RollbackError):  # refused: the caches were cleared, which serves as well
+                    self.cache.drop_ahead()
             self.parts.owners.release(self.cache)
         self.done = True
         self._resources.close()
@@ -300,11 +316,11 @@ class Decoding:
         assert self.cache is not None
         self._t_round = time.perf_counter()
         req, stats, policy = self.req, self.stats, self.policy
-        pos0 = len(self.cache)
+        pos0 = len(self.cache) + len(self._lead)  # id_last's position: after the lead, which this step decodes first
         # Like llama.cpp's server: leave room in the context, and draft nothing past max_tokens.
         in_context = self.parts.pair.n_ctx - pos0 - 2
         room = max(0, min(in_context, req.max_tokens - stats.n_generated - 1))
-        if self._lead:  # an accepted tree path off the spine: its tokens are decoded first, in a plain step
+        if self._lead and (self.chain is None or self.chain.ahead is None):  # no drafter took the path's rows
             self._n_block = 0
             return 0, None
         n_block = policy.choose(pos0, room, others) if policy is not None else 0
@@ -328,15 +344,15 @@ class Decoding:
         self.stats.draft_ms += draft_ms
         if self.policy is not None:
             self.stats.draft_lengths.append(len(proposal.tokens))
-        self.planned = Planned([self._id_last, *proposal.tokens], "all", bool(proposal.tokens), proposal,
-                               self._n_block, tree=proposal.tree)
+        lead, self._lead = self._lead, []
+        self.planned = Planned([*lead, self._id_last, *proposal.tokens], "all", bool(proposal.tokens), proposal,
+                               self._n_block, lead=len(lead), tree=proposal.tree)
 
     def plain_step(self) -> Planned:
         if self.policy is not None:
             self.stats.draft_lengths.append(0)
         lead, self._lead = self._lead, []
-        self.planned = Planned([*lead, self._id_last], "last" if lead else "all", False, Proposal(), self._n_block,
-                               lead=len(lead))
+        self.planned = Planned([*lead, self._id_last], "all", False, Proposal(), self._n_block, lead=len(lead))
         return self.planned
 
     def after_step(self, decode_ms: float, step_s: float, decode_rows: int) -> None:
@@ -347,8 +363,9 @@ class Decoding:
         planned, self.planned = self.planned, None
         proposal, stats, policy = planned.proposal, self.stats, self.policy
         t = time.perf_counter()
+        ahead: Rows | None = None
         if planned.tree is not None:
-            emitted, n_kept = self._walk_tree(planned)
+            emitted, n_kept, ahead = self._walk_tree(planned)
         else:
             emitted = self._accept(self._verifier.walk(proposal, first_row=planned.row0 + planned.lead))
             n_kept = emitted.sources.count(DRAFT)
@@ -356,9 +373,13 @@ class Decoding:
         stats.verify_ms += step_ms
         n_accepted = emitted.sources.count(DRAFT)
         pos0 = len(self.cache) - planned.rows
-        if self.chain is not None and proposal.tokens:
-            self.chain.accept(n_accepted)
+        if self.chain is not None:
+            self.chain.ahead = None  # the lead, if any, is in the sequence now
+            if proposal.tokens:
+                self.chain.accept(n_accepted)
         self.cache.roll_back(pos0 + planned.lead + 1 + n_kept)
+        if ahead is not None and self.chain is not None:
+            self.chain.adopt(ahead)  # refused: the next step decodes the lead alone, a plain step
         if planned.tree is not None:
             stats.record_verify(planned.tree.depth, n_accepted, len(emitted.tokens), self._drafted_by)
             stats.record_tree(len(planned.tree), planned.decode_rows - planned.pad, n_accepted, n_kept < n_accepted)
@@ -368,28 +389,38 @@ class Decoding:
         else:
             stats.plain_steps += 1
             stats.plain_ms += step_ms
-        # The cost model's key is the whole decode, as it ran: this request's n + 1 rows and everything beside them.
-        self.rows_beside = decode_rows - planned.n_block - 1
+        # The cost model's key is the whole decode, as it ran: this request's n + 1 rows and everything beside them
+        # (its lead, once only, is not).
+        self.rows_beside = decode_rows - planned.lead - planned.n_block - 1
         seconds = step_s + time.perf_counter() - t
         if policy is not None:
             policy.observe(planned.n_block, len(proposal.tokens), n_accepted, seconds, rows=decode_rows)
         arms = self.tree_or_chain
         if arms is not None:
-            if planned.lead:  # the rest of a tree step whose accepted path left the spine
-                arms.observe("tree", len(emitted.tokens), seconds, more=True)
-            elif planned.tree is not None:
+            # The lead's rows are the tree's that accepted the path: their share of the step's time, by rows (what
+            # they cost on a CPU; more than on a GPU), is the rest of that tree's step.
+            lead_s = seconds * planned.lead / decode_rows
+            if planned.tree is not None:
                 arms.observe("tree", len(emitted.tokens), seconds)
-            elif proposal.tokens:  # the chain's draft, or a tree that got no path beside its spine: a chain step
-                arms.observe("chain", len(emitted.tokens), seconds, ceiling=planned.n_block + 1)
+            else:
+                if proposal.tokens:  # the chain's draft, or a tree that got no path beside its spine: a chain step
+                    arms.observe("chain", len(emitted.tokens), seconds - lead_s, ceiling=planned.n_block + 1)
+                if lead_s:
+                    arms.observe("tree", 0, lead_s, more=True)
         if self.cache.interval_due():
             self.cache.save_checkpoint(self.costs)
         self._conclude(emitted)
 
-    def _walk_tree(self, planned: Planned) -> tuple[Emitted, int]:
+    def _walk_tree(self, planned: Planned) -> tuple[Emitted, int, Rows | None]:
         """The tree walk over the decode's rows; how many accepted tokens the request's own sequence holds (the
-        accepted path's part on the spine). The rest of an accepted path off the spine, and the token after it, are
-        emitted now and decoded in the sequence at the next step (`_lead`), from its exact state."""
-        assert planned.tree is not None and self._tree_walker is not None
+        accepted path's part on the spine); the rows to adopt, if the accepted path left the spine.
+
+        The rest of such a path (the lead) and the token after it are emitted now; the lead's rows, decoded in the
+        path's spare sequence after exactly the request's tokens, are the request's own (the same tokens at the same
+        positions after the same state), so its drafter takes them from this decode (`Chain.adopt`) and the next
+        step drafts after id_last at once, decoding `[lead, id_last, drafts]` in the request's sequence from its
+        exact state: the lead costs rows, never a decode of its own."""
+        assert planned.tree is not None and self._tree_walker is not None and self.cache is not None
         tree = planned.tree
         emitted = self._accept(self._tree_walker.walk(tree, planned.tree_rows().__getitem__))
         accepted = accepted_path(tree, emitted.tokens)
@@ -397,9 +428,12 @@ class Decoding:
         kept = 0
         while kept < min(len(accepted), len(spine)) and accepted[kept] == spine[kept]:
             kept += 1
-        if kept < len(accepted) and emitted.finish is None:
-            self._lead = emitted.tokens[kept:-1]
-        return emitted, kept
+        if kept == len(accepted) or emitted.finish is not None:
+            return emitted, kept, None
+        self._lead = emitted.tokens[kept:len(accepted)]
+        root = len(self.cache) - planned.rows + planned.lead  # id_last's position
+        row = planned.root_through(accepted[-1]) + 1 + kept
+        return emitted, kept, Rows(self.seq, list(self._lead), root + 1 + kept, row)
 
     # -- events -------------------------------------------------------------------------------------------------
 

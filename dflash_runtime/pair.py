@@ -476,9 +476,11 @@ class LinkedPair:
         # (Every pair runs a method: the n-gram methods need no file.)
         capacity = self.longest_draft
         params.n_ubatch = max(n_batch, capacity + 2)
-        # One step's decode holds every sequence's verify rows (and every tree path's), whatever the prefill budget.
+        # One step's decode holds every sequence's verify rows (and every tree path's), whatever the prefill budget;
+        # with tree paths, a request's rows may start with a path accepted off the spine (up to a draft's length).
         n_seq = self.parallel + len(self.branch_seqs)
-        params.n_batch = max(params.n_ubatch, n_seq * (capacity + 1))
+        leads = self.parallel * capacity if self.branch_seqs else 0
+        params.n_batch = max(params.n_ubatch, n_seq * (capacity + 1) + leads)
         # One KV stream per sequence (kv_unified off), n_ctx cells each: a sequence's cells, and so its attention
         # sums, depend on its own history only, whatever the other sequences hold (see batch_invariant).
         params.n_seq_max = n_seq

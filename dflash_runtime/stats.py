@@ -54,7 +54,7 @@ class Stats:
     tree_nodes: int = 0             # the nodes those trees held
     tree_rows: int = 0              # the verify rows they took (each path's copy of the rows it shares included)
     tree_accepted: int = 0          # accepted path lengths, summed
-    tree_off_spine: int = 0         # trees whose accepted path left the spine (its rest decoded next step)
+    tree_off_spine: int = 0         # trees whose accepted path left the spine (decoded before the next step's rows)
     tree_host_bytes: int = 0        # target state the trees' paths got through host memory (0: on the device)
 
     @property

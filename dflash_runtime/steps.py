@@ -147,15 +147,16 @@ class Steps:
             paths = planned.tree.paths()
             taken = 0
             for path in paths[1:]:
+                branch = planned.branch(planned.tree.tokens(path[-1]))
                 # As wide as the request's own rows (filler after the path): libllama then takes every sequence's
                 # rows in one ubatch where their ids are consecutive, rather than a pass per path length.
-                width = max(planned.rows, len(path) + 1)
+                width = max(planned.rows, len(branch))
                 if not free or width > room:
                     break
                 room -= width
                 taken += 1
-                planned.branches.append((free.pop(0), [planned.tokens[0], *(planned.tree.tokens(path[-1]))]))
-                planned.branch_pad.append(width - len(path) - 1)
+                planned.branches.append((free.pop(0), branch))
+                planned.branch_pad.append(width - len(branch))
             planned.tree = planned.tree.first_paths(1 + taken) if taken else None
 
     def _one_ubatch(self, runs: list[Decoding], prefilling: bool) -> bool:
@@ -190,7 +191,7 @@ class Steps:
                 planned = run.planned
                 assert planned is not None and run.cache is not None
                 pos0 = len(run.cache)
-                planned.row0 = tokens.add(planned.tokens, pos0, run.seq, outputs=planned.outputs)
+                planned.row0 = tokens.add(planned.tokens, pos0, run.seq, outputs=planned.outputs, silent=planned.lead)
                 if planned.pad:
                     tokens.add(planned.filler, pos0 + len(planned.tokens), run.seq, outputs="none")
             if not paths_first:
@@ -250,7 +251,7 @@ class Steps:
             self.counters.fork_host_bytes += host_bytes
             planned.branch_row0 = []
             for (seq, path), pad in zip(planned.branches, planned.branch_pad, strict=True):
-                planned.branch_row0.append(tokens.add(path, len(run.cache), seq, outputs="all"))
+                planned.branch_row0.append(tokens.add(path, len(run.cache), seq, outputs="all", silent=planned.lead))
                 if pad:
                     tokens.add([path[-1]] * pad, len(run.cache) + len(path), seq, outputs="none")
 

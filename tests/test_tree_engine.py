@@ -4,7 +4,7 @@ distribution above it — drawn trees under recursive rejection, chosen ones und
 (passed in) that the distribution tests catch; on a hybrid target the paths get their state on the device.
 
 The exactness tests use head="regime": the draft's likeliest token is often not the target's while another candidate
-is, so accepted paths leave the spine (the replay of a path off the spine is exercised).
+is, so accepted paths leave the spine (and the next step decodes the path before its own rows, drafting after it).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from test_tree import UnnormalisedResidual
 
 from dflash_runtime import load_pair
 from dflash_runtime.drafters.proposal import DRAFT, TARGET, Proposal
-from dflash_runtime.drafters.tree import ROOT, DraftTree
+from dflash_runtime.drafters.tree import ROOT, DraftTree, TreeWalk, accepted_path
 from dflash_runtime.engine import Engine
 from dflash_runtime.errors import RequestError
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
-from dflash_runtime.verify import RejectionVerifier, TreeRejection, Verifiers
+from dflash_runtime.verify import MatchVerifier, RejectionVerifier, TreeRejection, Verifiers
 
 TREE = "dflash-tree"
 
@@ -87,9 +87,85 @@ def test_a_tree_accepts_at_least_what_the_chain_does_and_answers_long_as_plain(r
     chain = engine.generate(prompt, max_tokens=240, method="dflash", draft_length=7)
     tree = engine.generate(prompt, max_tokens=240, method=TREE, draft_length=7, tree_nodes=16)
     assert chain.tokens == tree.tokens == plain
-    # the tree holds the chain's draft: its steps emit at least as many tokens (a path off the spine costs one
-    # more decode, which emits a token too)
+    # the tree holds the chain's draft: its steps emit at least as many tokens (a path off the spine costs no
+    # decode of its own)
     assert tree.stats.n_generated / tree.stats.target_steps >= chain.stats.n_generated / chain.stats.target_steps
+    assert tree.stats.tree_off_spine > 0 and tree.stats.plain_steps <= 1
+
+
+WALKS: list[tuple[str, object, list[int]]] = []  # every verifier walk: (kind, what it verified, tokens it yielded)
+
+
+def _recorded(walk: Iterator[tuple[int, str]], tokens: list[int]) -> Iterator[tuple[int, str]]:
+    for token, source in walk:
+        tokens.append(token)
+        yield token, source
+
+
+class ChainWalkRecorded(MatchVerifier):
+    def walk(self, proposal: Proposal, first_row: int = 0) -> Iterator[tuple[int, str]]:
+        WALKS.append(("chain", tuple(proposal.tokens), tokens := []))
+        return _recorded(super().walk(proposal, first_row), tokens)
+
+
+class TreeWalkRecorded(TreeWalk):
+    def walk(self, tree: DraftTree, row_of: Callable[[int], int]) -> Iterator[tuple[int, str]]:
+        WALKS.append(("tree", tree, tokens := []))
+        return _recorded(super().walk(tree, row_of), tokens)
+
+
+def _drafted(kind: str, what: object) -> object:
+    """A walk's draft, comparable across engines: a chain's tokens, or a tree's nodes in order (token, parent, and the
+    draft's log probability of its path, to the bit)."""
+    return what if kind == "chain" else [(n.token, n.parent, n.logp) for n in what.nodes]  # type: ignore[attr-defined]
+
+
+def _fork(kind: str, what: object, tokens: list[int]) -> int | None:
+    """Where a tree walk's accepted path left the spine: its depth there (0: at the root); None: it did not."""
+    if kind != "tree":
+        return None
+    accepted, spine = accepted_path(what, tokens), what.spine()  # type: ignore[arg-type, attr-defined]
+    depth = 0
+    while depth < min(len(accepted), len(spine)) and accepted[depth] == spine[depth]:
+        depth += 1
+    return depth if depth < len(accepted) else None
+
+
+@pytest.mark.parametrize(("target", "head", "prompt", "below_root"), [
+    ("dense", "regime", 0, False), ("hybrid", "regime", 2, False), ("dense", "words", 3, False),
+    ("dense", "words", 4, True)], ids=["dense", "hybrid", "long-paths", "below-the-root"])
+def test_the_step_after_a_path_off_the_spine_drafts_as_after_a_fresh_prefill(target: str, head: str, prompt: int,
+                                                                               below_root: bool) -> None:
+    """A tree's path accepted off its spine costs no decode of its own: its drafter takes the path's rows from the
+    tree's decode, and the next step drafts at once. That draft must be the one a fresh prefill of the same tokens
+    gives (the path's rows are the request's own, bit for bit): the next step's tree equals the first tree of a
+    request whose prompt is everything before it. Paths of one token and of five (words), and a path that leaves
+    the spine below the root (`below_root`)."""
+    pair = tiny_pair(target, "dflash2", head=head)
+    with load_pair(pair.target, pair.draft, n_ctx=1024, draft_capacity=7, branches=3,
+                   verifiers=Verifiers(match=ChainWalkRecorded, tree=TreeWalkRecorded)) as engine:
+        text = PROMPTS[prompt]
+        plain = engine.generate(text, max_tokens=150, speculative=False).tokens
+        WALKS.clear()
+        decodes = engine.step_counters()["decodes"]
+        result = engine.generate(text, max_tokens=150, method=TREE, draft_length=7, tree_nodes=16)
+        assert result.tokens == plain
+        stats, walks = result.stats, list(WALKS)
+        # no decode of its own for any path off the spine: the prompt's one chunk, then the verify steps alone
+        assert stats.tree_off_spine > 0 and stats.plain_steps <= 1, stats
+        assert engine.step_counters()["decodes"] - decodes == 1 + stats.target_steps
+        forks = [_fork(*walks[k - 1]) for k in range(1, len(walks))]
+        after = [k for k in range(1, len(walks)) if forks[k - 1] is not None]
+        for k in after[:8]:
+            before = [token for _, _, tokens in walks[:k] for token in tokens]
+            WALKS.clear()
+            fresh = engine.generate(engine.tokenize(text) + before[:-1], max_tokens=12, method=TREE,
+                                    draft_length=7, tree_nodes=16, cache_owner="fresh")
+            assert WALKS[0][2] == [before[-1]] == fresh.tokens[:1]  # the prompt's own sample: the step's id_last
+            kind, what, _ = walks[k]
+            assert (WALKS[1][0], _drafted(*WALKS[1][:2])) == (kind, _drafted(kind, what)), k
+        assert after
+        assert any(forks[k - 1] for k in after[:8]) == below_root, forks
 
 
 def test_parallel_tree_requests_across_a_long_lived_engine_answer_as_a_fresh_engine(regime) -> None:
@@ -262,6 +338,28 @@ def test_tree_samples_follow_the_target_distribution(opened, target: str, verify
     stats = engine.generate(reference.text, max_tokens=24, draft_length=3, verify=verify, seed=7, method=TREE,
                             tree_nodes=9, **chain.kwargs()).stats
     assert stats.tree_steps > 0 and stats.tree_nodes > 3 * stats.tree_steps
+
+
+class TreeRejectionRecorded(TreeRejection):
+    def walk(self, tree: DraftTree, row_of: Callable[[int], int]) -> Iterator[tuple[int, str]]:
+        WALKS.append(("tree", tree, tokens := []))
+        return _recorded(super().walk(tree, row_of), tokens)
+
+
+def test_steps_after_a_path_off_the_spine_sample_the_target_distribution(opened) -> None:
+    """Trees of depth 1 (up to four siblings at the root, q far from p on the markov head): a sibling off the spine
+    is often kept, and the next step drafts after it at once, its verify rows after the path's; answers of five
+    tokens keep the target's law."""
+    engine, reference = opened("hybrid", "markov", Verifiers(tree_sample=TreeRejectionRecorded))
+    chain, drawn, after = Chain(1.0, top_k=3), [], 0
+    for seed in range(600):
+        WALKS.clear()
+        drawn.append(tuple(engine.generate(reference.text, max_tokens=5, draft_length=1, seed=seed, method=TREE,
+                                           tree_nodes=7, **chain.kwargs()).tokens))
+        after += sum(_fork(*WALKS[k - 1]) is not None for k in range(1, len(WALKS)))
+    zs = z_scores(drawn, reference.joint(chain, 5), 5)
+    assert max(zs) < Z_LIMIT, zs
+    assert after > 30, after  # trees drafted right after a path off the spine
 
 
 @pytest.mark.parametrize(("verify", "broken"), [("sample", Verifiers(tree_sample=UnnormalisedResidual)),

@@ -1,8 +1,10 @@
 """What the pair's two caches hold, and the one rule for going back in them.
 
 The target cache holds `tokens` at positions 0..len-1; each drafter (drafting.py) holds what its method read from the
-same positions, or keeps it pending. Going back (a rejected draft, or a new request that shares only a prefix) cuts
-the target and every drafter. The drafters' caches and a dense target's cache are attention only: any suffix can go.
+same positions, or keeps it pending (a drafter may also hold the rows of a tree path accepted off its spine ahead of
+them, until the sequence's next decode: `drop_ahead` cuts those where the request ends first). Going back (a
+rejected draft, or a new request that shares only a prefix) cuts the target and every drafter. The drafters' caches
+and a dense target's cache are attention only: any suffix can go.
 
 A recurrent (hybrid) target can go back through its rollback snapshots only while they describe the state: the
 snapshots are written by a decode for the last min(n_rows, n_rs_seq + 1) states of that decode, so after a decode of
@@ -125,6 +127,11 @@ class PairCache:
         self._cut_target(n)
         self._pending = have - n if self.recurrent else 0
         self._cut_draft(n)
+
+    def drop_ahead(self) -> None:
+        """Cut every drafter back to the target's tokens: a request that ends while a drafter holds its sequence's
+        rows ahead of the target's cells (a draft tree's path accepted off its spine, drafters/drafting.Adopting)."""
+        self._cut_draft(len(self.tokens))
 
     def shared(self, prompt: Sequence[int]) -> int:
         return reusable_prefix(self.tokens, prompt)

@@ -209,6 +209,12 @@ class DFlashDrafter:
     def catch_up(self, seqs: Sequence[int]) -> None:
         self.bridge.flush(seqs)
 
+    def adopt(self, rows: Rows) -> bool:
+        """A draft tree's path accepted off its spine: its rows' features, taken ahead of the sequence's own cells
+        (features.py), so that the next step drafts after the path."""
+        self.bridge.adopt(rows)
+        return True
+
     def begin(self, seq: int) -> None:
         pass  # the features come with every decode (process)
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, overload
+from typing import TYPE_CHECKING, Any, Protocol, overload, runtime_checkable
 
 if TYPE_CHECKING:
     from ..pair import DraftFile, TargetPart
@@ -135,6 +135,17 @@ class Drafter(Protocol):
     def state_bytes(self, state: Any) -> int: ...
 
     def free(self) -> None: ...
+
+
+@runtime_checkable
+class Adopting(Protocol):
+    """A drafter that can take a sequence's rows ahead of its own target cells: the rows of a draft tree's path
+    accepted off its spine, decoded in a spare target sequence after exactly the sequence's tokens (`rows.row0` in
+    the last target decode, at the sequence's next positions from `rows.pos0`). The sequence's next decode holds the
+    path's tokens again, before id_last; such a drafter does not take those rows twice. `adopt` says whether it took
+    them: then it alone drafts the next step, after them (the chain's other members know nothing of them)."""
+
+    def adopt(self, rows: Rows) -> bool: ...
 
 
 class SequenceDrafter(Protocol):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .drafting import DraftAsk, Drafter
+from .drafting import Adopting, DraftAsk, Drafter, Rows
 from .proposal import Proposal
 
 CHAIN_SEPARATOR = ","
@@ -21,7 +21,8 @@ class Chain:
     """A request's methods in order of preference: a step is drafted by the first that proposes something (as
     llama.cpp's common_speculative_draft walks its implementations). The engine drafts every sequence of a step
     through the chains' members together (see `draft_all`); `last` is the member that drafted the sequence's last
-    step, which alone hears how many of its tokens were accepted."""
+    step, which alone hears how many of its tokens were accepted. `ahead` is the member that holds rows ahead of the
+    sequence's own cells (`adopt`) until the sequence's decode holds them: it alone drafts meanwhile."""
 
     def __init__(self, drafters: Mapping[str, Drafter], members: Sequence[str], seq: int = 0) -> None:
         self.members = [drafters[m] for m in members]
@@ -29,6 +30,21 @@ class Chain:
         self.capacity = min(d.capacity for d in self.members)
         self.seq = seq
         self.last: Drafter | None = None
+        self.ahead: Drafter | None = None
+
+    @property
+    def drafting(self) -> list[Drafter]:
+        """The members that draft the next step, in order of preference."""
+        return [self.ahead] if self.ahead is not None else self.members
+
+    def adopt(self, rows: Rows) -> bool:
+        """Rows of a draft tree's path accepted off its spine, to the member that drafted the tree (drafting.Adopting);
+        whether it took them."""
+        drafter = self.last
+        if isinstance(drafter, Adopting) and drafter.adopt(rows):
+            self.ahead = drafter
+            return True
+        return False
 
     def begin(self) -> None:
         for drafter in self.members:
@@ -52,11 +68,12 @@ def draft_all(asks: Sequence[tuple[Chain, DraftAsk]]) -> list[tuple[Proposal, st
         later = []
         for i in waiting:
             chain = asks[i][0]
-            if depth >= len(chain.members):
+            members = chain.drafting
+            if depth >= len(members):
                 chain.last = None
                 results[i] = (empty[i], None)
                 continue
-            drafter = chain.members[depth]
+            drafter = members[depth]
             by_drafter.setdefault(id(drafter), (drafter, []))[1].append(i)
             later.append(i)
         waiting = []

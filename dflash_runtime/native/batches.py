@@ -47,8 +47,9 @@ class TokenBatch:
         self.n_rows = 0
         self._batch.n_tokens = 0
 
-    def add(self, tokens: Sequence[int], pos0: int, seq: int, *, outputs: str) -> int:
-        """Append one sequence's rows at positions pos0..; returns the batch index of its first row."""
+    def add(self, tokens: Sequence[int], pos0: int, seq: int, *, outputs: str, silent: int = 0) -> int:
+        """Append one sequence's rows at positions pos0..; returns the batch index of its first row. `outputs` says
+        which rows ask for outputs ("all", "last", "none"), after the first `silent` rows, which ask for none."""
         start, n = self.n_rows, len(tokens)
         if n == 0 or start + n > self.capacity:
             raise ValueError(f"{n} more rows do not fit a batch of {start} rows with capacity {self.capacity}")
@@ -58,6 +59,7 @@ class TokenBatch:
         self._logits[start:stop] = 1 if outputs == "all" else 0
         if outputs == "last":
             self._logits[stop - 1] = 1
+        self._logits[start:start + min(silent, n)] = 0
         for i in range(start, stop):
             if self._seq[i] != seq:
                 self._batch.seq_id[i][0] = self._seq[i] = seq

@@ -24,12 +24,10 @@ from gradio_client import Client
 from space_client import chat_args, info_when, raw_body, reference_engine
 
 from dflash_runtime import SessionPolicy, load_pair
-from dflash_runtime.errors import RequestError
-from dflash_runtime.space.crossing import client_of_owner, owner_of
+from dflash_runtime.space.gpu_job import client_of_owner, owner_of
 from dflash_runtime.space.page.endpoints import API_PARAMETERS
-from dflash_runtime.space.web.callers import MAX_DEPTH, Body, gradio_int
-from dflash_runtime.space.web.clients import ClientSettings, client_identity
-from dflash_runtime.space.web.jobs import EngineSlot
+from dflash_runtime.space.web.clients import Hops, client_identity
+from dflash_runtime.space.web.gate import MAX_DEPTH, Body, gradio_int
 from dflash_runtime.testing.tiny_models import tiny_pair
 
 N_CTX = 5120
@@ -55,13 +53,13 @@ def record(name: str, value: Any) -> None:
 
 
 def test_a_client_is_its_address_as_the_platform_gives_it() -> None:
-    socket_only, behind_proxy = ClientSettings(0), ClientSettings(1)
+    socket_only, behind_proxy = Hops(0), Hops(1)
     forwarded = [(b"x-forwarded-for", b"203.0.113.9, 198.51.100.7")]  # the client wrote the first, the proxy the last
     assert client_identity(forwarded, "10.16.0.1", socket_only) == client_identity([], "10.16.0.1", socket_only)
     assert client_identity(forwarded, "10.16.0.1", behind_proxy).source == "forwarded"
     spoofed = [(b"x-forwarded-for", b"192.0.2.1, 198.51.100.7")]
     assert client_identity(spoofed, "10.16.0.2", behind_proxy) == client_identity(forwarded, "10.16.0.1", behind_proxy)
-    assert client_identity(forwarded, "10.16.0.1", ClientSettings(2)) != client_identity(forwarded, "x", behind_proxy)
+    assert client_identity(forwarded, "10.16.0.1", Hops(2)) != client_identity(forwarded, "x", behind_proxy)
     assert client_identity([], "10.16.0.1", behind_proxy).source == "socket", "no header: the socket's peer"
     one_host = [client_identity([], f"2001:db8:1:2::{n}", socket_only) for n in (1, 2)]
     assert one_host[0] == one_host[1] and one_host[0] != client_identity([], "2001:db8:1:3::1", socket_only)
@@ -72,7 +70,7 @@ def test_a_client_is_its_address_as_the_platform_gives_it() -> None:
 def test_the_proxys_hop_is_one_client_whatever_shape_the_header_takes() -> None:
     """Behind the proxy: several headers count as one list in order, spaces and empty hops are nothing, a port or an
     IPv6 address's brackets name the same client, and only the proxy's own (last) hop counts."""
-    behind_proxy = ClientSettings(1)
+    behind_proxy = Hops(1)
 
     def key(*values: str) -> str:
         return client_identity([(b"x-forwarded-for", v.encode()) for v in values], "10.16.0.1", behind_proxy).key
@@ -88,7 +86,7 @@ def test_the_proxys_hop_is_one_client_whatever_shape_the_header_takes() -> None:
     assert key("::ffff:198.51.100.7") == ipv4, "an IPv4-mapped address is its IPv4 client"
     headers = [(b"X-Forwarded-For", b"192.0.2.1"), (b"x-forwarded-for", b"198.51.100.7")]
     assert client_identity(headers, "10.16.0.1", behind_proxy).key == ipv4, "header names in any case"
-    assert client_identity(headers, "10.16.0.1", ClientSettings(0)).source == "socket"
+    assert client_identity(headers, "10.16.0.1", Hops(0)).source == "socket"
 
 
 def test_bodies_are_read_as_gradio_reads_them() -> None:
@@ -98,77 +96,6 @@ def test_bodies_are_read_as_gradio_reads_them() -> None:
     assert Body.parse(b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)).problem is not None
     assert Body.parse(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH).problem is None
     assert Body.parse(b"not json") == Body()
-
-
-def test_clients_take_turns_and_one_holding_most_shares_with_a_newcomer() -> None:
-    """One sequence: a client with many waiting jobs does not go before another client's first. Two sequences: a
-    client holding both is asked to yield one at once when another client's job waits, and the one holding one more
-    after a turn; the yielded job comes back with its seat."""
-    slot = EngineSlot(timeout_s=TIMEOUT_S, capacity=1)
-    first = slot.acquire("a1", "A")
-    assert first is not None
-    order: list[str] = []
-
-    def take(owner: str, client: str) -> None:
-        seat = slot.acquire(owner, client)
-        order.append(client)
-        slot.release(seat)
-
-    threads = [threading.Thread(target=take, args=(f"a{n}", "A"), daemon=True) for n in (2, 3)]
-    threads.append(threading.Thread(target=take, args=("b1", "B"), daemon=True))
-    for thread in threads[:2]:
-        thread.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    while slot.waiting() < 2:  # the two of A wait before B comes (polled to a deadline)
-        assert time.monotonic() < deadline
-    threads[2].start()
-    while slot.waiting() < 3:
-        assert time.monotonic() < deadline
-    slot.release(first)
-    for thread in threads:
-        thread.join(TIMEOUT_S)
-    assert order[0] == "B", order
-
-    slot = EngineSlot(timeout_s=TIMEOUT_S, capacity=2)
-    held = [slot.acquire("a1", "A", can_yield=True), slot.acquire("a2", "A", can_yield=True)]
-    seated: list[Any] = []
-    newcomer = threading.Thread(target=lambda: seated.append(slot.acquire("b1", "B", can_yield=True)), daemon=True)
-    newcomer.start()
-    assert held[0] is not None and held[0].yield_asked.wait(TIMEOUT_S), "A holds two more: one yields at once"
-    assert held[1] is not None and not held[1].yield_asked.is_set()
-    back: list[Any] = []
-    comes_back = threading.Thread(target=lambda: back.append(slot.yield_turn(held[0])), daemon=True)
-    comes_back.start()
-    newcomer.join(TIMEOUT_S)
-    assert seated and seated[0] is not None and slot.yields_asked == 1
-    slot.release(held[1])  # one each while A's yielded answer waited: it comes back at the next free place
-    comes_back.join(TIMEOUT_S)
-    assert back == [held[0]], "the yielded answer came back with its seat"
-    # One sequence: turn by turn, each answer yielding after its quantum to the client holding one fewer.
-    turns = EngineSlot(timeout_s=TIMEOUT_S, capacity=1, quantum_s=0.05)
-    a = turns.acquire("a", "A", can_yield=True)
-    order = []
-
-    def run(seat: Any, rounds: int) -> None:
-        for _ in range(rounds):
-            assert seat.yield_asked.wait(TIMEOUT_S)
-            order.append(seat.client)
-            assert turns.yield_turn(seat) is seat
-        turns.release(seat)
-
-    b_thread = threading.Thread(target=lambda: run(turns.acquire("b", "B", can_yield=True), 2), daemon=True)
-    b_thread.start()
-    run(a, 2)
-    b_thread.join(TIMEOUT_S)
-    assert order == ["A", "B", "A", "B"] and turns.yields_asked == 4, order
-    alone = EngineSlot(timeout_s=TIMEOUT_S, capacity=1)
-    only = alone.acquire("a1", "A")
-    gone = alone.acquire("b1", "B", alive=lambda: False)
-    assert gone is None and only is not None and not only.yield_asked.is_set(), "an answer that cannot yield runs on"
-    busy = EngineSlot(timeout_s=0.0)
-    busy.acquire("c", "C")
-    with pytest.raises(RequestError, match="stayed busy"):
-        busy.acquire("d", "D")
 
 
 def test_one_client_opening_many_sessions_evicts_only_its_own_parked_states() -> None:

@@ -23,8 +23,8 @@ from ...errors import DFlashError, PromptTooLongError, RequestError
 from ...methods import runnable as registered_methods
 from ..requests import AUTO, DEFAULT_SYSTEM_PROMPT, MessageTooLongError
 from ..scrub import scrub_paths
-from ..web.callers import call_of
 from ..web.clients import ClientIdentity
+from ..web.gate import call_of
 from ..web.service import MODEL_DEFAULTS, Reply, SpaceService, wait_problem
 from .items import item_stats
 from .panel import EMPTY_DETAILS, EMPTY_STATS, REFUSED_STATS, WAITING_STATS, stats_details, stats_summary
@@ -205,7 +205,7 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
                 async for reply in service.reply(checked, owner=owner, client=service.client(request), call=call):
                     yield reply
         finally:
-            service.callers.end(call)
+            service.calls.finish(call)
 
     @yields(ApiReply)
     async def chat(
@@ -472,7 +472,7 @@ class PageHandlers:
                     yield (*frame, gr.skip())
             yield (gr.skip(),) * 10 + (ab_button(True),)
         finally:
-            self.service.callers.end(call)
+            self.service.calls.finish(call)
 
     async def _respond(self, session: ChatSession, call: str | None,
                        client: ClientIdentity) -> AsyncIterator[tuple[Any, ...]]:  # fmt: skip
@@ -571,7 +571,7 @@ class PageHandlers:
                     yield frame, gr.skip()
             yield gr.skip(), ab_button(True)
         finally:
-            self.service.callers.end(call)
+            self.service.calls.finish(call)
 
     async def _compare(self, session: ChatSession, typed: str, settings: tuple[Any, ...], call: str | None,
                        client: ClientIdentity) -> AsyncIterator[str]:  # fmt: skip

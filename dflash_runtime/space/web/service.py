@@ -1,10 +1,8 @@
 """The Space as the web process runs it: configuration, request checks, GPU jobs and what they report, and the
 server's description (/info). Gradio-free: the endpoints and the page call it (dflash_runtime.space.page.endpoints).
-
 Everything that can be checked is checked here, before a GPU is asked for; the GPU function runs the job
-(dflash_runtime.space.gpu.zerogpu) and its chunks come back through a ReplyJob, which cancels the work when the caller
-leaves. The running estimates of GPU time learn from every finished answer.
-"""
+(dflash_runtime.space.gpu.zerogpu) and its chunks come back through a ReplyJob, which stops the work when the caller
+leaves. The GPU-time estimates learn from conversations' finished answers (gpu_time.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +15,12 @@ import secrets
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol
 
 from ...errors import DFlashError, RequestError
-from ..crossing import AnswerSoFar, GpuJob, ReplyChunk, info_digest, owner_of
+from ..gpu_job import AnswerSoFar, GpuJob, ReplyChunk, info_digest, owner_of
 from ..provenance import SourceRuns
 from ..requests import AUTO, ChatRequest, Limits, build_request
 from ..scrub import scrub_paths
@@ -40,10 +38,13 @@ from ..setup.presets import (
     parallel_from_env,
 )
 from ..setup.runmode import RunMode, choose_run_mode, cuda_device_present, on_zero_gpu, settle_run_mode
-from .callers import AdmissionError, Callers, GateSettings, excerpt
+from ..setup.settings import PublicSettings
+from .calls import Calls
 from .clients import ClientIdentity, client_of_request
-from .gpu_time import GpuTimeEstimator, GpuTimeSettings
-from .jobs import EngineSlot, ReplyJob
+from .gate import excerpt
+from .gpu_time import GpuTimeEstimator
+from .jobs import ReplyJob
+from .policy import Call
 
 log = logging.getLogger(__name__)
 BUILD_KEYS = (
@@ -66,13 +67,9 @@ class JobHolder(Protocol):
     def detach(self, job: ReplyJob[ReplyChunk]) -> None: ...
 
 
-TAKEN = ("the server's queue was full and a client with fewer answers took this one's place (each client gets an "
-         "equal share): retry once some of your answers have ended")
-
-
 class GoingOn:
     """How a job's answer comes back after it yielded its turn (jobs.Resumable): the same job, resumed where its
-    chunks left it (crossing.Resume)."""
+    chunks left it (gpu_job.Resume)."""
 
     def __init__(self, run_gpu: Callable[[GpuJob], Iterator[ReplyChunk]], job: GpuJob) -> None:
         self._run_gpu = run_gpu
@@ -179,30 +176,29 @@ class SpaceService:
         build: Mapping[str, Any],
         run_gpu: Callable[[GpuJob], Iterator[ReplyChunk]],
         quota_seconds: Callable[[int], int | None],
-        gpu_time: GpuTimeSettings,
         zero_gpu: bool,
         gpu_size: str | None,
         show_diagnostics: bool = False,
-        gate: GateSettings | None = None,
+        settings: PublicSettings | None = None,
     ) -> None:
+        settings = settings or PublicSettings()
         self.mode = replace(mode, problems=tuple(scrub_paths(problem) for problem in mode.problems))
         self.preset = preset
         self.limits = limits
         self.download = download
         self.build_status = scrub_paths(build_status)
         self.build = {key: _scrubbed(build.get(key)) for key in BUILD_KEYS}
-        self.estimator = GpuTimeEstimator(gpu_time)
+        self.estimator = GpuTimeEstimator(settings)
         self.zero_gpu = zero_gpu
         self.gpu_size = gpu_size
-        # Up to `parallel` jobs at once: the engine batches their steps (one per cache owner at a time, see jobs.py).
-        self.slot = EngineSlot((gate or GateSettings()).busy_timeout_s, capacity=preset.parallel)
+        # The fair-share policy, shared with the HTTP gate: up to `parallel` jobs at once on the engine (calls.py).
+        self.calls = Calls(settings, capacity=preset.parallel)
         self.engine_info: dict[str, Any] = {}
         self.worker_info: dict[str, Any] = {}
         self._run_gpu = run_gpu
         self._quota_seconds = quota_seconds
         self._owner_secret = secrets.token_bytes(32)  # owner keys cannot be derived from a session id elsewhere
         self.show_diagnostics = show_diagnostics
-        self.callers = Callers(gate)  # engine calls and who reads them, shared with the HTTP gate (callers.py)
         # Adaptive drafting ("auto") with the pair's default method for the real pair and the offline demo alike: the
         # demo's generated pair (head="words") has its draft right about as often, position by position, as a real one.
         # Sampling starts from the server's defaults; a real pair's own `general.sampling.*` replace them once its
@@ -241,11 +237,10 @@ class SpaceService:
             build=build,
             run_gpu=run_gpu,
             quota_seconds=quota_seconds,
-            gpu_time=GpuTimeSettings.from_env(env),
             zero_gpu=zero_gpu,
             gpu_size=gpu_size,
             show_diagnostics=env.get("DFLASH_DIAGNOSTICS", "").strip() in ("1", "true", "yes"),
-            gate=GateSettings.from_env(env),
+            settings=PublicSettings.from_env(env),
         )
 
     @property
@@ -303,113 +298,99 @@ class SpaceService:
     async def files(self) -> ResolvedPair:
         """The pair's local files, waiting for the download at most the Space's busy timeout (then RequestError: an
         API call does not wait out a download of many gigabytes; the page shows its progress meanwhile)."""
-        deadline = time.monotonic() + self.slot.timeout_s
+        deadline = time.monotonic() + self.calls.settings.busy_timeout_s
         while (files := await self.poll_files()) is None:
             if time.monotonic() >= deadline:
                 progress = scrub_paths(self.download.status().summary())
                 raise RequestError(f"the model pair is still downloading ({progress}): retry in a few minutes")
         return files
 
-    def owner_key(self, session_hash: str | None, call: str | None = None) -> str:
+    def owner_key(self, session_hash: str | None, call: Call | None = None) -> str:
         """The cache owner of a request: an opaque key derived from the caller's session (`reply` adds its client's,
-        see host.owner_of); "" for a raw call without a session (`call`, see callers.py), which the engine host runs
-        as a fresh owner it never parks (see host.EngineHost)."""
-        if not session_hash or self.callers.sessionless(call):
+        see gpu_job.owner_of); "" for a call without a conversation (a session-less raw call, /v1)."""
+        if not session_hash or (call is not None and call.sessionless):
             return ""
         return hmac.new(self._owner_secret, session_hash.encode(), hashlib.sha256).hexdigest()[:32]
 
     def client(self, request: Any) -> ClientIdentity:
         """The client of a Gradio handler's request (see clients.py); other routes call clients.client_identity
         with what they have."""
-        return client_of_request(request, self.callers.settings.clients)
+        return client_of_request(request, self.calls.settings)
 
-    async def reply(
-        self,
-        request: ChatRequest,
-        phases: tuple[str, ...] = ("chat",),
-        *,
-        owner: str,
-        client: ClientIdentity,
-        latest_only: bool = False,
-        session: JobHolder | None = None,
-        call: str | None = None,
-    ) -> AsyncIterator[Reply]:
-        """Run `request` on the GPU for `owner` (see owner_key; "" for nobody's) of `client` and stream its reply,
-        phase by phase, after each chunk (the same Reply object, grown: read it before asking for the next). Errors
-        reported by the worker are raised as WorkerError; leaving the loop (or being cancelled) stops the engine.
+    async def reply(self, request: ChatRequest, phases: tuple[str, ...] = ("chat",), *, owner: str,
+                    client: ClientIdentity, latest_only: bool = False, session: JobHolder | None = None,
+                    call: Call | None = None) -> AsyncIterator[Reply]:  # fmt: skip
+        """Run `request` on the GPU for `owner` (see owner_key; "" for no conversation) of `client` and stream its
+        reply, phase by phase, after each chunk (the same Reply object, grown: read it before asking for the next).
+        Errors reported by the worker are raised as WorkerError; leaving the loop (or being cancelled) stops the engine.
 
-        Every route's engine work passes here. `call`: the engine call the HTTP gate admitted (callers.py); one
-        abandoned before it starts ends here, without asking for a GPU. Without one (a route the gate does not
-        count) the call is admitted here, against the same limits (AdmissionError when over one), and ends with the
-        reply."""
-        admitted = None
-        if call is None:
-            admitted = self.callers.admit(-1, len(phases), None, client.key)
-            if isinstance(admitted, str):
-                raise AdmissionError(admitted)
-            call = admitted.id
-        owner = owner_of(client.key, owner) if owner else ""  # parked states are shared out by client (host.py)
+        Every route's engine work passes here. `call`: the engine call the HTTP gate admitted; one abandoned before it
+        starts ends here, without asking for a GPU. Without one (a route the gate does not count) the call is admitted
+        here, against the same limits (calls.AdmissionError when over one)."""
+        call = call or self.calls.admitted(client.key, len(phases))
         try:
+            if not self.calls.start(call):
+                log.info("an answer nobody reads was dropped before it started")
+                return
             async for reply in self._reply(request, phases, owner, client, latest_only, session, call):
                 yield reply
         finally:
-            if admitted is not None:
-                self.callers.end(admitted.id)
+            self.calls.finish(call)
+
+    def _job(self, request: ChatRequest, phases: tuple[str, ...], owner: str, client: ClientIdentity,
+             files: ResolvedPair) -> GpuJob:
+        """The GPU job: a conversation's owner is its client's (parked states are shared out by client), and a call
+        of no conversation gets an owner of its own, kept only across its turns (see gpu_job.GpuJob)."""
+        job_owner = owner_of(client.key, owner or f"once-{secrets.token_hex(8)}")
+        job = GpuJob(request, self.preset, files, phases, cache_owner=job_owner, conversation=bool(owner),
+                     engine_info_seen=info_digest(self.engine_info) if self.engine_info else "")  # fmt: skip
+        estimate = self.estimator.estimate(request, job.speculative_phases())
+        log.info("request: %d chars, max_tokens %d, phases %s; GPU time %s s (quota %s s, load included: %s)",
+                 request.input_chars, request.max_tokens, ",".join(phases), estimate.seconds,
+                 self._quota_seconds(estimate.seconds), estimate.includes_load)  # fmt: skip
+        return replace(job, gpu_seconds=estimate.seconds)
 
     async def _reply(self, request: ChatRequest, phases: tuple[str, ...], owner: str, client: ClientIdentity,
-                     latest_only: bool, session: JobHolder | None, call: str) -> AsyncIterator[Reply]:  # fmt: skip
-        if not self.callers.start(call):
-            if self.callers.taken(call):
-                raise AdmissionError(TAKEN)
-            log.info("an answer nobody reads was dropped before it started")  # (callers.py)
-            return
-        files = await self.files()
-        job_spec = GpuJob(request, self.preset, files, phases, cache_owner=owner,
-                          engine_info_seen=info_digest(self.engine_info) if self.engine_info else "")  # fmt: skip
-        estimate = self.estimator.estimate(request, job_spec.speculative_phases())
-        job_spec = replace(job_spec, gpu_seconds=estimate.seconds)
-        requested = self._quota_seconds(estimate.seconds)
-        log.info("request: %d chars, max_tokens %d, phases %s; GPU time %s s (quota %s s, load included: %s)",
-                 request.input_chars, request.max_tokens, ",".join(phases), estimate.seconds, requested,
-                 estimate.includes_load)  # fmt: skip
+                     latest_only: bool, session: JobHolder | None, call: Call) -> AsyncIterator[Reply]:  # fmt: skip
+        spec = self._job(request, phases, owner, client, await self.files())
         job: ReplyJob[ReplyChunk] = ReplyJob(
-            partial(self._run_gpu, job_spec), self.slot, is_final=lambda chunk: chunk.finish_reason is not None,
-            fold=ReplyChunk.then, alive=partial(self.callers.alive, call), orphan_timeout_s=self.slot.timeout_s,
-            owner=owner or None, client=client.key, resumable=GoingOn(self._run_gpu, job_spec),
-        )
+            partial(self._run_gpu, spec), self.calls, call, is_final=lambda chunk: chunk.finish_reason is not None,
+            fold=ReplyChunk.then, orphan_timeout_s=self.calls.settings.busy_timeout_s,
+            owner=spec.cache_owner if owner else None, resumable=GoingOn(self._run_gpu, spec))  # fmt: skip
         if session is not None:
             session.attach(job)
-        load_seen = False
         replies: dict[str, Reply] = {}  # per phase: an A/B run streams two answers
         try:
             async for chunk in job.chunks(latest_only):
-                self._remember(chunk)
-                if "engine_loaded" in chunk.worker:
-                    self.estimator.engine_seen(chunk.worker["engine_loaded"])
-                if chunk.worker.get("loaded_now") and not load_seen and chunk.worker.get("load_s") is not None:
-                    load_seen = True
-                    self.estimator.observe_load(chunk.worker["load_s"])
-                if chunk.error_type:
-                    raise WorkerError(chunk.error_type, chunk.error or chunk.error_type)
+                self._learn(chunk, first=not replies)
+                if chunk.progress:
+                    continue  # a prefill chunk's boundary: nothing to show
                 reply = replies.setdefault(chunk.phase, Reply(chunk.phase))
                 reply.add(chunk)
-                reply.stats = self.reply_stats(chunk, reply, requested, request.notes)
-                if chunk.finish_reason:  # each client's answers count as one voice (see gpu_time.py)
+                reply.stats = self.reply_stats(chunk, reply, self._quota_seconds(spec.gpu_seconds), request.notes)
+                if chunk.finish_reason and owner:  # conversations' answers teach the estimate (gpu_time.py)
                     finished = {**chunk.stats, "decode_tok_s": reply.stats["decode_tok_s"]}
                     self.estimator.observe(finished, request, chunk.dropped_turns - request.dropped_turns, client.key)
                 yield reply
-            if self.callers.taken(call):
-                raise AdmissionError(TAKEN)
-        except DFlashError:
-            raise
         except Exception as error:
-            if _loses_worker(error):
+            if not isinstance(error, DFlashError) and _loses_worker(error):
                 self.estimator.worker_lost()
-            log.warning("the GPU call failed: %s: %s", type(error).__name__, error)
+            if not isinstance(error, DFlashError):
+                log.warning("the GPU call failed: %s: %s", type(error).__name__, error)
             raise
         finally:
             if session is not None:
                 session.detach(job)
+
+    def _learn(self, chunk: ReplyChunk, first: bool) -> None:
+        """What a chunk tells of the engine and the worker (and the worker's error, raised)."""
+        self._remember(chunk)
+        if "engine_loaded" in chunk.worker:
+            self.estimator.engine_seen(chunk.worker["engine_loaded"])
+        if chunk.worker.get("loaded_now") and first and chunk.worker.get("load_s") is not None:
+            self.estimator.observe_load(chunk.worker["load_s"])
+        if chunk.error_type:
+            raise WorkerError(chunk.error_type, chunk.error or chunk.error_type)
 
     def reply_stats(self, chunk: ReplyChunk, reply: Reply, requested: int | None,
                     notes: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
@@ -434,7 +415,7 @@ class SpaceService:
             self.engine_info = chunk.engine_info
             # The engine may hold fewer sequences than the most the queue lets through (DFLASH_PARALLEL=auto sizes
             # them to memory): jobs beyond them wait for a seat, in order.
-            self.slot.resize(self.parallel)
+            self.calls.resize(self.parallel)
         if chunk.worker:
             self.worker_info = {**self.worker_info, **chunk.worker}
 
@@ -445,11 +426,11 @@ class SpaceService:
         problem = wait_problem(wait_until, timeout_s)
         if problem is not None:
             raise RequestError(problem)
-        came = self.slot.wait(wait_until == "busy", float(timeout_s))
+        came = self.calls.wait(wait_until == "busy", float(timeout_s))
         return {**self.info(), "waited_out": not came}
 
     def info(self) -> dict[str, Any]:
-        download = self.download.status()
+        download, counts = self.download.status(), self.calls.counts()
         return {
             "presets": {self.preset.name: self.preset.describe()},
             "default_preset": self.preset.name,
@@ -465,13 +446,13 @@ class SpaceService:
             "build": {"status": self.build_status, **self.build},
             "limits": self.limits.describe(),
             "download": {"state": download.state, "summary": scrub_paths(download.summary())},
-            "busy": self.slot.busy(),  # an answer is running (or being stopped)
+            "busy": counts["running"] > 0,  # an answer is running (or being stopped)
             "parallel": self.parallel,  # answers that can run at once on the engine
-            "running": self.slot.running(),  # answers running now (a count, nothing of what they are)
-            "turns_yielded": self.slot.yields_asked,  # answers that yielded a turn to another client (a count)
+            **counts,  # answers running, waiting, and turns yielded to another client: counts, nothing of whose
             "engine": dict(self.engine_info),
             "gpu_time": {"zero_gpu": self.zero_gpu, "gpu_size": self.gpu_size, **self.estimator.describe()},
-            "queue": self.callers.describe(),
+            "queue": {**asdict(self.calls.settings), "client_from": "X-Forwarded-For" if
+                      self.calls.settings.trusted_proxy_hops else "socket"},
             **(self.diagnostics() if self.show_diagnostics else {}),
         }
 

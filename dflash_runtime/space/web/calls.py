@@ -1,0 +1,165 @@
+"""The fair-share policy (policy.py) under one lock, for the web process's threads and its event loop alike: every
+method is one of the policy's transitions at the clock's time, and `seat` is the engine slot: a job waits here for
+its turn (see docs/public-space.md)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ...errors import RequestError
+from ..setup.settings import PublicSettings
+from .policy import Call, FairShare, Reader, State
+
+ADMITTED = "dflash_call"  # the scope state's key of the call the HTTP gate admitted
+
+
+class AdmissionError(RequestError):
+    """A call refused by the limits on answers (HTTP 429), or whose place a client with fewer answers took."""
+
+
+TAKEN = ("the server's queue was full and a client with fewer answers took this one's place before it started (each "
+         "client gets an equal share): retry once some of your answers have ended")
+
+
+class Calls:
+    """The policy, thread-safe (see the module doc)."""
+
+    def __init__(self, settings: PublicSettings | None = None, capacity: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.settings = settings or PublicSettings()
+        self.policy = FairShare(self.settings, capacity)
+        self._clock = clock
+        self._changed = threading.Condition()
+
+    def _do(self, transition: Callable[..., Any], *args: Any) -> Any:
+        with self._changed:
+            result = transition(self._clock(), *args)
+            self._changed.notify_all()
+            return result
+
+    def admit(self, client: str, session: str | None, weight: int) -> Call | str:
+        return self._do(self.policy.admit, client, session, weight)
+
+    def admitted(self, client: str, weight: int) -> Call:
+        """A session-less engine call of a route the HTTP gate does not see, or AdmissionError."""
+        call = self.admit(client, None, weight)
+        if isinstance(call, str):
+            raise AdmissionError(call)
+        return call
+
+    def admit_event(self, client: str, session: str) -> Call | str:
+        return self._do(self.policy.admit_event, client, session)
+
+    def queued(self, call: Call, event_id: str | None) -> None:
+        self._do(self.policy.queued, call, event_id)
+
+    def withdraw(self, event_id: object) -> None:
+        self._do(self.policy.withdraw, event_id)
+
+    def completed(self, event_id: str) -> None:
+        self._do(self.policy.completed, event_id)
+
+    def start(self, call: Call) -> bool:
+        """The handler starts: False when the call is over (AdmissionError when its place was taken)."""
+        if self._do(self.policy.start, call):
+            return True
+        if call.state is State.TAKEN:
+            raise AdmissionError(TAKEN)
+        return False
+
+    def finish(self, call: Call | None) -> None:
+        if call is not None:
+            self._do(self.policy.finish, call)
+
+    def opened(self, session: str) -> Reader:
+        return self._do(self.policy.opened, session)
+
+    def closed(self, reader: Reader, hung_up: bool = True) -> None:
+        self._do(self.policy.closed, reader, hung_up)
+
+    def sending(self, reader: Reader, busy: bool) -> None:
+        with self._changed:
+            self.policy.sending(self._clock(), reader, busy)  # no waiter waits for this
+
+    def knows(self, session: str) -> bool:
+        with self._changed:
+            return self.policy.knows(session)
+
+    def session_of_event(self, event_id: str) -> str | None:
+        with self._changed:
+            return self.policy.session_of_event(event_id)
+
+    def running_for(self, session: str) -> bool:
+        with self._changed:
+            return self.policy.running_for(session)
+
+    def padding(self, client: str, wanted: int) -> int:
+        with self._changed:
+            return self.policy.padding(self._clock(), client, wanted)
+
+    def alive(self, call: Call) -> bool:
+        """Whether the call still counts: read, neither finished nor taken (asked by its job at every chunk)."""
+        with self._changed:
+            self.policy.sweep(self._clock())
+            return call.live
+
+    # -- the engine slot --------------------------------------------------------------------------------------------
+
+    def seat(self, call: Call, owner: str | None, can_yield: bool) -> bool:
+        """Wait for the call's turn on the engine: True once it holds a seat, False when it ended meanwhile
+        (AdmissionError when its place was taken), RequestError when its client was not served for the busy
+        timeout."""
+        with self._changed:
+            self.policy.ask(self._clock(), call, owner, can_yield)
+            return self._wait_turn(call)
+
+    def yield_turn(self, call: Call) -> bool:
+        """Give the seat up (its job was asked to, and closed its stream) and wait for the next turn, as `seat`."""
+        with self._changed:
+            self.policy.yield_turn(self._clock(), call)
+            return self._wait_turn(call)
+
+    def _wait_turn(self, call: Call) -> bool:
+        while True:
+            if self.policy.schedule(self._clock()):
+                self._changed.notify_all()
+            if call.seated:
+                return True
+            if call.state is State.TAKEN:
+                raise AdmissionError(TAKEN)
+            if not call.live:
+                return False
+            if (refusal := self.policy.timed_out(self._clock(), call)) is not None:
+                self.policy.finish(self._clock(), call)
+                raise RequestError(refusal)
+            self._changed.wait(self.settings.poll_s)
+
+    def cannot_yield(self, call: Call) -> None:
+        with self._changed:
+            self.policy.cannot_yield(call)
+
+    def release(self, call: Call) -> None:
+        self._do(self.policy.release, call)
+
+    def resize(self, capacity: int) -> None:
+        """Seat up to `capacity` jobs from now on (the loaded engine's sequences); jobs running stay."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        with self._changed:
+            self.policy.capacity = capacity
+            self.policy.schedule(self._clock())
+            self._changed.notify_all()
+
+    def counts(self) -> dict[str, int]:
+        """Seats in use, calls waiting for one and turns yielded: counts, nothing of whose."""
+        with self._changed:
+            policy = self.policy
+            return {"running": policy.seats_used(), "waiting": len(policy.waiting()), "turns_yielded": policy.yields}
+
+    def wait(self, busy: bool, timeout_s: float) -> bool:
+        """Wait until some job holds a seat (`busy`) or none does; False when `timeout_s` passed first."""
+        with self._changed:
+            return self._changed.wait_for(lambda: (self.policy.seats_used() > 0) == busy, timeout_s)

@@ -344,7 +344,7 @@ def yielded_at(engine_host: EngineHost, spec: GpuJob, turns: list[int]) -> tuple
     """The job's reply when it yields its turn after each count of chunks in `turns` (the stream closed there, as
     jobs.ReplyJob closes it) and goes on from what its chunks said (gpu_job.AnswerSoFar), as the web process does;
     the whole reply joined, and how many turns it took."""
-    answer, taken = AnswerSoFar(spec.phases), []
+    answer, taken = AnswerSoFar(spec), []
     current = spec
     for count in [*turns, None]:
         chunks = engine_host.run(current)
@@ -387,7 +387,7 @@ def test_an_answer_that_yields_its_turn_goes_on_exactly(host: tuple[EngineHost, 
     ab = replace(job("Tell me about the sea.", max_tokens=12), phases=("dflash", "plain"), cache_owner=owner)
     ab_whole = list(engine_host.run(ab))
     ab_yielded = []
-    answer, current = AnswerSoFar(ab.phases), ab
+    answer, current = AnswerSoFar(ab), ab
     for _ in range(30):  # a turn of one step each: 12 + 12 tokens
         chunks = engine_host.run(current)
         first = next(chunks)
@@ -422,7 +422,7 @@ def test_a_long_prompt_yields_between_its_chunks_and_goes_on_exactly(host: tuple
     assert len(progress) >= 1 and all(c.delta == "" and not c.tokens for c in progress), len(progress)
     assert whole_reply(whole).stats["n_prefilled"] > 700
     spec = replace(spec, cache_owner="long/2")
-    answer, turns, taken = AnswerSoFar(spec.phases), 0, []
+    answer, turns, taken = AnswerSoFar(spec), 0, []
     current = spec
     while True:  # each turn closed at its first progress chunk, as a job asked to yield closes it
         turns += 1

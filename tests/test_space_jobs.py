@@ -360,8 +360,8 @@ def test_padding_is_bounded_per_client_and_in_total() -> None:
 def test_a_job_nobody_reads_stops_itself() -> None:
     stream, clock = Stream(), Clock()
     calls = Calls(PublicSettings(reader_timeout_s=3.0), clock=clock)
-    reader = calls.opened("s")
-    call = calls.admit("c", "s", 1)
+    reader = calls.apply(FairShare.opened, "s")
+    call = calls.apply(FairShare.admit, "c", "s", 1)
     assert isinstance(call, Call)
     job = ReplyJob(stream, calls, call)
 
@@ -370,7 +370,7 @@ def test_a_job_nobody_reads_stops_itself() -> None:
         async for chunk in job.chunks():
             taken.append(chunk)
             if len(taken) == count:
-                calls.closed(reader)  # the reader hung up: the job ends the stream at its next chunk
+                calls.apply(FairShare.closed, reader, True)  # it hung up: the job ends the stream at its next chunk
         return taken
 
     taken = run(read_until(3))
@@ -392,15 +392,15 @@ def test_the_slot_seats_up_to_its_capacity_and_one_job_per_conversation() -> Non
     assert calls.counts()["running"] == 2 and calls.wait(True, 0.0)
     with pytest.raises(RequestError, match=r"the engine stayed busy for 0 s; retry"):
         seated(calls, "z", "c")  # a client served not at all for the busy timeout
-    calls.release(second)
+    calls.apply(FairShare.release, second)
     with pytest.raises(RequestError, match="this session's previous answer was still running"):
         seated(calls, "w", "a")
     fresh = seated(calls, "v")  # no conversation: it waits for nobody's turn
-    calls.release(first)
+    calls.apply(FairShare.release, first)
     again = seated(calls, "x", "a")
     assert calls.counts()["running"] == 2
-    calls.release(fresh)
-    calls.release(again)
+    calls.apply(FairShare.release, fresh)
+    calls.apply(FairShare.release, again)
     assert calls.counts()["running"] == 0 and calls.wait(False, 0.0)
     with pytest.raises(ValueError, match="capacity must be at least 1"):
         calls.resize(0)
@@ -416,7 +416,7 @@ def test_a_resized_slot_seats_what_the_loaded_engine_holds() -> None:
 
     def second() -> None:
         waiting.set()
-        calls.release(seated(calls, "b"))
+        calls.apply(FairShare.release, seated(calls, "b"))
         went.set()
 
     thread = threading.Thread(target=second, daemon=True)
@@ -427,7 +427,7 @@ def test_a_resized_slot_seats_what_the_loaded_engine_holds() -> None:
     thread.join(TIMEOUT_S)
     calls.resize(1)
     assert calls.counts()["running"] == 1, "the running job keeps its seat"
-    calls.release(first)
+    calls.apply(FairShare.release, first)
 
 
 def test_a_waiting_job_of_a_running_conversation_lets_later_ones_pass() -> None:
@@ -441,17 +441,17 @@ def test_a_waiting_job_of_a_running_conversation_lets_later_ones_pass() -> None:
         started.set()
         call = seated(calls, "x", "a")  # waits for a's first job
         went.set()
-        calls.release(call)
+        calls.apply(FairShare.release, call)
 
     thread = threading.Thread(target=second_of_a, daemon=True)
     thread.start()
     assert started.wait(TIMEOUT_S) and calls.wait(True, TIMEOUT_S)
     other = seated(calls, "y", "b")  # the free seat goes to b at once, though a's second job came first
     assert not went.is_set()
-    calls.release(running)
+    calls.apply(FairShare.release, running)
     thread.join(TIMEOUT_S)
     assert went.is_set() and not thread.is_alive()
-    calls.release(other)
+    calls.apply(FairShare.release, other)
 
 
 def test_clients_take_turns_and_one_holding_most_shares_with_a_newcomer() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -120,11 +121,11 @@ class Resume:
 
 
 class AnswerSoFar:
-    """What the web process knows of a job's answer from its chunks: where a resumed job goes on (`resume`)."""
+    """What the web process knows of a job's answer from its chunks (`seen`): where a resumed job goes on (`resume`),
+    and (`rest`, with `run`, the GPU function) the stream of the rest of the answer (web/jobs.py's Resumable)."""
 
-    def __init__(self, phases: tuple[str, ...]) -> None:
-        self._phases = phases
-        self._phase = 0
+    def __init__(self, job: GpuJob, run: Callable[[GpuJob], Iterator[ReplyChunk]] | None = None) -> None:
+        self._job, self._run, self._phases, self._phase = job, run, job.phases, 0
         self._answers: dict[str, list[int]] = {}
         self._stats: dict[str, Any] = {}
         self._drafted_by: list[str] = []
@@ -149,6 +150,10 @@ class AnswerSoFar:
         earlier = {p: tuple(self._answers.get(p, ())) for p in self._phases[: self._phase]}
         return Resume(self._phase, tuple(self._answers.get(name, ())), dict(self._stats), tuple(self._drafted_by),
                       earlier)  # fmt: skip
+
+    def rest(self) -> Callable[[], Iterator[ReplyChunk]] | None:
+        resume, run = self.resume(), self._run
+        return None if resume is None or run is None else lambda: run(replace(self._job, resume=resume))
 
 
 # Statistics a resumed answer adds to those it had (counts and times); lists summed position by position. The prompt's

@@ -1,16 +1,13 @@
 """The engine host: the engine of the process where generation runs (the GPU worker on ZeroGPU), built on first use,
 up to its parallel sequences' worth of requests at once, streaming replies as plain data that crosses the ZeroGPU
 process line, with a progress chunk at each prompt chunk's end (where a long prompt's job may yield its turn). Who
-runs when is the web process's policy (web/policy.py: one answer per conversation at a time among them).
+runs when is the web process's policy (web/policy.py).
 
-On ZeroGPU the worker is a fork of the web process, and `spaces` throws a worker away after *any* exception raised
-in the GPU function (with it the loaded model). So `EngineHost.run` never raises the runtime's own errors: it ends the
-stream with a chunk that carries the error, and the web process raises it there. A request error (bad input the web
-process could not see, such as a prompt too long in tokens) leaves the engine as it is; an engine failure (a failed
-decode) closes the engine once no other request runs on it, and the next request rebuilds it in the same worker.
-Anything else (a bug, a CUDA fault) does raise: then a fresh worker is the right cure. Every chunk says whether the
-engine is loaded, so the web process knows when the next request must plan a load.
-"""
+`spaces` throws a ZeroGPU worker away (with its loaded model) after any exception raised in the GPU function, so
+`EngineHost.run` never raises the runtime's own errors: it ends the stream with a chunk that carries the error. A
+request error leaves the engine as it is; an engine failure closes it once no other request runs on it, and the next
+request rebuilds it in the same worker. Anything else (a bug, a CUDA fault) raises: a fresh worker is the cure. Every
+chunk says whether the engine is loaded, so the web process knows when the next request must plan a load."""
 
 from __future__ import annotations
 
@@ -26,15 +23,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ...errors import (
-    DecodeError,
-    DFlashError,
-    EngineClosedError,
-    ModelFileError,
-    PairMismatchError,
-    RemoteDeviceError,
-    RequestError,
-)
+from ... import errors
+from ...errors import DFlashError, RemoteDeviceError, RequestError
 from ...footprint import ParallelPlan, plan_parallel, with_remote_memory
 from ...gguf_meta import read_gguf
 from ...native.backends import FreeMemory, free_memory
@@ -48,7 +38,7 @@ from .fitting import FittedConversation, fit_conversation, fit_prompt, prompt_to
 log = logging.getLogger(__name__)
 # Errors after which the engine's state is not to be trusted: it is closed, and the next request loads it again.
 # Any other runtime error (a bad request, a prompt too long, a busy engine) leaves it as it is.
-ENGINE_FAILURES = (DecodeError, EngineClosedError, RemoteDeviceError)
+ENGINE_FAILURES = (errors.DecodeError, errors.EngineClosedError, RemoteDeviceError)
 
 
 # What the cache holds now (tokens, checkpoints, the owners' parked states) and how many answers run: the state of
@@ -125,35 +115,26 @@ class EngineFacts:
 class EngineHost:
     """Owns this process's engine: built on first use, rebuilt when the preset or files change (once no request runs
     on it), up to the preset's `parallel` requests at once, with counters that tell a warm worker from a new one
-    (`loads`, `requests`, the process id).
-
-    Visitors' cached prompts are kept apart: a request reuses cached tokens only if its own `cache_owner` put them
-    there, beyond the public prefix of its prompt (the page's system prompt): the engine parks and restores each
-    owner's state itself (`cache_owner`), so a visitor's own next turn still reuses it and nobody else's request
-    can."""
+    (`loads`, `requests`, the process id). A request reuses cached tokens only if its own `cache_owner` put them
+    there, beyond the public prefix of its prompt (the page's system prompt): nobody else's request can."""
 
     def __init__(self, loader: Callable[..., Any], settings: PublicSettings | None = None,
                  memory: Callable[[int], FreeMemory] | None = None) -> None:  # fmt: skip
-        self._loader = loader
-        self._settings = settings or PublicSettings()
+        self._loader, self._settings = loader, settings or PublicSettings()
         self._busy_timeout_s = self._settings.busy_timeout_s
-        # What is free where the caches go, given n_gpu_layers (backends.free_memory): read just before a load, with
-        # the previous engine closed, when the preset sizes its sequences to memory (DFLASH_PARALLEL=auto).
+        # What is free where the caches go (backends.free_memory): read just before a load, with the previous engine
+        # closed, when the preset sizes its sequences to memory (DFLASH_PARALLEL=auto).
         self._memory = memory or free_memory
-        # How many requests run on the engine, whether it is being (re)built and whether a failure condemned it: held
-        # for this bookkeeping only; a load runs outside it, with newcomers waiting on it (each wait bounded by
-        # busy_timeout_s).
+        # How many requests run, whether the engine is being (re)built and whether a failure condemned it: held for
+        # this bookkeeping only; a load runs outside it, newcomers waiting (each wait bounded by busy_timeout_s).
         self._state = threading.Condition()
-        self._running = 0
-        self._loading = False
-        self._condemned = False
+        self._running, self._loading, self._condemned = 0, False, False
         self._engine: Any = None
         self._key: tuple[Any, ...] | None = None
         self._facts: EngineFacts | None = None
         self._parallel = 1  # the loaded engine's sequences
         self.parallel_plan: ParallelPlan | None = None  # how they were sized to memory (DFLASH_PARALLEL=auto)
-        self.loads = 0
-        self.requests = 0
+        self.loads, self.requests = 0, 0
         self.last_load_s: float | None = None
         self.previous_request: dict[str, Any] = {}
         self.draft_problem: str | None = None  # why the loaded engine runs without its draft
@@ -219,27 +200,25 @@ class EngineHost:
                 self._loading = False
                 self._state.notify_all()
 
-    def _ensure(self, preset: PairPreset, files: ResolvedPair) -> tuple[Any, bool]:
-        """Load the engine for this preset and files (closing the one before); (engine, True)."""
-        key = (preset, files)
-        self._close()
-        started = time.monotonic()
+    def _options(self, preset: PairPreset, files: ResolvedPair) -> dict[str, Any]:
+        """The engine's options: `parallel` sequences (the requests that run at once), the Space's one wait for a
+        sequence (not the library's), and states parked only by their own request, shared out by client."""
         from ...cache.sessions import SessionPolicy  # the core's cache modules import libllama: only where engines run
 
-        # Only a visitor's own request parks its state (see run): nobody's request pays for, or times, another's.
-        # `parallel` sequences of n_ctx tokens each: the requests that run at once (see presets.parallel_from_env).
         branches = preset.branches if files.draft_path is not None else 0  # a tree's paths need the draft
         self._parallel = self._sequences(preset, files, branches)
-        # The engine's own wait for a sequence is the Space's one wait (DFLASH_BUSY_TIMEOUT_S), not the library's.
-        options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
-                   "parallel": self._parallel, "numerics": preset.numerics, "busy_timeout_s": self._busy_timeout_s,
-                   "sessions": SessionPolicy(park_on_switch=False, group_of=client_of_owner,
-                                             per_group=self._settings.parked_per_client,
-                                             active_share=self._settings.active_share)}  # fmt: skip
-        if preset.rpc:
-            options["rpc"] = list(preset.rpc)
-        if branches:
-            options["branches"] = branches
+        parking = SessionPolicy(park_on_switch=False, group_of=client_of_owner, active_share=self._settings.
+                                active_share, per_group=self._settings.parked_per_client)  # fmt: skip
+        return {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
+                "parallel": self._parallel, "numerics": preset.numerics, "busy_timeout_s": self._busy_timeout_s,
+                "sessions": parking, **({"rpc": list(preset.rpc)} if preset.rpc else {}),
+                **({"branches": branches} if branches else {})}  # fmt: skip
+
+    def _ensure(self, preset: PairPreset, files: ResolvedPair) -> tuple[Any, bool]:
+        """Load the engine for this preset and files (closing the one before); (engine, True)."""
+        self._close()
+        started = time.monotonic()
+        options = self._options(preset, files)
         self.draft_problem = files.draft_problem
         self._fallback = fallback_methods(files.target_path) if files.draft_problem else ()
         if files.draft_path is None:
@@ -247,7 +226,7 @@ class EngineHost:
         else:
             try:
                 self._engine = self._loader(files.target_path, files.draft_path, **options)
-            except (PairMismatchError, ModelFileError) as error:
+            except (errors.PairMismatchError, errors.ModelFileError) as error:
                 # A draft that fails validation: the target alone still accelerates when it runs a method with a
                 # model of its own (an MTP head). (If the target itself is at fault, opening it alone raises that.)
                 self._fallback = fallback_methods(files.target_path)
@@ -255,7 +234,7 @@ class EngineHost:
                     raise
                 self._engine = self._loader(files.target_path, None, **options)
                 self.draft_problem = str(error)
-        self._key, self._condemned = key, False
+        self._key, self._condemned = (preset, files), False
         self._facts = EngineFacts()
         self.loads += 1
         self.last_load_s = round(time.monotonic() - started, 3)
@@ -274,7 +253,7 @@ class EngineHost:
             memory = with_remote_memory(memory, remote_memory(preset.rpc))
         try:
             draft = read_gguf(files.draft_path) if files.draft_path is not None else None
-        except ModelFileError:
+        except errors.ModelFileError:
             draft = None  # the load says what is wrong with it, and may run the target alone (see _ensure)
         self.parallel_plan = plan_parallel(read_gguf(files.target_path), draft, memory, n_ctx=preset.n_ctx,
                                            draft_capacity=preset.draft_capacity, limit=preset.parallel,
@@ -328,7 +307,8 @@ class EngineHost:
         facts = self._facts
         assert facts is not None
         fitted = self._fit(engine, job.request)
-        owner = self._owner_arguments(engine, facts, job.cache_owner, fitted.tokens, job.request.enable_thinking)
+        owner = {**self._owner_arguments(engine, facts, job.cache_owner, fitted.tokens, job.request.enable_thinking),
+                 "prefill_chunk": self._settings.prefill_chunk}  # the engine's arguments for this job's requests
         info, known = self._info(engine, job)
         resume = job.resume
         answers = {p: list(t) for p, t in resume.answers.items()} if resume else {}

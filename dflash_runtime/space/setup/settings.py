@@ -52,9 +52,14 @@ class PublicSettings:
                                       "reading it: a page opens its stream within a second")
     busy_timeout_s: float = setting(120.0, "DFLASH_BUSY_TIMEOUT_S", "the one wait for the engine (a job for its seat, "
                                     "a GPU call for the worker's engine), counted while its client is not served")
-    quantum_s: float = setting(2.0, "DFLASH_QUANTUM_S", "a turn: how long an answer keeps its seat before it yields to "
-                               "a client holding one fewer (a newcomer's first item within ⌈C / S⌉ turns)")
+    quantum_s: float = setting(1.0, "DFLASH_QUANTUM_S", "a turn: how long an answer keeps its seat before it yields "
+                               "to a client holding one fewer (a newcomer's first item within ⌈C / S⌉ turns; a yield "
+                               "costs a park and one token again)")
     poll_s: float = setting(0.5, "DFLASH_POLL_S", "how often a waiting job looks at its turn and its readers")
+    prefill_chunk: int = setting(8, "DFLASH_PREFILL_CHUNK", "the most prompt tokens of one answer an engine step takes "
+                                 "while other answers share it, about a verify step's rows: a long prompt costs their "
+                                 "steps little and may yield at each chunk (a GPU, whose rows cost little, may take "
+                                 "more; 0: the step's whole budget)", off=True)
     probe_bytes_s: float = setting(48 * KIB, "DFLASH_READER_PROBE_BYTES_S", "the least traffic of a running answer's "
                                    "stream, so that a reader that stops reading fills its window within seconds "
                                    "(0: off, where a proxy notices)", "48 KiB/s", off=True)

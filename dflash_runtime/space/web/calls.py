@@ -11,7 +11,7 @@ from typing import Any
 
 from ...errors import RequestError
 from ..setup.settings import PublicSettings
-from .policy import Call, FairShare, Reader, State
+from .policy import Call, FairShare, State
 
 ADMITTED = "dflash_call"  # the scope state's key of the call the HTTP gate admitted
 
@@ -34,77 +34,37 @@ class Calls:
         self._clock = clock
         self._changed = threading.Condition()
 
-    def _do(self, transition: Callable[..., Any], *args: Any) -> Any:
+    def apply(self, transition: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One of the policy's methods (`FairShare.queued`, ...) at the clock's time, under the lock; every waiting
+        job looks at its turn again."""
         with self._changed:
-            result = transition(self._clock(), *args)
+            result = transition(self.policy, self._clock(), *args, **kwargs)
             self._changed.notify_all()
             return result
 
-    def admit(self, client: str, session: str | None, weight: int) -> Call | str:
-        return self._do(self.policy.admit, client, session, weight)
-
     def admitted(self, client: str, weight: int) -> Call:
         """A session-less engine call of a route the HTTP gate does not see, or AdmissionError."""
-        call = self.admit(client, None, weight)
+        call = self.apply(FairShare.admit, client, None, weight)
         if isinstance(call, str):
             raise AdmissionError(call)
         return call
 
-    def admit_event(self, client: str, session: str) -> Call | str:
-        return self._do(self.policy.admit_event, client, session)
-
-    def queued(self, call: Call, event_id: str | None) -> None:
-        self._do(self.policy.queued, call, event_id)
-
-    def withdraw(self, event_id: object) -> None:
-        self._do(self.policy.withdraw, event_id)
-
-    def completed(self, event_id: str) -> None:
-        self._do(self.policy.completed, event_id)
-
     def start(self, call: Call) -> bool:
         """The handler starts: False when the call is over (AdmissionError when its place was taken)."""
-        if self._do(self.policy.start, call):
+        if self.apply(FairShare.start, call):
             return True
-        if call.state is State.TAKEN:
+        if call.state == State.TAKEN:
             raise AdmissionError(TAKEN)
         return False
 
     def finish(self, call: Call | None) -> None:
         if call is not None:
-            self._do(self.policy.finish, call)
-
-    def opened(self, session: str) -> Reader:
-        return self._do(self.policy.opened, session)
-
-    def closed(self, reader: Reader, hung_up: bool = True) -> None:
-        self._do(self.policy.closed, reader, hung_up)
-
-    def sending(self, reader: Reader, busy: bool) -> None:
-        with self._changed:
-            self.policy.sending(self._clock(), reader, busy)  # no waiter waits for this
-
-    def knows(self, session: str) -> bool:
-        with self._changed:
-            return self.policy.knows(session)
-
-    def session_of_event(self, event_id: str) -> str | None:
-        with self._changed:
-            return self.policy.session_of_event(event_id)
-
-    def running_for(self, session: str) -> bool:
-        with self._changed:
-            return self.policy.running_for(session)
-
-    def padding(self, client: str, wanted: int) -> int:
-        with self._changed:
-            return self.policy.padding(self._clock(), client, wanted)
+            self.apply(FairShare.finish, call)
 
     def alive(self, call: Call) -> bool:
         """Whether the call still counts: read, neither finished nor taken (asked by its job at every chunk)."""
-        with self._changed:
-            self.policy.sweep(self._clock())
-            return call.live
+        self.apply(FairShare.sweep)
+        return call.live
 
     # -- the engine slot --------------------------------------------------------------------------------------------
 
@@ -137,13 +97,6 @@ class Calls:
                 raise RequestError(refusal)
             self._changed.wait(self.settings.poll_s)
 
-    def cannot_yield(self, call: Call) -> None:
-        with self._changed:
-            self.policy.cannot_yield(call)
-
-    def release(self, call: Call) -> None:
-        self._do(self.policy.release, call)
-
     def resize(self, capacity: int) -> None:
         """Seat up to `capacity` jobs from now on (the loaded engine's sequences); jobs running stay."""
         if capacity < 1:
@@ -154,10 +107,13 @@ class Calls:
             self._changed.notify_all()
 
     def counts(self) -> dict[str, int]:
-        """Seats in use, calls waiting for one and turns yielded: counts, nothing of whose."""
+        """Seats in use, calls waiting for one, answers counted against the limits (queued or running) and turns
+        yielded: counts, nothing of whose."""
         with self._changed:
             policy = self.policy
-            return {"running": policy.seats_used(), "waiting": len(policy.waiting()), "turns_yielded": policy.yields}
+            policy.sweep(self._clock())
+            return {"running": policy.seats_used(), "waiting": len(policy.waiting()), "places": policy.places(),
+                    "turns_yielded": policy.yields}  # fmt: skip
 
     def wait(self, busy: bool, timeout_s: float) -> bool:
         """Wait until some job holds a seat (`busy`) or none does; False when `timeout_s` passed first."""

@@ -20,7 +20,7 @@ from ...openai_api.errors import ApiError
 from ...openai_api.server import WRITE_WATCHERS
 from .calls import ADMITTED, Calls
 from .clients import client_of_scope
-from .policy import Call, padding_room
+from .policy import Call, FairShare, padding_room
 from .probes import TrafficFloor, call_heartbeat, comment_heartbeat, queue_heartbeat, tighten
 
 log = logging.getLogger(__name__)
@@ -226,13 +226,13 @@ class HttpGate:
         path = scope.get("path", "")
         if result := _RESULT.search(path):
             name, event_id = result.groups()
-            session = self.calls.session_of_event(event_id)
+            session = self.calls.apply(FairShare.session_of_event, event_id)
             if name not in self.endpoints.api_names or session is None:
                 raise Refused(404, f"no event {excerpt(event_id, 40)} of endpoint {excerpt(name, 40)} here")
             await self._read(session, scope, receive, send, event_id)
         elif _ROUTES["queue/data"].search(path) and (session := _query(scope, "session_hash")) is not None:
             self._check_session(session)
-            if not self.calls.knows(session):
+            if not self.calls.apply(FairShare.knows, session):
                 raise Refused(404, "Session not found.")
             await self._read(session, scope, receive, send)
         else:
@@ -254,7 +254,7 @@ class HttpGate:
             raise Refused(400, body.problem)
         replay = _replay(raw, receive)
         if _ROUTES["cancel"].search(path):
-            self.calls.withdraw(body.field("event_id"))
+            self.calls.apply(FairShare.withdraw, body.field("event_id"))
         call = self._admitted(path, body, scope)
         if call is None:
             await self.app(scope, replay, send)
@@ -289,7 +289,8 @@ class HttpGate:
             return None  # not JSON: Gradio refuses it (422)
         client = client_of_scope(scope, self.settings).key
         weight = endpoints.weights.get(fn_index)
-        call = self.calls.admit(client, session, weight()) if weight else self.calls.admit_event(client, session)
+        call = (self.calls.apply(FairShare.admit, client, session, weight()) if weight
+                else self.calls.apply(FairShare.admit_event, client, session))  # fmt: skip
         if isinstance(call, str):
             raise Refused(429, call)
         return call
@@ -347,13 +348,14 @@ class HttpGate:
             found = _EVENT_ID.search(bytes(answer)) if status == 200 else None
             event_id = found.group(1).decode() if found else None
         finally:
-            self.calls.queued(call, event_id)
+            self.calls.apply(FairShare.queued, call, event_id)
 
     async def _read(self, session: str, scope: Scope, receive: Receive, send: Send,
                     event_id: str | None = None) -> None:  # fmt: skip
         """Stream a result to one of `session`'s readers, watching for its hang-up and for writes it does not take;
         Gradio's word that an event completed ends its call."""
-        calls, reader, early, wanted = self.calls, self.calls.opened(session), [], asyncio.Event()
+        calls, early, wanted = self.calls, [], asyncio.Event()
+        reader = calls.apply(FairShare.opened, session)
         floor: TrafficFloor | None = None
 
         async def watch() -> None:  # what it reads before the app asks: a GET's empty body, the hang-up
@@ -362,7 +364,7 @@ class HttpGate:
                 wanted.set()
             early.append(message)  # also the server's own, once it sent the stream's end
             wanted.set()
-            calls.closed(reader, hung_up=floor is None or not floor.finished)
+            calls.apply(FairShare.closed, reader, hung_up=floor is None or not floor.finished)
 
         async def app_receive() -> Message:
             while not early:
@@ -372,18 +374,18 @@ class HttpGate:
 
         def sending(busy: bool, body: bytes = b"") -> None:
             for found in _COMPLETED.finditer(body) if busy else ():
-                calls.completed(found.group(1).decode())
-            calls.sending(reader, busy)
+                calls.apply(FairShare.completed, found.group(1).decode())
+            calls.apply(FairShare.sending, reader, busy)
 
         watcher = asyncio.create_task(watch())
         try:
-            floor = await self._watched(self.app, scope, app_receive, send, sending, lambda: calls.running_for(session),
-                                        call_heartbeat if event_id else queue_heartbeat)  # fmt: skip
+            floor = await self._watched(self.app, scope, app_receive, send, sending, lambda: calls.apply(
+                FairShare.running_for, session), call_heartbeat if event_id else queue_heartbeat)
         finally:
             watcher.cancel()
-            calls.closed(reader, hung_up=floor is None or not floor.finished)
+            calls.apply(FairShare.closed, reader, hung_up=floor is None or not floor.finished)
             if event_id is not None and floor is not None and floor.finished:
-                calls.completed(event_id)
+                calls.apply(FairShare.completed, event_id)
 
     async def _watched(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send,
                        sending: Callable[..., Any], running: Callable[[], bool],
@@ -400,8 +402,8 @@ class HttpGate:
 
         tighten(send)
         client, calls, settings = client_of_scope(scope, self.settings).key, self.calls, self.settings
-        floor = TrafficFloor(told, settings.probe_bytes_s, running, heartbeat, lambda owed, items, padded: calls.
-                             padding(client, min(owed, padding_room(settings, items, padded))))  # fmt: skip
+        floor = TrafficFloor(told, settings.probe_bytes_s, running, heartbeat, lambda owed, items, padded: calls.apply(
+            FairShare.padding, client, min(owed, padding_room(settings, items, padded))))
         padder = asyncio.create_task(floor.run())
         try:
             await app(scope, receive, floor.send)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
 from .calls import Calls
-from .policy import Call
+from .policy import Call, FairShare
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class ReplyJob(Generic[T]):
                         log.info("an answer nobody reads any more left the wait for its next turn")
                         return
             finally:
-                calls.release(call)
+                calls.apply(FairShare.release, call)
         except BaseException as error:  # the consumer raises it in the web request
             hand_over(ERROR, error)
         finally:
@@ -165,7 +165,7 @@ class ReplyJob(Generic[T]):
                     rest = self._resumable.rest()
                     if rest is not None:
                         return rest
-                    self._calls.cannot_yield(self._call)  # nothing left to resume: it runs to its end
+                    self._calls.apply(FairShare.cannot_yield, self._call)  # nothing left to resume: it runs to its end
             return None
         finally:
             close = getattr(stream, "close", None)

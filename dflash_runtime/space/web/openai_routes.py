@@ -20,6 +20,7 @@ from ...openai_api.server import Caller, Progress, V1Api
 from ..requests import ChatRequest
 from .calls import AdmissionError
 from .clients import ClientIdentity, Trusting, client_identity
+from .policy import FairShare
 from .service import SpaceService, WorkerError
 
 ZERO_GPU_REFUSAL = (
@@ -93,12 +94,12 @@ class SpaceBackend:
         calls = self.service.calls
         client = v1_client(caller, calls.settings)
         reading = f"v1:{secrets.token_hex(8)}"  # this HTTP connection, the one reader of this call's answer
-        reader = calls.opened(reading)
-        call = calls.admit(client.key, reading, 1)
+        reader = calls.apply(FairShare.opened, reading)
+        call = calls.apply(FairShare.admit, client.key, reading, 1)
         if isinstance(call, str):
-            calls.closed(reader)
+            calls.apply(FairShare.closed, reader)
             raise over_limit(call.replace("this session", "this connection"))
-        caller.on_write.append(partial(calls.sending, reader))
+        caller.on_write.append(partial(calls.apply, FairShare.sending, reader))
         try:
             # owner "": nobody's cache (see the module doc); the call: admitted above, abandoned with its reader
             async for reply in self.service.reply(checked, owner="", client=client, call=call):
@@ -118,7 +119,7 @@ class SpaceBackend:
         except RequestError as error:  # after the check: the engine slot's wait ran out
             raise busy(str(error)) from None
         finally:
-            calls.closed(reader)
+            calls.apply(FairShare.closed, reader)
             calls.finish(call)
 
     @staticmethod

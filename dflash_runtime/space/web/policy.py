@@ -89,18 +89,18 @@ class FairShare:
         answers) it is let in when nothing else counts against that limit."""
         self.sweep(now)
         s = self.settings
-        total = self._places() + weight
+        total = self.places() + weight
         if total > s.total_jobs and total > weight:
             self._make_room(now, client, weight, total - s.total_jobs)
-            total = self._places() + weight
+            total = self.places() + weight
         if total > s.total_jobs and total > weight:
             return (f"the server has {total - weight} answers queued or running, its limit is {s.total_jobs}, and no "
                     "client holds more than you would: retry in a minute")  # fmt: skip
-        if (used := self._places(client=client)) and used + weight > s.client_jobs:
+        if (used := self.places(client=client)) and used + weight > s.client_jobs:
             return (f"you have {used} answers queued or running (in all your sessions) and this call would add "
                     f"{weight}; the limit is {s.client_jobs} (an A/B run counts as the answers it runs): wait for "
                     "them, or stop them")  # fmt: skip
-        if session is not None and (used := self._places(session=session)) and used + weight > s.session_jobs:
+        if session is not None and (used := self.places(session=session)) and used + weight > s.session_jobs:
             return (f"this session has {used} answers queued or running and this call would add {weight}; the limit "
                     f"is {s.session_jobs} (an A/B run counts as the answers it runs): wait for them, or stop them")
         return self._add(Call(next(self._orders), client, session, weight, now, sessionless=session is None))
@@ -120,14 +120,15 @@ class FairShare:
             _remember(self._sessions, call.session, None)
         return call
 
-    def _places(self, client: str | None = None, session: str | None = None) -> int:
+    def places(self, client: str | None = None, session: str | None = None) -> int:
+        """The answers counted (live calls': queued or running), of a client, of a session, or in all."""
         return sum(c.weight for c in self.calls if c.state in LIVE and (client is None or c.client == client)
                    and (session is None or c.session == session))  # fmt: skip
 
     def _make_room(self, now: float, client: str, weight: int, needed: int) -> None:
         """Max–min shares of the total: a client gets in by taking the place of the newest call that has not run yet
         of the client holding the most, as long as that client keeps at least as many as it will have."""
-        mine = self._places(client=client) + weight
+        mine = self.places(client=client) + weight
         while needed > 0:
             held: dict[str, int] = {}
             for c in self.calls:
@@ -181,10 +182,10 @@ class FairShare:
 
     # -- readers ------------------------------------------------------------------------------------------------------
 
-    def knows(self, session: str) -> bool:
+    def knows(self, now: float, session: str) -> bool:
         return session in self._sessions
 
-    def session_of_event(self, event_id: str) -> str | None:
+    def session_of_event(self, now: float, event_id: str) -> str | None:
         return self._events.get(event_id)
 
     def opened(self, now: float, session: str) -> Reader:
@@ -193,7 +194,7 @@ class FairShare:
         self._swept_at = None
         return reader
 
-    def closed(self, now: float, reader: Reader, hung_up: bool) -> None:
+    def closed(self, now: float, reader: Reader, hung_up: bool = True) -> None:
         """A reader's stream ended: its client hung up, or (`hung_up` False) the server ended it."""
         readers = self._readers.get(reader.session, [])
         self._swept_at = None
@@ -208,7 +209,7 @@ class FairShare:
         reader.sending_since = now if busy else None
         self._swept_at = None
 
-    def running_for(self, session: str) -> bool:
+    def running_for(self, now: float, session: str) -> bool:
         """Whether an engine call of `session` is being answered (its handler started): its stream gets padding."""
         return any(c.live and c.weight and c.handled and c.session == session for c in self.calls)
 
@@ -332,7 +333,7 @@ class FairShare:
             self._used[call.client] = self._used.get(call.client, 0.0) + max(0.0, now - call.turn_at)
             self._served[call.client] = (self._served.get(call.client, (-1, now))[0], now)
 
-    def cannot_yield(self, call: Call) -> None:
+    def cannot_yield(self, now: float, call: Call) -> None:
         """Nothing of the call's answer is left to resume: it runs to its end."""
         call.can_yield = call.yield_asked = False
 

@@ -180,6 +180,7 @@ def test_one_clients_calls_move_none_of_the_shared_figures(server: RunningApp, m
     """A fresh Space: one visitor's dense CJK message moves none of /info's figures (characters per token, speeds,
     answers counted), and neither do session-less calls from three more addresses (they teach nothing)."""
     before = gpu_figures(monitor)
+    assert not any(before["answers_counted"].values()), "a fresh Space: this test is the module's first on it"
     cjk = chat_args(HOSTILE * 4, max_tokens=32)
     assert Visitor(server, "10.8.0.1").call("generate", cjk, session="one-visitor")[0] == "complete"
     for n in range(3):
@@ -279,6 +280,7 @@ def test_every_malformed_request_gets_a_short_4xx_in_its_routes_shape(server: Ru
     wrong numbers or kinds of values, page functions called with temperature "hot", 5,000-character session hashes,
     bad /v1 bodies): each answered 4xx in its route's own shape (Gradio's `detail`, OpenAI's `error`), and each adds
     at most 300 bytes to the server's log: no traceback, no 5xx, no `error: null`."""
+    quiet(monitor)  # no other answer writes to the log meanwhile
     cases, answers, logged = malformed_requests(server), [], []
     with httpx.Client(base_url=server.url.rstrip("/"), timeout=30, headers={"X-Forwarded-For": "10.9.0.1"}) as http:
         for method, path, body in cases:
@@ -299,6 +301,14 @@ def test_every_malformed_request_gets_a_short_4xx_in_its_routes_shape(server: Ru
     assert not wrong, wrong[:5]
     assert max(logged) <= 300 and "Traceback" not in server.log(), max(logged)
     idle(monitor)
+
+
+def quiet(monitor: Client, timeout_s: float = 30.0) -> float:
+    """Seconds until no answer is counted or runs (counted = running + queued: 0), polled to a deadline."""
+    began = time.monotonic()
+    while (info := monitor.predict(api_name="/info"))["places"] or info["running"]:
+        assert time.monotonic() - began < timeout_s, f"answers still counted: {info['places']}"
+    return time.monotonic() - began
 
 
 def gpu_figures(monitor: Client) -> dict[str, Any]:
@@ -475,10 +485,7 @@ def assert_as_alone(message: str, readings: list[TextReading]) -> None:
 def every_place_free(server: RunningApp, monitor: Client) -> float:
     """Once every reader has gone: the seconds until no answer is counted any more (counted = running + queued: 0),
     after which fresh clients take all the places there are (DFLASH_TOTAL_JOBS, 64)."""
-    gone = time.monotonic()
-    while (info := monitor.predict(api_name="/info"))["places"] or info["running"]:  # polled to a deadline
-        assert time.monotonic() - gone < 30.0, f"places still counted with nobody reading: {info['places']}"
-    freed_s = time.monotonic() - gone
+    freed_s = quiet(monitor)
     fresh = [Visitor(server, f"10.11.0.{n + 1}") for n in range(8)]
     posted = [visitor.post("chat", chat_args("hello", max_tokens=4), session=f"fresh-{n}-{k}")
               for n, visitor in enumerate(fresh) for k in range(CLIENT_JOBS)]  # fmt: skip

@@ -67,9 +67,9 @@ class PublicSettings:
                                           "for all the streams of one client", "96 KiB/s")
     probe_total_bytes_s: float = setting(512 * KIB, "DFLASH_READER_PROBE_TOTAL_BYTES_S", "the most padding a second "
                                          "for every stream", "512 KiB/s")
-    probe_per_item: float = setting(3.0, "DFLASH_READER_PROBE_PER_ITEM", "an answer's padding beyond its first "
-                                    "`DFLASH_READER_PROBE_BYTES_S` × 20 s is at most this many times its items' bytes: "
-                                    "a stream's bytes follow its answer's length, not its time")
+    probe_per_item: float = setting(1.0, "DFLASH_READER_PROBE_PER_ITEM", "beyond its first 10 s of floor, a stream's "
+                                    "padding is at most this many times its items' bytes (the whole floor while its "
+                                    "answer sends nothing): its bytes follow its answer's length, not its time")
     trusted_proxy_hops: int = setting(0, "DFLASH_TRUSTED_PROXY_HOPS", "hops at the end of `X-Forwarded-For` that "
                                       "trusted proxies added (the client is the first of them)", "1 on a Space, else 0",
                                       off=True)

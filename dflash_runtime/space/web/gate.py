@@ -402,8 +402,10 @@ class HttpGate:
 
         tighten(send)
         client, calls, settings = client_of_scope(scope, self.settings).key, self.calls, self.settings
-        floor = TrafficFloor(told, settings.probe_bytes_s, running, heartbeat, lambda owed, items, padded: calls.apply(
-            FairShare.padding, client, min(owed, padding_room(settings, items, padded))))
+        def grant(owed: int, items: int, idle: int, padded: int) -> int:
+            return calls.apply(FairShare.padding, client, min(owed, padding_room(settings, items, idle, padded)))
+
+        floor = TrafficFloor(told, settings.probe_bytes_s, running, heartbeat, grant)
         padder = asyncio.create_task(floor.run())
         try:
             await app(scope, receive, floor.send)

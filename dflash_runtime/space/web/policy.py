@@ -19,6 +19,7 @@ from ..setup.settings import PublicSettings
 
 REMEMBERED = 4096  # sessions and event ids kept after their calls: far more than the queue holds
 MIN_PADDING = 64  # bytes: a smaller grant waits for the stream's next tick
+FREE_FLOOR_S = 10.0  # the seconds of floor any answer's stream gets: a reader that stops early is seen as soon as ever
 
 
 class State:
@@ -370,10 +371,11 @@ class FairShare:
         return min(rate, level + rate * (now - at))
 
 
-def padding_room(settings: PublicSettings, items: int, padded: int) -> int:
-    """The padding one stream may still send, given the bytes of its items and of the padding it sent: the floor's
-    first 20 s freely, then `probe_per_item` times its items' bytes (its bytes follow its answer's length)."""
-    return int(max(0.0, settings.probe_bytes_s * 20 + settings.probe_per_item * items - padded))
+def padding_room(settings: PublicSettings, items: int, idle: int, padded: int) -> int:
+    """The padding one stream may still send: the floor's first `FREE_FLOOR_S` seconds, or `probe_per_item` times its
+    items' bytes once they are more, and the whole floor of the ticks in which its answer sent nothing (waiting, a
+    prompt): a long stream's bytes follow its answer's length, not its time."""
+    return int(max(0.0, max(settings.probe_per_item * items, settings.probe_bytes_s * FREE_FLOOR_S) + idle - padded))
 
 
 def _remember(kept: OrderedDict[str, object], key: str, value: object) -> None:

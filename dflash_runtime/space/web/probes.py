@@ -76,20 +76,20 @@ def tighten(send: Any) -> bool:
 
 class TrafficFloor:
     """Pads a server-sent-event stream to `bytes_per_s` while `running()` says its answer runs, with `padding(size)`
-    (one of the heartbeats above), as much as `grant(owed, items, padded)` allows (the policy's share, given the
-    bytes of the stream's items and padding so far). `send` is the stream's own: each write, the app's and the
-    padding's, one at a time."""
+    (one of the heartbeats above), as much as `grant(owed, items, idle, padded)` allows: the policy's share, given the
+    bytes of the stream's items, of the floor in the ticks the app wrote nothing, and of the padding so far. `send`
+    is the stream's own: each write, the app's and the padding's, one at a time."""
 
     def __init__(self, send: Send, bytes_per_s: float, running: Callable[[], bool], padding: Callable[[int], bytes],
-                 grant: Callable[[int, int, int], int] | None = None) -> None:  # fmt: skip
+                 grant: Callable[[int, int, int, int], int] | None = None) -> None:  # fmt: skip
         self._send, self._bytes_per_s, self._running, self._padding = send, bytes_per_s, running, padding
-        self._grant = grant or (lambda owed, _items, _padded: owed)
+        self._grant = grant or (lambda owed, *_: owed)
         self._lock = asyncio.Lock()
         self._events = False  # the response is an event stream, not encoded, and has started
         self._between_events = False  # the last body written ended an event: padding may follow
         self.finished = False  # the app has written the response's end (set before that write goes out)
         self._sent = 0  # bytes the app wrote since the last tick
-        self.items = self.padded = 0  # bytes the app wrote, and padding, in all
+        self.items = self.idle = self.padded = 0  # bytes the app wrote; the floor's in ticks it wrote none; padding
 
     async def send(self, message: Message) -> None:
         """The app's write."""
@@ -117,10 +117,11 @@ class TrafficFloor:
             await asyncio.sleep(TICK_S)  # a pacing clock, not a wait for another task
             now = loop.time()
             owed = int(self._bytes_per_s * (now - last)) - self._sent
+            self.idle += owed if self._sent == 0 and self._running() else 0
             last, self._sent = now, 0
             if owed <= 0 or not self._events or not self._between_events or not self._running():
                 continue
-            if (owed := self._grant(owed, self.items, self.padded)) <= 0:
+            if (owed := self._grant(owed, self.items, self.idle, self.padded)) <= 0:
                 continue
             async with self._lock:
                 if self.finished:

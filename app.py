@@ -28,9 +28,11 @@ from starlette.middleware import Middleware
 from dflash_runtime.space.gpu import zerogpu
 from dflash_runtime.space.page.endpoints import (
     AB_LABEL,
+    AB_MOST,
     CHECKED_PARAMETERS,
     CHECKED_VALUES,
     PageHandlers,
+    ab_choices,
     draft_length_choices,
     engine_sharing,
     make_api,
@@ -64,16 +66,31 @@ EXAMPLES = [
     "Translate 'the quick brown fox jumps over the lazy dog' into French and German.",
 ]
 
-CHAT_HEIGHT = 400  # px at 1400 × 900: the message box and the examples still fit under it (a phone: PAGE_CSS)
+CHAT_HEIGHT = 380  # px at 1400 × 900: the message box, the examples and A/B still fit under it (a phone: PAGE_CSS)
 PHONE = "@media (max-width: 480px)"
+# Formulas the chat renders (and the highlight leaves unmarked: page/highlight.py reads the same delimiters).
+LATEX = [{"left": "$$", "right": "$$", "display": True}]
 PAGE_CSS = HIGHLIGHT_CSS + f"""
 #intro h1 {{ margin-bottom: 2px; }}
 #intro p, #mode-banner p {{ margin: 0; }}
+#mode-banner details summary {{ cursor: pointer; }}
 /* No word is broken inside: a line breaks between words (a word longer than a whole line is the one exception). */
 .prose, .prose * {{ word-break: normal; overflow-wrap: break-word; hyphens: manual; }}
+/* The chat's toolbar (copy, clear) on a line of its own above the messages, never over their text. */
+#chatbot .wrapper {{ display: flex; flex-direction: column; }}
+#chatbot .top-panel {{ position: static; align-self: flex-end; flex: 0 0 auto; }}
+#chatbot .bubble-wrap {{ flex: 1 1 auto; min-height: 0; height: auto; }}
 #ab-result th {{ white-space: nowrap; overflow-wrap: normal; }}
 #ab-result table {{ font-size: var(--text-sm); }}
 #ab-result th, #ab-result td {{ padding: 4px 6px; }}
+/* The A/B's findings and table beside its chart where both fit, the chart under them where not (a phone). */
+#ab-found {{ flex-wrap: wrap; }}
+#ab-found > #ab-result, #ab-found > :has(#ab-result) {{ flex: 3 1 320px; min-width: min(320px, 100%); }}
+#ab-found > #ab-chart, #ab-found > :has(#ab-chart) {{ flex: 2 1 240px; min-width: min(240px, 100%); }}
+.ab-texts {{ display: grid; grid-template-columns: repeat(auto-fit, minmax(240px, 1fr)); gap: 8px; }}
+.ab-text {{ border: 1px solid var(--border-color-primary); border-radius: 6px; padding: 6px 8px; min-width: 0; }}
+.ab-name {{ font-size: var(--text-sm); margin-bottom: 4px; }}
+.ab-body {{ white-space: pre-wrap; font-size: var(--text-sm); max-height: 14em; overflow-y: auto; }}
 #stats-table th, #stats-table td {{ padding: 4px 6px; }}
 #stats-table table {{ font-size: var(--text-md); width: 100%; }}
 /* Each term's explanation, under it: the body's colour and size (the term above it is bold). */
@@ -82,17 +99,26 @@ PAGE_CSS = HIGHLIGHT_CSS + f"""
 #method-help {{ font-size: var(--text-sm); }}
 #method-help ul {{ margin: 0; }}
 #examples {{ padding-top: 0; }}
+/* The page's side margins: Gradio's 32 px on a wide window, 8 px on a phone, where the message box takes the width.
+   Not in the phone's media rule: Gradio scopes the rules inside one to its content, under the page's margins. */
+.gradio-container .app {{ padding-left: clamp(8px, calc((100vw - 390px) / 10 + 8px), 32px) !important;
+                          padding-right: clamp(8px, calc((100vw - 390px) / 10 + 8px), 32px) !important; }}
 {PHONE} {{
+  #message-box {{ padding: 6px; }}
   #intro h1 {{ font-size: 1.15rem; }}
-  /* The box, Send and Stop on one line; A/B and Clear too. */
-  #message-row, #ab-row {{ flex-wrap: nowrap; gap: 8px; }}
-  #message-row > *, #ab-row > * {{ min-width: 0 !important; }}
-  #message-row > button, #ab-row > #clear {{ flex: 0 0 60px !important; padding-left: 4px; padding-right: 4px; }}
-  #intro p, #mode-banner p {{ font-size: var(--text-sm); line-height: 1.4; }}
-  #chatbot {{ height: 280px !important; max-height: 280px !important; }}
-  /* The examples in one row that scrolls sideways: the first screen keeps room for the chat and the box. */
-  #examples .gallery {{ flex-wrap: nowrap; overflow-x: auto; }}
-  #examples .gallery > * {{ flex: 0 0 auto; max-width: 75vw; }}
+  #intro p, #mode-banner p, #mode-banner summary {{ font-size: var(--text-sm); line-height: 1.4; }}
+  /* The message box the whole width; Send and Stop share the line under it; A/B and Clear share one too. */
+  #message-row {{ flex-wrap: wrap; gap: 8px; }}
+  #message-row > :has(#message-box) {{ flex: 1 1 100% !important; min-width: 100% !important; }}
+  #message-row > button {{ flex: 1 1 0 !important; min-width: 0 !important; }}
+  #ab-row {{ flex-wrap: nowrap; gap: 8px; }}
+  #ab-row > * {{ min-width: 0 !important; }}
+  #ab-row > #clear {{ flex: 0 0 80px !important; }}
+  #chatbot {{ height: 240px !important; max-height: 240px !important; }}
+  /* The examples wrap inside the page, each on as many lines as it needs. */
+  #examples .gallery {{ flex-wrap: wrap; }}
+  #examples .gallery > * {{ flex: 1 1 100%; max-width: 100%; white-space: normal; }}
+  #examples .gallery > * * {{ white-space: normal; }}
   #ab-result th, #ab-result td {{ padding: 3px 3px; }}
   .row:has(> #draft-legend) {{ flex-wrap: wrap; }}
   #draft-legend {{ flex-basis: 100%; font-size: var(--text-xs); }}
@@ -105,6 +131,14 @@ AB_SCROLL = """() => {
     box.style.minHeight = Math.round(window.innerHeight * 0.7) + 'px';  // room to scroll to, before the result comes
     row.scrollIntoView({block: 'start', behavior: 'smooth'});
 }"""
+# When an answer ends: its one-line summary into view where it is not (a phone's first screen ends above it),
+# measured once the page has laid out the answer's last frame (two animation frames on).
+SUMMARY_SCROLL = """() => requestAnimationFrame(() => requestAnimationFrame(() => {
+    const summary = document.querySelector('#stats-summary');
+    if (!summary) return;
+    const r = summary.getBoundingClientRect();
+    if (r.top < -1 || r.bottom > window.innerHeight + 1) summary.scrollIntoView({block: 'nearest'});
+}))"""
 
 
 def demo_files(spec: Mapping[str, Any]) -> tuple[Path, Path]:
@@ -163,10 +197,13 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, Endpoints]:
         with gr.Row(equal_height=False):
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(
-                    label="Chat",
+                    show_label=False,  # no label over the first message
                     height=CHAT_HEIGHT,
                     reasoning_tags=[("<think>", "</think>")],
+                    latex_delimiters=LATEX,
                     feedback_options=None,
+                    editable="user",  # a visitor's message can be edited and sent again (see the wiring below)
+                    buttons=["copy"],
                     elem_id="chatbot",
                 )
                 with gr.Row(elem_id="message-row"):
@@ -185,20 +222,36 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, Endpoints]:
                                       samples_per_page=len(EXAMPLES), elem_id="examples")  # fmt: skip
                 notice = gr.Markdown("", elem_id="context-notice")  # always mounted: see notice_line
                 # Under the message box, where the eye is while the answer streams (also on a phone, where the
-                # columns stack): one sentence in plain words, the technical table folded under it.
+                # columns stack): one sentence in plain words; A/B right under it, then the technical table folded.
                 with gr.Group(elem_id="stats"):
                     stats_box = gr.Markdown(EMPTY_STATS, elem_id="stats-summary")
-                    with gr.Accordion("Details: steps, acceptance, timings", open=False, elem_id="stats-details"):
-                        stats_table = gr.Markdown(EMPTY_DETAILS, elem_id="stats-table")
+                with gr.Row(elem_id="ab-row"):
+                    ab_button = gr.Button(AB_LABEL, scale=3, elem_id="ab")
+                    clear_button = gr.Button("Clear", scale=1, min_width=80, elem_id="clear")
+                # Right under its button: its progress, then what it found (first), then its table; its speed-ups
+                # as a chart beside them; the texts side by side under both.
+                with gr.Row(equal_height=False, elem_id="ab-found"):
+                    ab_box = gr.Markdown("", elem_id="ab-result", min_width=320)
+                    ab_chart = gr.BarPlot(
+                        None,
+                        x="method",
+                        y="speed-up",
+                        height=220,
+                        title="Speed against plain decoding (× plain)",
+                        x_title="",
+                        y_title="× plain's tok/s",
+                        sort=None,
+                        elem_id="ab-chart",
+                        min_width=240,
+                        visible=False,  # until a method's run has finished
+                    )
+                ab_texts = gr.HTML("", elem_id="ab-texts")
+                with gr.Accordion("Details: steps, acceptance, timings", open=False, elem_id="stats-details"):
+                    stats_table = gr.Markdown(EMPTY_DETAILS, elem_id="stats-table")
                 with gr.Row(equal_height=True):
                     highlight = gr.Checkbox(True, label="Highlight draft tokens", scale=0, min_width=200,
                                             elem_id="highlight-draft")  # fmt: skip
                     legend = gr.HTML(LEGEND, elem_id="draft-legend")  # shown while the highlight is on
-                with gr.Row(elem_id="ab-row"):
-                    ab_button = gr.Button(AB_LABEL, elem_id="ab")
-                    clear_button = gr.Button("Clear", elem_id="clear")
-                # Right under its button: its progress, then what it found (first), then its table.
-                ab_box = gr.Markdown("", elem_id="ab-result")
             with gr.Column(scale=2):
                 sharing = gr.Markdown(engine_sharing(service), elem_id="engine-sharing")
                 speed_chart = trace_chart("Decode speed so far", "tok/s", "speed-chart")
@@ -232,6 +285,9 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, Endpoints]:
                     draft_length = gr.Dropdown(draft_length_choices(preset.draft_capacity),
                                                value=defaults["draft_length"], label="Draft length",
                                                elem_id="draft-length")  # fmt: skip
+                    ab_choices_now, ab_picked_now = ab_choices(service)
+                    ab_methods = gr.CheckboxGroup(ab_choices_now, value=ab_picked_now, elem_id="ab-methods",
+                                                  label=f"A/B compares (plain and at most {AB_MOST} methods)")
                     with gr.Row():
                         speculative = gr.Checkbox(True, label="Speculative decoding")
                         thinking = gr.Checkbox(False, label="Thinking", elem_id="thinking")
@@ -245,58 +301,56 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, Endpoints]:
         # holds, see SpaceService.parallel): so many answers run at once, the rest wait.
         answers_at_once = service.parallel
         # Gradio starts every admitted engine event at once: they wait for the engine in its slot, where clients take
-        # turns (see dflash_runtime.space.web.jobs.EngineSlot), so one client's waiting calls hold no place of
+        # turns (see dflash_runtime.space.web.policy), so one client's waiting calls hold no place of
         # another's.
         events_at_once = max(QUEUE_SIZE, answers_at_once)
         engine = {"concurrency_limit": events_at_once, "concurrency_id": ENGINE_QUEUE, "api_visibility": "private"}
-        # A message is shown at once (outside the queue), then answered in the engine's queue (see PageHandlers).
-        shown_event = gr.on(
-            [message_box.submit, send_button.click],
-            handlers.submit,
-            [message_box, session, *settings],
-            [chatbot, message_box, notice, ab_box, stats_box, stats_table, plot, speed_chart, acceptance_chart,
-             ab_button],
-            queue=False,
-            api_visibility="private",
-        )
+        # A message is shown at once (outside the queue), then answered in the engine's queue (see PageHandlers). An
+        # example, the chat's retry and its edit of a message go out the same way: checked, shown, then answered by
+        # `respond` under the same admission as any answer.
+        sent = [chatbot, message_box, notice, ab_box, ab_chart, ab_texts, stats_box, stats_table, plot, speed_chart,
+                acceptance_chart, ab_button]  # fmt: skip
         answer_outputs = [chatbot, message_box, stats_box, stats_table, plot, speed_chart, acceptance_chart, notice,
                           thinking, info_box, ab_button]  # fmt: skip
-        answer_event = shown_event.then(handlers.respond, [session], answer_outputs, **engine)
-        # An example is sent as it is, as if typed and sent: shown at once, then answered in the engine's queue.
-        example_event = examples.click(
-            handlers.submit_example,
-            [examples, session, *settings],
-            [chatbot, message_box, notice, ab_box, stats_box, stats_table, plot, speed_chart, acceptance_chart,
-             ab_button],
-            queue=False,
-            api_visibility="private",
-        ).then(handlers.respond, [session], answer_outputs, **engine)
+        page_only = {"queue": False, "api_visibility": "private"}
+
+        def answered(shown_event: Any) -> Any:
+            """The answering event after one that showed a message, and its summary brought into view at the end."""
+            answer = shown_event.then(handlers.respond, [session], answer_outputs, **engine)
+            answer.then(None, js=SUMMARY_SCROLL, **page_only)
+            return answer
+
+        answer_event = answered(gr.on([message_box.submit, send_button.click], handlers.submit,
+                                      [message_box, session, *settings], sent, **page_only))  # fmt: skip
+        example_event = answered(examples.click(handlers.submit_example, [examples, session, *settings], sent,
+                                                **page_only))  # fmt: skip
+        retry_event = answered(chatbot.retry(handlers.retry, [session, *settings], sent, **page_only))
+        edit_event = answered(chatbot.edit(handlers.edit, [chatbot, session, *settings], sent, **page_only))
+        chatbot.undo(handlers.undo, [session],
+                     [chatbot, message_box, notice, stats_box, stats_table, plot, speed_chart, acceptance_chart],
+                     **page_only)  # fmt: skip
         # The A/B says at once, under its button, what it will run (outside the queue), then runs in the queue.
-        ab_event = ab_button.click(handlers.compare_start, [session, message_box], [ab_box, ab_button], queue=False,
-                                   api_visibility="private").then(
-            handlers.compare, [session, message_box, *settings], [ab_box, ab_button], **engine)  # fmt: skip
+        ab_outputs = [ab_box, ab_chart, ab_texts, ab_button]
+        ab_event = ab_button.click(handlers.compare_start, [session, message_box, ab_methods], ab_outputs,
+                                   **page_only).then(handlers.compare, [session, message_box, ab_methods, *settings],
+                                                     ab_outputs, **engine)  # fmt: skip
         # In the browser alone: the A/B's button row goes to the top of the window (unless it is near it already),
         # so that what the A/B finds, under it, shows where the visitor clicked, on a phone too.
-        ab_button.click(None, js=AB_SCROLL, queue=False, api_visibility="private")
-        # Stop and Clear end the answer on the server: its handler then shows where it stopped (or that it was
-        # cleared) as the last frame of its own stream, after any it sent before. An A/B run just ends.
-        stop_button.click(handlers.stop, [session], [ab_button], cancels=[ab_event], queue=False,
-                          api_visibility="private")  # fmt: skip
-        clear_button.click(
-            handlers.clear,
-            [session],
-            [chatbot, message_box, stats_box, stats_table, plot, speed_chart, acceptance_chart, notice, ab_box,
-             ab_button],
-            cancels=[ab_event],
-            queue=False,
-            api_visibility="private",
-        )
+        ab_button.click(None, js=AB_SCROLL, **page_only)
+        # Stop and Clear (and the chat's own clear button) end the answer on the server: its handler then shows
+        # where it stopped (or that it was cleared) as the last frame of its own stream, after any it sent before.
+        # An A/B run just ends.
+        stop_button.click(handlers.stop, [session], [ab_button], cancels=[ab_event], **page_only)
+        cleared = [chatbot, message_box, stats_box, stats_table, plot, speed_chart, acceptance_chart, notice, ab_box,
+                   ab_chart, ab_texts, ab_button]  # fmt: skip
+        clear_button.click(handlers.clear, [session], cleared, cancels=[ab_event], **page_only)
+        chatbot.clear(handlers.clear, [session], cleared, cancels=[ab_event], **page_only)
         highlight.change(handlers.highlight, [session, highlight], [chatbot], queue=False, api_visibility="private")
         highlight.change(lambda on: gr.update(visible=bool(on)), [highlight], [legend], queue=False,
                          api_visibility="private")  # fmt: skip
         demo.load(handlers.page_load, None,
                   [thinking, info_box, temperature, top_p, top_k, min_p, sampling_source, method, method_help,
-                   sharing],
+                   sharing, ab_methods],
                   api_visibility="private")  # fmt: skip
         timer.tick(handlers.download_tick, None, [download_box, timer], api_visibility="private")
 
@@ -310,8 +364,8 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, Endpoints]:
     def one() -> int:
         return 1
 
-    weights = {answer_event["id"]: one, example_event["id"]: one, ab_event["id"]: handlers.comparison_weight,
-               chat_event["id"]: one, generate_event["id"]: one}  # fmt: skip
+    answers = (answer_event, example_event, retry_event, edit_event, chat_event, generate_event)
+    weights = {**{event["id"]: one for event in answers}, ab_event["id"]: handlers.comparison_weight}
     return demo, Endpoints.of(demo.config, weights, parameters=CHECKED_PARAMETERS, checks=CHECKED_VALUES)
 
 

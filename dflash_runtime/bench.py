@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .report import table
+from .stats import tokens_per_verify
 
 WARMUP_TOKENS = 8  # a warm-up request's length: enough for every kind of step (prefill, draft, verify, plain)
 
@@ -119,7 +120,7 @@ def _summary(tot: dict[str, float]) -> dict[str, float]:
     return {
         "tok_s": tot["gen"] / (tot["decode_ms"] / 1000.0) if tot["decode_ms"] else 0.0,
         "acceptance_rate": per("accepted", "drafted"),
-        "mean_accepted_length": per("emitted", "verify"),
+        "mean_accepted_length": tokens_per_verify(tot["emitted"], tot["verify"]),
         "step_ms": per("decode_ms", "steps"),
         "host_ms_per_step": per("host_ms", "steps"),
         "checkpoint_ms_per_request": per("checkpoint_ms", "requests"),

@@ -27,11 +27,12 @@ import numpy as np
 from .cache.checkpoints import CheckpointCosts, prompt_marks
 from .cache.pair_cache import PairCache
 from .cache.sessions import CacheOwners
+from .cache.spares import SpareSequences
 from .controller import DraftPolicy
 from .drafters.drafting import DraftAsk, Drafter
 from .drafters.method_chains import Chain, split
-from .drafters.proposal import DRAFT, TARGET, DraftSampling, Proposal, draw
-from .drafters.tree import ROOT, DraftTree, accepted_path
+from .drafters.proposal import DRAFT, TARGET, DraftSampling, Proposal
+from .drafters.tree import ROOT, DraftTree, TreeWalker, accepted_path
 from .native.batches import TokenBatch
 from .pair import LinkedPair
 from .results import StreamEvent
@@ -84,6 +85,7 @@ class Parts:
     verifiers: Verifiers
     owners: CacheOwners
     controls: frozenset[int]  # control token ids: message boundaries, where checkpoints serve the next turn
+    spares: SpareSequences  # the target's spare sequences, for the paths of draft trees
 
 
 class Clock:
@@ -188,10 +190,9 @@ class Decoding:
         self._public_base = 0
         self._id_last = -1
         self._lead: list[int] = []  # emitted tokens before id_last that the cache does not hold yet (a replay)
-        self._sample_row: Callable[[int], int] | None = None
+        self._tree_walker: TreeWalker | None = None
         # tree_nodes="auto": whether each step drafts a tree or the chain, from measured tokens per second
         self.tree_or_chain = policy.tree if policy is not None and req.tree_nodes == "auto" else None
-        self._tree_asked = False
         self._drafted_by: str | None = None  # the method that drafted the current step (a chain's member)
         self.on_release: list[Callable[[], None]] = []
 
@@ -219,7 +220,7 @@ class Decoding:
 
     def begin(self) -> None:
         parts, prompt, req, stats = self.parts, self.prompt, self.req, self.stats
-        self._verifier, self._draft_sampling, self._sample_row = self._make_verifier()
+        self._verifier, self._draft_sampling, self._tree_walker = self._make_verifier()
         if self.policy is not None:
             self.policy.begin_request()
         self.cache, limit = parts.owners.acquire(req.owner, prompt, req.public_prefix)
@@ -296,15 +297,17 @@ class Decoding:
 
     # -- one step: draft → verify → accept ----------------------------------------------------------------------
 
-    def plan_step(self, others: int) -> tuple[int, DraftAsk | None]:
+    def plan_step(self, others: int, paths: int = 0) -> tuple[int, DraftAsk | None]:
         """This step's draft length and what to ask the chain (None: a plain step); `others` is the rows the step's
-        target decode holds beside this request's n + 1 (see Steps.run: as the last decode held them)."""
+        target decode holds beside this request's n + 1 (see Steps.run: as the last decode held them); `paths`: the
+        most tree paths beside the spine the step could decode (0: a tree would be a chain, none is drafted)."""
         assert self.cache is not None
         self._t_round = time.perf_counter()
         req, stats, policy = self.req, self.stats, self.policy
         pos0 = len(self.cache)
         # Like llama.cpp's server: leave room in the context, and draft nothing past max_tokens.
-        room = max(0, min(self.parts.pair.n_ctx - pos0 - 2, req.max_tokens - stats.n_generated - 1))
+        in_context = self.parts.pair.n_ctx - pos0 - 2
+        room = max(0, min(in_context, req.max_tokens - stats.n_generated - 1))
         if self._lead:  # an accepted tree path off the spine: its tokens are decoded first, in a plain step
             self._n_block = 0
             return 0, None
@@ -312,13 +315,17 @@ class Decoding:
         self._n_block = n_block
         if n_block <= 0 or self.chain is None:
             return n_block, None
-        if self.tree_or_chain is not None:
+        if paths <= 0:
+            nodes = 0
+        elif self.tree_or_chain is not None:
             nodes = max(2 * n_block, AUTO_TREE_NODES) if self.tree_or_chain.choose() == "tree" else 0
         else:
             nodes = int(req.tree_nodes)
-        self._tree_asked = nodes > 0
+        # A fixed length cut by max_tokens alone: the block keeps its length (see DraftAsk.n_asked); the context's end
+        # cuts the block too, its cells must fit.
+        asked = min(req.draft_length, in_context) if isinstance(req.draft_length, int) else 0
         return n_block, DraftAsk(self.seq, self._id_last, pos0, n_block, self.req.n_min, self.req.p_min,
-                                 self._draft_sampling, nodes)
+                                 self._draft_sampling, nodes, paths if nodes else 0, n_asked=asked)
 
     def set_draft(self, proposal: Proposal, drafted_by: str | None, draft_ms: float) -> None:
         self._drafted_by = drafted_by
@@ -376,7 +383,7 @@ class Decoding:
                 arms.observe("tree", len(emitted.tokens), seconds, more=True)
             elif planned.tree is not None:
                 arms.observe("tree", len(emitted.tokens), seconds)
-            elif proposal.tokens and not self._tree_asked:
+            elif proposal.tokens:  # the chain's draft, or a tree that got no path beside its spine: a chain step
                 arms.observe("chain", len(emitted.tokens), seconds, ceiling=planned.n_block + 1)
         if self.cache.interval_due():
             self.cache.save_checkpoint(self.costs)
@@ -386,10 +393,9 @@ class Decoding:
         """The tree walk over the decode's rows; how many accepted tokens the request's own sequence holds (the
         accepted path's part on the spine). The rest of an accepted path off the spine, and the token after it, are
         emitted now and decoded in the sequence at the next step (`_lead`), from its exact state."""
-        assert planned.tree is not None and self._sample_row is not None
+        assert planned.tree is not None and self._tree_walker is not None
         tree = planned.tree
-        walker = self.parts.verifiers.tree(self._sample_row)
-        emitted = self._accept(walker.walk(tree, planned.tree_rows().__getitem__))
+        emitted = self._accept(self._tree_walker.walk(tree, planned.tree_rows().__getitem__))
         accepted = accepted_path(tree, emitted.tokens)
         spine = tree.paths()[0] if len(tree) else []
         kept = 0
@@ -454,23 +460,22 @@ class Decoding:
         s.checkpoints_saved, s.checkpoint_bytes = self.costs.saved, self.costs.saved_bytes
         s.checkpoint_save_ms = self.costs.save_ms
 
-    def _make_verifier(self) -> tuple[Verifier, DraftSampling | None, Callable[[int], int]]:
-        """The request's verifier, what its drafter samples with (None: greedy drafts), and how a tree walk samples
-        a row (the request's chain at every node, with the request's random generator)."""
+    def _make_verifier(self) -> tuple[Verifier, DraftSampling | None, TreeWalker]:
+        """The request's verifier, what its drafter samples with (None: greedy drafts, and chosen trees), and its
+        tree verifier: with rejection sampling, recursive rejection over drawn trees (the request's chain and random
+        generator at every node); else the walk that samples each node's row with the request's sampler."""
         pair, sampling, verifiers = self.parts.pair, self.req.sampling, self.parts.verifiers
         if self.stats.verify_mode == "sample":
             rng = np.random.default_rng(sampling.seed)
             chain = ChainProbabilities(sampling, pair.n_vocab)
             self._resources.callback(chain.free)
             verifier = verifiers.sample(chain, rng, pair.target_ctx, pair.n_vocab)
-
-            def sample_row(row: int) -> int:
-                ids, probs = target_distribution(pair.target_ctx, row, pair.n_vocab, chain)
-                return int(ids[draw(probs, rng)])
-
-            return verifier, DraftSampling(chain, rng), sample_row
+            tree = verifiers.tree_sample(lambda row: target_distribution(pair.target_ctx, row, pair.n_vocab, chain),
+                                         rng)
+            return verifier, DraftSampling(chain, rng), tree
         sampler = self._resources.enter_context(Sampler(sampling))
-        return verifiers.match(sampler, pair.target_ctx), None, lambda row: sampler.sample(pair.target_ctx, row)
+        return (verifiers.match(sampler, pair.target_ctx), None,
+                verifiers.tree(lambda row: sampler.sample(pair.target_ctx, row)))
 
     def _accept(self, walk: Iterator[tuple[int, str]]) -> Emitted:
         """Emit the verifier's tokens until the walk ends, the end of generation or a stop string."""

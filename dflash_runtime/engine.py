@@ -21,6 +21,7 @@ from . import methods
 from .cache.checkpoints import CheckpointPolicy, CheckpointStore
 from .cache.pair_cache import PairCache
 from .cache.sessions import CacheOwners, SessionPolicy
+from .cache.spares import SpareSequences
 from .chat import ChatTemplate, ControlToken, control_tokens, model_template
 from .controller import Policies
 from .decoding import Decoding, Parts, Request
@@ -86,8 +87,12 @@ class Engine:
               method_options: dict[str, Mapping[str, Any]]) -> None:
         pair = self.pair
         batch = TokenBatch(pair.n_batch)
-        caches: list[PairCache] = []  # made with the drafters; they read each sequence's tokens through these views
-        views = [TokenView(functools.partial(lambda seq: caches[seq].tokens, seq)) for seq in range(pair.parallel)]
+        # Made with the drafters: they read each sequence's tokens, and whose requests it runs, through these views.
+        caches: list[PairCache] = []
+        owners: list[CacheOwners] = []
+        views = [TokenView(functools.partial(lambda seq: caches[seq].tokens, seq),
+                           functools.partial(lambda seq: owners[0].owner_of(seq), seq),
+                           lambda owner: owners[0].keeps(owner)) for seq in range(pair.parallel)]
         try:
             drafters = methods.open_drafters(pair, views, method_options)
         except BaseException:
@@ -99,8 +104,11 @@ class Engine:
                                     n_rs_seq=pair.n_rs_seq, checkpoints=store, seq=seq))
         # Control tokens are read once, here: chat prompts and checkpoint positions need them on every request.
         self._controls: list[ControlToken] = control_tokens(pair.vocabulary)
-        self._parts = Parts(pair, caches, batch, drafters, verifiers, CacheOwners(caches, sessions),
-                            frozenset(t.id for t in self._controls))
+        owners.append(CacheOwners(caches, sessions))
+        spares = SpareSequences(pair.target_ctx, pair.branch_seqs, recurrent=pair.is_recurrent, n_rs_seq=pair.n_rs_seq)
+        self._parts = Parts(pair, caches, batch, drafters, verifiers, owners[0],
+                            frozenset(t.id for t in self._controls), spares)
+        spares.prime()
         self._steps = Steps(self._parts)
         self._occupancy = Occupancy(self._free, busy_timeout_s, pair.parallel, self._steps.run)
         self.default_draft_length = check_length(draft_length, max(map(self.capacity, self.methods), default=0))
@@ -236,8 +244,9 @@ class Engine:
         (close) a long prompt between its chunks; the same owner's next request goes on from what was prefilled.
         `prefill_chunk`: the most prompt tokens of this request one step takes while other requests share the step
         (0: as many as the step's token budget allows), so that a long prompt costs the others' steps little.
-        `tree_nodes` (method "dflash-tree"): a draft tree's verify rows beside the root's, "auto" (twice the draft
-        length, at least 8) or an integer ≥ 1; the tree is `draft_length` deep.
+        `tree_nodes` (method "dflash-tree"): a draft tree's verify rows beside the root's down to where its paths
+        leave the chain's draft (each path then runs to the full depth), "auto" (twice the draft length, at least 8)
+        or an integer ≥ 1; the tree is `draft_length` deep.
         `draft_max=` is the deprecated spelling of `draft_length=`."""
         self.check_open()
         length = renamed_keyword("draft_max", "draft_length", draft_max, draft_length, None)
@@ -296,6 +305,7 @@ class Engine:
             for cache in self._parts.caches:
                 cache.clear()
             self._parts.owners.forget()
+            self._parts.spares.prime()  # nothing of the requests' stays in them either
 
     def park(self, owner: Hashable | None = None) -> None:
         """Copy `owner`'s live state aside now (host memory), so that it comes back at its owner's next request even
@@ -339,6 +349,8 @@ class Engine:
                 cache.clear()
                 if parked is not None:
                     cache.unpark(parked)
+                for other in self._parts.caches:  # its decodes ran beside every other sequence
+                    other.beside_decode()
 
     def step_counters(self) -> dict[str, float | int]:
         """Engine-wide totals since it opened (for benchmarks): target decodes, the rows they held, time in steps."""
@@ -408,6 +420,7 @@ class Engine:
         for drafter in parts.drafters.values():
             drafter.free()
         parts.batch.free()
+        parts.spares.free()
         self.pair.close()
 
     @contextlib.contextmanager

@@ -28,11 +28,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .drafters import ngram
+from .drafters import ngram, ngram_cache, ngram_map
 from .drafters.drafting import DFLASH, MTP, Drafter, Implementation, TokenView
 from .drafters.method_chains import CHAIN_SEPARATOR, split
 from .errors import PairMismatchError, RequestError
-from .validation import dflash_kind
+from .validation import dflash_kind, has_markov_head
 
 if TYPE_CHECKING:
     from .gguf_meta import GGUFInfo
@@ -65,6 +65,9 @@ class Method:
     # A method with a draft file of its own: its draft's kind from the file's header, as the open pair names it
     # (`LinkedPair.holds`: "dflash2", ...), so that a method needing that kind is listed before the pair opens.
     kind_of: Callable[[GGUFInfo], str] | None = None
+    # Whether the Space's A/B compares it unless the visitor picks other methods: an A/B runs a few methods, so
+    # that it stays short (every method is offered there either way).
+    compared: bool = True
 
     def ready(self, pair: LinkedPair) -> bool:
         """Once the contexts are open: whether the pair can run this method."""
@@ -75,6 +78,12 @@ def _dflash() -> Implementation:
     from .drafters import dflash  # libllama comes with it: loaded when a pair opens, not where methods are listed
 
     return dflash.IMPLEMENTATION
+
+
+def _dspark() -> Implementation:
+    from .drafters import dspark  # as _dflash
+
+    return dspark.IMPLEMENTATION
 
 
 def _mtp() -> Implementation:
@@ -123,6 +132,9 @@ REGISTRY: tuple[Method, ...] = (
     Method("dflash-tree", "DFlash 2 tree", "dflash2+branches", _dflash_tree, auto=False,
            help="DFlash 2's block as a tree: the draft's likeliest alternatives verified beside its first choice, "
                 "each on a spare target sequence"),
+    Method("dspark", "DSpark", "dspark", _dspark, claims=has_markov_head, priority=110, kind_of=dflash_kind,
+           help="a DFlash draft with a Markov head: each guessed token leans on the one before it, and a confidence "
+                "head may end the draft where it doubts (llama.cpp's draft-dspark)"),
     Method(MTP, "MTP", NEXTN, _mtp, target_has=_has_nextn,
            help="the target's own multi-token-prediction head guesses the next tokens",
            about="MTP (the target's own multi-token-prediction head)", source="the target's MTP head"),
@@ -135,9 +147,19 @@ REGISTRY: tuple[Method, ...] = (
     Method(ngram.NGRAM_MOD, "ngram-mod", NOTHING, lambda: ngram.MOD, auto=False,
            help="no draft model: the tokens that followed the last few tokens where they occurred before, in the "
                 "prompt or the answer (llama.cpp's ngram-mod)"),
-    Method(ngram.NGRAM_MAP_K, "ngram-map-k", NOTHING, lambda: ngram.MAP_K, auto=False,
+    Method(ngram_map.NGRAM_MAP_K, "ngram-map-k", NOTHING, lambda: ngram_map.MAP_K, auto=False,
            help="no draft model: what followed the newest earlier occurrence of the last 12 tokens (llama.cpp's "
                 "ngram-map-k)"),
+    Method(ngram_map.NGRAM_SIMPLE, "ngram-simple", NOTHING, lambda: ngram_map.SIMPLE, auto=False, compared=False,
+           help="no draft model: up to 48 tokens that followed the newest earlier occurrence of the last 12, found "
+                "by a plain scan (llama.cpp's ngram-simple)"),
+    Method(ngram_map.NGRAM_MAP_K4V, "ngram-map-k4v", NOTHING, lambda: ngram_map.MAP_K4V, auto=False, compared=False,
+           help="no draft model: the last 12 tokens looked up, drafting only where one continuation followed them "
+                "at least twice as often as the others together (llama.cpp's ngram-map-k4v)"),
+    Method(ngram_cache.NGRAM_CACHE, "ngram-cache", NOTHING, lambda: ngram_cache.IMPLEMENTATION, auto=False,
+           compared=False,
+           help="no draft model: the tokens most often seen after the last 1 to 4 tokens, in this answer's text and "
+                "in what your own earlier requests taught it (llama.cpp's ngram-cache, lookup decoding)"),
 )
 # Chains the pair lists beside its methods when all their members run (any other chain may still be asked for):
 # the n-gram draft where the answer copies its prompt, DFlash everywhere else.
@@ -247,6 +269,13 @@ def runnable(holds: Callable[[str], bool]) -> tuple[str, ...]:
     singles = tuple(m.name for m in REGISTRY if not m.needs or holds(m.needs))
     chains = tuple(CHAIN_SEPARATOR.join(c) for c in LISTED_CHAINS if all(m in singles for m in c))
     return singles + chains
+
+
+def compared(name: str) -> bool:
+    """Whether the Space's A/B compares a method or listed chain unless the visitor picks others (a chain: where
+    every member is)."""
+    lines = registry()
+    return all(m in lines and lines[m].compared for m in split(name))
 
 
 def default(pair: LinkedPair) -> str | None:

@@ -528,6 +528,8 @@ class LinkedPair:
         params.kv_unified = False
         params.n_ctx = self.n_ctx * self.parallel
         params.n_rs_seq = 0
+        if self._exact_cpu:  # the target's attention kernels (see _open_target), as llama-server gives its draft
+            params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         threads.apply(params)
         return params
 

@@ -10,6 +10,13 @@ from typing import Any
 from .deprecated import renamed
 
 
+def tokens_per_verify(emitted: int | float, verify_steps: int | float) -> float:
+    """The mean accepted length: tokens per verify step, the target's own one (after the accepted drafts) included.
+    1.0 where no step verified a draft: every token was then the target's own, one a step, as in plain decoding (one
+    definition for the engine, the Space, the benchmarks and the pages: nothing accepted reads 1.0 everywhere)."""
+    return emitted / verify_steps if verify_steps else 1.0
+
+
 @dataclass
 class Stats:
     n_prompt: int = 0               # prompt tokens of the request
@@ -47,7 +54,8 @@ class Stats:
     tree_nodes: int = 0             # the nodes those trees held
     tree_rows: int = 0              # the verify rows they took (each path's copy of the rows it shares included)
     tree_accepted: int = 0          # accepted path lengths, summed
-    tree_off_spine: int = 0         # trees whose accepted path left the likeliest one (its rest decoded next step)
+    tree_off_spine: int = 0         # trees whose accepted path left the spine (its rest decoded next step)
+    tree_host_bytes: int = 0        # target state the trees' paths got through host memory (0: on the device)
 
     @property
     def draft_policy(self) -> int | str:
@@ -61,8 +69,8 @@ class Stats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens per verify step, the token after the accepted drafts included."""
-        return self.verify_emitted / self.verify_steps if self.verify_steps else 0.0
+        """Tokens per verify step, the token after the accepted drafts included (see `tokens_per_verify`)."""
+        return tokens_per_verify(self.verify_emitted, self.verify_steps)
 
     @property
     def decode_tok_s(self) -> float:

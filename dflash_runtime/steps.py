@@ -10,11 +10,11 @@ failure of a shared pass (a draft or target decode) ends every request in it, ea
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .cache.pair_cache import drop_sequences
 from .decoding import Decoding, Parts, Planned
 from .drafters.drafting import DraftAsk, Rows
 from .drafters.method_chains import Chain, draft_all
@@ -28,10 +28,12 @@ class StepCounters:
     rows: int = 0
     pad_rows: int = 0  # of `rows`: filler rows that evened out the requests' rows (see Steps._pad)
     step_ms: float = 0.0
+    forks: int = 0  # tree paths given their request's state (cache/spares.py)
+    fork_host_bytes: int = 0  # state those forks moved through host memory (0: all on the device)
 
     def to_dict(self) -> dict[str, float | int]:
         return {"decodes": self.decodes, "rows": self.rows, "pad_rows": self.pad_rows,
-                "step_ms": round(self.step_ms, 3)}
+                "step_ms": round(self.step_ms, 3), "forks": self.forks, "fork_host_bytes": self.fork_host_bytes}
 
 
 class Steps:
@@ -47,12 +49,13 @@ class Steps:
         prefilling = sorted((r for r in live if r.prefilling), key=lambda r: (r.prompt_left, r.seq))
         asks: list[tuple[Chain, DraftAsk, Decoding]] = []
         rows = 0
+        paths = len(self._free_spares(bool(prefilling)))  # the most tree paths this step can decode
         for run in sorted(generating, key=lambda r: r.seq):
             try:
                 # The rows its decode will hold beside its own n + 1, as the last decode held them (every other
                 # request's, the filler rows, prefill chunks); the first time, those planned before it.
                 beside = run.rows_beside if run.rows_beside is not None else rows
-                n_block, ask = run.plan_step(beside)
+                n_block, ask = run.plan_step(beside, paths)
             except Exception as error:
                 run.fail(error)
                 continue
@@ -74,20 +77,14 @@ class Steps:
         if not batch:
             return
         t = time.perf_counter()
-        forks = [(r, [seq for seq, _ in r.planned.branches]) for r in batch if r.planned and r.planned.branches]
-        try:
-            if not self._decode(batch):
-                return
-            decode_ms = (time.perf_counter() - t) * 1000.0
-            n_rows = sum(r.planned.decode_rows for r in batch if r.planned)
-            n_pad = sum(r.planned.pad for r in batch if r.planned)
-            step_s = time.perf_counter() - t_step
-            for run in batch:
-                self._guard(run, lambda r: r.after_prefill() if r.prefilling else r.after_step(decode_ms, step_s,
-                                                                                               n_rows))
-        finally:
-            for run, seqs in forks:
-                self._guard(run, lambda r, seqs=seqs: drop_sequences(self.parts.pair.target_ctx, seqs))
+        if not self._decode(batch):
+            return
+        decode_ms = (time.perf_counter() - t) * 1000.0
+        n_rows = sum(r.planned.decode_rows for r in batch if r.planned)
+        n_pad = sum(r.planned.pad for r in batch if r.planned)
+        step_s = time.perf_counter() - t_step
+        for run in batch:
+            self._guard(run, lambda r: r.after_prefill() if r.prefilling else r.after_step(decode_ms, step_s, n_rows))
         self.counters.decodes += 1
         self.counters.rows += n_rows
         self.counters.pad_rows += n_pad
@@ -130,13 +127,18 @@ class Steps:
             if len(planned.tokens) < width and len(run.cache) + width <= pair.n_ctx:
                 planned.pad = width - len(planned.tokens)
 
+    def _free_spares(self, prefilling: bool) -> list[int]:
+        """The spare target sequences a step may give tree paths: none on a hybrid target beside a prompt chunk (see
+        _one_ubatch)."""
+        return [] if self.parts.pair.is_recurrent and prefilling else list(self.parts.spares.seqs)
+
     def _branch(self, runs: list[Decoding], prefilling: bool) -> None:
         """Give the paths of each draft tree beside its spine a spare target sequence each, while there are spare
-        sequences and room in the decode; a tree keeps the paths that got one (its first ones: the likeliest).
-        A hybrid target's paths run only where the whole decode is one ubatch of consecutive sequences (or the
-        request is alone): see docs/how-it-works.md, "Draft trees"."""
+        sequences and room in the decode; a tree keeps the paths that got one (its first ones), and a tree that got
+        none is its spine: a chain step. A hybrid target's paths run only where the whole decode is one ubatch of
+        consecutive sequences (or the request is alone): see docs/how-it-works.md, "Draft trees"."""
         pair = self.parts.pair
-        free = list(pair.branch_seqs) if not pair.is_recurrent or self._one_ubatch(runs, prefilling) else []
+        free = self._free_spares(prefilling) if not pair.is_recurrent or self._one_ubatch(runs, prefilling) else []
         room = pair.n_batch - sum(r.planned.decode_rows for r in runs if r.planned)
         for run in sorted(runs, key=lambda r: r.seq):
             planned = run.planned
@@ -154,7 +156,7 @@ class Steps:
                 taken += 1
                 planned.branches.append((free.pop(0), [planned.tokens[0], *(planned.tree.tokens(path[-1]))]))
                 planned.branch_pad.append(width - len(path) - 1)
-            planned.tree = planned.tree.first_paths(1 + taken)
+            planned.tree = planned.tree.first_paths(1 + taken) if taken else None
 
     def _one_ubatch(self, runs: list[Decoding], prefilling: bool) -> bool:
         """Whether a hybrid target's decode may hold tree paths: no prompt chunk beside them (its rows go to another
@@ -175,7 +177,15 @@ class Steps:
         tokens = parts.batch
         tokens.clear()
         ordered = sorted(batch, key=lambda r: r.seq)  # consecutive sequence ids share a ubatch in libllama's split
+        forked: list[int] = []
         try:
+            # A tree's other paths, each in a spare sequence that starts from the request's state. A hybrid target's
+            # request whose sequence id does not precede the spare ones is split into two ubatches: the paths go
+            # first, so that they leave the request's recurrent cell before the request's own rows run (see
+            # docs/how-it-works.md, "Draft trees").
+            paths_first = self._paths_first(ordered)
+            if paths_first:
+                self._add_paths(ordered, forked)
             for run in ordered:
                 planned = run.planned
                 assert planned is not None and run.cache is not None
@@ -183,20 +193,21 @@ class Steps:
                 planned.row0 = tokens.add(planned.tokens, pos0, run.seq, outputs=planned.outputs)
                 if planned.pad:
                     tokens.add(planned.filler, pos0 + len(planned.tokens), run.seq, outputs="none")
-            for run in ordered:  # a tree's other paths, each in a spare sequence that starts from the request's state
-                planned = run.planned
-                assert planned is not None and run.cache is not None
-                run.cache.fork([seq for seq, _ in planned.branches])
-                planned.branch_row0 = []
-                for (seq, path), pad in zip(planned.branches, planned.branch_pad, strict=True):
-                    planned.branch_row0.append(tokens.add(path, len(run.cache), seq, outputs="all"))
-                    if pad:
-                        tokens.add([path[-1]] * pad, len(run.cache) + len(path), seq, outputs="none")
+            if not paths_first:
+                self._add_paths(ordered, forked)
             t = time.perf_counter()
-            tokens.decode(parts.pair.target_ctx, "target")
+            try:
+                tokens.decode(parts.pair.target_ctx, "target")
+            finally:
+                for cache in parts.caches:
+                    if cache not in (run.cache for run in ordered):
+                        cache.beside_decode()
             decode_s = time.perf_counter() - t
             for run in ordered:
                 assert run.planned is not None and run.cache is not None
+                pos0 = len(run.cache)
+                for (seq, path), pad in zip(run.planned.branches, run.planned.branch_pad, strict=True):
+                    parts.spares.decoded(seq, pos0 + len(path) + pad - 1)
                 run.cache.decoded([*run.planned.tokens, *run.planned.filler])
             t = time.perf_counter()
             for drafter in parts.drafters.values():
@@ -204,6 +215,8 @@ class Steps:
                                  for run in ordered if run.planned is not None])
             inject_ms = (time.perf_counter() - t) * 1000.0
         except Exception as error:
+            with contextlib.suppress(Exception):  # the failure that ended the step is the one to report
+                parts.spares.drop(forked)  # whatever the failure left in them
             for run in ordered:
                 run.fail(error)
             return False
@@ -212,6 +225,34 @@ class Steps:
             if not run.prefilling:
                 run.stats.inject_ms += inject_ms
         return True
+
+    def _paths_first(self, ordered: list[Decoding]) -> bool:
+        """Whether the step's tree paths go before the requests' rows in the decode: on a hybrid target, for a
+        request alone whose sequence id does not precede the spare ones (else all go in one ubatch, requests
+        first: see _one_ubatch)."""
+        pair = self.parts.pair
+        return pair.is_recurrent and len(ordered) == 1 and ordered[0].seq != pair.parallel - 1
+
+    def _add_paths(self, ordered: list[Decoding], forked: list[int]) -> None:
+        """Each tree's paths into the step's batch, each spare sequence forked from its request's (and added to
+        `forked`)."""
+        parts, tokens = self.parts, self.parts.batch
+        for run in ordered:
+            planned = run.planned
+            assert planned is not None and run.cache is not None
+            if not planned.branches:
+                continue
+            seqs = [seq for seq, _ in planned.branches]
+            forked += seqs
+            host_bytes = parts.spares.fork(run.cache, seqs)
+            run.stats.tree_host_bytes += host_bytes
+            self.counters.forks += len(seqs)
+            self.counters.fork_host_bytes += host_bytes
+            planned.branch_row0 = []
+            for (seq, path), pad in zip(planned.branches, planned.branch_pad, strict=True):
+                planned.branch_row0.append(tokens.add(path, len(run.cache), seq, outputs="all"))
+                if pad:
+                    tokens.add([path[-1]] * pad, len(run.cache) + len(path), seq, outputs="none")
 
     @staticmethod
     def _rows(run: Decoding, planned: Planned, member: bool) -> Rows:

@@ -1,5 +1,6 @@
 """Checks that a draft fits its target, each failure with its own message, before libllama runs: a DFlash draft's
-(`validate_pair`), and the vocabulary any draft shares with its target (`check_vocab`)."""
+(`validate_pair`, a DSpark draft's included: a DFlash draft with a Markov head), and the vocabulary any draft shares
+with its target (`check_vocab`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from .errors import PairMismatchError
 from .gguf_meta import GGUFInfo
 
 DEFAULT_BLOCK_SIZE = 16  # llama.cpp's default when dflash.block_size is absent
+# DSpark's heads, as llama.cpp's converter names them: the Markov head's tensor marks a DSpark draft (llama.cpp tells
+# draft-dspark from draft-dflash by it), the confidence head is optional.
+MARKOV_HEAD, CONFIDENCE_HEAD = "markov_w1.weight", "conf_proj.weight"
 
 
 @dataclass(frozen=True)
@@ -20,19 +24,36 @@ class DraftSpec:
     selector_top_k: int
     causal: bool
     mask_token_id: int
+    # DSpark: a Markov head (its rank; 0: none), whether the block's anchor row drafts the first token (else it is a
+    # bonus anchor, as in DFlash, and the mask rows draft), and whether a confidence head scores each position.
+    markov_rank: int = 0
+    sample_from_anchor: bool = True
+    confidence_head: bool = False
 
     @property
     def is_dflash2(self) -> bool:
         return self.selector_top_k > 0
 
     @property
+    def is_dspark(self) -> bool:
+        return self.markov_rank > 0
+
+    @property
     def kind(self) -> str:
-        return kind_of_selector(self.selector_top_k)
+        return DSPARK_KIND if self.is_dspark else kind_of_selector(self.selector_top_k)
+
+    @property
+    def anchor_drafts(self) -> bool:
+        """A DSpark block that drafts from its anchor row: [id_last, mask × (n − 1)] yields n tokens."""
+        return self.is_dspark and self.sample_from_anchor
 
     @property
     def block_capacity(self) -> int:
-        """A block is [id_last, mask × n]: at most block_size − 1 drafted tokens."""
-        return self.block_size - 1
+        """A block is [id_last, mask × n]: at most block_size − 1 drafted tokens; anchor-first, block_size."""
+        return self.block_size if self.anchor_drafts else self.block_size - 1
+
+
+DSPARK_KIND = "dspark"
 
 
 def kind_of_selector(selector_top_k: int) -> str:
@@ -41,8 +62,13 @@ def kind_of_selector(selector_top_k: int) -> str:
 
 
 def dflash_kind(draft: GGUFInfo) -> str:
-    """A DFlash draft's kind from its header, as `DraftSpec.kind` names it once validated."""
-    return kind_of_selector(int(draft.key("selector_top_k", 0)))
+    """A DFlash draft's kind from its header, as `DraftSpec.kind` names it once validated ("dspark": a Markov head)."""
+    return DSPARK_KIND if has_markov_head(draft) else kind_of_selector(int(draft.key("selector_top_k", 0)))
+
+
+def has_markov_head(draft: GGUFInfo) -> bool:
+    """Whether a file is a DSpark draft: a DFlash draft with a Markov head."""
+    return draft.arch == "dflash" and MARKOV_HEAD in draft.tensor_shapes
 
 
 def validate_pair(target: GGUFInfo, draft: GGUFInfo, draft_capacity: int) -> DraftSpec:
@@ -75,9 +101,37 @@ def validate_pair(target: GGUFInfo, draft: GGUFInfo, draft_capacity: int) -> Dra
         selector_top_k=int(draft.key("selector_top_k", 0)),
         causal=bool(draft.key("attention.causal", False)),
         mask_token_id=draft.mask_token_id,
+        **(_dspark_heads(draft) if has_markov_head(draft) else {}),
     )
     check_draft_capacity(draft_capacity, spec)
     return spec
+
+
+def _dspark_heads(draft: GGUFInfo) -> dict[str, object]:
+    """A DSpark draft's heads, checked where libllama would abort the process or read what no head wrote."""
+    name = draft.path.name
+    if "dflash.block_size" not in draft.keys:  # the Markov head's graph asserts it (src/models/dflash.cpp)
+        raise PairMismatchError(f"DSpark draft {name} has no dflash.block_size: its Markov head needs it")
+    if "selector_hidden.weight" in draft.tensor_shapes:
+        raise PairMismatchError(f"{name} has both a Markov head and a DFlash 2 selector: llama.cpp drafts such a file "
+                                "as DFlash 2, not as DSpark")
+    shapes = draft.tensor_shapes
+    rank = int(shapes[MARKOV_HEAD][0])
+    w2 = shapes.get("markov_w2.weight")
+    if w2 is None or int(w2[0]) != rank or rank < 1:
+        raise PairMismatchError(f"DSpark draft {name}: markov_w2.weight {w2} does not match markov_w1.weight "
+                                f"{shapes[MARKOV_HEAD]}")
+    confidence = CONFIDENCE_HEAD in shapes
+    said = draft.key("has_confidence_head")
+    if said is not None and bool(said) != confidence:
+        raise PairMismatchError(f"DSpark draft {name} says has_confidence_head={bool(said)}, but its tensors "
+                                f"{'hold' if confidence else 'lack'} {CONFIDENCE_HEAD}")
+    if confidence and tuple(shapes[CONFIDENCE_HEAD])[:1] != (draft.n_embd + rank,):
+        raise PairMismatchError(f"DSpark draft {name}: {CONFIDENCE_HEAD} {shapes[CONFIDENCE_HEAD]} does not read "
+                                f"n_embd + rank = {draft.n_embd + rank} features")
+    anchor = draft.key("sample_from_anchor")
+    return {"markov_rank": rank, "sample_from_anchor": True if anchor is None else bool(anchor),
+            "confidence_head": confidence}
 
 
 def check_draft_capacity(draft_capacity: int, spec: DraftSpec) -> None:
@@ -86,7 +140,7 @@ def check_draft_capacity(draft_capacity: int, spec: DraftSpec) -> None:
     if not 1 <= draft_capacity <= spec.block_capacity:
         raise PairMismatchError(
             f"a draft capacity of {draft_capacity} tokens is outside 1..{spec.block_capacity} "
-            f"(block_size {spec.block_size} − 1 for this draft)"
+            f"(block_size {spec.block_size}{'' if spec.anchor_drafts else ' − 1'} for this draft)"
         )
 
 

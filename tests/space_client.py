@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import json
+import re
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -228,3 +229,28 @@ def wait_done(job: Any, timeout_s: float = 60.0) -> None:
     """Until a gradio_client job has ended (finished, failed or cancelled): it is a Future."""
     done, _ = concurrent.futures.wait([job], timeout=timeout_s)
     assert done, f"the job did not end within {timeout_s} s"
+
+
+SHARE = re.compile(r"(\d+) % of these")
+FIGURE = re.compile(r"about (\d+\.\d+)× as fast as the main model alone \(estimate: ([\d.]+)–([\d.]+)×\)")
+UNCERTAIN = ("too early to tell", "too uncertain to tell", "by how much still uncertain")
+
+
+def summary_contradiction(summary: str, too_wide: float = 0.25) -> str | None:
+    """What in one statistics summary contradicts itself, or None: a speed-up stated as a figure without its range,
+    or with a range too wide to be the figure; a draft share above half beside a speed-up of about 1× that neither
+    says the estimate is uncertain nor why drafting gained nothing. `summary`: its Markdown, or its text as the page
+    shows it."""
+    summary = " ".join(summary.replace("**", "").split())
+    share = SHARE.search(summary)
+    figures = FIGURE.findall(summary)
+    if "× as fast" in summary and not figures:
+        return "a speed-up figure without its range"
+    for ratio, low, high in figures:
+        if (float(high) - float(low)) / 2 > too_wide * float(ratio) + 0.051:  # + the last digit's rounding
+            return f"{ratio}× stated as the figure of a range {low}–{high}× too wide to say it"
+    if share and int(share.group(1)) > 50:
+        about_one = any(abs(float(ratio) - 1) < 0.05 for ratio, _, _ in figures) or "about as fast" in summary
+        if about_one and not any(word in summary for word in UNCERTAIN) and "cost about what they saved" not in summary:
+            return "most of the answer from the draft, about 1× as fast, and no word of why"
+    return None

@@ -108,7 +108,8 @@ def test_info_describes_the_offline_pair_without_server_paths(info: dict[str, An
     assert info["defaults"] == {"max_tokens": 512, "temperature": 0.0, "top_p": 1.0, "top_k": 40, "min_p": 0.0,
                                 "method": "auto", "draft_length": "auto"}, "adaptive, the pair's default method"
     assert info["sampling_defaults_from"] == "server defaults", "the demo keeps temperature 0"
-    assert info["methods"] == ["dflash", "ngram-mod", "ngram-map-k", "ngram-mod,dflash"]
+    assert info["methods"] == ["dflash", "ngram-mod", "ngram-map-k", "ngram-simple", "ngram-map-k4v",
+                               "ngram-cache", "ngram-mod,dflash"]
     assert info["default_method"] == "dflash"
     assert info["draft_problem"] is None
     assert "random-weight test models" in preset["label"]

@@ -2,8 +2,9 @@
 `general.sampling.*`) and a DFlash 2 draft, configured as a real pair (DFLASH_DEMO=off, local files, CPU). Through
 the real server: /info lists the methods and where the sampling defaults came from, /chat runs each method (the same
 text as plain decoding at temperature 0), draft_length is checked and the old draft_max still works; in the browser
-the A/B run shows plain / DFlash 2 / MTP side by side. And when the DFlash draft is unusable (fails validation, or
-cannot be downloaded), the target drafts with its own MTP head, and the Space says so."""
+the A/B offers every method and runs plain, DFlash 2, MTP and the n-gram methods picked side by side. And when the
+DFlash draft is unusable (fails validation, or cannot be downloaded), the target drafts with its own MTP head, and the
+Space says so."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair, write_broken
 ARTIFACTS = REPO_ROOT / "test-artifacts"
 N_CTX = 1024
 PRESET = "methods-pair"
+NGRAMS = ["ngram-mod", "ngram-map-k", "ngram-simple", "ngram-map-k4v", "ngram-cache"]  # every pair runs them
 # What a model card recommends (Qwen3's thinking-mode values), as general.sampling.* keys
 SAMPLING = {"temp": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.05}
 SAMPLING_TYPES = {"temp": gguf.GGUFValueType.FLOAT32, "top_k": gguf.GGUFValueType.INT32,
@@ -76,7 +78,7 @@ def generate(client: Client, **changes: Any) -> tuple[str, dict[str, Any]]:
 
 def test_info_lists_the_methods_and_the_models_sampling_defaults(client: Client) -> None:
     info = client.predict(api_name="/info")
-    assert info["methods"] == ["dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-mod,dflash"]
+    assert info["methods"] == ["dflash", "mtp", *NGRAMS, "ngram-mod,dflash"]
     assert info["default_method"] == "dflash"
     assert info["draft_problem"] is None and info["offline_demo"] is False
     assert info["sampling_defaults_from"] == "the model's general.sampling"
@@ -86,8 +88,8 @@ def test_info_lists_the_methods_and_the_models_sampling_defaults(client: Client)
     assert defaults["method"] == "auto" and defaults["draft_length"] == "auto"
     limits = info["limits"]
     assert limits["draft_length"] == ["auto", [0, 7]]
-    assert limits["method"] == ["auto", "dflash", "dflash-tree", "mtp", "eagle3", "draft-simple", "ngram-mod",
-                                "ngram-map-k", "ngram-mod,dflash"]
+    assert limits["method"] == ["auto", "dflash", "dflash-tree", "dspark", "mtp", "eagle3", "draft-simple", *NGRAMS,
+                                "ngram-mod,dflash"]
 
 
 def test_each_method_writes_the_plain_text_at_temperature_zero(client: Client) -> None:
@@ -113,8 +115,8 @@ def test_unset_sampling_takes_the_models_defaults(client: Client) -> None:
         ({"draft_length": 8}, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got 8"),
         ({"draft_length": "three"}, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got 'three'"),
         ({"method": "eagle"},
-         "method must be one of 'auto', 'dflash', 'dflash-tree', 'mtp', 'eagle3', 'draft-simple', 'ngram-mod', "
-         "'ngram-map-k', 'ngram-mod,dflash', got 'eagle'"),
+         "method must be one of 'auto', 'dflash', 'dflash-tree', 'dspark', 'mtp', 'eagle3', 'draft-simple', "
+         "'ngram-mod', 'ngram-map-k', 'ngram-simple', 'ngram-map-k4v', 'ngram-cache', 'ngram-mod,dflash', got 'eagle'"),
         ({"top_k": -1}, "top_k must be an integer in 0..1000 (0 = off), got -1"),
         ({"min_p": 1.5}, "min_p must be a number in [0.0, 0.99], got 1.5"),
     ],
@@ -134,6 +136,14 @@ def test_the_old_draft_max_still_works_and_says_it_is_deprecated(client: Client)
     assert fixed["draft_length"] == 2
 
 
+PICKED_JS = "Array.from(document.querySelectorAll('#ab-methods label')).filter(l => l.querySelector('input').checked)" \
+    ".map(l => l.innerText.trim())"
+
+
+def picked_for_ab(page: Any) -> list[str]:
+    return page.evaluate(PICKED_JS)
+
+
 @pytest.mark.browser
 def test_the_page_offers_the_methods_and_the_ab_run_compares_them(server: RunningApp) -> None:
     with open_page(server.url) as page:
@@ -143,13 +153,23 @@ def test_the_page_offers_the_methods_and_the_ab_run_compares_them(server: Runnin
         assert page.evaluate("document.querySelector(\"#temperature input[type='range']\").value") == "0.6"
         assert page.evaluate("!!document.querySelector('#method input')"), "the method choice"
         set_temperature(page, 0)
+        # The A/B offers every method the pair runs and compares the registry's few unless the visitor picks: here
+        # one of those is swapped for one it offers.
+        offered = page.evaluate("Array.from(document.querySelectorAll('#ab-methods label')).map(l => l.innerText"
+                                ".trim())")  # fmt: skip
+        assert offered == ["DFlash 2", "MTP", *NGRAMS, "ngram-mod → DFlash 2"], offered
+        assert picked_for_ab(page) == ["DFlash 2", "MTP", "ngram-mod", "ngram-map-k"]
+        for label in ("ngram-map-k", "ngram-cache"):
+            page.evaluate("Array.from(document.querySelectorAll('#ab-methods label')).find(l => l.innerText.trim() "
+                          f"=== {label!r}).click()")  # fmt: skip
+        page.wait_for(f"{PICKED_JS}.join() === 'DFlash 2,MTP,ngram-mod,ngram-cache'", 10, "the A/B's picks")
         page.type_into("#message-box textarea", PROMPT)
         page.click("#ab")
         result = page.wait_for(f"{text_of('#ab-result')}.includes('Texts identical') && {text_of('#ab-result')}",
                                240, "the A/B comparison")  # fmt: skip
         page.screenshot(ARTIFACTS / "app_methods_ab.png")
     rows = [line.split("\t")[0].strip() for line in result.splitlines() if line.count("\t") >= 4]
-    assert rows == ["Method", "Plain", "DFlash 2", "MTP", "ngram-mod", "ngram-map-k", "ngram-mod → DFlash 2"], result
+    assert rows == ["Method", "Plain", "DFlash 2", "MTP", "ngram-mod", "ngram-cache"], result
     assert "Texts identical: yes" in result and "DFlash 2: " in result and "MTP: " in result
     assert re.search(r"(DFlash 2|MTP): (no measurable speed-up|no speed-up|slower than plain here|[\d.]+× as fast)",
                      result), result  # fmt: skip
@@ -170,7 +190,7 @@ def test_a_draft_that_fails_validation_leaves_the_target_drafting_with_its_mtp_h
         answer = run_job(host, ResolvedPair(pair.target, broken))
         assert answer.error is None, answer.error
         info = answer.engine_info
-        assert info is not None and info["methods"] == ["mtp", "ngram-mod", "ngram-map-k"]
+        assert info is not None and info["methods"] == ["mtp", *NGRAMS]
         assert info["draft_problem"].startswith("Draft unavailable: ")
         assert info["draft_problem"].endswith("; drafting with the target's MTP head")
         assert str(tmp_path) not in info["draft_problem"], "no server paths"
@@ -206,7 +226,7 @@ def test_a_draft_that_cannot_be_downloaded_leaves_the_target_alone(tmp_path: Pat
     host = EngineHost(load_pair)
     try:
         answer = run_job(host, files)
-        assert answer.engine_info is not None and answer.engine_info["methods"] == ["mtp", "ngram-mod", "ngram-map-k"]
+        assert answer.engine_info is not None and answer.engine_info["methods"] == ["mtp", *NGRAMS]
         assert "Draft unavailable: Could not download the draft" in answer.engine_info["draft_problem"]
         assert answer.stats["method"] == "mtp"
     finally:

@@ -27,6 +27,7 @@ from dflash_runtime.verify import DRAFT, TARGET, RejectionVerifier, Verifiers
 
 PROMPT = "hello world"
 NGRAMS = ("ngram-mod", "ngram-map-k")
+NGRAM_DRAFTS = (*NGRAMS, "ngram-cache")
 DRAFT_SIMPLE = "draft-simple"
 NGRAM_KEYS = {"ngram-mod": {"n_match": 1}, "ngram-map-k": {"size_n": 1}}  # one-token keys: 3-token answers draft
 Z_LIMIT = 4.5  # one-sided normal quantile: a false alarm about once in 300,000 tests
@@ -120,9 +121,9 @@ def samples(engine: Engine, reference: Reference, chain: Chain, verify: str, n: 
         yield tuple(result.tokens)
 
 
-def check_distribution(engine: Engine, reference: Reference, chain: Chain, verify: str, n: int) -> list[float]:
-    """z-scores of the per-position marginals and of the joint, for `n` three-token samples."""
-    length = 3
+def check_distribution(engine: Engine, reference: Reference, chain: Chain, verify: str, n: int,
+                       length: int = 3) -> list[float]:
+    """z-scores of the per-position marginals and of the joint, for `n` samples of `length` tokens."""
     expected = reference.joint(chain, length)
     return z_scores(list(samples(engine, reference, chain, verify, n, length)), expected, length)
 
@@ -149,8 +150,13 @@ CASES = [(*combo, VARIANTS[(i + j) % len(VARIANTS)]) for i, combo in enumerate(C
 # A small model drafts, sampled with its q, verified by rejection sampling (the verifiers are every method's; the
 # hybrid target and sample-and-match run its drafts at temperature 0 in tests/test_draft_simple.py).
 CASES += [("dense", DRAFT_SIMPLE, "sample", VARIANTS[0])]
+# Lookup decoding, whose dynamic cache each sample teaches: its drafts follow earlier samples, never the current one's
+# draws, so they are point masses all the same.
+CASES += [("hybrid", "ngram-cache", "sample", VARIANTS[3])]
 # EAGLE-3 (its own head over a draft vocabulary: -inf logits outside it), sampled with its q and matched.
 CASES += [("dense", "eagle3", "sample", VARIANTS[1]), ("hybrid", "eagle3", "match", VARIANTS[2])]
+# DSpark matched (sampled with its q: test_dspark_samples_follow_the_target_distribution_where_q_is_far_from_p).
+CASES += [("hybrid", "dspark", "match", VARIANTS[3])]
 
 
 def ngram_prompt(engine: Engine) -> str:
@@ -167,7 +173,7 @@ def markov() -> Iterator[dict]:
     def get(target: str, draft: str, verifiers: Verifiers | None = None) -> tuple[Engine, Reference]:
         key = (target, draft, verifiers)
         if key not in opened:
-            if draft in NGRAMS:
+            if draft in NGRAM_DRAFTS:
                 pair = tiny_pair(target, None, head="markov")
                 engine = load_pair(pair.target, None, n_ctx=256, draft_capacity=3, verifiers=verifiers,
                                    method_options=NGRAM_KEYS)
@@ -230,10 +236,47 @@ class AcceptEverything:
 
 @pytest.mark.parametrize(("target", "draft"), [("dense", "dflash2"), ("dense", "dflash1"), ("hybrid", "mtp"),
                                                ("dense", "ngram-mod"), ("hybrid", "ngram-map-k"),
-                                               ("hybrid", "eagle3")])
+                                               ("hybrid", "ngram-cache"), ("hybrid", "eagle3")])
 def test_a_broken_verifier_fails_the_distribution_test(target, draft, markov) -> None:
     engine, reference = markov(target, draft, verifiers=Verifiers(sample=AcceptEverything))
     zs = check_distribution(engine, reference, Chain(1.0), "sample", n=1200)
+    assert max(zs) > Z_LIMIT, zs
+
+
+# DSpark on head="markov": its Markov head bets against the target's odds (testing/heads.py, dspark_markov), so each
+# drafted token is drawn from a q far from p; answers of five tokens, so that the first step drafts three positions
+# (draft_length 3) and every drafted position is verified.
+DSPARK_LENGTH = 5
+
+
+@pytest.mark.parametrize(("target", "chain"), [("dense", VARIANTS[0]), ("hybrid", Chain(1.0))])
+def test_dspark_samples_follow_the_target_distribution_where_q_is_far_from_p(target, chain, markov) -> None:
+    engine, reference = markov(target, "dspark")
+    zs = check_distribution(engine, reference, chain, "sample", n=1200, length=DSPARK_LENGTH)
+    assert max(zs) < Z_LIMIT, zs
+    stats = engine.generate(reference.text, max_tokens=48, draft_length=3, seed=7, **chain.kwargs()).stats
+    assert stats.drafted > 24 and stats.acceptance_rate < 0.5, stats  # q far from p: most drafts are rejected
+
+
+class ShiftedQ:
+    """A broken q: each draft token is checked against the distribution its neighbour was drawn from (an off-by-one
+    between a block's rows and the tokens read from them)."""
+
+    mode = "sample"
+
+    def __init__(self, *args: object) -> None:
+        self._inner = RejectionVerifier(*args)  # type: ignore[arg-type]
+
+    def walk(self, proposal, first_row: int = 0):
+        q = proposal.q
+        if q is not None and len(q) > 1:
+            proposal = type(proposal)(proposal.tokens, [*q[1:], q[0]])
+        return self._inner.walk(proposal, first_row)
+
+
+def test_a_dspark_draft_checked_against_a_broken_q_fails_the_distribution_test(markov) -> None:
+    engine, reference = markov("dense", "dspark", verifiers=Verifiers(sample=ShiftedQ))
+    zs = check_distribution(engine, reference, VARIANTS[0], "sample", n=1200, length=DSPARK_LENGTH)
     assert max(zs) > Z_LIMIT, zs
 
 

@@ -90,7 +90,8 @@ def _run(engine: Engine, prompt: list[int], options: dict, cancel_after: int | N
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize(("target", "draft"), [*ALL_PAIRS, ("hybrid", "mtp")], ids=[*PAIR_IDS, "hybrid-mtp"])
+@pytest.mark.parametrize(("target", "draft"), [*ALL_PAIRS, ("hybrid", "mtp"), ("hybrid", "dspark")],
+                         ids=[*PAIR_IDS, "hybrid-mtp", "hybrid-dspark"])
 def test_random_request_sequences_match_a_fresh_engine(target: str, draft: str, shape: str, seed: int) -> None:
     rng = random.Random(f"{target}-{draft}-{shape}-{seed}")
     pair = _pair(target, draft, shape)

@@ -75,9 +75,13 @@ def test_cpu_mode_writes_every_section_and_finds_no_mismatch(tmp_path: Path) -> 
     assert const["plain"]["tok_s"] > 0 and const["dflash 3"]["acceptance_rate"] > 0.9
     assert speed["large-dense-const"]["plain_bandwidth_gb_s"] > 0
     assert all(0 <= r["host_share"] <= 1 for r in result["host_overhead"]["rows"])
-    tree_rows = [r for p in result["trees"]["pairs"].values() for r in p["rows"]]
-    assert {r["mode"] for r in tree_rows} == {"chain", "tree", "tree-auto"} and len(tree_rows) == 12
+    tree_pairs = result["trees"]["pairs"]
+    tree_rows = [r for p in tree_pairs.values() for r in p["rows"]]
+    assert {r["mode"] for r in tree_rows} == {"chain", "chain-q", "tree", "tree-auto"} and len(tree_rows) == 21
     assert all(r["mismatches"] == 0 and r["accepted_per_verify"] >= 1 for r in tree_rows)
+    hybrid = tree_pairs["small-hybrid-phrase-mtp"]  # its paths' forks: on the device, none through host memory
+    assert hybrid["target"] == "hybrid" and hybrid["forks"] > 0 and hybrid["fork_host_bytes"] == 0
+    assert all(r["host_bytes_per_tree"] == 0 for r in hybrid["rows"])
     streams = result["streams"]["rows"]
     assert [r["streams"] for r in streams] == [1, 2, 4, 8] and all(r["parallel"] == 8 for r in streams)
     assert streams[-1]["rows_per_decode"] > streams[0]["rows_per_decode"]  # the 8 streams shared their decodes

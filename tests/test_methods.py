@@ -11,6 +11,7 @@ import pytest
 from dflash_runtime import DFlashDraftModel, DFlashLlama, PairMismatchError, RequestError, load_pair, methods
 from dflash_runtime.testing.tiny_models import tiny_pair
 
+NGRAMS = ("ngram-mod", "ngram-map-k", "ngram-simple", "ngram-map-k4v", "ngram-cache")  # every pair runs them
 PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog.", "one two three four five", "a"]
 
 
@@ -26,16 +27,16 @@ def both():
 
 def test_an_engine_lists_the_methods_its_pair_can_run(mtp_target, both) -> None:
     with load_pair(mtp_target.target, None, n_ctx=256) as engine:
-        assert engine.methods == ("mtp", "ngram-mod", "ngram-map-k") and engine.default_method == "mtp"
-        assert engine.info()["methods"] == ["mtp", "ngram-mod", "ngram-map-k"] and engine.info()["mtp_error"] is None
+        assert engine.methods == ("mtp", *NGRAMS) and engine.default_method == "mtp"
+        assert engine.info()["methods"] == ["mtp", *NGRAMS] and engine.info()["mtp_error"] is None
     with load_pair(both.target, both.draft, n_ctx=256) as engine:
-        assert engine.methods == ("dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-mod,dflash")
+        assert engine.methods == ("dflash", "mtp", *NGRAMS, "ngram-mod,dflash")
         assert engine.default_method == "dflash"
     with load_pair(both.target, both.draft, n_ctx=256, mtp=False) as engine:
-        assert engine.methods == ("dflash", "ngram-mod", "ngram-map-k", "ngram-mod,dflash")
+        assert engine.methods == ("dflash", *NGRAMS, "ngram-mod,dflash")
     plain = tiny_pair("hybrid", "dflash2", head="shaped")
     with load_pair(plain.target, None, n_ctx=256) as engine:
-        assert engine.methods == ("ngram-mod", "ngram-map-k")  # the n-grams run anywhere, drafting only when asked
+        assert engine.methods == NGRAMS  # the n-grams run anywhere, drafting only when asked
         assert engine.default_method is None
         result = engine.generate("hello", max_tokens=4)  # no draft, no MTP head: plain decoding
         assert result.stats.method is None and result.stats.drafted == 0
@@ -112,7 +113,7 @@ def test_old_spellings_still_work_with_a_deprecation_warning(both) -> None:
 def test_the_drop_in_runs_mtp_on_a_target_alone(mtp_target, both) -> None:
     llm = DFlashLlama(model_path=str(mtp_target.target), n_ctx=512, verbose=False)
     try:
-        assert llm.methods == ("mtp", "ngram-mod", "ngram-map-k")
+        assert llm.methods == ("mtp", *NGRAMS)
         response = llm.create_completion("hello world", max_tokens=16, temperature=0, draft_length=3)
         stats = response["dflash_stats"]
         assert stats["method"] == "mtp" and stats["drafted"] > 0
@@ -123,7 +124,7 @@ def test_the_drop_in_runs_mtp_on_a_target_alone(mtp_target, both) -> None:
     llm = DFlashLlama(model_path=str(both.target), draft_model=DFlashDraftModel(str(both.draft)), n_ctx=512,
                       verbose=False)
     try:
-        assert llm.methods == ("dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-mod,dflash")
+        assert llm.methods == ("dflash", "mtp", *NGRAMS, "ngram-mod,dflash")
         mtp = llm.create_completion("hello world", max_tokens=16, temperature=0, method="mtp")["dflash_stats"]
         assert mtp["method"] == "mtp"
     finally:

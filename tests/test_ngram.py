@@ -1,5 +1,7 @@
-"""N-gram drafting (llama.cpp's ngram-mod and ngram-map-k): on every target, no draft file, lossless at temperature 0
-on dense and hybrid targets, alone and chained before DFlash, and one owner's text never drafts for another."""
+"""N-gram drafting (llama.cpp's ngram-mod, ngram-map-k, ngram-simple, ngram-map-k4v and ngram-cache): on every target,
+no draft file, lossless at temperature 0 on dense and hybrid targets, alone and chained before DFlash, and one
+owner's text never drafts for another. (ngram-cache's files and what it learns: tests/test_ngram_cache.py; against
+llama-server: tests/test_llama_server_ngrams.py.)"""
 
 from __future__ import annotations
 
@@ -8,11 +10,14 @@ import random
 import pytest
 
 from dflash_runtime import RequestError, load_pair
+from dflash_runtime.drafters.drafting import TokenView
+from dflash_runtime.drafters.ngram_map import NgramSimpleDrafter
 from dflash_runtime.testing.heads import PHRASE
 from dflash_runtime.testing.tiny_models import tiny_pair
 
-NGRAMS = ("ngram-mod", "ngram-map-k")
-SMALL = {"ngram-mod": {"n_match": 3}, "ngram-map-k": {"size_n": 2}}  # short keys: tiny answers match early
+NGRAMS = ("ngram-mod", "ngram-map-k", "ngram-simple", "ngram-map-k4v", "ngram-cache")
+SMALL = {"ngram-mod": {"n_match": 3}, "ngram-map-k": {"size_n": 2}, "ngram-simple": {"size_n": 3, "size_m": 7},
+         "ngram-map-k4v": {"size_n": 2, "size_m": 7}}  # short keys: tiny answers match early (ngram-cache: 1 to 4)
 QUOTE = "".join(PHRASE) * 3  # a prompt the "phrase" head's answers copy from
 PROMPTS = [QUOTE, "hello world", "Edit this text:" + QUOTE + " the quick brown fox. Edited:", "a"]
 
@@ -22,8 +27,8 @@ PROMPTS = [QUOTE, "hello world", "Edit this text:" + QUOTE + " the quick brown f
 def test_ngram_answers_equal_plain_decoding(target: str, head: str) -> None:
     pair = tiny_pair(target, None, head=head)
     with load_pair(pair.target, None, n_ctx=1024, draft_capacity=7, method_options=SMALL) as engine:
-        assert engine.methods[:2] == NGRAMS and engine.default_method is None  # drafts only when asked
-        drafted = 0
+        assert engine.methods == NGRAMS and engine.default_method is None  # drafts only when asked
+        drafted = dict.fromkeys(NGRAMS, 0)
         for prompt in PROMPTS:
             base = engine.generate(prompt, max_tokens=48, speculative=False)
             for method in NGRAMS:
@@ -33,13 +38,16 @@ def test_ngram_answers_equal_plain_decoding(target: str, head: str) -> None:
                     assert result.stats.method == method
                     assert result.stats.drafted_by == [method] * result.stats.verify_steps
                     assert result.token_sources.count("draft") == result.stats.accepted
-                    drafted += result.stats.drafted
+                    drafted[method] += result.stats.drafted
         if head == "phrase":
-            assert drafted > 0  # the answers copy the prompt: the n-grams find it
+            assert all(drafted.values()), drafted  # the answers copy the prompt: the n-grams find it
 
 
 def test_llama_cpp_defaults_draft_on_a_long_copy_and_answer_as_plain_decoding() -> None:
-    """Default keys (24 tokens for ngram-mod, 12 for ngram-map-k): a long quoted answer is drafted from the prompt."""
+    """llama-server's default keys (24 tokens for ngram-mod, 12 for the others): an answer that repeats what came
+    before is drafted. (ngram-simple drafts only where at least 12 tokens follow the newest earlier occurrence of
+    its key, never in a repetition shorter than that, as here: see the next test; ngram-cache's context cache counts
+    the prompt and each step's accepted stretch, not this answer's one-token steps, as llama-server's.)"""
     pair = tiny_pair("dense", None, head="phrase")
     with load_pair(pair.target, None, n_ctx=2048, draft_capacity=7) as engine:
         prompt = "".join(PHRASE) * 12
@@ -47,7 +55,23 @@ def test_llama_cpp_defaults_draft_on_a_long_copy_and_answer_as_plain_decoding() 
         for method in NGRAMS:
             result = engine.generate(prompt, max_tokens=160, method=method, draft_length=7)
             assert result.tokens == base.tokens, method
-            assert result.stats.accepted > 0, method
+            if method not in ("ngram-simple", "ngram-cache"):
+                assert result.stats.accepted > 0, method
+
+
+def test_ngram_simple_drafts_what_followed_the_newest_earlier_occurrence() -> None:
+    """common_ngram_simple_draft with llama-server's defaults (12-token key, up to 48 tokens): the tokens after the
+    newest earlier occurrence of the last 11 and the one just sampled, none where fewer than 12 follow it."""
+    history = [7, *range(100, 160), *range(100, 111)]
+    drafter = NgramSimpleDrafter(TokenView(lambda: history), capacity=64)
+    assert drafter.draft(111, len(history), 64).tokens == list(range(112, 160))  # 48 of the 49 after it
+    assert drafter.draft(111, len(history), 5).tokens == list(range(112, 117))  # cut to the step's length
+    assert drafter.draft(999, len(history), 64).tokens == []  # no earlier occurrence
+    assert NgramSimpleDrafter(TokenView(lambda: history[:61]), capacity=64).draft(111, 61, 64).tokens == []  # ≤ 61
+    other = [7, *range(200, 260)]
+    for gap, drafted in (([], []), ([5], [5, *range(100, 111)])):  # 11 tokens follow the occurrence, then 12
+        sequence = [*other, *range(100, 112), *gap, *range(100, 111)]
+        assert NgramSimpleDrafter(TokenView(lambda s=sequence: s), capacity=64).draft(111, 0, 64).tokens == drafted
 
 
 def test_chains_before_dflash_are_lossless_and_say_who_drafted() -> None:
@@ -58,7 +82,8 @@ def test_chains_before_dflash_are_lossless_and_say_who_drafted() -> None:
         seen: set[str] = set()
         for prompt in PROMPTS:
             base = engine.generate(prompt, max_tokens=48, speculative=False)
-            for chain in ("ngram-mod,dflash", "ngram-map-k,dflash", "dflash,ngram-mod"):
+            for chain in ("ngram-mod,dflash", "ngram-map-k,dflash", "ngram-cache,ngram-map-k4v,dflash",
+                          "dflash,ngram-mod"):
                 for length in (3, 7, "auto"):
                     result = engine.generate(prompt, max_tokens=48, method=chain, draft_length=length)
                     assert result.tokens == base.tokens, (chain, prompt, length)
@@ -68,7 +93,7 @@ def test_chains_before_dflash_are_lossless_and_say_who_drafted() -> None:
                     if chain.startswith("dflash"):
                         assert set(stats.drafted_by) <= {"dflash"}  # DFlash always drafts: the n-grams never run
                     seen.update(stats.drafted_by)
-        assert {"ngram-mod", "ngram-map-k", "dflash"} <= seen
+        assert {"ngram-mod", "ngram-map-k", "ngram-cache", "dflash"} <= seen
 
 
 def test_a_long_lived_engine_mixing_methods_answers_as_a_fresh_engine() -> None:
@@ -109,6 +134,10 @@ def test_bad_options_are_refused_clearly() -> None:
     pair = tiny_pair("dense", None, head="phrase")
     with pytest.raises(ValueError, match="n_match"):
         load_pair(pair.target, None, n_ctx=256, method_options={"ngram-mod": {"n_match": 0}})
+    for method, options in (("ngram-simple", {"size_n": 0}), ("ngram-map-k4v", {"size_m": 1025}),
+                            ("ngram-map-k4v", {"min_hits": 0})):
+        with pytest.raises(ValueError, match=rf"{method} needs 1 ≤ size_n ≤ 1024, 1 ≤ size_m ≤ 1024 and min_hits"):
+            load_pair(pair.target, None, n_ctx=256, method_options={method: options})
     with pytest.raises(ValueError, match=r"method_options\['ngram-map-k'\] names unknown options \['bogus'\] "
                                          r"\(options of ngram-map-k: size_n \(default 12\), size_m"):
         load_pair(pair.target, None, n_ctx=256, method_options={"ngram-map-k": {"bogus": 1}})

@@ -1,12 +1,12 @@
-"""docs/openai-api.md's blocks run as written: the bash block (it generates a pair, starts `python -m dflash_runtime
-serve` on it, asks with curl, stops it) in an empty folder; the openai-client block (marked no-run: it needs a server
-left running) against a server this test starts as the bash block does, its address put in place of the doc's (the
-one substitution, printed)."""
+"""docs/openai-api.md's blocks run as written, in a fresh shell (tests/doc_shell.py: the project's `.venv` in an
+otherwise empty folder, nothing activated): the bash block (it generates a pair, starts `.venv/bin/python -m
+dflash_runtime serve` on it, asks with curl, stops it); the openai-client block (marked no-run: it needs a server left
+running) in `.venv/bin/python` against a server this test starts as the bash block does, its address put in place of
+the doc's (the one substitution, printed)."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from app_fixtures import REPO_ROOT
+from doc_shell import run_block
 from openai_clients import running_serve
 
 DOC = REPO_ROOT / "docs" / "openai-api.md"
@@ -38,19 +39,9 @@ def served_model(code: str) -> str:
     return found.group(1)
 
 
-def block_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_API_KEY")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    return env
-
-
 def test_the_curl_block_gets_a_chat_answer_from_serve(folder: Path) -> None:
     (code,) = blocks("bash")
-    script = folder / "block.sh"
-    script.write_text(code, encoding="utf-8")
-    done = subprocess.run(["bash", "-e", str(script)], cwd=folder, env=block_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT_S)  # fmt: skip
+    done = run_block("bash", code, folder, TIMEOUT_S)
     print(done.stdout[-3000:])
     assert done.returncode == 0, done.stderr[-3000:] + (folder / "serve.log").read_text()[-3000:]
     models, answer = (json.loads(line) for line in done.stdout.splitlines() if line.strip())
@@ -64,16 +55,13 @@ def test_the_curl_block_gets_a_chat_answer_from_serve(folder: Path) -> None:
 def test_the_openai_client_block_runs_against_serve(folder: Path) -> None:
     (bash,) = blocks("bash")
     (code,) = blocks("python")
-    pair = subprocess.run([sys.executable, "-m", "dflash_runtime.testing.tiny_models"], env=block_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT_S, check=True).stdout.split()  # fmt: skip
+    pair = subprocess.run([sys.executable, "-m", "dflash_runtime.testing.tiny_models"], capture_output=True, text=True,
+                          timeout=TIMEOUT_S, check=True).stdout.split()  # fmt: skip
     target, draft = map(Path, pair)
     with running_serve(target, draft, REPO_ROOT / "test-artifacts" / "openai_docs_serve.log", "--model",
                        served_model(bash)) as server:  # fmt: skip
         print(f"{DOC_SERVER} -> {server.url} (the test's server)")
-        script = folder / "block.py"
-        script.write_text(code.replace(DOC_SERVER, server.url), encoding="utf-8")
-        done = subprocess.run([sys.executable, str(script)], cwd=folder, env=block_env(), capture_output=True,
-                              text=True, timeout=TIMEOUT_S)  # fmt: skip
+        done = run_block("python", code.replace(DOC_SERVER, server.url), folder, TIMEOUT_S)
     print(done.stdout[-3000:])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "completion_tokens=32" in done.stdout and "'drafted'" in done.stdout

@@ -1,8 +1,10 @@
 """Every `python` and `bash` block of README.md and of every docs/*.md runs as written, on generated models.
 
-Each block runs in a fresh folder of its own, as a separate process (a Python file, or `bash -e`), with the project
-importable as `pip install -e .` makes it, and with the file names the blocks use (`target.gguf`,
-`Qwen3.8-27B-NVFP4-MTP-Q8attn.gguf`, ...) linked to a generated tiny pair. The blocks that talk to a running Space
+Each block runs in a fresh folder of its own, as a separate process in a fresh shell's environment (tests/doc_shell.py:
+the project's `.venv` in the folder, nothing activated, so a block says `.venv/bin/python` or activates it; a `python`
+block runs in `.venv/bin/python`, a `bash` block with plain `bash`, so that one of several commands stops at a failure
+only by its own `set -e`), with the file names the blocks use (`target.gguf`, `Qwen3.8-27B-NVFP4-MTP-Q8attn.gguf`, ...)
+linked to a generated tiny pair. The blocks that talk to a running Space
 get an offline demo started by the test: their address `http://127.0.0.1:7860` becomes that server's (the one
 substitution, printed). A block that cannot run here says so in its fence (```bash no-run) with its reason in the
 HTML comment above; those are counted and printed, never skipped silently, and their number stays small. Any other
@@ -11,16 +13,15 @@ fenced block (a diagram, a table, output) must not look like code.
 
 from __future__ import annotations
 
-import os
+import json
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from app_fixtures import REPO_ROOT, RunningApp, running_app
+from doc_shell import run_block
 
 from dflash_runtime.testing.tiny_models import tiny_pair
 
@@ -135,34 +136,82 @@ def space() -> Iterator[RunningApp]:
         yield app
 
 
-def block_env() -> dict[str, str]:
-    """This interpreter's environment, the project importable from anywhere (as `pip install -e .` makes it)."""
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    return env
+def substituted(block: Block, request: pytest.FixtureRequest) -> str:
+    """The block's code, a running Space's address put in place of the local one it names (printed)."""
+    if LOCAL_SPACE not in block.code:
+        return block.code
+    url = request.getfixturevalue("space").url.rstrip("/")
+    print(f"{block.document} line {block.line}: {LOCAL_SPACE} -> {url} (the test's offline demo)")
+    return block.code.replace(LOCAL_SPACE, url)
+
+
+def linked_models(folder: Path, models: dict[str, Path]) -> Path:
+    for name, path in models.items():
+        (folder / name).symlink_to(path)
+    return folder
 
 
 @pytest.mark.parametrize("block", TO_RUN, ids=[block.name for block in TO_RUN])
 def test_a_readme_block_runs_as_written(block: Block, models: dict[str, Path], tmp_path: Path,
                                         request: pytest.FixtureRequest) -> None:  # fmt: skip
-    for name, path in models.items():
-        (tmp_path / name).symlink_to(path)
-    code = block.code
-    if LOCAL_SPACE in code:
-        url = request.getfixturevalue("space").url.rstrip("/")
-        print(f"{block.document} line {block.line}: {LOCAL_SPACE} -> {url} (the test's offline demo)")
-        code = code.replace(LOCAL_SPACE, url)
-    script = tmp_path / ("block.py" if block.language == "python" else "block.sh")
-    script.write_text(code, encoding="utf-8")
-    command = [sys.executable, str(script)] if block.language == "python" else ["bash", "-e", str(script)]
-    done = subprocess.run(command, cwd=tmp_path, env=block_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    done = run_block(block.language, substituted(block, request), linked_models(tmp_path, models), TIMEOUT_S)
     print(done.stdout[-4000:])
     assert done.returncode == 0, f"{block.document} line {block.line} failed:\n{done.stderr[-4000:]}"
     log = [line for line in done.stderr.splitlines() if line.strip()]
     shown = "\n".join(log[:40])
     assert len(log) <= MAX_LOG_LINES, f"{block.document} line {block.line} writes {len(log)} lines of log:\n{shown}"
     assert done.stdout.strip(), f"{block.document} line {block.line} shows nothing"
+    if "gradio_api/call/chat" in block.code:  # a stream read without doubling its last item: /generate's text
+        complete = re.search(r"^event: complete\ndata: (.*)$", done.stdout, re.MULTILINE)
+        assert complete, done.stdout[-2000:]
+        answer = json.loads(complete.group(1))[0]
+        assert done.stdout.endswith(answer + "\n"), "the streamed text joined is not /generate's answer"
+
+
+def commands(code: str) -> list[str]:
+    """A bash block's commands: its lines but comments, blank ones and the continuations of a line ending in `\\`."""
+    found, continued = [], False
+    for line in code.splitlines():
+        if not continued and line.strip() and not line.lstrip().startswith("#"):
+            found.append(line.strip())
+        continued = line.rstrip().endswith("\\")
+    return found
+
+
+# A bare interpreter or installer at the start of a command (or in `$(...)`): in a fresh shell not the venv's.
+BARE_PYTHON = re.compile(r"(?:^|[\s;&|(])(?:python3?|pip3?) ")
+ACTIVATES = re.compile(r"^(?:\.|source) \.venv/bin/activate\b", re.MULTILINE)
+
+
+@pytest.mark.parametrize("block", [b for b in TO_RUN if b.language == "bash"], ids=lambda b: b.name)
+def test_a_bash_block_stops_at_a_failure_and_names_the_venv(block: Block) -> None:
+    """What a fresh shell needs of a block read as a script: with several commands, `set -e` first, so that it
+    exits non-zero at the first failing one (not with the last echo's 0); the venv's interpreter named
+    (`.venv/bin/python`), or the venv activated in the block."""
+    lines = commands(block.code)
+    if len(lines) > 1:
+        assert lines[0].startswith("set -e"), f"{block.name}: several commands and no `set -e` first"
+    if not ACTIVATES.search(block.code):
+        bare = [line for line in lines if BARE_PYTHON.search(line)]
+        assert not bare, f"{block.name}: a bare python or pip, not the venv's in a fresh shell: {bare}"
+
+
+CLIENT_CALL = "api_name=\"/chat\""
+BAD_MAX_TOKENS = "max_tokens=-5"
+
+
+def test_the_readme_client_block_shows_the_servers_error(models: dict[str, Path], tmp_path: Path,
+                                                         request: pytest.FixtureRequest) -> None:  # fmt: skip
+    """The README's gradio_client block with a value the server refuses: it exits non-zero with the server's own
+    message (not a NameError of a loop that got no item)."""
+    (block,) = [b for b in TO_RUN if b.document == "README.md" and CLIENT_CALL in b.code]
+    code, n = re.subn(r"max_tokens=\d+", BAD_MAX_TOKENS, substituted(block, request))
+    assert n == 1, "the block names max_tokens once"
+    done = run_block(block.language, code, linked_models(tmp_path, models), TIMEOUT_S)
+    print(done.stdout[-2000:], done.stderr[-2000:])
+    assert done.returncode != 0, "a refused request ends the block with an error"
+    assert "max_tokens must be an integer in 1..4096, got -5" in done.stderr, done.stderr[-2000:]
+    assert "NameError" not in done.stderr
 
 
 def test_the_deploy_text_is_true_of_requirements_as_committed() -> None:

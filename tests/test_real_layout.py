@@ -17,7 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dflash_runtime import load_pair
 from dflash_runtime.gguf_meta import read_gguf
-from dflash_runtime.space.page.highlight import reply_html
+from dflash_runtime.space.page.highlight import reply_markdown
 from dflash_runtime.space.requests import THINK_CLOSE, THINK_OPEN, strip_thinking, thinking_prefix
 from dflash_runtime.testing.real_layout import SAMPLING_DEFAULTS, RealLayoutPair, real_layout_pair, vendored_file
 from dflash_runtime.testing.tiny_models import tiny_pair
@@ -81,7 +81,8 @@ def test_libllama_opens_the_pair_within_budget(opened: tuple[Any, float]) -> Non
     info = engine.info()
     assert info["target_arch"] == "qwen35" and info["hybrid"] and info["n_vocab"] == N_VOCAB
     assert info["draft_kind"] == "dflash2" and info["block_size"] == 8 and info["target_layer_ids"] == [1, 3, 4, 6, 7]
-    assert engine.methods == ("dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-mod,dflash")
+    assert engine.methods == ("dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-simple",
+                              "ngram-map-k4v", "ngram-cache", "ngram-mod,dflash")
     assert engine.info()["part_errors"] == {}  # the target's MTP layer opens too
     assert engine.pair.meta("qwen35.nextn_predict_layers") == "1"
     assert engine.token_text(THINK) == THINK_OPEN and engine.token_text(THINK_END) == THINK_CLOSE
@@ -157,7 +158,7 @@ def test_thinking_block_folds_with_the_real_pieces(engine: Any) -> None:
     # The model's own tokens: <think> and </think> are user-defined tokens, rendered as text.
     text = engine.detokenize([THINK, *body, THINK_END, *answer])
     assert text.startswith(THINK_OPEN) and THINK_CLOSE in text
-    html = reply_html(text, [(len(text), "target")])
+    html = reply_markdown(text, [(len(text), "target")])
     assert html.startswith(THINK_OPEN) and html.count(THINK_CLOSE) == 1
     assert strip_thinking(text) == "An answer."
 

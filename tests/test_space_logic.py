@@ -16,13 +16,14 @@ from typing import Any
 import gradio as gr
 import pytest
 from app_fixtures import REPO_ROOT
-from space_client import reference_engine
+from space_client import reference_engine, summary_contradiction
 
 from dflash_runtime.errors import PromptTooLongError, RequestError
 from dflash_runtime.space.gpu.fitting import fit_conversation, prompt_tokens
-from dflash_runtime.space.gpu_job import GpuJob, ReplyChunk
+from dflash_runtime.space.gpu_job import GpuJob, ReplyChunk, resumed_stats
+from dflash_runtime.space.page.endpoints import AB_MOST, ab_picked
+from dflash_runtime.space.page.panel import speed_badge, stats_summary, too_wide
 from dflash_runtime.space.page.panel import stats_details as panel
-from dflash_runtime.space.page.panel import stats_summary
 from dflash_runtime.space.page.session import ChatSession
 from dflash_runtime.space.page.speedup import Estimate, LiveSpeedUp, Pending
 from dflash_runtime.space.page.views import (
@@ -32,6 +33,8 @@ from dflash_runtime.space.page.views import (
     info_markdown,
     mode_banner,
     sharing_note,
+    speed_up_rows,
+    texts_side_by_side,
 )
 from dflash_runtime.space.requests import (
     ChatRequest,
@@ -157,8 +160,8 @@ def test_an_unusable_gpu_build_serves_the_offline_demo_with_the_fix() -> None:
         ("draft_length", "3", "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got '3'"),
         ("draft_length", True, "draft_length must be 'auto' or an integer in 0..7 (0 = no draft), got True"),
         ("method", "eagle",
-         "method must be one of 'auto', 'dflash', 'dflash-tree', 'mtp', 'eagle3', 'draft-simple', 'ngram-mod', "
-         "'ngram-map-k', 'ngram-mod,dflash', got 'eagle'"),
+         "method must be one of 'auto', 'dflash', 'dflash-tree', 'dspark', 'mtp', 'eagle3', 'draft-simple', "
+         "'ngram-mod', 'ngram-map-k', 'ngram-simple', 'ngram-map-k4v', 'ngram-cache', 'ngram-mod,dflash', got 'eagle'"),
         ("top_k", -1, "top_k must be an integer in 0..1000 (0 = off), got -1"),
         ("min_p", 1.0, "min_p must be a number in [0.0, 0.99], got 1.0"),
         ("temperature", float("nan"), "temperature must be a number in [0.0, 2.0], got nan"),
@@ -479,7 +482,8 @@ def test_statistics_panel_plot_rows_and_ab_summary() -> None:
     assert "| 12.3 s |" in panel({**api, "gpu_seconds_requested": None})
     assert "| 2.00 = 1.00 accepted + 1 of the target's |" in text, "tokens per verify step, as the sum it is"
     summary = stats_summary(api)
-    assert "The draft wrote **2 of these 9 tokens** at **90.0 tok/s**" in summary
+    assert "**22 %** of these 9 tokens came from the draft, checked and kept by the main model; **90.0 tok/s**" \
+        in summary  # fmt: skip
     assert "Finished: length (max_tokens=9 reached)." in summary
     assert acceptance_rows(stats.to_dict()) == [
         {"position": "1", "acceptance": 0.5},
@@ -501,7 +505,7 @@ def test_statistics_panel_plot_rows_and_ab_summary() -> None:
     assert "**DFlash 2: slower than plain here, 0.50×**" in ab_markdown(slow, plain_30, identical=True)
     # Speed before the first decode step is not a number: the first token is the prefill's own sample.
     assert "… (DFlash 2 speculative: after a step)" in panel({**api, "decode_tok_s": None})
-    assert " at **" not in stats_summary({**api, "decode_tok_s": None})
+    assert "; speed after the first step," in stats_summary({**api, "decode_tok_s": None})
 
 
 def snapshots(steps: str, plain_ms: tuple[float, ...], verify_ms: tuple[float, ...] = (20.0,),
@@ -541,7 +545,7 @@ def test_the_live_speed_up_rests_on_timed_plain_steps_and_says_its_uncertainty()
         i for i, n in enumerate(tokens) if n >= 32 and "p" in steps[1 : i + 1] and steps[1 : i + 1].count("v") >= 8
     )
     assert first == ready, "shown from 32 tokens on, once a plain step and 8 verify steps are timed"
-    assert isinstance(shown[0], Pending) and "plain step" in shown[0].reason
+    assert isinstance(shown[0], Pending) and "one-token step" in shown[0].reason
     assert isinstance(shown[first], Estimate) and shown[first].plain_steps < 8, "before 8 plain steps are timed"
     final, stats = shown[-1], snapshots(steps, (9.0, 11.0))[-1]
     assert isinstance(final, Estimate) and final.plain_steps == 12, "the 5 mixed intervals are not timed"
@@ -554,16 +558,18 @@ def test_the_live_speed_up_rests_on_timed_plain_steps_and_says_its_uncertainty()
     # does not average away.
     assert final.margin == pytest.approx(final.ratio * 2 * (spread**2 * (1 / 12 + 1 / n) + 0.06**2) ** 0.5)
     summary, details = stats_summary(stats, final), panel(stats, final)
-    digits = 2 if final.margin < 0.1 else 1  # the figures the uncertainty leaves meaningful
-    ratio, margin = f"{final.ratio:.{digits}f}", f"{final.margin:.{digits}f}"
-    # The 5 mixed intervals' plain steps count in the table's 17, not in the 12 timed: the summary says both.
+    # The 5 mixed intervals' plain steps count in the table's 17, not in the 12 timed: the details say both; the
+    # summary says the estimate and its range in words (narrow enough here to be the figure).
     assert stats["plain_steps"] == 17 and "| **Plain steps**" in details and "| 17 |" in details
-    assert f"is running about **{ratio}× as fast** as without the draft (± {margin}, timed against 12 of its 17 " \
-           "plain steps, those timed with no verify step among them)" in summary  # fmt: skip
-    assert (f"≈ {final.ratio:.2f}× ± {final.margin:.2f}: {final.speed:.1f} against 100.0 tok/s, timed over 12 of "
-            "its 17 plain steps") in details  # fmt: skip
-    every = stats_summary({**stats, "plain_steps": 12}, final)
-    assert "timed against its 12 plain steps)" in every, "all of them timed: said as one count"
+    assert not too_wide(final) and final.ratio - final.margin > 1.05
+    digits = 2 if final.margin < 0.1 else 1  # the figures the uncertainty leaves meaningful
+    low, high = f"{final.ratio - final.margin:.{digits}f}", f"{final.ratio + final.margin:.{digits}f}"
+    assert f"**about {final.ratio:.{digits}f}× as fast** as the main model alone (estimate: {low}–{high}×)" in summary
+    assert "±" not in summary and "plain step" not in summary, "no term a newcomer cannot read"
+    assert (f"≈ {final.ratio:.2f}× ({low}–{high}×, about 95 %): {final.speed:.1f} against 100.0 tok/s, timed over 12 "
+            "of its 17 plain steps") in details  # fmt: skip
+    every = panel({**stats, "plain_steps": 12}, final)
+    assert "timed over its 12 plain steps" in every, "all of them timed: said as one count"
     assert "same engine, same load" in details, "what it compares, also when answers share the engine"
     # The same twelve plain steps in one run after the verify steps: only the first came alone.
     run = LiveSpeedUp()
@@ -580,7 +586,7 @@ def test_the_live_speed_up_rests_on_timed_plain_steps_and_says_its_uncertainty()
         fixed.add({**stats, "draft_length": 3})
     pending = fixed.current({**stats, "draft_length": 3})
     assert isinstance(pending, Pending) and "fixed draft length" in pending.reason
-    assert "no speed-up estimate yet: a fixed draft length" in stats_summary(stats, pending)
+    assert "not estimated (a fixed draft length takes no one-token step" in stats_summary(stats, pending)
 
 
 def plain_at(steps: tuple[int, ...], verify: int) -> str:
@@ -640,6 +646,108 @@ def test_a_stalled_plain_step_does_not_count_as_the_answers_plain_cost() -> None
         assert estimate.margin == pytest.approx(estimate.ratio * 2 * (sampled + 0.06**2) ** 0.5)
 
 
+def speculative_stats(n: int, accepted: int, finished: bool) -> dict[str, Any]:
+    stats = {**Stats(n_generated=n, accepted=accepted, drafted=accepted + 20, decode_ms=1000.0, method="dflash",
+                     draft_length="auto").to_dict()}  # fmt: skip
+    return {**stats, "finish_reason": "stopped", "finish_detail": "by you"} if finished else stats
+
+
+@pytest.mark.parametrize("done", [False, True])
+def test_the_summary_says_in_words_where_its_estimate_is_too_wide_and_never_contradicts_itself(done: bool) -> None:
+    """Every share the draft may have written, against every speed-up estimate, narrow or wide, below, about and
+    above 1×: no summary contradicts itself (tests/space_client.py: a figure only with a range narrow enough to be
+    it; most of the answer from the draft beside about 1× only with why); a range that holds 1 and is too wide says
+    "too early to tell" (the answer ended: "too uncertain to tell"), never a figure; no "±", no "plain steps". The
+    case seen after a Stop: 75 of 113 tokens from the draft, 1.0× ± 1.0."""
+    verdict = "too uncertain to tell" if done else "too early to tell"
+    for accepted in (0, 10, 57, 75, 110):
+        for ratio in (0.6, 0.97, 1.0, 1.02, 1.3, 2.0):
+            for relative in (0.02, 0.1, 0.2, 0.3, 1.0):
+                estimate = Estimate(ratio, ratio * relative, 50.0, 50.0 / ratio, 3)
+                summary = stats_summary(speculative_stats(113, accepted, done), estimate)
+                assert summary_contradiction(summary) is None, (summary_contradiction(summary), summary)
+                assert "±" not in summary and "plain step" not in summary, summary
+                if too_wide(estimate) and ratio * (1 - relative) <= 1.05 and ratio * (1 + relative) >= 0.95:
+                    assert f"**{verdict}**" in summary and "× as fast**" not in summary, summary
+    seen = stats_summary(speculative_stats(113, 75, True), Estimate(1.0, 1.0, 40.0, 40.0, 2))
+    assert "**66 %** of these 113 tokens came from the draft" in seen and "**too uncertain to tell**" in seen
+    assert summary_contradiction("**66 %** of these 113 tokens came from the draft; **about 1.0× as fast** as the "
+                                 "main model alone (estimate: 0.1–1.9×)") is not None, "the check finds the old case"
+    badge = speed_badge(speculative_stats(113, 75, True), Estimate(1.0, 1.0, 40.0, 40.0, 2))
+    assert badge == "DFlash 2 · 113 tok/s · 66 % from the draft · speed-up uncertain", badge
+    assert "≈ 1.30× as fast (1.26–1.34×)" in speed_badge(speculative_stats(113, 75, True),
+                                                          Estimate(1.3, 0.04, 40.0, 30.0, 9))  # fmt: skip
+    plain = {**Stats(n_generated=9, decode_ms=100.0, speculative=False).to_dict(), "finish_reason": "length"}
+    assert speed_badge(plain) == "plain decoding · 90 tok/s"
+
+
+def test_one_definition_of_the_mean_accepted_length() -> None:
+    """Tokens per verify step, the target's own one included; 1.0 where nothing was verified (every token the
+    target's own, one a step): the engine's statistics, the Space's resumed ones and the A/B table agree, so a method
+    that drafted nothing reads 1.00 everywhere, never 0.00 in one place and 1.00 in another."""
+    nothing = Stats(n_generated=9, decode_ms=100.0, method="ngram-mod")
+    assert nothing.mean_accepted_length == 1.0 and nothing.to_dict()["mean_accepted_length"] == 1.0
+    assert resumed_stats(nothing.to_dict(), nothing.to_dict())["mean_accepted_length"] == 1.0
+    drafted = Stats(n_generated=9, decode_ms=100.0, method="dflash")
+    drafted.record_verify(3, 2, 3)
+    assert drafted.mean_accepted_length == 3.0
+    assert resumed_stats(drafted.to_dict(), nothing.to_dict())["mean_accepted_length"] == 3.0
+    plain = {**Stats(n_generated=9, decode_ms=300.0, speculative=False).to_dict(), "finish_reason": "length"}
+    table = comparison_markdown({"ngram-mod": {**nothing.to_dict(), "finish_reason": "length"}}, plain,
+                                {"ngram-mod": True})  # fmt: skip
+    assert "| Plain | 9 | 30.0 | – | 1.00 |" in table and "| ngram-mod | 9 | 90.0 | – | 1.00 |" in table
+    assert "0.00" not in table
+
+
+def test_retry_edit_and_undo_take_back_turns_and_start_from_the_turns_before() -> None:
+    """The chat's retry, edit and undo as the session holds them: a turn taken back leaves no run, highlight or badge
+    behind; a new turn after the first `keep` messages follows exactly those."""
+    session = ChatSession()
+    for message in ("one", "two", "three"):
+        epoch, _ = session.start_turn(message)
+        session.show_reply(epoch, f"answer to {message}", [(3, "draft"), (7 + len(message), "target")], done=True)
+        session.end_reply(epoch, f"badge {message}")
+    assert session.user_turn(-1) == ("three", 4) and session.user_turn(1) == ("two", 2)
+    assert session.user_turn(3) is None and session.user_turn(-4) is None
+    _, keep = session.user_turn(1)  # an edit of "two": the turns before it stay
+    epoch, shown = session.start_turn("two, edited", keep=keep)
+    assert [m["content"] for m in session.messages] == ["one", "answer to one", "two, edited", ""]
+    assert set(session.sources) == {1, 3} and set(session.badges) == {1}, "nothing of the turns taken back"
+    assert "badge one" in shown[1]["content"] and shown[3] == {"role": "assistant", "content": ""}
+    session.show_reply(epoch, "new answer", [(10, "target")], done=True)
+    message, keep = session.user_turn(-1)  # a retry: the same message after the same turns
+    session.start_turn(message, keep=keep)
+    assert [m["content"] for m in session.messages] == ["one", "answer to one", "two, edited", ""]
+    assert session.take_back(0) == [] and session.messages == [] and not session.badges  # an undo of the first turn
+
+
+def test_the_ab_chart_and_the_texts_side_by_side() -> None:
+    plain = {**Stats(n_generated=9, decode_ms=300.0, speculative=False).to_dict(), "finish_reason": "length"}
+    fast = {**Stats(n_generated=9, decode_ms=100.0, method="dflash").to_dict(), "finish_reason": "length"}
+    running = Stats(n_generated=4, decode_ms=100.0, method="mtp").to_dict()
+    assert speed_up_rows({"DFlash 2": fast, "MTP": running}, plain) == [
+        {"method": "Plain", "speed-up": 1.0}, {"method": "DFlash 2", "speed-up": 3.0}]  # fmt: skip
+    assert speed_up_rows({"DFlash 2": fast}, None) == [] and speed_up_rows({"MTP": running}, plain) == []
+    html = texts_side_by_side({"Plain": "a <b> text", "DFlash 2": "a <b> text", "MTP": "a <b> test"})
+    assert html.count('class="ab-text"') == 3 and 'class="ab-body">a &lt;b&gt; text</div>' in html, "escaped"
+    assert "DFlash 2</b> · the same text" in html and "MTP</b> · differs from character 9" in html
+    assert "a &lt;b&gt; te<mark>st</mark>" in html and texts_side_by_side({}) == ""
+
+
+def test_the_ab_compares_the_registrys_few_unless_the_visitor_picks_up_to_four() -> None:
+    runs = ["dflash", "mtp", "ngram-mod", "ngram-map-k", "ngram-simple", "ngram-map-k4v", "ngram-cache",
+            "ngram-mod,dflash"]  # fmt: skip
+    assert ab_picked(runs, None) == ["dflash", "mtp", "ngram-mod", "ngram-map-k"]  # the first AB_MOST compared
+    assert ab_picked(runs[2:], []) == ["ngram-mod", "ngram-map-k", "ngram-mod,dflash"]
+    assert ab_picked(runs, ["ngram-cache", "dflash", "ngram-cache"]) == ["dflash", "ngram-cache"], "the menu's order"
+    with pytest.raises(RequestError, match="at most 4 methods"):
+        ab_picked(runs, runs[:AB_MOST + 1])
+    with pytest.raises(RequestError, match="cannot compare eagle3: the pair runs dflash, mtp"):
+        ab_picked(runs, ["eagle3"])
+    with pytest.raises(RequestError, match="must be a list of method names"):
+        ab_picked(runs, [3])  # type: ignore[list-item]
+
+
 def test_the_panel_counts_add_up_as_shown() -> None:
     """Tokens = the draft's accepted ones + the target's own (one after the prompt, one per verify step, one per
     plain step); tokens per verify step = accepted per step + the target's one; prompt = reused + read now."""
@@ -659,7 +767,8 @@ def test_the_panel_counts_add_up_as_shown() -> None:
     plain = {**Stats(n_generated=5, decode_ms=50.0, verify_ms=40.0, plain_ms=40.0, speculative=False,
                      plain_steps=4).to_dict(), "decode_tok_s": 80.0}  # fmt: skip
     assert "vs plain" not in panel(plain) and "Acceptance" not in panel(plain)
-    assert "Plain decoding: **5 tokens** at **80.0 tok/s**, one step of the target each" in stats_summary(plain)
+    assert "Plain decoding, without a draft: **5 tokens**, one step of the main model each; **80.0 tok/s**." \
+        in stats_summary(plain)  # fmt: skip
 
 
 def test_server_paths_are_cut_to_file_names() -> None:

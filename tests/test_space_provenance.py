@@ -1,20 +1,21 @@
 """The draft made visible, without a server: the runs a reply accumulates (also across chunks a slow reader skips),
-the highlighted reply HTML (escaped, a prefix of itself as it grows, thinking still folded by the real Chatbot), the
-session that shows it or not, the speed chart's points (taken by work done) and the A/B verdict's wording."""
+the highlighted reply (its Markdown as written, whole words marked where the draft wrote most of them, nothing marked
+where a mark would break the Markdown, a prefix of itself as it grows, thinking still folded by the real Chatbot),
+the session that shows it or not, the speed chart's points (taken by work done) and the A/B verdict's wording."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 from collections.abc import Iterator
-from html.parser import HTMLParser
 
 import gradio as gr
 import pytest
 
 from dflash_runtime.space.gpu_job import ReplyChunk
-from dflash_runtime.space.page.highlight import DRAFT_CLASS, ReplyView, reply_html
+from dflash_runtime.space.page.highlight import BADGE_CLASS, DRAFT_CLASS, ReplyView, reply_markdown, with_badge
 from dflash_runtime.space.page.session import ChatSession
 from dflash_runtime.space.page.speedup import ACCEPTANCE, SPEED, SpeedTrace
 from dflash_runtime.space.page.views import ab_markdown, ab_verdict
@@ -24,44 +25,6 @@ from dflash_runtime.space.web.jobs import ReplyJob
 from dflash_runtime.stats import Stats
 
 TIMEOUT_S = 30.0
-NASTY = 'a <script>alert("x")</script> & b\n\n$$x^2$$ \'q\' <think> **bold**\n```code```'
-
-
-class Shown(HTMLParser):
-    """What a browser shows of the HTML: all text (`<br>` as a line break), the draft-marked text, and the tags."""
-
-    def __init__(self) -> None:
-        super().__init__(convert_charrefs=True)
-        self.text, self.draft, self.tags = "", "", []
-        self._in_draft = 0
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        self.tags.append(tag)
-        if tag == "br":
-            self._add("\n")
-        if tag == "span" and tuple(v for k, v in attrs if k == "class") == (DRAFT_CLASS,):
-            self._in_draft += 1
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag == "span":
-            self._in_draft -= 1
-
-    def handle_data(self, data: str) -> None:
-        self._add(data)
-
-    def _add(self, text: str) -> None:
-        self.text += text
-        if self._in_draft:
-            self.draft += text
-
-
-def shown(html: str) -> Shown:
-    parser = Shown()
-    parser.feed(html)
-    parser.close()
-    return parser
-
-
 def random_runs(text: str, rng: random.Random) -> list[tuple[int, str]]:
     runs, offset = [], 0
     while offset < len(text):
@@ -120,51 +83,100 @@ def test_a_reader_that_skips_chunks_keeps_every_run() -> None:
     assert taken[-1].stats == {"n_generated": 40}
 
 
-def test_reply_html_escapes_everything_and_marks_exactly_the_draft_text() -> None:
-    rng = random.Random(7)
-    for _ in range(50):
-        text = "".join(rng.choice([*NASTY, "é", "\n"]) for _ in range(rng.randint(1, 80)))
+OPEN, CLOSE = f'<span class="{DRAFT_CLASS}">', "</span>"
+MARK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "it's", "état", "42", "v1.2",
+         "https://example.org/x"]  # fmt: skip
+MARKDOWN = ["**bold**", "_em_", "`code`", "``a b``", "$$x^2$$", "<b>", "</b>", "snake_case", "a|b", "[link](u)",
+            "&amp;", "\\*", "~~gone~~", "(aside)", '"quoted"']  # fmt: skip
+LINE_STARTS = ["", "", "", "- ", "1. ", "# ", "> ", "    ", "```\n", "| "]
+
+
+def unmarked(markdown: str) -> str:
+    return MARK.sub(lambda m: m.group(1), markdown)
+
+
+def majority(text: str, runs: list[tuple[int, str]], start: int, end: int) -> bool:
+    """Whether the draft wrote more than half of text[start:end]."""
+    flags = "".join(("d" if source == "draft" else "t") * n for n, source in runs)
+    return 2 * flags[start:end].count("d") > end - start
+
+
+def random_answer(rng: random.Random, lines: int = 12) -> str:
+    out = []
+    for _ in range(lines):
+        words = [rng.choice(WORDS if rng.random() < 0.7 else MARKDOWN) for _ in range(rng.randint(0, 8))]
+        out.append(rng.choice(LINE_STARTS) + " ".join(words))
+    return rng.choice(["\n", "\n\n"]).join(out)
+
+
+def test_the_highlight_marks_whole_words_and_adds_nothing_else() -> None:
+    """On answers of words and Markdown, with random runs: taking the marks away gives the text back exactly (the
+    chat renders the same Markdown with the highlight on or off); every mark holds a whole word's letters (never
+    part of a word: no "d|og") that the draft wrote most of; a sentence of plain words has every such word marked."""
+    rng = random.Random(11)
+    for _ in range(60):
+        text = random_answer(rng)
         runs = random_runs(text, rng)
-        html = reply_html(text, runs)
-        view = shown(html)
-        assert view.text == text
-        assert view.draft == draft_text(text, runs)
-        assert set(view.tags) <= {"div", "span", "br"}, "the only markup is ours"
-        assert "$" not in html and "\n" not in html, "no LaTeX delimiter, no blank line that ends the HTML block"
+        markdown = reply_markdown(text, runs)
+        assert unmarked(markdown) == text
+        offset = 0  # where each mark's word sits in the text: the marks only add characters
+        for mark in MARK.finditer(markdown):
+            start = mark.start() - offset
+            word = mark.group(1)
+            end = start + len(word)
+            offset += len(OPEN) + len(CLOSE)
+            before, after = text[start - 1 : start], text[end : end + 1]
+            assert not (before.isalnum() or after.isalnum()), f"a mark inside a word: {text[start - 3 : end + 3]!r}"
+            assert majority(text, runs, start, end), f"{word!r} is marked, the draft wrote less than half of it"
+            assert not set(word) & set("*_`$<>[]|\\~"), f"Markdown syntax inside a mark: {word!r}"
+    sentence = "the quick brown fox jumps over the lazy dog"
+    runs = random_runs(sentence, rng)
+    words = [(m.start(), m.end()) for m in re.finditer(r"\S+", sentence)]
+    expected = [sentence[a:b] for a, b in words if majority(sentence, runs, a, b)]
+    assert [m.group(1) for m in MARK.finditer(reply_markdown(sentence, runs))] == expected
 
 
-def test_a_growing_reply_renders_as_a_growing_prefix() -> None:
-    """What the page received stays a prefix of what it receives next, so Gradio streams only the new part."""
-    rng = random.Random(3)
-    text = NASTY * 3
-    runs = random_runs(text, rng)
-    previous, covered, sent = "", 0, []
-    for n, source in runs:
-        sent.append((n, source))
-        covered += n
-        html = reply_html(text[:covered], sent)
-        assert html.startswith(previous)
-        previous = html
+def test_the_highlight_leaves_code_formulas_and_markup_unmarked() -> None:
+    """A mark where Markdown would show it as text (code, a formula) or read it as something else (a tag's
+    attribute, a list's number, a table's cell separator) breaks the answer: there the words stay unmarked, though
+    the draft wrote all of them; around it, words are marked."""
+    text = ("1. first point\n\n```python\nprint('drafted code')\n```\n\nsee `drafted code` and $$drafted x$$ and "
+            '<a title="drafted words">link</a> **bold words**\n\n    indented code line\n\n| cell | other |\n|---|---|')
+    markdown = reply_markdown(text, [(len(text), "draft")])
+    marked = [m.group(1) for m in MARK.finditer(markdown)]
+    assert "1." not in marked and "first" in marked and "point" in marked
+    for unmarked_word in ("print('drafted", "drafted", "code", "code`", "x$$", 'title="drafted', "words\">link</a>",
+                          "indented", "line", "|---|---|"):  # fmt: skip
+        assert unmarked_word not in marked, unmarked_word
+    assert "see" in marked and "and" in marked and "bold" in marked and "words" in marked and "cell" in marked
+    assert f"**{OPEN}bold{CLOSE} {OPEN}words{CLOSE}**" in markdown, "emphasis stays outside the marks"
+    assert "```python\nprint('drafted code')\n```" in markdown and "`drafted code`" in markdown
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_the_incremental_view_renders_what_a_whole_render_does(seed: int) -> None:
-    """Step by step, with thinking tags that open, close (also split across steps) or only look like one: the view
-    that appends each step's runs gives the HTML of the whole reply at every step."""
+def test_a_growing_reply_renders_as_a_growing_prefix_and_ends_as_the_whole(seed: int) -> None:
+    """Step by step, with thinking tags that open, close (also split across steps) or only look like one: what the
+    page received stays a prefix of what it receives next (Gradio streams only the new part), each step's Markdown
+    is that of the whole reply so far (whose last word waits until it is whole), and the ended reply's is the whole
+    reply's."""
     rng = random.Random(seed)
-    pieces = ["<think>", "\n", "let me see", "</think>", "</th", "ink>", "<thi", " answer & <b>", "$x$", "é", "\n\n"]
+    pieces = ["<think>", "\n", "let me see", "</think>", "</th", "ink>", "<thi", " answer & <b>", "$x$", "é", "\n\n",
+              " the quick", " brown fox", "`x`"]  # fmt: skip
     text = ("  " if seed % 2 else "") + "".join(rng.choice(pieces) for _ in range(40))
     runs = random_runs(text, rng)
-    view, covered, sent, appended = ReplyView(), 0, [], 0
+    view, covered, sent, appended, previous = ReplyView(), 0, [], 0, ""
     while sent != runs:
         step = runs[len(sent) : len(sent) + rng.randint(1, 4)]
         sent += step
         covered += sum(n for n, _ in step)
-        before = view.html
-        html = view.update(text[:covered], sent, step)
-        assert html == reply_html(text[:covered], sent), f"after {covered} characters"
-        appended += bool(before) and html.startswith(before)
+        markdown = view.update(text[:covered], step)
+        assert markdown == reply_markdown(text[:covered], sent, done=False), f"after {covered} characters"
+        appended += bool(previous) and markdown.startswith(previous)
+        previous = markdown
     assert appended > len(runs) // 8, "most steps append"
+    assert view.update(text, [], done=True) == reply_markdown(text, runs)
+    assert unmarked(reply_markdown(text, runs)) == text
 
 
 def test_a_long_answer_renders_each_step_in_time_that_does_not_grow_with_it() -> None:
@@ -189,14 +201,15 @@ def test_thinking_stays_folded_by_the_chat_and_is_highlighted_inside() -> None:
     thinking, answer = "<think>\nlet me see. the draft wrote this", "</think>\n\nthe answer & more"
     text = thinking + answer
     runs = [(len("<think>\n"), "target"), (len("let me see. "), "target"), (len("the draft wrote this"), "draft"),
-            (len(answer) - 6, "target"), (6, "draft")]  # fmt: skip
+            (len(answer) - 4, "target"), (4, "draft")]  # fmt: skip
     chatbot = gr.Chatbot(reasoning_tags=[("<think>", "</think>")])
-    messages = chatbot.postprocess([{"role": "assistant", "content": reply_html(text, runs)}]).root
+    messages = chatbot.postprocess([{"role": "assistant", "content": reply_markdown(text, runs)}]).root
     assert [(m.metadata or {}).get("title") for m in messages] == ["Reasoning", None]
-    folded, prose = (shown(m.content[0].text) for m in messages)
-    assert folded.text.strip() == "let me see. the draft wrote this" and folded.draft == "the draft wrote this"
-    assert prose.text.strip() == "the answer & more" and prose.draft == "& more"
-    still_thinking = chatbot.postprocess([{"role": "assistant", "content": reply_html(thinking, runs[:3])}]).root
+    folded, prose = (m.content[0].text for m in messages)
+    assert unmarked(folded).strip() == "let me see. the draft wrote this"
+    assert unmarked(prose).strip() == "the answer & more"
+    assert MARK.findall(folded) == ["the", "draft", "wrote", "this"] and MARK.findall(prose) == ["more"]
+    still_thinking = chatbot.postprocess([{"role": "assistant", "content": reply_markdown(thinking, runs[:3])}]).root
     assert len(still_thinking) == 1 and (still_thinking[0].metadata or {}).get("status") == "pending"
 
 
@@ -204,12 +217,15 @@ def test_the_session_keeps_plain_text_and_shows_it_highlighted_or_not() -> None:
     session = ChatSession()
     epoch, _ = session.start_turn("hi <b>")
     runs = [(4, "target"), (5, "draft"), (2, "target")]
-    shown_now = session.show_reply(epoch, "one <two> 3", runs)
+    shown_now = session.show_reply(epoch, "one **two** 3", runs, done=True)
     assert shown_now is not None and shown_now[0]["content"] == "hi <b>", "visitors' messages stay as they are"
-    assert f'<span class="{DRAFT_CLASS}">&lt;two&gt;</span>' in shown_now[1]["content"]
-    assert session.messages[1]["content"] == "one <two> 3", "the history sent back is the plain text"
+    assert f"**{OPEN}two{CLOSE}** 3" in shown_now[1]["content"]
+    assert session.messages[1]["content"] == "one **two** 3", "the history sent back is the plain text"
+    ended = session.end_reply(epoch, "DFlash 2 · 50 tok/s")
+    assert ended is not None and ended[1]["content"].endswith(f'<span class="{BADGE_CLASS}">DFlash 2 · 50 tok/s</span>')
+    assert session.messages[1]["content"] == "one **two** 3", "the badge is shown, never sent back"
     plain = session.set_highlight(False)
-    assert plain == session.messages and DRAFT_CLASS not in str(plain)
+    assert plain[1]["content"] == with_badge("one **two** 3", "DFlash 2 · 50 tok/s") and DRAFT_CLASS not in str(plain)
     assert DRAFT_CLASS in str(session.set_highlight(True))
     assert session.last_prompt() == ("hi <b>", [])
     epoch, _ = session.start_turn("again")

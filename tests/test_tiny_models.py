@@ -41,7 +41,7 @@ from dflash_runtime.testing.heads import (
 from dflash_runtime.testing.tokenizer import ENDOFTEXT, IM_END, IM_START, MASK, THINK_OPEN, TokenType, build_vocab
 from dflash_runtime.testing.writers import SPEC_KEY
 
-COMBOS = [(target, draft) for target in ("dense", "hybrid") for draft in ("dflash2", "dflash1")]
+COMBOS = [(target, draft) for target in ("dense", "hybrid") for draft in ("dflash2", "dflash1", "dspark")]
 TARGET_ARCH = {"dense": "qwen3", "hybrid": "qwen35"}
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 SELECTOR_TENSORS = ("selector_predecessor.weight", "selector_successor.weight", "selector_hidden.weight")
@@ -167,6 +167,10 @@ def test_invalid_parameters_are_refused(tmp_path: Path) -> None:
         tiny_pair(block_size=1, cache_dir=tmp_path)
     with pytest.raises(ValueError, match="selector_top_k"):
         tiny_pair(n_embd=32, cache_dir=tmp_path, selector_top_k=6)
+    with pytest.raises(ValueError, match=r"\['confidence_head'\] shape a dspark draft, not 'dflash2'"):
+        tiny_pair(cache_dir=tmp_path, confidence_head=True)
+    with pytest.raises(ValueError, match="markov_rank"):
+        tiny_pair("dense", "dspark", cache_dir=tmp_path, markov_rank=0)
     assert list(tmp_path.iterdir()) == []
 
 

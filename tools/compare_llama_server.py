@@ -5,26 +5,39 @@ For each generated tiny pair (target × draft × head) and each fixed draft leng
 token ids to /completion at temperature 0, and runs the same request through `load_pair(...).generate(...)`.
 Draft `mtp` is the hybrid target's own MTP (nextn) block, no draft file: the server runs `--spec-type draft-mtp` on
 the generated hybrid target with `mtp_layers=1`, the engine `load_pair(target, None)` with `method="mtp"`.
-Drafts `ngram-mod` and `ngram-map-k` are llama.cpp's n-gram self-speculation on the target alone (`--spec-type
-ngram-mod` / `ngram-map-k`, the key length `--ngram-n`, the draft length n as `--spec-ngram-mod-n-max` /
-`--spec-ngram-map-k-size-m`; the engine the same method with the same options). The server keeps its n-gram tables
-for as long as it runs, the engine rebuilds them from each request's tokens: the server is started afresh for
-every prompt of these drafts.
+Drafts `ngram-mod`, `ngram-map-k`, `ngram-simple` and `ngram-map-k4v` are llama.cpp's n-gram self-speculation on
+the target alone (`--spec-type T`, the key length `--ngram-n` and the draft length n as its
+`--spec-T-{n-match,size-n}` and `--spec-T-{n-max,size-m}`, ngram-map-k4v's `--ngram-min-hits`; the engine the same
+method with the same options). Drafts `ngram-cache`, `ngram-cache-static` and `ngram-cache-dynamic` are its lookup
+decoding (`--spec-type ngram-cache`): with no file; with a static file `-lcs` that `llama-lookup-create` (beside the
+server, or `--lookup-create-bin`) makes of `--lookup-corpus`, the engine reading the same file; and with a dynamic
+file carried across two requests of each prompt: the engine answers the prompt twice, its second answer drafting from
+what the first taught it, and the server answers the second with `-lcd` the file another engine wrote after the same
+first request (the server reads that file and never writes it; the engine writes it when it closes). The server's
+ngram-cache drafts 8 tokens whatever `--spec-draft-n-max` says (common/speculative.cpp: create_state_ngram_cache), so
+these rows take draft lengths of 8 and more, which all give 8. The server keeps its n-gram tables for as long as it
+runs, the engine rebuilds them from each request's tokens: the server is started afresh for every prompt of these
+drafts.
 Draft `draft-simple` is a small model of the target's vocabulary (the generator's `tiny_draft_model`: a dense
 model of the target's head and seed; `draft-simple-hybrid`: a hybrid one, as a Qwen3.5 target's small sibling, whose
 counts differ for the same reason as below): the server runs `-md DRAFT --spec-type draft-simple`, the engine
 `load_pair(target, DRAFT)` with `method="draft-simple"`, the same n-max, n-min and p-min.
 Draft `eagle3` is the generator's EAGLE-3 draft of the target: the server runs `-md DRAFT --spec-type draft-eagle3`,
 the engine `load_pair(target, DRAFT)` with `method="eagle3"`.
-On a hybrid target the server's `draft-simple` counts differ by design, the tokens not: llama-server classifies a
-hybrid memory for `draft-simple` as cut-only-whole (`need_n_rs_seq()` in common/common.h keeps recurrent states per
-draft position for MTP, EAGLE3 and DFlash only), so after a partly accepted draft it loads its context checkpoint
-and replays the accepted tokens and the correction in a step of their own (tools/server/server-context.cpp:
+Drafts `dspark` and `dspark-conf` are the generator's DSpark drafts (a DFlash draft with a Markov head; `dspark-conf`
+with a confidence head too): the server runs `-md DRAFT --spec-type draft-dspark`, the engine `method="dspark"`. The
+`dspark-conf` rows run at `--confidence-p-min` (default 0.5), so that the confidence head cuts drafts; the `dspark`
+rows at `--p-min` (the server refuses a p-min above 0 for a draft without a confidence head).
+On a hybrid target the server's `draft-simple` and n-gram counts differ by design, the tokens not: llama-server
+classifies a hybrid memory for these as cut-only-whole (`need_n_rs_seq()` in common/common.h keeps recurrent states
+per draft position for MTP, EAGLE3, DFlash and DSpark only), so after a partly accepted draft it loads its context
+checkpoint and replays the accepted tokens and the correction in a step of their own (tools/server/server-context.cpp:
 `slot.spec_is_replay`, `spec_draft` kept, `pre_decode` leaves such a slot out of `drafting`). That step drafts
 nothing, so the server drafts only after a fully accepted step or a replay: about every other step where most drafts
-are cut short (297 drafted in 101 steps against the engine's 590 in 180 on one such run). The engine puts the
-recurrent state back within the step (checkpoints, see docs/how-it-works.md) and drafts at every step; the rows
-compare tokens there, and counts on dense targets.
+are cut short (297 drafted in 101 steps against the engine's 590 in 180 on one such run); the replayed step also
+tells the n-gram tables another acceptance (ngram-map-k's and k4v's next draft length), and the lookup decoding's
+context cache counts other stretches. The engine puts the recurrent state back within the step (checkpoints, see
+docs/how-it-works.md) and drafts at every step; the rows compare tokens there, and counts on dense targets.
 `--server-only` runs the server side alone and prints its acceptance (for an engine without that method).
 Both must emit the same tokens and text, and count the same drafted tokens, accepted tokens and verify steps
 (the server's `timings.draft_n`, `timings.draft_n_accepted` and its `spec_decode_num_drafts_total` metric).
@@ -37,29 +50,24 @@ streams; every stream's tokens must equal the server's for that prompt and the e
 aggregate tok/s of both (all streams' tokens / the wall time from the first request sent to the last answer; the
 median of `--rounds` rounds, the engine's and the server's alternating) as a markdown table; `--json PATH` keeps
 every figure, the server's own per-request `timings` (prompt_ms, predicted_ms, predicted_per_second, per slot) and
-its `n_decode_total` included. The model drafts only (DFlash, MTP, draft-simple, EAGLE-3).
+its `n_decode_total` included. The model drafts only (DFlash, MTP, draft-simple, EAGLE-3, DSpark).
 
 Requests must end before the context does: there llama-server stops one cell early (it keeps room for a context
 shift) and drops the accepted tokens of a step that reaches that cell, while the engine fills the context.
 
     python tools/compare_llama_server.py --server-bin /path/to/llama-server [--targets dense,hybrid]
-        [--drafts dflash2,dflash1,mtp,draft-simple,eagle3,ngram-mod,ngram-map-k] [--heads shaped,regime] [--n-max 3,7]
-        [--max-tokens 48] [--n-embd 128] [--n-ctx 512] [--ngram-n 3] [--server-only] [--parallel N] [--scaling 1,2,4,8]
-        [--rounds 3] [--json PATH]
+        [--drafts dflash2,dflash1,mtp,draft-simple,eagle3,dspark,dspark-conf,ngram-mod,ngram-map-k,ngram-simple,
+                  ngram-map-k4v,ngram-cache,ngram-cache-static,ngram-cache-dynamic] [--heads shaped,regime]
+        [--n-max 3,7] [--confidence-p-min 0.5] [--max-tokens 48] [--n-embd 128] [--n-ctx 512] [--ngram-n 3]
+        [--ngram-min-hits 1] [--lookup-corpus TEXT] [--lookup-create-bin PATH] [--server-only] [--parallel N]
+        [--scaling 1,2,4,8] [--rounds 3] [--json PATH]
 
 Exits 1 on any mismatch, 2 on a usage error or when llama-server fails.
 
-Building llama-server from the vendored tree, with the wheel recipe's CPU kernels (S = the unpacked sdist the wheel was
-built from, `tar -xzf llama_cpp_python-0.3.36.tar.gz`, since the wheel recipe removes its build tree; -j as the
-machine allows):
+Building llama-server (and llama-lookup-create, llama-lookup-merge) from the vendored tree, with the wheel recipe's
+CPU kernels, from the sdist the wheel recipe keeps (as CI does; skipped when OUT holds this configuration's build):
 
-    python -c "import sys; sys.path.insert(0, 'prebuilt_wheels'); import build_wheel as b; from pathlib import Path; \
-        b.patch_cpu_kernels(Path(sys.argv[1]))" $S                # llamafile's sgemm for every row count
-    cmake -S $S/vendor/llama.cpp -B build-server -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF \
-        -DCMAKE_BUILD_TYPE=Release -DGGML_LLAMAFILE=ON -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON \
-        -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
-    cmake --build build-server --target llama-server -j2      # -> build-server/bin/llama-server
+    python tools/build_llama_server.py --out-dir OUT --jobs 2          # -> OUT/llama-server, OUT/llama-lookup-create
 
 These give the server the CPU kernels of the wheel recipe's CPU build (prebuilt_wheels/build_wheel.py, see
 docs/numerics.md), and the server runs with `-fa off` as the engine opens a CPU target, so that both sides compute the
@@ -74,6 +82,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import inspect
 import json
 import os
@@ -95,7 +104,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file fr
 from dflash_runtime import load_pair
 from dflash_runtime.bench_concurrency import distinct_prompts, run_streams
 from dflash_runtime.engine import Engine
-from dflash_runtime.pair import LinkedPair
+from dflash_runtime.pair import LinkedPair, PairOptions
+from dflash_runtime.testing.heads import PHRASE
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_draft_model, tiny_pair
 
 PROMPTS = (
@@ -113,8 +123,18 @@ DRAFT_SIMPLE = "draft-simple"  # a small model of the target's vocabulary
 DRAFT_SIMPLE_HYBRID = "draft-simple-hybrid"  # the same method with a small hybrid (qwen35) model as the draft
 DRAFT_MODELS = {DRAFT_SIMPLE: "dense", DRAFT_SIMPLE_HYBRID: "hybrid"}  # draft-simple's rows: the draft model's kind
 EAGLE3 = "eagle3"  # a one-layer draft reading three target layers (the server's draft-eagle3)
-NGRAMS = ("ngram-mod", "ngram-map-k")  # no draft file: the sequence drafts itself
-NGRAM_KEY = {"ngram-mod": "n_match", "ngram-map-k": "size_n"}  # the key length's engine option
+# DSpark drafts (the server's draft-dspark): the generator's overrides of each row kind
+DSPARK_DRAFTS: dict[str, dict[str, Any]] = {"dspark": {}, "dspark-conf": {"confidence_head": True}}
+DSPARK = "dspark"
+# No draft file, the sequence drafts itself: each method's engine options for the key length and the draft length,
+# which are also its llama-server flags (--spec-<method>-<option, dashed>).
+NGRAM_SIZES = {"ngram-mod": ("n_match", "n_max"), "ngram-map-k": ("size_n", "size_m"),
+               "ngram-simple": ("size_n", "size_m"), "ngram-map-k4v": ("size_n", "size_m")}
+NGRAMS = tuple(NGRAM_SIZES)
+# Lookup decoding (--spec-type ngram-cache): without files, with a static file (-lcs), with a dynamic one (-lcd).
+NGRAM_CACHE, LOOKUP_STATIC, LOOKUP_DYNAMIC = "ngram-cache", "ngram-cache-static", "ngram-cache-dynamic"
+NGRAM_CACHES = (NGRAM_CACHE, LOOKUP_STATIC, LOOKUP_DYNAMIC)
+LOOKUP_DRAFT = 8  # llama-server's ngram-cache drafts this many tokens, whatever --spec-draft-n-max
 
 
 @dataclass(frozen=True)
@@ -138,10 +158,12 @@ class Row:
 
     @property
     def compared(self) -> tuple[str, ...]:
-        """What must be equal: everything, but the counts of draft-simple on a hybrid target (the server replays a
-        cut-short draft in a step that drafts nothing: see the module doc)."""
+        """What must be equal: everything, but the counts of draft-simple and the n-gram drafts where a hybrid model
+        is drafted for (the server replays a cut-short draft in a step that drafts nothing: see the module doc)."""
         target, draft = self.pair.split("/")[:2]
         if draft in DRAFT_MODELS and (target == "hybrid" or DRAFT_MODELS[draft] == "hybrid"):
+            return ("tokens", "text")
+        if draft in (*NGRAMS, *NGRAM_CACHES) and target == "hybrid":
             return ("tokens", "text")
         return ("tokens", "text", "drafted", "accepted", "verify_steps")
 
@@ -257,19 +279,31 @@ def _free_port() -> int:
 
 def spec_args(args: argparse.Namespace, kind: str, draft: Path | None, n_max: int) -> list[str]:
     """llama-server's --spec-type and its settings for a draft kind (see the module doc)."""
-    if kind == "ngram-mod":
-        return ["--spec-type", kind, "--spec-ngram-mod-n-match", str(args.ngram_n), "--spec-ngram-mod-n-max",
-                str(n_max), "--spec-ngram-mod-n-min", str(args.n_min)]
-    if kind == "ngram-map-k":
-        return ["--spec-type", kind, "--spec-ngram-map-k-size-n", str(args.ngram_n), "--spec-ngram-map-k-size-m",
-                str(n_max)]
+    if kind in NGRAMS:
+        flags = [[f"--spec-{kind}-{name.replace('_', '-')}", str(value)]
+                 for name, value in ngram_options(args, kind, n_max).items()]
+        return ["--spec-type", kind, *(part for flag in flags for part in flag)]
+    if kind in NGRAM_CACHES:  # `draft`: its lookup file
+        files = [] if draft is None else ["-lcs" if kind == LOOKUP_STATIC else "-lcd", str(draft)]
+        return ["--spec-type", NGRAM_CACHE, *files]
     if kind in DRAFT_MODELS:
         assert draft is not None
         return ["-md", str(draft), "--spec-type", DRAFT_SIMPLE]
     if kind == EAGLE3:
         assert draft is not None
         return ["-md", str(draft), "--spec-type", "draft-eagle3"]
+    if kind in DSPARK_DRAFTS:
+        assert draft is not None
+        return ["-md", str(draft), "--spec-type", "draft-dspark"]
     return ["--spec-type", "draft-mtp"] if draft is None else ["-md", str(draft), "--spec-type", "draft-dflash"]
+
+
+def ngram_options(args: argparse.Namespace, kind: str, n_max: int) -> dict[str, int]:
+    """An n-gram method's engine options (and llama-server's flags): the key length, the draft length, and ngram-mod's
+    n_min or ngram-map-k4v's min_hits."""
+    key, length = NGRAM_SIZES[kind]
+    extra = {"ngram-mod": {"n_min": args.n_min}, "ngram-map-k4v": {"min_hits": args.ngram_min_hits}}.get(kind, {})
+    return {key: args.ngram_n, length: n_max, **extra}
 
 
 @contextlib.contextmanager
@@ -279,7 +313,8 @@ def running_server(
     spec = spec_args(args, kind, draft, n_max)
     argv = [
         "-m", str(target), *spec,
-        "--spec-draft-n-max", str(n_max), "--spec-draft-n-min", str(args.n_min), "--spec-draft-p-min", str(args.p_min),
+        "--spec-draft-n-max", str(n_max), "--spec-draft-n-min", str(args.n_min),
+        "--spec-draft-p-min", str(p_min_of(args, kind)),
         # -c is shared by the slots (a cache split per slot): each gets n_ctx cells, as each engine sequence does
         "-c", str(args.n_ctx * n_parallel), "-np", str(n_parallel), "-t", str(args.threads), "-ngl", "0",
         "--spec-draft-ngl", "0", "--metrics", "--no-warmup", "--no-webui",
@@ -295,12 +330,32 @@ def running_server(
         server.stop()
 
 
-def generated_pair(args: argparse.Namespace, target: str, draft: str | None, head: str, **extra: int) -> TinyPair:
+def p_min_of(args: argparse.Namespace, kind: str) -> float:
+    """The p-min of a row kind: `--confidence-p-min` where a DSpark draft's confidence head cuts drafts."""
+    return args.confidence_p_min if DSPARK_DRAFTS.get(kind, {}).get("confidence_head") else args.p_min
+
+
+def engine_method(draft: str) -> str:
+    """The engine's method for a row kind."""
+    if draft in DRAFT_MODELS:
+        return DRAFT_SIMPLE
+    if draft in DSPARK_DRAFTS:
+        return DSPARK
+    return draft if draft in (MTP, EAGLE3, *NGRAMS, NGRAM_CACHE) else "dflash"
+
+
+def generated_pair(args: argparse.Namespace, target: str, draft: str | None, head: str, **extra: Any) -> TinyPair:
     """The generated pair of a row: the tiny sizes, or from --n-embd 256 up the benchmarks' Qwen-like scaled ones;
     draft-simple: the target and a small model of its vocabulary as the draft."""
+    if draft == DRAFT_SIMPLE_HYBRID and target == "dense":
+        raise UsageError(f"{draft} on a dense target: llama-server aborts at the first partly accepted draft (it cuts "
+                         "the rejected cells from the recurrent draft's context, which keeps no snapshot for "
+                         "draft-simple): compare it on the hybrid target")
     if draft in DRAFT_MODELS:
         alone = generated_pair(args, target, None, head, **extra)
         return replace(alone, draft=tiny_draft_model(alone, kind=DRAFT_MODELS[draft]), draft_kind=DRAFT_SIMPLE)
+    if draft in DSPARK_DRAFTS:
+        draft, extra = DSPARK, {**DSPARK_DRAFTS[draft], **extra}
     return tiny_pair(target, draft, head=head, n_embd=args.n_embd, dims="scaled" if args.n_embd >= 256 else "tiny",
                      **extra)
 
@@ -313,9 +368,8 @@ def engine_has_mtp() -> bool:
 def engine_outcome(engine: Engine, args: argparse.Namespace, tokens: list[int], n_max: int, draft: str) -> Outcome:
     if not args.reuse:
         engine.reset()
-    common = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=args.p_min)
-    method = DRAFT_SIMPLE if draft in DRAFT_MODELS else draft if draft in (MTP, EAGLE3, *NGRAMS) else "dflash"
-    r = engine.generate(tokens, method=method, draft_length=n_max, **common)
+    common = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=p_min_of(args, draft))
+    r = engine.generate(tokens, method=engine_method(draft), draft_length=n_max, **common)
     s = r.stats
     return Outcome(tuple(r.tokens), r.text, s.drafted, s.accepted, s.verify_steps)
 
@@ -332,6 +386,8 @@ def compare_pair(args: argparse.Namespace, target: str, draft: str, head: str, l
         pair = generated_pair(args, target, None, head, mtp_layers=1)
     elif draft in NGRAMS:
         return compare_ngram(args, target, draft, head, logs)
+    elif draft in NGRAM_CACHES:
+        return compare_lookup(args, target, draft, head, logs)
     else:
         pair = generated_pair(args, target, draft, head)
     opened = load_pair(pair.target, pair.draft, n_ctx=args.n_ctx, draft_capacity=max(args.n_max),
@@ -370,10 +426,9 @@ def compare_ngram(args: argparse.Namespace, target: str, draft: str, head: str, 
     pair = generated_pair(args, target, None, head)
     name = f"{target}/{draft}/{head}"
     rows: list[Row] = []
-    options = {NGRAM_KEY[draft]: args.ngram_n, **({"n_min": args.n_min} if draft == "ngram-mod" else {})}
     for n_max in args.n_max:
         with load_pair(pair.target, None, n_ctx=args.n_ctx, draft_capacity=n_max, n_threads=args.threads,
-                       method_options={draft: options}) as eng:
+                       method_options={draft: ngram_options(args, draft, n_max)}) as eng:
             prompts = {p: eng.tokenize(p) for p in args.prompts}
             plain = {p: plain_tokens(eng, ids, args.max_tokens) for p, ids in prompts.items()}
             for i, (prompt, ids) in enumerate(prompts.items()):
@@ -381,6 +436,65 @@ def compare_ngram(args: argparse.Namespace, target: str, draft: str, head: str, 
                 with running_server(args, pair.target, draft, None, n_max, log) as server:
                     rows.append(prompt_row(args, eng, server, name, n_max, draft, prompt, ids, plain[prompt]))
     return rows
+
+
+def compare_lookup(args: argparse.Namespace, target: str, draft: str, head: str, logs: Path) -> list[Row]:
+    """ngram-cache on the target alone (see the module doc): one server per request, as for the n-gram drafts; for
+    the dynamic file, each prompt twice."""
+    if min(args.n_max) < LOOKUP_DRAFT:
+        raise UsageError(f"llama-server's ngram-cache drafts {LOOKUP_DRAFT} tokens whatever its draft length: compare "
+                         f"{draft} at --n-max {LOOKUP_DRAFT} or more")
+    pair = generated_pair(args, target, None, head)
+    name = f"{target}/{draft}/{head}"
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="lookup-") as tmp:
+        static = lookup_create(args, pair.target, Path(tmp) / "static.bin", logs) if draft == LOOKUP_STATIC else None
+        for n_max in args.n_max:
+            for i, prompt in enumerate(args.prompts):
+                dynamic = Path(tmp) / f"dynamic-n{n_max}-p{i}.bin"
+                options = {LOOKUP_STATIC: {"lookup_cache_static": static},
+                           LOOKUP_DYNAMIC: {"lookup_cache_dynamic": dynamic}}.get(draft, {})
+                with load_pair(pair.target, None, n_ctx=args.n_ctx, draft_capacity=n_max, n_threads=args.threads,
+                               method_options={NGRAM_CACHE: options}) as eng:
+                    ids = eng.tokenize(prompt)
+                    plain = plain_tokens(eng, ids, args.max_tokens)
+                    log = logs / f"{target}-{draft}-{head}-n{n_max}-p{i}.log"
+                    with running_server(args, pair.target, draft, static, n_max, log) as server:
+                        rows.append(prompt_row(args, eng, server, name, n_max, NGRAM_CACHE, prompt, ids, plain))
+                    if draft != LOOKUP_DYNAMIC:
+                        continue
+                    # The engine answers again, from what the first answer taught it; the server reads that from
+                    # the file an engine wrote after the same first answer.
+                    written = first_answer_file(args, pair.target, ids, n_max, Path(tmp) / f"first-{dynamic.name}")
+                    with running_server(args, pair.target, draft, written, n_max, log.with_suffix(".2.log")) as srv:
+                        srv_outcome = srv.complete(ids, args.max_tokens, args.reuse)
+                        again = argparse.Namespace(**{**vars(args), "reuse": True})  # no reset: it keeps what it learnt
+                        ours = None if args.server_only else engine_outcome(eng, again, ids, n_max, NGRAM_CACHE)
+                    lossless = (srv_outcome if ours is None else ours).tokens == plain
+                    rows.append(Row(name, n_max, f"{prompt} (again)", srv_outcome, ours, lossless, True))
+    return rows
+
+
+def lookup_create(args: argparse.Namespace, target: Path, out: Path, logs: Path) -> Path:
+    """The static lookup cache `llama-lookup-create` makes of --lookup-corpus with the target's vocabulary."""
+    binary = args.lookup_create_bin or args.server_bin.with_name("llama-lookup-create")
+    cmd = [str(binary), "-m", str(target), "-p", args.lookup_corpus, "-lcs", str(out), "-c", str(args.n_ctx),
+           "-t", str(args.threads)]
+    log = logs / "llama-lookup-create.log"
+    with open(log, "wb") as sink:
+        done = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, timeout=args.timeout, check=False)
+    if done.returncode != 0 or not out.is_file():
+        raise ServerError(f"{binary} exited with {done.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+    return out
+
+
+def first_answer_file(args: argparse.Namespace, target: Path, ids: list[int], n_max: int, path: Path) -> Path:
+    """The dynamic lookup cache an engine writes after one answer to `ids` (at its close)."""
+    with load_pair(target, None, n_ctx=args.n_ctx, draft_capacity=n_max, n_threads=args.threads,
+                   method_options={NGRAM_CACHE: {"lookup_cache_dynamic": path}}) as eng:
+        eng.generate(ids, method=NGRAM_CACHE, draft_length=n_max, max_tokens=args.max_tokens, n_min=args.n_min,
+                     p_min=args.p_min)
+    return path
 
 
 def _counts(o: Outcome | None) -> str:
@@ -464,7 +578,10 @@ class Level:
 
 
 def engine_has_parallel() -> bool:
-    """Whether this checkout's engine opens parallel sequences (`load_pair(..., parallel=N)`)."""
+    """Whether this checkout's engine opens parallel sequences (`load_pair(..., parallel=N)`: a pair option, or a
+    keyword of older checkouts)."""
+    if any(f.name == "parallel" for f in dataclasses.fields(PairOptions)):
+        return True
     return any("parallel" in inspect.signature(f).parameters for f in (LinkedPair.__init__, Engine.__init__))
 
 
@@ -519,8 +636,9 @@ def engine_round(eng: Engine, prompts: Sequence[list[int]], options: dict[str, A
 
 def compare_parallel(args: argparse.Namespace, target: str, draft: str, head: str, logs: Path) -> list[Level]:
     """Every level of --scaling on one server (-np N) and one engine (parallel=N), for each draft length."""
-    if draft in NGRAMS:
-        raise UsageError("--parallel compares the model drafts (dflash2, dflash1, mtp, draft-simple, eagle3), not the "
+    if draft in (*NGRAMS, *NGRAM_CACHES):
+        raise UsageError("--parallel compares the model drafts (dflash2, dflash1, mtp, draft-simple, eagle3, dspark), "
+                         "not the "
                          "n-gram "
                          "ones")
     if draft == MTP and target != "hybrid":
@@ -539,9 +657,8 @@ def compare_parallel(args: argparse.Namespace, target: str, draft: str, head: st
             raise UsageError(f"prompt + --max-tokens {args.max_tokens} reach the context end ({eng.n_ctx})")
         plain = tuple(plain_tokens(eng, x, args.max_tokens) for x in ids)
         for n_max in args.n_max:
-            method = DRAFT_SIMPLE if draft in DRAFT_MODELS else draft if draft in (MTP, EAGLE3) else "dflash"
-            options = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=args.p_min, draft_length=n_max,
-                           method=method)
+            options = dict(max_tokens=args.max_tokens, n_min=args.n_min, p_min=p_min_of(args, draft),
+                           draft_length=n_max, method=engine_method(draft))
             log = logs / f"{target}-{draft}-{head}-n{n_max}-np{n_par}.log"
             with running_server(args, pair.target, draft, pair.draft, n_max, log, n_parallel=n_par) as server:
                 server.generate(ids[0], 8)  # warm-up, both sides: first-touch of the weights
@@ -635,8 +752,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--drafts", type=_csv(str), default=list(DFLASH_DRAFTS),
                    help=f"{', '.join(DFLASH_DRAFTS)} (draft files), {MTP} (the hybrid target's nextn block), "
                         f"{DRAFT_SIMPLE} (a small model of the target's vocabulary; {DRAFT_SIMPLE_HYBRID}: a hybrid "
-                        f"one), {EAGLE3} (an EAGLE-3 draft) or {', '.join(NGRAMS)} (the "
-                        "target alone)")
+                        f"one), {EAGLE3} (an EAGLE-3 draft), {', '.join(DSPARK_DRAFTS)} (DSpark drafts, the second "
+                        f"with a confidence head) or {', '.join((*NGRAMS, *NGRAM_CACHES))} (the target alone)")
     p.add_argument("--heads", type=_csv(str), default=["shaped", "regime"])
     p.add_argument("--n-max", type=_csv(int), default=[3, 7], help="fixed draft lengths")
     p.add_argument("--max-tokens", type=int, default=48)
@@ -644,8 +761,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="the generated models' width (256 and up: the benchmarks' scaled sizes)")
     p.add_argument("--n-min", type=int, default=0, help="drop drafts shorter than this")
     p.add_argument("--p-min", type=float, default=0.0, help="stop a draft at a less confident position")
+    p.add_argument("--confidence-p-min", type=float, default=0.5,
+                   help="the p-min of the dspark-conf rows: where the DSpark confidence head cuts a draft")
     p.add_argument("--n-ctx", type=int, default=512)
     p.add_argument("--ngram-n", type=int, default=3, help="n-gram drafts: the key length (n_match / size_n)")
+    p.add_argument("--ngram-min-hits", type=int, default=1, help="ngram-map-k4v: the hits a key needs to draft")
+    p.add_argument("--lookup-corpus", default="".join(PHRASE) * 4,
+                   help="ngram-cache-static: the text llama-lookup-create makes the static file of (default: the "
+                        "phrase head's phrase, four times)")
+    p.add_argument("--lookup-create-bin", type=Path, default=None,
+                   help="llama-lookup-create (default: beside --server-bin)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--prompts", type=lambda s: s.split("|"), default=list(PROMPTS), help="'|'-separated")
     p.add_argument("--reuse", action="store_true",
@@ -676,7 +801,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.server_bin.is_file():
         print(f"no llama-server at {args.server_bin}", file=sys.stderr)
         return 2
-    kinds = (*DFLASH_DRAFTS, MTP, *DRAFT_MODELS, EAGLE3, *NGRAMS)
+    kinds = (*DFLASH_DRAFTS, MTP, *DRAFT_MODELS, EAGLE3, *DSPARK_DRAFTS, *NGRAMS, *NGRAM_CACHES)
     unknown = sorted(set(args.drafts) - set(kinds))
     if unknown:
         print(f"unknown draft(s) {unknown}: choose from {', '.join(kinds)}",

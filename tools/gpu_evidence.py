@@ -18,9 +18,11 @@ Sections (each one a key of the JSON and a table of the markdown):
 - `speed`: plain vs speculative tok/s (dflash_runtime.bench) with full (`const` head) and partial (`phrase` head)
   acceptance on a generated target large enough that a GPU step is bound by memory bandwidth: its size and the
   bandwidth plain decoding reaches (target file bytes read per step / step time).
-- `trees`: draft trees (method dflash-tree) against the chain at depth 7 with 16 rows and with tree_nodes="auto":
-  accepted tokens per verify, tokens per target decode, tok/s, at temperature 0 (answers against plain decoding:
-  `mismatches`, which on a GPU may be near-ties, see `lossless`) and 1.
+- `trees`: draft trees (method dflash-tree) against the chain at depth 7 with 16 rows and with tree_nodes="auto", on
+  dense targets and a hybrid one: accepted tokens per verify, tokens per target decode, tok/s, rows per tree and the
+  bytes its paths' forks moved through host memory, at temperature 0 (answers against plain decoding: `mismatches`,
+  which on a GPU may be near-ties, see `lossless`) and 1 (the chain with sample-and-match and with rejection sampling,
+  the tree drawn from the draft's q).
 - `host_overhead`: time per step outside libllama (Stats.decode_ms − native_ms) as a share of the step.
 - `streams`: aggregate tok/s with 1, 2, 4, 8 concurrent requests on one engine of 8 sequences (`parallel`), each step
   one target decode for all of them, with the rows per decode the engine counted (`step_counters`); and the memory
@@ -518,14 +520,24 @@ def speed(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any]:
 
 
 TREE_PROMPTS = ("the quick brown fox jumps over the lazy dog.", "one two three four five")
+# (label, method, verify, tree_nodes) by temperature: at 1 the chain with both verifiers, the tree drawn from the
+# draft's q under recursive rejection, and the tree or the chain chosen per step
+TREE_MODES = {
+    0.0: (("chain", "dflash", "match", 16), ("tree", "dflash-tree", "match", 16),
+          ("tree-auto", "dflash-tree", "match", "auto")),
+    1.0: (("chain", "dflash", "match", 16), ("chain-q", "dflash", "sample", 16), ("tree", "dflash-tree", "sample", 16),
+          ("tree-auto", "dflash-tree", "sample", "auto")),
+}
 
 
 def trees(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any]:
     """Draft trees against the chain at depth 7: accepted tokens per verify, tokens per target decode and tok/s of the
-    chain (sample-and-match), a tree of 16 rows and tree_nodes="auto", at temperature 0 (every answer checked against
-    plain decoding) and 1; a GPU's verify of 16 rows costs about what 8 cost, which is where a tree pays."""
+    chain, a tree of 16 rows and tree_nodes="auto", at temperature 0 (every answer checked against plain decoding) and
+    1, on dense targets and a hybrid one; and what the tree paths' forks moved through host memory (0: the state
+    copied on the device). A GPU's verify of 16 rows costs about what 8 cost, which is where a tree pays."""
     out: dict[str, Any] = {"depth": 7, "tree_nodes": 16, "max_tokens": plan.speed_tokens, "pairs": {}}
-    for name in ("small-dense-phrase", "large-dense-phrase"):
+    hybrid = "large-hybrid-phrase-mtp" if "large-hybrid-phrase-mtp" in models.names else "small-hybrid-phrase-mtp"
+    for name in ("small-dense-phrase", "large-dense-phrase", hybrid):
         if deadline.left() <= 0:
             out["pairs"][name] = {"skipped": "time budget"}
             continue
@@ -533,25 +545,32 @@ def trees(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any]:
             plain = {p: engine.generate(p, max_tokens=plan.speed_tokens, speculative=False).tokens
                      for p in TREE_PROMPTS}
             rows = []
-            for temperature in (0.0, 1.0):
-                for label, method, nodes in (("chain", "dflash", 16), ("tree", "dflash-tree", 16),
-                                             ("tree-auto", "dflash-tree", "auto")):
-                    emitted = verifies = steps = generated = mismatches = 0
-                    ms = 0.0
+            for temperature, modes in TREE_MODES.items():
+                for label, method, verify, nodes in modes:
+                    totals = dict.fromkeys(("verify_emitted", "verify_steps", "target_steps", "n_generated",
+                                            "tree_steps", "tree_rows", "tree_host_bytes"), 0)
+                    mismatches, ms = 0, 0.0
                     for prompt in TREE_PROMPTS:
                         for seed in ((1, 2) if temperature else (0,)):
                             r = engine.generate(prompt, max_tokens=plan.speed_tokens, method=method, draft_length=7,
-                                                tree_nodes=nodes, temperature=temperature, seed=seed, verify="match")
+                                                tree_nodes=nodes, temperature=temperature, seed=seed, verify=verify)
                             mismatches += int(temperature == 0 and r.tokens != plain[prompt])
-                            s = r.stats
-                            emitted, verifies, steps = emitted + s.verify_emitted, verifies + s.verify_steps, \
-                                steps + s.target_steps
-                            generated, ms = generated + s.n_generated, ms + s.decode_ms
+                            ms += r.stats.decode_ms
+                            for key in totals:
+                                totals[key] += getattr(r.stats, key)
+                    trees_run = max(1, totals["tree_steps"])
                     rows.append({"temperature": temperature, "mode": label, "mismatches": mismatches,
-                                 "accepted_per_verify": round(emitted / max(1, verifies), 3),
-                                 "tokens_per_decode": round(generated / max(1, steps), 3),
-                                 "tok_s": round(generated / max(1e-9, ms / 1000.0), 2)})
-        out["pairs"][name] = {"target_mib": models.info[name]["target_mib"], "rows": rows}
+                                 "accepted_per_verify": round(totals["verify_emitted"] / max(1, totals["verify_steps"]),
+                                                              3),
+                                 "tokens_per_decode": round(totals["n_generated"] / max(1, totals["target_steps"]), 3),
+                                 "tok_s": round(totals["n_generated"] / max(1e-9, ms / 1000.0), 2),
+                                 "tree_steps": totals["tree_steps"],
+                                 "rows_per_tree": round(totals["tree_rows"] / trees_run, 2),
+                                 "host_bytes_per_tree": round(totals["tree_host_bytes"] / trees_run, 1)})
+            counters = engine.step_counters()
+        out["pairs"][name] = {"target_mib": models.info[name]["target_mib"], "target": models.info[name]["target"],
+                              "forks": counters["forks"], "fork_host_bytes": counters["fork_host_bytes"],
+                              "rows": rows}
     return out
 
 
@@ -707,9 +726,13 @@ def markdown(result: dict[str, Any]) -> str:
     tr = {n: p for n, p in result.get("trees", {}).get("pairs", {}).items() if "rows" in p}
     if tr:
         parts += ["## Draft trees against the chain (depth 7, 16 rows)", "", md_table(
-            ("pair", "target MiB", "T", "mode", "accepted / verify", "tokens / decode", "tok/s", "mismatches"),
+            ("pair", "target MiB", "T", "mode", "accepted / verify", "tokens / decode", "tok/s", "rows / tree",
+             "host bytes / tree", "mismatches"),
             [(n, p["target_mib"], r["temperature"], r["mode"], r["accepted_per_verify"], r["tokens_per_decode"],
-              r["tok_s"], r["mismatches"]) for n, p in tr.items() for r in p["rows"]]), ""]
+              r["tok_s"], r["rows_per_tree"], r["host_bytes_per_tree"], r["mismatches"])
+             for n, p in tr.items() for r in p["rows"]]), "",
+            "Forks (tree paths given their request's state) and the bytes they moved through host memory: "
+            + "; ".join(f"{n}: {p['forks']} forks, {p['fork_host_bytes']} bytes" for n, p in tr.items()) + ".", ""]
     ho = result.get("host_overhead", {}).get("rows", [])
     if ho:
         parts += ["## Host time per step outside libllama", "", md_table(

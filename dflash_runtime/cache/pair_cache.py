@@ -9,7 +9,9 @@ snapshots are written by a decode for the last min(n_rows, n_rs_seq + 1) states 
 n rows the state can move back by at most min(n - 1, n_rs_seq) tokens, once. `llama_memory_seq_rm` cannot tell: it
 also accepts rollbacks into snapshots left by an older decode, and the state is then silently wrong. Anything deeper
 restores the newest context checkpoint at or below the target position, or starts over; either way the cache keeps
-fewer tokens than asked and the caller prefills the rest.
+fewer tokens than asked and the caller prefills the rest. A rollback through the snapshots takes effect at the
+sequence's next decode; until then it is pending (`pending_rollback`), which a draft tree's paths must know when
+they share the sequence's state (spares.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 from ..drafters.drafting import Drafter
 from ..errors import RollbackError
 from ..native.memory import SequenceMemory
-from ..native.states import PARTIAL_ONLY, WHOLE, load_seq, save_seq
+from ..native.states import WHOLE, load_seq, save_seq
 from .checkpoints import Checkpoint, CheckpointCosts, CheckpointStore
 
 
@@ -35,12 +37,6 @@ def reusable_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
     while n < limit and cached[n] == prompt[n]:
         n += 1
     return n
-
-
-def drop_sequences(target_ctx: Any, seqs: Sequence[int]) -> None:
-    """Empty spare target sequences (a draft tree's paths) after their verify."""
-    for seq in seqs:
-        SequenceMemory(target_ctx, "tree path", seq).clear()
 
 
 @dataclass
@@ -70,6 +66,10 @@ class PairCache:
         self.tokens: list[int] = []
         self.public_len = 0  # leading tokens that any owner may reuse (see sessions.py)
         self._rollback_window = 0  # tokens the recurrent snapshots can take back right now
+        # A rollback through the snapshots takes effect at the sequence's next decode: its size until then, and
+        # whether it is known (a target decode without this sequence may have applied it, see pending_rollback).
+        self._pending = 0
+        self._pending_known = True
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -78,6 +78,19 @@ class PairCache:
         """Record a successful target decode of `tokens` at the end of the cache."""
         self.tokens.extend(tokens)
         self._rollback_window = min(len(tokens) - 1, self._n_rs_seq)
+        self._pending, self._pending_known = 0, True
+
+    def beside_decode(self) -> None:
+        """A target decode ran without this sequence: libllama may have applied its pending rollback there (a decode
+        also moves the recurrent cells in the range of its own, which applies their pending rollbacks)."""
+        if self._pending:
+            self._pending_known = False
+
+    @property
+    def pending_rollback(self) -> int | None:
+        """Tokens a hybrid target's recurrent state still goes back at this sequence's next decode (libllama applies
+        a rollback through the snapshots then), 0 for none or a dense target; None when that is not known."""
+        return self._pending if self._pending_known else None
 
     def can_roll_back(self, n_tokens: int) -> bool:
         """Whether the last `n_tokens` tokens can be removed without a checkpoint or a new prefill."""
@@ -91,6 +104,7 @@ class PairCache:
             return have
         if self.can_roll_back(have - n):
             self._cut_target(n)
+            self._pending = have - n if self.recurrent else 0
         else:
             n = self._restore_at_or_below(n, costs)
         self._cut_draft(n)
@@ -109,6 +123,7 @@ class PairCache:
                 f"(it has {self._n_rs_seq}); both caches were cleared"
             )
         self._cut_target(n)
+        self._pending = have - n if self.recurrent else 0
         self._cut_draft(n)
 
     def shared(self, prompt: Sequence[int]) -> int:
@@ -128,19 +143,7 @@ class PairCache:
         self.tokens = []
         self.public_len = 0
         self._rollback_window = 0
-
-    # -- draft-tree paths: spare target sequences that start from this one's state -----------------------------------
-
-    def fork(self, seqs: Sequence[int]) -> None:
-        """Give each spare target sequence of `seqs` this sequence's target state, exactly: the attention cells
-        through libllama's copy (across KV streams: the whole stream, at the next decode), and a recurrent part as a
-        copy of its state — libllama's copy would share the state as it was before the last rollback, which is still
-        pending until this sequence's next decode (a state copy reads through it)."""
-        recurrent = save_seq(self._target_ctx, PARTIAL_ONLY, seq=self.seq) if self.recurrent and seqs else None
-        for seq in seqs:
-            self._target.copy_to(seq)
-            if recurrent is not None:
-                load_seq(self._target_ctx, recurrent, PARTIAL_ONLY, seq)
+        self._pending, self._pending_known = 0, True
 
     # -- parking: one owner's caches set aside while another's run (sessions.py) ---------------------------------
 
@@ -167,6 +170,7 @@ class PairCache:
         self.tokens = list(parked.tokens)
         self.public_len = parked.public_len
         self._rollback_window = 0  # the snapshots describe no decode of this state
+        self._pending, self._pending_known = 0, True  # a state load leaves no rollback pending
 
     @property
     def checkpointing(self) -> bool:
@@ -208,6 +212,7 @@ class PairCache:
         self.checkpoints.restore(checkpoint, costs)
         # The recurrent part now ends at the checkpoint: removing the attention suffix is a plain cut.
         self._rollback_window = 0
+        self._pending, self._pending_known = 0, True
         self._cut_target(checkpoint.n_tokens)
         return checkpoint.n_tokens
 
@@ -216,6 +221,7 @@ class PairCache:
         self.tokens = []
         self.public_len = 0
         self._rollback_window = 0
+        self._pending, self._pending_known = 0, True
         if self.checkpoints is not None:
             self.checkpoints.clear()
 

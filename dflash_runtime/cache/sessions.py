@@ -119,6 +119,14 @@ class CacheOwners:
         self._busy[seq] = True
         return self.caches[seq], self._switch(seq, owner, prompt, public_prefix)
 
+    def owner_of(self, seq: int) -> Hashable | None:
+        """Whose tokens sequence `seq` holds (whose request runs on it, while one does)."""
+        return self._owners[seq]
+
+    def keeps(self, owner: Hashable | None) -> bool:
+        """Whether anything of `owner`'s is kept: a sequence of its, or its parked state."""
+        return owner in self._parked or owner in self._owners
+
     def idle(self) -> list[PairCache]:
         """The sequences no request runs on now."""
         return [cache for cache, busy in zip(self.caches, self._busy, strict=True) if not busy]

@@ -21,9 +21,10 @@ target's through `ctx_other`.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 from llama_cpp import llama_cpp as ll
@@ -41,18 +42,55 @@ from .features import FeatureBridge
 from .proposal import DraftSampling, Proposal, draw
 
 
+class BlockPass:
+    """Blocks `[id_last, mask × (width − 1)]` of several sequences in one decode of the draft context, each at its
+    ask's pos0; the blocks' cells are removed afterwards: their K/V must go before the verify rows' features are
+    injected at the same positions. The draft graph takes blocks of one size (as llama.cpp drafts every slot with
+    n_max)."""
+
+    def __init__(self, draft_ctx: Any, block_size: int, mask_token_id: int, n_seq: int) -> None:
+        self._ctx = draft_ctx
+        self._memories = [SequenceMemory(draft_ctx, "draft", seq) for seq in range(n_seq)]
+        self._batch = TokenBatch(block_size * n_seq)
+        self._block = np.full(block_size, mask_token_id, dtype=np.int32)
+        self._mask = mask_token_id
+
+    @contextlib.contextmanager
+    def decoded(self, asks: Sequence[DraftAsk], width: int, outputs: str) -> Iterator[list[int]]:
+        """The asks' blocks decoded together; yields the batch row of each block's anchor, for reading the block's
+        outputs before leaving. A failed removal is raised only when nothing else is being raised: it must not hide a
+        decode error."""
+        batch = self._batch
+        batch.clear()
+        block = self._block[:width]
+        rows = []
+        for ask in asks:
+            block[0] = ask.id_last
+            block[1:] = self._mask
+            rows.append(batch.add(block, ask.pos0, ask.seq, outputs=outputs))
+        refused = []
+        try:
+            batch.decode(self._ctx, "draft block")
+            yield rows
+        finally:
+            refused = [a for a in asks if not self._memories[a.seq].remove_from(a.pos0)]
+        if refused:
+            raise self._memories[refused[0].seq].refused(f"drop its block at position {refused[0].pos0}")
+
+    def free(self) -> None:
+        self._batch.free()
+
+
 class BlockDrafter:
     def __init__(self, api: DFlashApi, draft_ctx: Any, spec: DraftSpec, n_embd_draft: int, n_vocab: int,
                  n_seq: int = 1) -> None:
         self._api = api
         self._ctx = draft_ctx
-        self._memories = [SequenceMemory(draft_ctx, "draft", seq) for seq in range(n_seq)]
+        self._pass = BlockPass(draft_ctx, spec.block_size, spec.mask_token_id, n_seq)
         self._spec = spec
         self._n_embd = n_embd_draft
         self._n_vocab = n_vocab
         self._k = spec.selector_top_k
-        self._batch = TokenBatch(spec.block_size * n_seq)
-        self._block = np.full(spec.block_size, spec.mask_token_id, dtype=np.int32)
         # DFlash 2: each ask's lattice rows of the last draft_blocks (candidates and transition scores), for trees
         self.lattices: list[np.ndarray] = []
 
@@ -61,36 +99,23 @@ class BlockDrafter:
         """Draft up to n_max tokens following id_last (decoded at pos0 of sequence 0)."""
         return self.draft_blocks([DraftAsk(0, id_last, pos0, n_max, n_min, p_min, sampling)])[0]
 
-    def draft_blocks(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
-        """Each ask's block in one decode; the blocks' cells are removed afterwards. The draft graph takes blocks of
-        one size (as llama.cpp drafts every slot with n_max): each is as long as the longest ask's, and an ask reads
-        the first n positions of its own."""
-        batch = self._batch
-        batch.clear()
-        rows = []
-        width = max(a.n for a in asks)
-        for ask in asks:
-            block = self._block[:width + 1]
-            block[0] = ask.id_last
-            block[1:] = self._spec.mask_token_id
-            rows.append(batch.add(block, ask.pos0, ask.seq, outputs="none" if self._spec.is_dflash2 else "all"))
-        refused = []
-        try:
-            batch.decode(self._ctx, "draft block")
+    def draft_blocks(self, asks: Sequence[DraftAsk], *, trees: bool = False) -> list[Proposal]:
+        """Each ask's block in one decode (`BlockPass`): each is as long as the longest ask's draft before the room
+        left cut it (llama.cpp drafts n_max and truncates, and a block's rows see one another), and an ask reads the
+        first n positions of its own. `trees`: an ask for a tree gets its lattice rows (`lattices`) and no walk (the
+        tree draws its own spine, dflash_tree.py)."""
+        width = max(a.width for a in asks)
+        with self._pass.decoded(asks, width + 1, "none" if self._spec.is_dflash2 else "all") as rows:
             if self._spec.is_dflash2:
-                lattice = self._lattice(batch.n_rows)
-                out = [self._walk_lattice(lattice[r + 1:r + 1 + a.n], a) for a, r in zip(asks, rows, strict=True)]
+                lattice = self._lattice(len(asks) * (width + 1))
+                tree = [trees and a.tree_nodes > 0 for a in asks]
+                out = [Proposal.start(a.sampling) if t else self._walk_lattice(lattice[r + 1:r + 1 + a.n], a)
+                       for a, r, t in zip(asks, rows, tree, strict=True)]
                 width = self._k + self._k * self._k
-                self.lattices = [lattice[r + 1:r + 1 + a.n, :width].copy() if a.tree_nodes else lattice[:0, :width]
-                                 for a, r in zip(asks, rows, strict=True)]
+                self.lattices = [lattice[r + 1:r + 1 + a.n, :width].copy() if t else lattice[:0, :width]
+                                 for a, r, t in zip(asks, rows, tree, strict=True)]
             else:
                 out = [self._per_position(r, a) for a, r in zip(asks, rows, strict=True)]
-        finally:
-            # The blocks' K/V must go before the verify rows' features are injected at the same positions. A failed
-            # removal is raised here only when nothing else is being raised: it must not hide a decode error.
-            refused = [a for a in asks if not self._memories[a.seq].remove_from(a.pos0)]
-        if refused:
-            raise self._memories[refused[0].seq].refused(f"drop its block at position {refused[0].pos0}")
         return [p.at_least(a.n_min, a.sampling) for p, a in zip(out, asks, strict=True)]
 
     def _lattice(self, n_rows: int) -> np.ndarray:
@@ -137,24 +162,35 @@ class BlockDrafter:
         return out
 
     def free(self) -> None:
-        self._batch.free()
+        self._pass.free()
+
+
+class BlockDrafting(Protocol):
+    """What drafts a block per sequence in the draft context (`BlockDrafter`, or DSpark's blocks)."""
+
+    lattices: list[np.ndarray]
+
+    def draft_blocks(self, asks: Sequence[DraftAsk]) -> list[Proposal]: ...
+
+    def free(self) -> None: ...
 
 
 class DFlashDrafter:
     """DFlash / DFlash 2 behind the drafter interface, for every sequence. Features of every target decode are copied
     at once (they are valid until the next decode); they reach the draft cache at once when `eager`, else when
-    drafting resumes or the sequence's pending buffer is full."""
-
-    method = DFLASH
+    drafting resumes or the sequence's pending buffer is full. Another method on a DFlash draft (DSpark) passes the
+    block drafting its draft does, and its name."""
 
     def __init__(self, api: DFlashApi, target_ctx: Any, draft_ctx: Any, spec: DraftSpec, *, n_embd: int,
-                 n_embd_draft: int, n_vocab: int, n_ubatch: int, capacity: int, n_seq: int = 1) -> None:
+                 n_embd_draft: int, n_vocab: int, n_ubatch: int, capacity: int, n_seq: int = 1,
+                 block: BlockDrafting | None = None, method: str = DFLASH) -> None:
+        self.method = method
         self.capacity = capacity
         self.spec = spec
         self._ctx = draft_ctx
         self._memories = [SequenceMemory(draft_ctx, "draft", seq) for seq in range(n_seq)]
         self.bridge = FeatureBridge(api, target_ctx, draft_ctx, spec.target_layer_ids, n_embd, n_ubatch, n_seq)
-        self._block = BlockDrafter(api, draft_ctx, spec, n_embd_draft, n_vocab, n_seq)
+        self._block = block if block is not None else BlockDrafter(api, draft_ctx, spec, n_embd_draft, n_vocab, n_seq)
 
     def process(self, rows: Sequence[Rows]) -> None:
         bridge = self.bridge
@@ -169,12 +205,17 @@ class DFlashDrafter:
     def begin(self, seq: int) -> None:
         pass  # the features come with every decode (process)
 
-    def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
+    def draft(self, asks: Sequence[DraftAsk], *, trees: bool = False) -> list[Proposal]:
+        """Each ask's draft; with `trees` (the tree method drafting through this one) an ask for a tree gets its
+        block's lattice rows (`lattices`) instead of a walk — DFlash 2's own block drafting has them."""
+        if trees and isinstance(self._block, BlockDrafter):
+            return self._block.draft_blocks(asks, trees=True)
         return self._block.draft_blocks(asks)
 
     @property
     def lattices(self) -> list[np.ndarray]:
-        """DFlash 2: the lattice rows of each ask of the last `draft` that asked for a tree (empty otherwise)."""
+        """DFlash 2: the lattice rows of each ask of the last `draft(..., trees=True)` that asked for a tree (empty
+        otherwise)."""
         return self._block.lattices
 
     def accept(self, seq: int, n_accepted: int) -> None:
@@ -246,10 +287,15 @@ class DFlashFile:
 _OPENED: weakref.WeakKeyDictionary[LinkedPair, DFlashDrafter] = weakref.WeakKeyDictionary()
 
 
+def linked_drafter(pair: LinkedPair, n_seq: int, capacity: int, **block: Any) -> DFlashDrafter:
+    """The drafter of the pair's DFlash draft context (`block`: another method's block drafting and name)."""
+    return DFlashDrafter(dflash_api(), pair.target_ctx, pair.draft_ctx, pair.spec, n_embd=pair.n_embd,
+                         n_embd_draft=pair.n_embd_draft, n_vocab=pair.n_vocab,
+                         n_ubatch=pair.n_ubatch, capacity=capacity, n_seq=n_seq, **block)
+
+
 def open_drafter(pair: LinkedPair, views: Sequence[TokenView], capacity: int) -> DFlashDrafter:
-    drafter = DFlashDrafter(dflash_api(), pair.target_ctx, pair.draft_ctx, pair.spec, n_embd=pair.n_embd,
-                            n_embd_draft=pair.n_embd_draft, n_vocab=pair.n_vocab,
-                            n_ubatch=pair.n_ubatch, capacity=capacity, n_seq=len(views))
+    drafter = linked_drafter(pair, len(views), capacity)
     _OPENED[pair] = drafter
     return drafter
 

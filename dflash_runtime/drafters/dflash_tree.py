@@ -1,13 +1,18 @@
-"""The DFlash 2 tree method: one draft block, a tree of its likeliest continuations, verified in one target pass.
+"""The DFlash 2 tree method: one draft block, a tree grown from its lattice, verified in one target pass.
 
 The block is drafted by the DFlash drafter (dflash.py), which also keeps feeding the draft context: this method drafts
-through it and adds nothing to process. From each block's lattice a tree is grown best-first by the draft's path
-probability (tree.py) within the request's `tree_nodes` verify rows and `draft_length` depth. Its spine (the likeliest
-path, the chain's draft) goes into the request's own sequence; every other root-to-leaf path into a spare target
-sequence of its own (`LinkedPair(branches=N)`), with its own copy of the rows it shares with the spine, because
-libllama refuses a token with several sequence ids wherever it splits batches by sequence (a KV stream per sequence,
-and every recurrent layer). The steps (steps.py) give the paths their sequences, copy the request's state into each
-(decoding.py: the walk, the accepted path, the replay of a path off the spine).
+through it and adds nothing to process. From each block's lattice the tree is grown (tree.py) within the request's
+`tree_nodes` verify rows and `draft_length` depth: its spine is the chain's own draft — the greedy walk, or above
+temperature 0 with rejection sampling the walk drawn from the request's chain, stopping where the chain would (p_min)
+and dropped where the chain would be (n_min) — and the other paths leave it where the draft is least sure. At
+temperature 0 (and with sample-and-match) the children are chosen, the likeliest first; with rejection sampling they
+are drawn without replacement, each with the distribution it was drawn from. The spine goes into the request's own
+sequence; every other root-to-leaf path into a spare target sequence of its own (`LinkedPair(branches=N)`), with its
+own copy of the rows it shares with the spine, because libllama refuses a token with several sequence ids wherever
+it splits batches by sequence (a KV stream per sequence, and every recurrent layer). The steps (steps.py) give the
+paths their sequences, and the request's state to each (cache/spares.py); decoding.py walks the tree.
+
+A tree of one path is a chain, and is proposed as one (verified, counted and timed as a chain step).
 """
 
 from __future__ import annotations
@@ -45,17 +50,20 @@ class TreeDrafter:
         self.base.catch_up(seqs)
 
     def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
-        chains = self.base.draft(asks)
-        out = []
-        for ask, chain, lattice in zip(asks, chains, self.base.lattices, strict=True):
-            if not chain.tokens or ask.tree_nodes <= 0 or lattice.shape[0] == 0:
-                out.append(chain)  # a draft that n_min / p_min dropped stays dropped
-                continue
-            tree = build_tree(LatticeLevels(lattice[:len(chain.tokens)], self._k), ask.tree_nodes,
-                              branching=self._branching, row_cost="branch", chain_first=True)
-            spine = [tree.nodes[i].token for i in tree.spine()]
-            out.append(Proposal(spine, None, tree))
-        return out
+        blocks = self.base.draft(asks, trees=True)  # a tree's ask: its lattice only (no walk, no random draws)
+        return [self._tree(ask, lattice) if ask.tree_nodes > 0 else block
+                for ask, block, lattice in zip(asks, blocks, self.base.lattices, strict=True)]
+
+    def _tree(self, ask: DraftAsk, lattice: Any) -> Proposal:
+        sampling = ask.sampling
+        levels = LatticeLevels(lattice, self._k, chain=sampling.chain if sampling is not None else None)
+        tree = build_tree(levels, ask.tree_nodes, branching=self._branching, p_min=ask.p_min, paths=ask.tree_paths,
+                          rng=sampling.rng if sampling is not None else None)
+        spine = tree.spine()
+        if len(spine) < max(1, ask.n_min):
+            return Proposal.start(sampling)  # what n_min drops of the chain's draft
+        q = [tree.nodes[i].q for i in spine] if sampling is not None else None
+        return Proposal([tree.nodes[i].token for i in spine], q, tree if len(tree) > len(spine) else None)
 
     def accept(self, seq: int, n_accepted: int) -> None:
         pass
@@ -85,3 +93,6 @@ def open_drafter(pair: LinkedPair, views: Sequence[TokenView], capacity: int, *,
 
 
 IMPLEMENTATION = Implementation(open_drafter, options={"branching": DEFAULT_BRANCHING})
+
+
+__all__ = ["DFLASH_TREE", "TreeDrafter"]

@@ -20,7 +20,9 @@ per sequence, as llama.cpp hands its drafters the prompt. The engine talks to dr
 - `save(seq)` / `restore(seq, state)` park a sequence's drafter state beside its caches' (see sessions.py).
 
 A method whose state is per sequence and whose drafting has no pass to share (n-grams) writes a `SequenceDrafter`
-for one sequence and opens it through `PerSequence`.
+for one sequence and opens it through `PerSequence`. A `TokenView` also says whose requests its sequence runs now
+(`owner`): what a method keeps across requests (ngram-cache's dynamic cache) is kept by owner, serves no other,
+and lives as long as the engine keeps that owner's conversation (`keeps`).
 
 A method's module declares what it opens in one `Implementation`: how its drafter opens, the options it takes, and,
 for a method with a model of its own, its `DraftFile` (its drafts' checks, what the target does for them, their
@@ -31,7 +33,7 @@ label and help, which draft files it claims (and at which priority), whether a t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, overload
 
@@ -43,10 +45,23 @@ DFLASH, MTP = "dflash", "mtp"
 
 
 class TokenView(Sequence[int]):
-    """A read-only view of a token list that its owner may replace: every read goes to the owner's current list."""
+    """A read-only view of a sequence's tokens, a list its cache may replace: every read goes to the current list.
+    `owner` names whose requests the sequence runs now (their `cache_owner`; None for none, or without `owner_of`);
+    `keeps(owner)` whether the engine still keeps anything of an owner's (a sequence or a parked state: see
+    cache/sessions.py), so that what a method keeps by owner lives no longer (True without `keeps`)."""
 
-    def __init__(self, source: Callable[[], Sequence[int]]) -> None:
+    def __init__(self, source: Callable[[], Sequence[int]], owner_of: Callable[[], Hashable | None] | None = None,
+                 keeps: Callable[[Hashable | None], bool] | None = None) -> None:
         self._source = source
+        self._owner_of = owner_of
+        self._keeps = keeps
+
+    @property
+    def owner(self) -> Hashable | None:
+        return self._owner_of() if self._owner_of is not None else None
+
+    def keeps(self, owner: Hashable | None) -> bool:
+        return self._keeps(owner) if self._keeps is not None else True
 
     def __len__(self) -> int:
         return len(self._source())
@@ -84,6 +99,15 @@ class DraftAsk:
     p_min: float = 0.0
     sampling: DraftSampling | None = None
     tree_nodes: int = 0  # a draft tree's row budget (dflash_tree.py); 0: a chain
+    tree_paths: int = 0  # the most paths beside the spine the step can decode (its free spare target sequences)
+    # The request's fixed draft length before the room left in max_tokens cut it to n (at most what the context
+    # holds); 0: n. A block drafter whose rows see one another drafts a block this long and keeps n, as llama.cpp does.
+    n_asked: int = 0
+
+    @property
+    def width(self) -> int:
+        """The drafts a block holds for this ask: n, or the longer draft it was cut from."""
+        return max(self.n, self.n_asked)
 
 
 class Drafter(Protocol):
@@ -131,10 +155,12 @@ class SequenceDrafter(Protocol):
 
 class PerSequence:
     """A `Drafter` made of one `SequenceDrafter` per sequence: what the method keeps is the sequence's own, and each
-    sequence drafts by itself (a method with nothing to read from the target and no pass to share)."""
+    sequence drafts by itself (a method with nothing to read from the target and no pass to share). `on_free` runs
+    when the engine closes (ngram-cache writes its file)."""
 
-    def __init__(self, drafters: Sequence[SequenceDrafter]) -> None:
+    def __init__(self, drafters: Sequence[SequenceDrafter], on_free: Callable[[], None] | None = None) -> None:
         self.drafters = list(drafters)
+        self._on_free = on_free
         self.method = self.drafters[0].method
         self.capacity = self.drafters[0].capacity
 
@@ -170,7 +196,8 @@ class PerSequence:
         return 0
 
     def free(self) -> None:
-        pass
+        if self._on_free is not None:
+            self._on_free()
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,30 @@
-"""Draft trees over a DFlash 2 block, and the walk that verifies one exactly at any temperature.
+"""Draft trees over a DFlash 2 block, and the walk that verifies a chosen tree exactly at any temperature.
 
 A DFlash 2 block gives, for every drafted position, K candidate tokens and transition scores from each candidate of
-the position before (the lattice, dflash.py). The chain keeps one path through it. A tree keeps the likeliest
-continuations: `build_tree` grows it best-first by the draft's path probability (the product of the transition
-probabilities along the path, each the softmax of the selector's scores from the parent's candidate) up to a budget
-of nodes and a depth, taking at most `branching` children per node.
+the position before (the lattice, dflash.py). The chain keeps one path through it. A tree keeps more: `build_tree`
+takes the chain's own draft first (its spine: the first child at every node), then new paths best-first by the
+draft's estimate of how likely the target goes there, within a budget of verify rows, each new path running down to
+the spine's depth.
 
-`TreeWalk` verifies a tree: at each node (the root being `id_last`'s row) it draws x from the target's row for that
-node with the request's own sampler, follows the child whose token is x when there is one, and otherwise emits x and
-stops. Every emitted token is a sample of the target given the tokens before it — the tree decides only whether the
-row for the next token has already been computed — so the output has the target's distribution exactly, and at
-temperature 0 the walk is the greedy walk. The chain's rejection rule, min(1, p/q), is not exact here: it assumes the
-draft token was sampled from q, while the tree's tokens are the draft's likeliest, chosen deterministically (a
-candidate with q = 0.6 and p = 0.3 would be kept with probability 0.6 instead of 0.3). docs/how-it-works.md gives
-the proof.
+A node's children come one at a time from the draft's distribution q at that node (the softmax of the selector's
+scores from the node's own candidate; above temperature 0, the request's sampler chain over them):
+- chosen (temperature 0, and sample-and-match above it): the likeliest candidate not taken yet. DDTree's tree. Such
+  a tree is verified by `TreeWalk`: at each node a sample x of the target's row with the request's own sampler,
+  following the child whose token is x, else emitting x and stopping. Every emitted token is a sample of the target
+  given the tokens before it — the tree only decides whether the next token's row is already computed — so the walk
+  is exact whatever the tree, and at temperature 0 it is the greedy walk.
+- drawn (temperature > 0 with rejection sampling): a sample of q with the siblings already drawn removed and the
+  rest renormalised — the order Gumbel-top-k gives (Plackett–Luce), drawn one sibling at a time so that a node spends
+  one random draw per child it keeps. Each drawn node records the exact distribution it was drawn from, and the tree
+  is verified by recursive rejection sampling (verify.TreeRejection), which uses q: the first sibling is the chain's
+  own rule, each further one adds the residual's chance. Whether a node gets another child is decided before that
+  child is drawn (from the tree so far and the budget), never from the child itself: the verifier's proof needs it.
 
 How the target sees a tree: every root-to-leaf path is a sequence (`DraftTree.paths`). libllama restricts attention to
-cells that share a sequence with the row, so a node carrying the ids of all paths through it attends exactly to its
-ancestors — but libllama's sequential batch split (used for a context with a KV stream per sequence, and for every
-recurrent layer) refuses a token with several sequence ids, so each path is decoded as its own sequence, with the
-rows it shares with other paths copied (`DraftTree.branch_rows` counts the rows that costs).
+cells that share a sequence with the row, so a node carrying the ids of all paths through it would attend exactly to
+its ancestors — but libllama's sequential batch split (used for a context with a KV stream per sequence, and for
+every recurrent layer) refuses a token with several sequence ids, so each path is decoded as its own sequence, with
+the rows it shares with other paths copied, and as wide as the spine's (`DraftTree.branch_rows`).
 
 This module is pure (no libllama): it builds trees and walks them over callables that read the target's rows.
 """
@@ -34,19 +39,30 @@ from typing import Protocol
 
 import numpy as np
 
-from .proposal import DRAFT, TARGET
+from .proposal import DRAFT, TARGET, draw
 
 ROOT = -1  # the root: id_last, whose row gives the distribution of the first drafted token
 DEFAULT_BRANCHING = 4  # children per node at most (DDTree's top-k; the lattice holds K candidates per position)
+Distribution = tuple[np.ndarray, np.ndarray]  # (token ids, probabilities summing to 1)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """A node's possible children: token ids, the draft's probabilities for them (summing to 1), and each one's
+    candidate index at its position (the next position's predecessor in the lattice)."""
+
+    ids: np.ndarray
+    probs: np.ndarray
+    slots: np.ndarray
 
 
 class Levels(Protocol):
-    """The draft's distributions by position: `candidates(i, pred)` gives position i's candidate ids and their
-    log-probabilities given that the parent took candidate `pred` of position i − 1 (0 for the root)."""
+    """The draft's distributions by position: `candidates(i, pred)` gives position i's candidates given that the
+    parent took candidate `pred` of position i − 1 (0 for the root)."""
 
     depth: int
 
-    def candidates(self, i: int, pred: int) -> tuple[np.ndarray, np.ndarray]: ...
+    def candidates(self, i: int, pred: int) -> Candidates: ...
 
 
 @dataclass(frozen=True)
@@ -54,14 +70,15 @@ class Node:
     token: int
     parent: int  # index of the parent node, ROOT for a first drafted token
     depth: int  # 1 for the first drafted token
-    logp: float  # the draft's log-probability of the path root → this node
+    logp: float  # log of the draft's probability of the path root → this node (the best-first key)
     slot: int  # the candidate index this node took at its position (the transition scores' predecessor)
+    q: Distribution | None = None  # drawn: the distribution it was drawn from, earlier siblings removed
 
 
 @dataclass
 class DraftTree:
-    """Nodes best-first (a parent always before its children); `child(i, token)` is the node that follows node i with
-    `token` (ROOT: the root)."""
+    """Nodes in the order they were added (a parent always before its children); `children(i)` in the order they
+    were chosen or drawn; `child(i, token)` is the node that follows node i with `token` (ROOT: the root)."""
 
     nodes: list[Node] = field(default_factory=list)
     _children: dict[int, dict[int, int]] = field(default_factory=dict)
@@ -96,38 +113,40 @@ class DraftTree:
         return [i for i in range(len(self.nodes)) if i not in self._children]
 
     def paths(self) -> list[list[int]]:
-        """Every root-to-leaf path (node indices), the spine first: the path of the best leaf's ancestors is the
-        draft's likeliest, the one the chain would propose."""
+        """Every root-to-leaf path (node indices), the spine first."""
         spine = self.spine()
         leaves = sorted(self.leaves(), key=lambda i: (i != (spine[-1] if spine else ROOT), i))
         return [self.path(leaf) for leaf in leaves]
 
     def spine(self) -> list[int]:
-        """The path that follows the likeliest child at every node (the chain's draft)."""
+        """The path of first children: the chain's draft (chosen: the likeliest at every node; drawn: the first
+        sibling drawn at every node, a sample of the chain's own walk)."""
         out: list[int] = []
         node = ROOT
         while kids := self._children.get(node):
-            node = max(kids.values(), key=lambda i: self.nodes[i].logp)
+            node = next(iter(kids.values()))
             out.append(node)
         return out
 
     def first_paths(self, n: int) -> DraftTree:
-        """The tree of the first `n` paths only (the spine first), its nodes in the same order."""
+        """The tree of the first `n` paths only (the spine first), its nodes and every node's children in the same
+        order."""
         keep = sorted({i for path in self.paths()[:n] for i in path})
         index = {ROOT: ROOT, **{old: new for new, old in enumerate(keep)}}
         out = DraftTree()
         for old in keep:
             node = self.nodes[old]
-            out.add(Node(node.token, index[node.parent], node.depth, node.logp, node.slot))
+            out.add(Node(node.token, index[node.parent], node.depth, node.logp, node.slot, node.q))
         return out
 
     @property
     def depth(self) -> int:
         return max((n.depth for n in self.nodes), default=0)
 
-    def shared_rows(self) -> int:
-        """Verify rows of one pass where a shared node carries every sequence through it: the root and each node."""
-        return 1 + len(self.nodes)
+    @property
+    def drawn(self) -> bool:
+        """Whether the nodes were drawn from the draft's distributions (else chosen)."""
+        return bool(self.nodes) and self.nodes[0].q is not None
 
     def branch_rows(self) -> int:
         """Verify rows when every path is its own sequence with its own copy of the rows it shares: the root and the
@@ -135,110 +154,130 @@ class DraftTree:
         return sum(1 + len(p) for p in self.paths())
 
 
-def build_tree(levels: Levels, budget: int, *, branching: int = DEFAULT_BRANCHING,
-               row_cost: str = "shared", chain_first: bool = False) -> DraftTree:
-    """The draft's likeliest continuations, best-first by path probability, at most `levels.depth` deep.
+class _Children:
+    """One node's children as they are taken: the likeliest candidate left (`rng` None), or a draw from the
+    candidates left, renormalised (the distribution drawn from is recorded with the child)."""
 
-    `budget` counts verify rows beside the first path's root row: the nodes when shared nodes carry several sequences
-    (`row_cost="shared"`), or the rows of every path with its shared rows copied (`row_cost="branch"`: a new path
-    costs its whole length and a root row of its own). A chain of n tokens costs n either way. A node takes at most
-    `branching` children; a child whose token a better sibling already took is skipped (the walk follows a token,
-    so siblings' tokens must differ). `chain_first`: the draft's greedy path (the chain's draft) first, as deep as
-    the budget allows, so that the tree holds the chain and accepts at least what it would."""
+    def __init__(self, candidates: Candidates, rng: np.random.Generator | None) -> None:
+        self.c = candidates
+        self._rng = rng
+        self._left = candidates.probs > 0.0
+
+    def worth(self) -> float:
+        """The draft's estimate of the chance that the target's next token is the next child: the likeliest left
+        (chosen), or the expected probability of a draw from what is left (drawn) — known before the child is."""
+        left = self.c.probs[self._left]
+        if left.size == 0:
+            return 0.0
+        if self._rng is None:
+            return float(left.max())
+        return float((left * left).sum() / left.sum())
+
+    def take(self) -> tuple[int, float, int, Distribution | None]:
+        """The next child: its token, the draft's probability of it, its slot, and the distribution it was drawn
+        from (None: chosen)."""
+        left = np.flatnonzero(self._left)
+        if self._rng is None:
+            pick, q = int(left[np.argmax(self.c.probs[left])]), None
+        else:
+            weights = self.c.probs[left]
+            weights = weights / weights.sum()
+            pick = int(left[draw(weights, self._rng)])
+            q = (self.c.ids[left].copy(), weights)
+        self._left[pick] = False
+        return int(self.c.ids[pick]), float(self.c.probs[pick]), int(self.c.slots[pick]), q
+
+
+def build_tree(levels: Levels, budget: int, *, branching: int = DEFAULT_BRANCHING,
+               rng: np.random.Generator | None = None, p_min: float = 0.0, paths: int | None = None) -> DraftTree:
+    """The chain's draft and, best-first, new paths that leave it, at most `levels.depth` deep.
+
+    The spine comes first: the first child at every depth (chosen, or drawn with `rng`), stopping where the draft is
+    less sure than `p_min` (the chain's rule). `budget` counts verify rows beside the spine's root row: the spine
+    costs its length, and a new path leaving a node at depth d − 1 costs d + 1 — its own root row, its copy of the d −
+    1 rows it shares and its first node; it then runs down to the spine's depth in rows its sequence holds anyway (the
+    decode's sequences are as wide as the spine's, see steps.Steps._branch). New paths are taken by the draft's
+    estimate of reaching them (the path's probability times `_Children.worth`), at most `branching` children per node
+    and `paths` paths beside the spine."""
     if budget < 0 or branching < 1:
         raise ValueError(f"a tree needs budget ≥ 0 and branching ≥ 1 (got {budget}, {branching})")
-    if row_cost not in ("shared", "branch"):
-        raise ValueError(f"row_cost is 'shared' or 'branch' (got {row_cost!r})")
     tree = DraftTree()
-    heap: list[tuple[float, int, int, int, int, int]] = []  # (−logp, tie, parent, depth, token, slot)
+    children: dict[int, _Children] = {}
+
+    def at(node: int) -> _Children:
+        if node not in children:
+            depth, slot = (0, 0) if node == ROOT else (tree.nodes[node].depth, tree.nodes[node].slot)
+            children[node] = _Children(levels.candidates(depth + 1, slot), rng)
+        return children[node]
+
+    def grow(parent: int) -> int:
+        token, prob, slot, q = at(parent).take()
+        depth, base = (0, 0.0) if parent == ROOT else (tree.nodes[parent].depth, tree.nodes[parent].logp)
+        return tree.add(Node(token, parent, depth + 1, base + math.log(prob), slot, q))
+
+    node = ROOT
+    for _ in range(min(levels.depth, budget)):
+        if p_min > 0.0 and float(at(node).c.probs.max()) < p_min:
+            break
+        node = grow(node)
+    deepest = len(tree)
+    heap: list[tuple[float, int, int]] = []  # (−(log path probability + log worth), tie, node)
     tie = 0
 
-    def push(parent: int, depth: int, base: float, pred: int) -> None:
+    def offer(node: int) -> None:
         nonlocal tie
-        if depth > levels.depth:
-            return
-        ids, logps = levels.candidates(depth, pred)
-        order = np.argsort(-logps, kind="stable")[:branching]
-        for slot in order:
+        depth = 0 if node == ROOT else tree.nodes[node].depth
+        worth = at(node).worth() if depth < deepest and len(tree.children(node)) < branching else 0.0
+        if worth > 0.0:
             tie += 1
-            heapq.heappush(heap, (-(base + float(logps[slot])), tie, parent, depth, int(ids[slot]), int(slot)))
+            base = 0.0 if node == ROOT else tree.nodes[node].logp
+            heapq.heappush(heap, (-(base + math.log(worth)), tie, node))
 
-    used = 0
-    if chain_first:
-        parent, base, pred = ROOT, 0.0, 0
-        for depth in range(1, min(levels.depth, budget) + 1):
-            ids, logps = levels.candidates(depth, pred)
-            push(parent, depth, base, pred)
-            slot = int(np.argmax(logps))
-            base += float(logps[slot])
-            parent, pred = tree.add(Node(int(ids[slot]), parent, depth, base, slot)), slot
-            used += 1
-        if len(tree):
-            push(parent, len(tree) + 1, base, pred)
-    else:
-        push(ROOT, 1, 0.0, 0)
-    while heap and used < budget:
-        neg, _, parent, depth, token, slot = heapq.heappop(heap)
-        if tree.child(parent, token) is not None:
-            continue
-        cost = 1 if row_cost == "shared" else _branch_cost(tree, parent, depth)
-        if used + cost > budget:
-            continue
-        used += cost
-        index = tree.add(Node(token, parent, depth, -neg, slot))
-        push(index, depth + 1, -neg, slot)
+    for node in [ROOT, *range(len(tree))]:
+        offer(node)
+    used, made = deepest, 0
+    room = math.inf if paths is None else paths
+    while heap and made < room:
+        _, _, node = heapq.heappop(heap)
+        depth = 0 if node == ROOT else tree.nodes[node].depth
+        if used + depth + 2 > budget:
+            continue  # too deep a fork for what is left; a shallower one may still fit
+        used += depth + 2
+        made += 1
+        new = [grow(node)]
+        while tree.nodes[new[-1]].depth < deepest:
+            new.append(grow(new[-1]))
+        for index in (node, *new):
+            offer(index)
     return tree
-
-
-def _branch_cost(tree: DraftTree, parent: int, depth: int) -> int:
-    """Rows a new node adds when every path is its own sequence: one where it extends a leaf's path (or starts the
-    first path), else a new path — its own copy of the root's row and of the `depth` rows down to it."""
-    if not tree.children(parent) and (parent != ROOT or not len(tree)):
-        return 1
-    return depth + 1
 
 
 @dataclass
 class LatticeLevels:
     """A DFlash 2 block's lattice as `Levels`: row i (of the block's mask positions) holds K candidate ids, then the
     K × K transition scores, predecessor-major; position 1's predecessor is the anchor's slot 0 (as the chain's walk
-    starts). `temperature` scales the scores before the softmax (1: the selector's own)."""
+    starts). The draft's distribution is the softmax of the scores, or with `chain` (the request's sampler chain as
+    probabilities, sampling.ChainProbabilities) what that chain makes of them — as the chain's own walk draws."""
 
     rows: np.ndarray
     k: int
-    temperature: float = 1.0
+    chain: Callable[[np.ndarray, np.ndarray], Distribution] | None = None
 
     @property
     def depth(self) -> int:
         return int(self.rows.shape[0])
 
-    def candidates(self, i: int, pred: int) -> tuple[np.ndarray, np.ndarray]:
+    def candidates(self, i: int, pred: int) -> Candidates:
         row = self.rows[i - 1]
-        ids = row[:self.k].astype(np.int64)
-        scores = row[self.k + pred * self.k:self.k + (pred + 1) * self.k].astype(np.float64) / self.temperature
-        return ids, scores - _logsumexp(scores)
-
-
-@dataclass
-class MarginalLevels:
-    """Per-position distributions that do not depend on the parent (the draft's marginals: a DFlash v1 block's
-    logits, or a test's): position i's candidate ids and probabilities."""
-
-    ids: Sequence[np.ndarray]
-    probs: Sequence[np.ndarray]
-
-    @property
-    def depth(self) -> int:
-        return len(self.ids)
-
-    def candidates(self, i: int, pred: int) -> tuple[np.ndarray, np.ndarray]:
-        with np.errstate(divide="ignore"):
-            return np.asarray(self.ids[i - 1]), np.log(np.asarray(self.probs[i - 1], dtype=np.float64))
-
-
-def _logsumexp(x: np.ndarray) -> float:
-    top = float(x.max())
-    return top + math.log(float(np.exp(x - top).sum()))
+        cands = row[:self.k].astype(np.int64)
+        scores = row[self.k + pred * self.k:self.k + (pred + 1) * self.k]
+        if self.chain is None:
+            z = scores.astype(np.float64)
+            probs = np.exp(z - z.max())
+            return Candidates(cands, probs / probs.sum(), np.arange(self.k))
+        ids, probs = self.chain(scores.astype(np.float32), cands.astype(np.int32))
+        slots = np.array([int(np.flatnonzero(cands == token)[0]) for token in ids], dtype=np.int64)
+        return Candidates(ids.astype(np.int64), probs, slots)
 
 
 class TreeWalker(Protocol):
@@ -249,9 +288,9 @@ class TreeWalker(Protocol):
 
 
 class TreeWalk:
-    """The exact tree verifier: at each node a sample x of the target's row with the request's sampler; the child
-    whose token is x is followed ("draft"), else x ends the walk ("target"). `sample(row)` samples a row of the last
-    target decode with the request's chain (at temperature 0: its argmax)."""
+    """The exact verifier of a chosen tree: at each node a sample x of the target's row with the request's sampler;
+    the child whose token is x is followed ("draft"), else x ends the walk ("target"). `sample(row)` samples a row of
+    the last target decode with the request's chain (at temperature 0: its argmax)."""
 
     def __init__(self, sample: Callable[[int], int]) -> None:
         self._sample = sample
@@ -281,5 +320,5 @@ def accepted_path(tree: DraftTree, tokens: Sequence[int]) -> list[int]:
     return out
 
 
-__all__ = ["ROOT", "DraftTree", "LatticeLevels", "Levels", "MarginalLevels", "Node", "TreeWalk", "TreeWalker",
+__all__ = ["ROOT", "Candidates", "DraftTree", "LatticeLevels", "Levels", "Node", "TreeWalk", "TreeWalker",
            "accepted_path", "build_tree"]

@@ -31,12 +31,17 @@ class SequenceMemory:
         if not self.remove_from(n):
             raise self.refused(f"roll back to {n} tokens")
 
-    def copy_to(self, seq: int) -> None:
-        """Give sequence `seq` (emptied first) this sequence's cells. Across KV streams libllama copies the whole
-        stream's buffer at the next decode; a recurrent state is shared as it is now, without a pending rollback
-        (cache.PairCache.fork copies that part exactly)."""
-        ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
-        ll.llama_memory_seq_cp(self._mem, self.seq, seq, -1, -1)
+    def copy_from(self, seq: int) -> None:
+        """Hold sequence `seq`'s cells instead of this one's (emptied first). Across KV streams libllama copies the
+        whole stream's buffer at the next decode; a recurrent cell is shared, without a rollback `seq` still has
+        pending (cache/spares.py)."""
+        self.clear()
+        self.share_from(seq)
+
+    def share_from(self, seq: int) -> None:
+        """Hold sequence `seq`'s cells instead of this one's, as `copy_from`, keeping this sequence's own pending
+        rollback (the snapshot a shared recurrent cell is read from at the next decode, cache/spares.py)."""
+        ll.llama_memory_seq_cp(self._mem, seq, self.seq, -1, -1)
 
     def clear(self) -> None:
         """Remove every position of this sequence (the other sequences of the context keep theirs)."""

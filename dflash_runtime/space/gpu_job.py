@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import methods as draft_methods
+from ..stats import tokens_per_verify
 from .requests import ChatRequest
 from .setup.presets import PairPreset, ResolvedPair
 
@@ -184,7 +185,7 @@ def resumed_stats(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]
         out["checkpoint_restored_at"] = before["checkpoint_restored_at"]
     drafted, steps, decode_ms = out.get("drafted", 0), out.get("verify_steps", 0), out.get("decode_ms", 0.0)
     out["acceptance_rate"] = round(out.get("accepted", 0) / drafted, 4) if drafted else 0.0
-    out["mean_accepted_length"] = round(out.get("verify_emitted", 0) / steps, 4) if steps else 0.0
+    out["mean_accepted_length"] = round(tokens_per_verify(out.get("verify_emitted", 0), steps), 4)
     out["decode_tok_s"] = round(out.get("n_generated", 0) / (decode_ms / 1000.0), 2) if decode_ms > 0 else 0.0
     out["host_ms"] = round(max(0.0, decode_ms - out.get("native_ms", 0.0)), 3)
     out["target_steps"] = out.get("verify_steps", 0) + out.get("plain_steps", 0)

@@ -356,6 +356,70 @@ def words_selector(vocab: TinyVocab, n_embd: int, rank: int, source: TensorSourc
     return predecessor, successor, hidden
 
 
+# DSpark (a DFlash v1 draft with a Markov head and, optionally, a confidence head; see dspark_markov):
+MARKOV_PHRASE_GAIN = 3.0  # the Markov bias on the phrase's next token after a phrase token: it outweighs the mask row's
+MARKOV_AGAINST = 8.0  # head="markov": the bias against the target's odds, above their weight (dspark_markov)
+CONFIDENCE_SPREAD = 1.5  # the confidence logit's part read from the row's hidden state: it varies from row to row
+CONFIDENCE_PHRASE = (-1.0, 6.0, -2.0)  # head="phrase": the range of the gains after each phrase token, and the bias
+
+
+def dspark_markov(head: str, vocab: TinyVocab, rank: int, source: TensorSource) -> tuple[np.ndarray, np.ndarray]:
+    """A DSpark Markov head, numpy (n_vocab, rank) each: `w1` embeds the token before a block row, `w2` turns that
+    into a bias over the vocabulary, bias(s | prev) = w2[s] · w1[prev] (libllama adds it to the row's logits).
+
+    `phrase`: the phrase's next token after each phrase token (right where the target stays in the phrase, wrong
+    where it leaves it); `words`: the word chain's log-odds, as the DFlash 2 selector scores them; `markov`: against
+    the target's odds (after a token the target follows with its likeliest successor, the bias favours the least
+    likely one), so the draft's distribution is far from the target's; elsewhere small random weights (larger on
+    `random`), which leave the draft as a DFlash v1 draft read from its anchor row on."""
+    w1 = source.normal(vocab.n_vocab, rank, std=SELECTOR_SCALE[head])
+    w2 = source.normal(vocab.n_vocab, rank, std=SELECTOR_SCALE[head])
+    if head == "phrase":
+        ids = [vocab.id_of_text(text) for text in PHRASE]
+        for j, token in enumerate(ids):
+            w1[token, :] = 0.0
+            w1[token, j] = 1.0
+            w2[ids[(j + 1) % len(ids)], :] = 0.0
+            w2[ids[(j + 1) % len(ids)], j] = MARKOV_PHRASE_GAIN
+    elif head == "words":
+        chain = word_chain(vocab)
+        if rank < len(chain.ids):
+            raise ValueError(f'head="words" needs markov_rank >= {len(chain.ids)}, got {rank}')
+        for i, token in enumerate(chain.ids):
+            w1[token, :] = 0.0
+            w1[token, i] = 1.0
+            w2[token, :] = 0.0
+            w2[token, : len(chain.ids)] = WORDS_SELECTOR_GAIN * chain.log_odds[:, i]
+    elif head == "markov":
+        ids = [vocab.id_of_text(text) for text in SOFT_TOKENS]
+        for t, token in enumerate(ids):
+            w1[token, :] = 0.0
+            w1[token, t] = 1.0
+        for s_, token in enumerate(ids):
+            w2[token, :] = 0.0
+            w2[token, : len(ids)] = [-MARKOV_AGAINST * MARKOV_GAINS[s_] * level for level in MARKOV_LEVELS]
+    return w1, w2
+
+
+def dspark_confidence(head: str, vocab: TinyVocab, n_embd: int, rank: int, source: TensorSource
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """A DSpark confidence head: weight numpy (1, n_embd + rank) over [the row's hidden state; w1[prev]], and its
+    bias (1,); libllama scores a row sigmoid(weight · features + bias). Its score varies with the row's hidden state
+    and, more, with the token before the row (random reads of both, each of spread CONFIDENCE_SPREAD), so drafts are
+    cut at different positions. On `phrase` it is doubtful after a token outside the phrase (its bias) and confident
+    after most phrase tokens (one weight per phrase token, drawn): it stops drafts where the target left the phrase,
+    and some inside it."""
+    weight = np.zeros((1, n_embd + rank), dtype=np.float32)
+    weight[0, :n_embd] = source.normal(n_embd, std=CONFIDENCE_SPREAD / np.sqrt(n_embd))
+    w1_std = SELECTOR_SCALE[head]  # dspark_markov's random rows: their read spreads as the hidden state's
+    weight[0, n_embd:] = source.normal(rank, std=CONFIDENCE_SPREAD / (np.sqrt(rank) * w1_std))
+    bias = np.zeros(1, dtype=np.float32)
+    if head == "phrase":
+        low, high, bias[0] = CONFIDENCE_PHRASE
+        weight[0, n_embd:n_embd + len(PHRASE)] = source.uniform(low, high, len(PHRASE))
+    return weight, bias
+
+
 _STEERING: dict[str, Callable[[np.ndarray, np.ndarray, TinyVocab, TensorSource], None]] = {
     "random": _steer_random,
     "shaped": _steer_shaped,

@@ -19,7 +19,7 @@ from .words import word_chain
 GENERATOR_VERSION = 2
 
 TARGET_ARCHS = {"dense": "qwen3", "hybrid": "qwen35"}
-DRAFT_KINDS = ("dflash2", "dflash1", "eagle3")
+DRAFT_KINDS = ("dflash2", "dflash1", "eagle3", "dspark")
 EAGLE3_TAPS = 3  # an EAGLE-3 draft reads three target layers (low, middle, high)
 DIMS = ("tiny", "scaled")
 WEIGHT_TYPES = ("f32", "f16")
@@ -88,6 +88,12 @@ class DraftSpec:
     eos_token: str = IM_END
     with_mask: bool = True
     extra_tokens: int = 0
+    # DSpark (a DFlash v1 draft with a Markov head): the head's rank, an optional confidence head, and whether the
+    # block's anchor row drafts (llama.cpp's converter: true for DFlash-lineage exports). Left out of the digest and
+    # the record of every other kind, so their files keep their names and bytes.
+    markov_rank: int = 0
+    confidence_head: bool = False
+    sample_from_anchor: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -104,6 +110,13 @@ class DraftSpec:
     @property
     def is_eagle3(self) -> bool:
         return self.kind == "eagle3"
+
+    @property
+    def is_dspark(self) -> bool:
+        return self.kind == "dspark"
+
+
+DSPARK_FIELDS = ("markov_rank", "confidence_head", "sample_from_anchor")
 
 
 @dataclass(frozen=True)
@@ -130,8 +143,7 @@ class PairSpec:
         return _digest(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
-        draft = None if self.draft is None else dataclasses.asdict(self.draft)
-        return {"target": _target_fields(self.target), "draft": draft, "version": self.version}
+        return {"target": _target_fields(self.target), "draft": _draft_fields(self.draft), "version": self.version}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -157,6 +169,16 @@ def _target_fields(target: TargetSpec) -> dict[str, Any]:
     fields = dataclasses.asdict(target)
     if not fields["mtp_layers"]:
         del fields["mtp_layers"]  # digests and records of targets without an MTP block stay as they were
+    return fields
+
+
+def _draft_fields(draft: DraftSpec | None) -> dict[str, Any] | None:
+    if draft is None:
+        return None
+    fields = dataclasses.asdict(draft)
+    if not draft.is_dspark:
+        for name in DSPARK_FIELDS:
+            del fields[name]  # digests and records of the other kinds stay as they were
     return fields
 
 
@@ -209,6 +231,9 @@ DRAFT_DEFAULTS: dict[str, Any] = dict(
     conv_group_size=16,
     selector_rank=16,
     selector_top_k=4,
+    markov_rank=16,
+    confidence_head=False,
+    sample_from_anchor=True,
 )
 
 OVERRIDABLE = frozenset(
@@ -245,9 +270,14 @@ def resolve_pair_spec(
     unknown = sorted(set(overrides) - OVERRIDABLE)
     if unknown:
         raise TypeError(f"unknown tiny model override(s) {unknown}; known: {sorted(OVERRIDABLE)}")
+    spark = sorted(set(overrides) & set(DSPARK_FIELDS))
+    if spark and draft != "dspark":
+        raise ValueError(f"invalid tiny model spec: {spark} shape a dspark draft, not {draft!r}")
     head_defaults: dict[str, Any] = {"selector_top_k": PHRASE_TOP_K} if head == "phrase" else {}
-    if head == "words":  # candidates: as many as the lattice fits; the selector's rank: one per chain token
-        head_defaults = {"selector_top_k": words_top_k(n_embd), "selector_rank": len(word_chain(build_vocab()).ids)}
+    if head == "words":  # candidates: as many as the lattice fits; the selector's and Markov head's rank: one per token
+        chain_length = len(word_chain(build_vocab()).ids)
+        head_defaults = {"selector_top_k": words_top_k(n_embd), "selector_rank": chain_length,
+                         "markov_rank": chain_length}
     sizes = {**_size_defaults(dims, n_embd), **DRAFT_DEFAULTS, **head_defaults, **overrides}
     if "head_dim" not in overrides:
         sizes["head_dim"] = _default_head_dim(target, dims, n_embd, sizes["n_head"])
@@ -274,6 +304,9 @@ def _draft_spec(kind: str, seed: int, n_embd: int, sizes: dict[str, Any], *, mro
     eagle3 = kind == "eagle3"
     n_taps = EAGLE3_TAPS if eagle3 else sizes["n_taps"]
     taps = sizes.get("target_layers") or spread_layers(sizes["n_layer"], n_taps)
+    # the DSpark heads' sizes only on a DSpark draft: every other kind keeps the fields' defaults
+    spark = {} if kind == "dspark" else {f.name: f.default for f in dataclasses.fields(DraftSpec)
+                                         if f.name in DSPARK_FIELDS}
     return _from_sizes(
         DraftSpec,
         sizes,
@@ -283,6 +316,7 @@ def _draft_spec(kind: str, seed: int, n_embd: int, sizes: dict[str, Any], *, mro
         n_layer=1 if eagle3 else sizes["draft_layers"],
         target_layers=tuple(int(t) for t in taps),
         mrope=mrope and not eagle3,
+        **spark,
     )
 
 
@@ -320,6 +354,8 @@ def _validate_draft(t: TargetSpec, d: DraftSpec) -> None:
     _require(d.block_size >= 2, "block_size must be at least 2 (one drafted token)")
     if d.is_eagle3:
         _require(len(d.target_layers) == EAGLE3_TAPS, f"an EAGLE-3 draft reads exactly {EAGLE3_TAPS} target layers")
+    if d.is_dspark:
+        _require(d.markov_rank >= 1, "markov_rank must be at least 1")
     if d.is_dflash2:
         _require(d.n_embd % d.conv_group_size == 0, "n_embd must be a multiple of conv_group_size")
         top_k = d.selector_top_k

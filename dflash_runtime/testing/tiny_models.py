@@ -3,7 +3,9 @@
 Targets: `dense` (arch qwen3) and `hybrid` (arch qwen35: Gated DeltaNet + gated attention, IMROPE). A hybrid
 target may carry a Qwen3.5 MTP (nextn) block after its trunk (`mtp_layers=1`), which llama.cpp drafts with
 (`--spec-type draft-mtp`); it predicts as well as the head allows (see heads.py).
-Drafts: `dflash2` (dynamic conv + candidate selector) and `dflash1`, both arch `dflash`; `eagle3` (arch `eagle3`, as
+Drafts: `dflash2` (dynamic conv + candidate selector) and `dflash1`, both arch `dflash`; `dspark` (arch `dflash`: the
+`dflash1` draft with a DSpark Markov head, and with `confidence_head=True` a confidence head too, as the converter
+writes a DSpark checkpoint; `sample_from_anchor=False` for a bonus-anchor export); `eagle3` (arch `eagle3`, as
 the converter writes an EAGLE-3 checkpoint: see writers.write_eagle3_draft); or none (`draft=None`:
 the target alone, e.g. a hybrid target with MTP). `tiny_draft_model(pair)` writes a draft for llama.cpp's
 `draft-simple`: a small dense model of the same vocabulary and head.
@@ -15,8 +17,9 @@ verify as published DFlash 2 runs: the offline demo's pair).
 Files are generated once into a cache, named by a digest of every parameter and the generator version,
 written to a temporary file and renamed, so concurrent generators never expose a partial file.
 
-    python -m dflash_runtime.testing.tiny_models --out DIR [--target dense|hybrid] [--draft dflash2|dflash1|none]
-        [--head random|shaped|const|regime|...] [--n-embd N] [--dims tiny|scaled] [--seed S] [--mtp-layers 0|1]
+    python -m dflash_runtime.testing.tiny_models --out DIR [--target dense|hybrid]
+        [--draft dflash2|dflash1|dspark|eagle3|none] [--head random|shaped|const|regime|...] [--n-embd N]
+        [--dims tiny|scaled] [--seed S] [--mtp-layers 0|1] [--confidence-head]
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class TinyPair:
     target: Path
     draft: Path | None  # None: the target alone
     target_arch: str  # "qwen3" | "qwen35"
-    draft_kind: str | None  # "dflash2" | "dflash1" | "eagle3" | None
+    draft_kind: str | None  # "dflash2" | "dflash1" | "dspark" | "eagle3" | None
     spec: PairSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
@@ -93,7 +96,8 @@ def tiny_pair(
     **overrides: Any,
 ) -> TinyPair:
     """The pair's files, generated on first use. Overrides: any size of specs.OVERRIDABLE (e.g. n_layer=6,
-    draft_layers=1, block_size=16, target_layers=(1, 2), weight_type="f16", mtp_layers=1).
+    draft_layers=1, block_size=16, target_layers=(1, 2), weight_type="f16", mtp_layers=1; a dspark draft's
+    confidence_head=True, sample_from_anchor=False, markov_rank=8).
 
     `draft=None` writes the target alone (`pair.draft is None`). `mtp_layers=1` (hybrid only) appends an MTP block
     to the target: `tiny_pair("hybrid", None, mtp_layers=1)` is a target that drafts with it, and
@@ -222,8 +226,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dims", choices=DIMS, default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mtp-layers", type=int, default=0, help="MTP (nextn) blocks after a hybrid target's trunk")
+    parser.add_argument("--confidence-head", action="store_true", help="a dspark draft with a confidence head")
     args = parser.parse_args(argv)
-    extra = {"mtp_layers": args.mtp_layers} if args.mtp_layers else {}
+    extra: dict[str, Any] = {"mtp_layers": args.mtp_layers} if args.mtp_layers else {}
+    if args.confidence_head:
+        extra["confidence_head"] = True
     pair = tiny_pair(
         args.target,
         None if args.draft == "none" else args.draft,

@@ -1,9 +1,10 @@
 """One GGUF writer per model kind: dense `qwen3` target, hybrid `qwen35` target (optionally with an MTP block),
-DFlash 2 / v1 draft, EAGLE-3 draft.
+DFlash 2 / v1 draft, DSpark draft, EAGLE-3 draft.
 
 Keys and tensor shapes follow libllama's loaders (src/models/qwen3.cpp, qwen35.cpp, dflash.cpp, eagle3.cpp) and, for
 the MTP block, the layout convert_hf_to_gguf.py writes for Qwen3.5 (conversion/qwen.py, _QwenMtpMixin), for the
-EAGLE-3 draft the one it writes for an EAGLE-3 checkpoint (conversion/llama.py, is_eagle3).
+EAGLE-3 draft the one it writes for an EAGLE-3 checkpoint (conversion/llama.py, is_eagle3), for the DSpark draft the
+one it writes for a DSpark checkpoint (conversion/qwen.py, DSparkModel).
 numpy shapes are (n_out, n_in), i.e. ggml {n_in, n_out}.
 """
 
@@ -22,6 +23,8 @@ from .heads import (
     SELECTOR_SCALE,
     TensorSource,
     build_head,
+    dspark_confidence,
+    dspark_markov,
     mtp_input_projection,
     phrase_selector,
     plain_ids,
@@ -242,6 +245,9 @@ def _add_draft_keys(sink: TensorSink, d: DraftSpec) -> None:
         sink.arch_u32("conv_group_size", d.conv_group_size)
         sink.arch_u32("selector_rank", d.selector_rank)
         sink.arch_u32("selector_top_k", d.selector_top_k)
+    if d.is_dspark:  # the converter writes both, always
+        sink.writer.add_bool(f"{sink.arch}.sample_from_anchor", d.sample_from_anchor)
+        sink.writer.add_bool(f"{sink.arch}.has_confidence_head", d.confidence_head)
 
 
 def _add_dynamic_conv(sink: TensorSink, src: TensorSource, name: str, d: DraftSpec) -> None:
@@ -284,7 +290,9 @@ def write_draft(path: Path, spec: PairSpec) -> None:
     _add_draft_keys(sink, d)
     sink.writer.add_string(SPEC_KEY, spec.to_json())
     add_tokenizer(sink, vocab, eos_token=d.eos_token, with_mask=d.with_mask, bos_template=spec.target.bos_template)
-    src = TensorSource(d.seed, f"draft-{spec.target.kind}-{d.kind}", reserved_channels(spec.target.head))
+    # A DSpark draft is the DFlash v1 draft of the same spec (the same bytes) with its heads added.
+    backbone = "dflash1" if d.is_dspark else d.kind
+    src = TensorSource(d.seed, f"draft-{spec.target.kind}-{backbone}", reserved_channels(spec.target.head))
     sink.matrix("fc.weight", src.matrix(d.n_embd, len(d.target_layers) * d.n_embd))
     sink.exact("enc.output_norm.weight", unit_gains(d.n_embd))
     sink.exact("output_norm.weight", unit_gains(d.n_embd))
@@ -299,7 +307,26 @@ def write_draft(path: Path, spec: PairSpec) -> None:
             _add_dynamic_conv(sink, src, prefix + "ffn", d)
     if d.is_dflash2:
         _add_selector(sink, src, d, vocab, spec.target.head)
+    if d.is_dspark:
+        _add_dspark_heads(sink, spec, vocab)
     sink.finish()
+
+
+def _add_dspark_heads(sink: TensorSink, spec: PairSpec, vocab: TinyVocab) -> None:
+    """DSpark's Markov head (`markov_w1` {rank, n_vocab}: the token before a row; `markov_w2` {rank, n_vocab}: its bias
+    over the vocabulary) and, as a variant, its confidence head (`conf_proj` {n_embd + rank, 1} with a bias): the
+    converter's names for `markov_head.markov_w1/2` and `confidence_head.proj`. Each head from a stream of its own,
+    so the drafts with and without a confidence head share every other byte."""
+    d, head = spec.draft, spec.target.head
+    assert d is not None
+    w1, w2 = dspark_markov(head, vocab, d.markov_rank, TensorSource(d.seed, f"dspark-markov-{spec.target.kind}"))
+    sink.exact("markov_w1.weight", w1)
+    sink.exact("markov_w2.weight", w2)
+    if d.confidence_head:
+        weight, bias = dspark_confidence(head, vocab, d.n_embd, d.markov_rank,
+                                         TensorSource(d.seed, f"dspark-confidence-{spec.target.kind}"))
+        sink.exact("conf_proj.weight", weight)
+        sink.exact("conf_proj.bias", bias)
 
 
 def write_eagle3_draft(path: Path, spec: PairSpec) -> None:

@@ -20,6 +20,7 @@ import gradio as gr
 import pandas as pd
 
 from ...errors import DFlashError, PromptTooLongError, RequestError
+from ...methods import compared as compared_by_default
 from ...methods import runnable as registered_methods
 from ..requests import AUTO, DEFAULT_SYSTEM_PROMPT, MessageTooLongError
 from ..scrub import scrub_paths
@@ -27,8 +28,16 @@ from ..web.clients import ClientIdentity
 from ..web.gate import call_of
 from ..web.service import MODEL_DEFAULTS, Reply, SpaceService, wait_problem
 from .items import item_stats
-from .panel import EMPTY_DETAILS, EMPTY_STATS, REFUSED_STATS, WAITING_STATS, stats_details, stats_summary
-from .session import ChatSession
+from .panel import (
+    EMPTY_DETAILS,
+    EMPTY_STATS,
+    REFUSED_STATS,
+    WAITING_STATS,
+    speed_badge,
+    stats_details,
+    stats_summary,
+)
+from .session import ChatSession, typed_user_text
 from .speedup import ACCEPTANCE, SPEED, LiveSpeedUp, SpeedTrace, point_every
 from .views import (
     PLAIN_LABEL,
@@ -38,17 +47,18 @@ from .views import (
     method_help,
     method_label,
     sharing_note,
+    texts_side_by_side,
 )
 
 log = logging.getLogger(__name__)
 ApiReply = tuple[str, dict[str, Any]]
-# /chat's and /generate's parameters, in order (a raw HTTP call sends one value for each; see callers.py)
+# /chat's and /generate's parameters, in order (a raw HTTP call sends one value for each; see web/gate.py)
 # (new ones go at the end: an old client's values keep their places; draft_max is the deprecated draft_length).
 # Declared here once: make_api refuses endpoints whose signature or documented parameters differ (api_problems).
 API_PARAMETERS = ("message", "history", "system_prompt", "preset", "max_tokens", "temperature", "top_p", "draft_max",
                   "speculative", "thinking", "method", "draft_length", "top_k", "min_p")  # fmt: skip
 WAIT_PARAMETERS = ("until", "timeout_s")
-# What the HTTP gate checks of raw calls (callers.HttpGate): each endpoint's parameters, and /wait's values (its /run
+# What the HTTP gate checks of raw calls (web/gate.py): each endpoint's parameters, and /wait's values (its /run
 # route answers a handler's error HTTP 500, so they are checked before).
 CHECKED_PARAMETERS = {"chat": API_PARAMETERS, "generate": API_PARAMETERS, "wait": WAIT_PARAMETERS, "info": ()}
 CHECKED_VALUES: dict[str, Callable[[list[Any]], str | None]] = {"wait": lambda values: wait_problem(*values)}
@@ -141,6 +151,29 @@ def chart_updates(stats: dict[str, Any], trace: SpeedTrace | None) -> tuple[Any,
 
 
 HIDDEN_CHARTS = (gr.update(value=None, visible=False),) * 3
+
+
+def speed_up_chart(rows: list[dict[str, Any]]) -> Any:
+    """The A/B chart's update: a bar per run in the table's order (plain at 1, each finished method's measured
+    speed-up), on an axis from 0, hidden until a method has finished."""
+    if not rows:
+        return gr.update(value=None, visible=False)
+    frame = pd.DataFrame(rows, columns=["method", "speed-up"]).astype({"method": "string", "speed-up": "float64"})
+    top = max(row["speed-up"] for row in rows)
+    return gr.update(value=frame, sort=[row["method"] for row in rows], y_lim=[0, round(top * 1.15 + 0.05, 2)],
+                     visible=True)  # fmt: skip
+
+
+def ab_frame(found: str, rows: list[dict[str, Any]], texts: str, button: Any) -> tuple[Any, ...]:
+    """One frame of the A/B's outputs: its box, its chart (an update in every frame, made anew, never a skip after
+    one: see notice_line), its texts and its button."""
+    return found, speed_up_chart(rows), texts, button
+
+
+def ab_cleared() -> tuple[Any, Any, Any]:
+    """The A/B box, chart and texts as a new message (or a new A/B run) leaves them: empty (a new update each time:
+    Gradio changes one it has sent)."""
+    return "", speed_up_chart([]), ""
 
 
 def notice_line(text: str) -> str:
@@ -354,14 +387,49 @@ def method_menu_help(service: SpaceService) -> str:
     return method_help(shown, service.engine_info.get("draft_kind"), methods[0] if methods else None)
 
 
-AB_LABEL = "A/B: same prompt, plain vs each draft method"
-AB_WAITS = "A/B: once this answer has finished"  # the button while the conversation's answer (or A/B) runs
+AB_MOST = 4  # draft methods one A/B compares at most: with plain, five answers, so that an A/B stays short
 
 
-def ab_button(ready: bool) -> Any:
-    """The A/B button: usable, or greyed out saying when it will be (an A/B run while this conversation's answer
-    runs would be refused for its answers at once)."""
-    return gr.update(value=AB_LABEL if ready else AB_WAITS, interactive=ready)
+def ab_choices(service: SpaceService) -> tuple[list[tuple[str, str]], list[str]]:
+    """The A/B's methods to pick from (each method the pair runs: label, name) and those picked before the visitor
+    picks (the registry's `compared`, at most AB_MOST)."""
+    methods = service.methods() or []
+    kind = service.engine_info.get("draft_kind")
+    return [(method_label(m, kind), m) for m in methods], ab_picked(methods, None)
+
+
+def ab_picker(service: SpaceService) -> Any:
+    """The A/B's method picker as the pair's methods are now known."""
+    choices, picked = ab_choices(service)
+    return gr.update(choices=choices, value=picked)
+
+
+def ab_picked(methods: list[str], picked: list[str] | None) -> list[str]:
+    """The methods an A/B compares, in the menu's order: those picked (RequestError for one the pair does not run or
+    for more than AB_MOST), else those the registry compares by default."""
+    if not picked:
+        return [m for m in methods if compared_by_default(m)][:AB_MOST]
+    if not isinstance(picked, list) or not all(isinstance(m, str) for m in picked):
+        raise RequestError(f"the A/B's methods must be a list of method names, got {picked!r:.80}")
+    unknown = [m for m in picked if m not in methods]
+    if unknown:
+        raise RequestError(f"the A/B cannot compare {', '.join(unknown)!s:.80}: the pair runs {', '.join(methods)}")
+    if len(set(picked)) > AB_MOST:
+        raise RequestError(f"an A/B compares at most {AB_MOST} methods with plain decoding; {len(set(picked))} were "
+                           "picked")
+    return [m for m in methods if m in picked]
+
+
+AB_LABEL = "A/B: same prompt, plain vs draft methods"
+AB_WAITS = "A/B: once this answer has finished"  # the button while the conversation's answer runs
+AB_RUNNING = "A/B running: plain, then each draft method…"  # the button while its own run goes on
+
+
+def ab_button(ready: bool, running: bool = False) -> Any:
+    """The A/B button: usable, or greyed out saying what goes on: its own run, or an answer of the conversation (an
+    A/B run then would be refused for its answers at once)."""
+    label = AB_LABEL if ready else AB_RUNNING if running else AB_WAITS
+    return gr.update(value=label, interactive=ready)
 
 
 def engine_sharing(service: SpaceService) -> str:
@@ -435,27 +503,73 @@ class PageHandlers:
 
     def submit(self, message: str, session: ChatSession, *settings: Any) -> tuple[Any, ...]:
         """Inputs: message, session, then the settings (system prompt, max tokens, temperature, top-p, top-k, min-p,
-        method, draft length, speculative, thinking). Outputs: chatbot, message box, notice, A/B box, statistics,
-        details, acceptance plot, speed chart, acceptance chart, A/B button. Shows the message at once and leaves it
-        to `respond`; a refused message stays in the box, the notice says why, and the statistics are cleared (as
-        for a message the GPU function refuses)."""
+        method, draft length, speculative, thinking). Outputs: chatbot, message box, notice, A/B box, A/B chart, A/B
+        texts, statistics, details, acceptance plot, speed chart, acceptance chart, A/B button. Shows the message at
+        once and leaves it to `respond`; a refused message stays in the box, the notice says why, and the statistics
+        are cleared (as for a message the GPU function refuses)."""
+        return self._send(message, session, settings)
+
+    def _send(self, message: str, session: ChatSession, settings: tuple[Any, ...],
+              keep: int | None = None) -> tuple[Any, ...]:  # fmt: skip
+        """A message as every message goes out (typed, an example, a retry, an edit): checked as the API checks it
+        against the conversation it follows (its first `keep` messages; all by default), shown, and left to
+        `respond`, which answers it in the engine's queue under the same admission as any answer."""
         skip = gr.skip()
         if session.busy():  # said in the notice line: this event is not queued, so it can show no toast
             busy = "⚠️ The previous answer is still running: wait for it, or press Stop."
-            return skip, skip, notice_line(busy), *(skip,) * 7
+            return skip, skip, notice_line(busy), *(skip,) * 9
+        history = session.messages if keep is None else session.messages[:keep]
         try:
-            request = self.service.check(message=message, history=session.messages, **self._settings(settings))
+            request = self.service.check(message=message, history=history, **self._settings(settings))
         except RequestError as error:
-            return (skip, skip, self._told(error, "Not sent", toast=False), skip, REFUSED_STATS, EMPTY_DETAILS,
-                    *HIDDEN_CHARTS, skip)  # fmt: skip
-        _, shown = session.start_turn(message, request)
-        return shown, "", notice_line(""), "", skip, skip, skip, skip, skip, ab_button(False)
+            return (skip, skip, self._told(error, "Not sent", toast=False), skip, skip, skip, REFUSED_STATS,
+                    EMPTY_DETAILS, *HIDDEN_CHARTS, skip)  # fmt: skip
+        _, shown = session.start_turn(message, request, keep)
+        return shown, "", notice_line(""), *ab_cleared(), skip, skip, skip, skip, skip, ab_button(False)
+
+    def retry(self, session: ChatSession, *settings: Any) -> tuple[Any, ...]:
+        """Inputs: session, then the settings. Outputs: as `submit`. The chat's retry: the last message sent again in
+        place of its answer, as a new message after the turns before it (the same checks, queue and admission; at
+        temperature 0 the same text as sending it anew). The message box is left as it is."""
+        last = session.user_turn(-1)
+        if last is None:
+            return (gr.skip(),) * 12
+        message, keep = last
+        shown, _, *rest = self._send(message, session, settings, keep)
+        return (shown, gr.skip(), *rest)
+
+    def edit(self, data: gr.EditData, shown: list[dict[str, Any]], session: ChatSession,
+             *settings: Any) -> tuple[Any, ...]:  # fmt: skip
+        """Inputs: the chat (as shown), session, then the settings. Outputs: as `submit`. The chat's edit of a message
+        of the visitor's: that message, edited, sent in its place as a new message after the turns before it; the
+        turns after it are taken back. Refused, the chat shows the conversation as it was."""
+        index = data.index[0] if isinstance(data.index, list | tuple) else data.index
+        k = sum(1 for message in shown[:index] if message.get("role") == "user")
+        turn = session.user_turn(k)
+        if turn is None:
+            return (session.shown(), *(gr.skip(),) * 11)
+        sent = self._send(typed_user_text(str(data.value)), session, settings, turn[1])
+        # Refused (or busy), the chat shows the conversation as it was: the page had put the edit in its own copy.
+        return (sent[0] if isinstance(sent[0], list) else session.shown(), gr.skip(), *sent[2:])
+
+    def undo(self, session: ChatSession) -> tuple[Any, ...]:
+        """Inputs: session. Outputs: chatbot, message box, notice, statistics, details, acceptance plot, speed
+        chart, acceptance chart. The chat's undo: the last turn taken back, its message back in the box (not while
+        an answer runs: Stop first)."""
+        skip = gr.skip()
+        last = session.user_turn(-1)
+        if session.busy() or last is None:
+            busy = "⚠️ The answer is still running: press Stop first." if last is not None else ""
+            return skip, skip, notice_line(busy), *(skip,) * 5
+        message, keep = last
+        return (session.take_back(keep), message, notice_line(""), EMPTY_STATS, EMPTY_DETAILS,
+                *HIDDEN_CHARTS)  # fmt: skip
 
     def submit_example(self, example: list[str], session: ChatSession, *settings: Any) -> tuple[Any, ...]:
         """Inputs: the clicked example (the examples' one value), session, then the settings. Outputs: as `submit`.
         Sends the example as if typed and sent; refused, it stays in the box (as a typed message does)."""
         message = str(example[0]) if example else ""
-        shown, box, *rest = self.submit(message, session, *settings)
+        shown, box, *rest = self._send(message, session, settings)
         sent = box == ""  # `submit` empties the box of a message it sent, and leaves it as it is otherwise
         return (shown, box if sent else message, *rest)
 
@@ -470,7 +584,8 @@ class PageHandlers:
             async with aclosing(self._respond(session, call, self.service.client(request))) as frames:
                 async for frame in frames:
                     yield (*frame, gr.skip())
-            yield (gr.skip(),) * 10 + (ab_button(True),)
+            # Usable again once the answer has ended (not when this event found a turn another one answers).
+            yield (gr.skip(),) * 10 + (gr.skip() if session.busy() else ab_button(True),)
         finally:
             self.service.calls.finish(call)
 
@@ -493,7 +608,8 @@ class PageHandlers:
             notice, first = None, True
             async for reply in self.service.reply(request, owner=session.owner, client=client, latest_only=True,
                                                   session=session, call=call):  # fmt: skip
-                shown = session.show_reply(epoch, reply.text, reply.sources.chunks)
+                done = reply.finish_reason is not None
+                shown = session.show_reply(epoch, reply.text, reply.sources.chunks, done)
                 if shown is None:  # cleared meanwhile: this answer belongs to no conversation
                     break
                 session.last_stats = reply.stats
@@ -528,53 +644,73 @@ class PageHandlers:
             # Cleared: this event's last word empties what it showed (Clear's own outputs may arrive before frames
             # this event sent earlier).
             yield [], skip, EMPTY_STATS, EMPTY_DETAILS, *HIDDEN_CHARTS, skip, skip, skip
-        elif reply is not None and reply.finish_reason is None and session.last_stats:  # stopped: say so, chart it
-            stopped = {**session.last_stats, "finish_reason": "stopped", "finish_detail": "by you"}
-            trace.add(stopped, final=True)
-            estimate = speed_up.current(stopped)
-            yield (skip, skip, stats_summary(stopped, estimate), stats_details(stopped, estimate),
-                   *chart_updates(stopped, trace), skip, skip, skip)  # fmt: skip
+            return
+        if reply is None:
+            return
+        final, panel = reply.stats, (skip,) * 5
+        if reply.finish_reason is None and session.last_stats:  # stopped: say so, chart it
+            final = {**session.last_stats, "finish_reason": "stopped", "finish_detail": "by you"}
+            trace.add(final, final=True)
+            estimate = speed_up.current(final)
+            panel = (stats_summary(final, estimate), stats_details(final, estimate), *chart_updates(final, trace))
+        ended = session.end_reply(epoch, speed_badge(final, speed_up.current(final)))  # its last word, its badge
+        yield ended if ended is not None else skip, skip, *panel, skip, skip, skip
 
-    def comparison_phases(self) -> tuple[tuple[str, ...], dict[str, str]]:
-        """The A/B run's phases (plain decoding, then each draft method the pair runs) and each method's row name."""
+    def comparison_phases(self, picked: list[str] | None = None) -> tuple[tuple[str, ...], dict[str, str]]:
+        """The A/B run's phases (plain decoding, then the draft methods picked, in the menu's order; none picked: those
+        the registry compares by default) and each method's row name. RequestError for a pick the pair does not run
+        or for more than AB_MOST methods."""
         methods = self.service.methods()
         if methods is None:  # not known yet (the files are still coming): the pair's default method
             return ("plain", "speculative"), {"speculative": "Speculative (default method)"}
         kind = self.service.engine_info.get("draft_kind")
-        return ("plain", *methods), {m: method_label(m, kind) for m in methods}
+        chosen = ab_picked(methods, picked)
+        return ("plain", *chosen), {m: method_label(m, kind) for m in chosen}
 
     def comparison_weight(self) -> int:
-        """How many answers an A/B run is (what the queue's limits count it as)."""
-        return len(self.comparison_phases()[0])
+        """How many answers an A/B run is at most (what the queue's limits count it as): plain and AB_MOST methods."""
+        return 1 + min(AB_MOST, len(self.service.methods() or ["speculative"]))
 
-    def compare_start(self, session: ChatSession, typed: str) -> tuple[Any, Any]:
-        """Inputs: session, message box. Outputs: the A/B box, the A/B button. At once, outside the queue: what the
-        A/B will run, under its button (the run itself may wait in the queue behind other visitors' answers)."""
+    def compare_start(self, session: ChatSession, typed: str, picked: list[str] | None) -> tuple[Any, ...]:
+        """Inputs: session, message box, the A/B's methods. Outputs: the A/B box, the A/B chart, the A/B texts, the
+        A/B button. At once, outside the queue: what the A/B will run, under its button (the run itself may wait in
+        the queue behind other visitors' answers)."""
         if session.busy():
             return (("⚠️ **A/B not started:** an answer of this conversation is still running. Wait for it to "
-                     "finish (or press Stop), then click A/B again."), gr.skip())  # fmt: skip
+                     "finish (or press Stop), then click A/B again."), gr.skip(), gr.skip(), gr.skip())  # fmt: skip
         if session.last_prompt() is None and not typed.strip():
-            return "*Send a message first (or type one): the A/B run repeats a prompt.*", gr.skip()
-        _, labels = self.comparison_phases()
-        return (f"**A/B starting:** the prompt with plain decoding, then with {', '.join(labels.values())}, all with "
-                "the same seed…", ab_button(False))  # fmt: skip
-
-    async def compare(self, request: gr.Request, session: ChatSession, typed: str,
-                      *settings: Any) -> AsyncIterator[tuple[Any, Any]]:  # fmt: skip
-        """Inputs: session, message box, then the settings. Outputs: the A/B box, the A/B button. Repeats the last
-        prompt (or the typed message) with plain decoding, then with each draft method the pair runs, in one GPU
-        call, all with the same seed."""
-        call = call_of(request)
+            return ("*Send a message first (or type one): the A/B run repeats a prompt.*", gr.skip(), gr.skip(),
+                    gr.skip())  # fmt: skip
         try:
-            async with aclosing(self._compare(session, typed, settings, call, self.service.client(request))) as frames:
-                async for frame in frames:
-                    yield frame, gr.skip()
-            yield gr.skip(), ab_button(True)
+            _, labels = self.comparison_phases(picked)
+        except RequestError as error:
+            return f"⚠️ **A/B not started:** {error}", gr.skip(), gr.skip(), gr.skip()
+        return (f"**A/B starting:** the prompt with plain decoding, then with {', '.join(labels.values())}, all with "
+                "the same seed…", *ab_cleared()[1:], ab_button(False, running=True))  # fmt: skip
+
+    async def compare(self, request: gr.Request, session: ChatSession, typed: str, picked: list[str] | None,
+                      *settings: Any) -> AsyncIterator[tuple[Any, ...]]:  # fmt: skip
+        """Inputs: session, message box, the A/B's methods, then the settings. Outputs: the A/B box, the A/B chart,
+        the A/B texts, the A/B button. Repeats the last prompt (or the typed message) with plain decoding, then with
+        each draft method picked, in one GPU call, all with the same seed: the findings and a table, the speed-ups
+        as a chart beside them, the texts side by side once every run has finished."""
+        call = call_of(request)
+        found: tuple[Any, Any, Any] | None = None
+        try:
+            frames = self._compare(session, typed, picked, settings, call, self.service.client(request))
+            async with aclosing(frames):
+                async for found in frames:
+                    yield ab_frame(*found, gr.skip())
+            # The last frame again, made anew (Gradio changes an update it has sent): a skip after the chart's update
+            # would undo it when the frames reach the page in a burst (see notice_line).
+            yield ab_frame(*found, ab_button(True)) if found else (gr.skip(),) * 3 + (ab_button(True),)
         finally:
             self.service.calls.finish(call)
 
-    async def _compare(self, session: ChatSession, typed: str, settings: tuple[Any, ...], call: str | None,
-                       client: ClientIdentity) -> AsyncIterator[str]:  # fmt: skip
+    async def _compare(self, session: ChatSession, typed: str, picked: list[str] | None, settings: tuple[Any, ...],
+                       call: str | None,
+                       client: ClientIdentity) -> AsyncIterator[tuple[str, list[dict[str, Any]], str]]:  # fmt: skip
+        """The A/B's frames as plain data: its findings (Markdown), the chart's bars, the texts side by side."""
         last = session.last_prompt()
         if last is None and not typed.strip():  # compare_start said so
             return
@@ -584,15 +720,16 @@ class PageHandlers:
         try:
             request = self.service.check(message=message, history=earlier, **self._settings(settings))
             request = replace(request, seed=random.randrange(2**31))
-            phases, labels = self.comparison_phases()
-            yield f"**A/B running: {PLAIN_LABEL}** (1 of {len(phases)})…"
+            phases, labels = self.comparison_phases(picked)
+            yield f"**A/B running: {PLAIN_LABEL}** (1 of {len(phases)})…", [], ""
             comparison = Comparison(request.temperature, request.seed, labels)
             async for reply in self.service.reply(request, phases, owner=session.owner, client=client,
                                                   latest_only=True, session=session, call=call):  # fmt: skip
-                yield comparison.add(reply)
+                found = comparison.add(reply)
+                yield found, list(comparison.chart_rows), texts_side_by_side(comparison.texts)
         except Exception as error:  # told, not raised: see the class doc
             _, text = visitor_message(error)
-            yield f"⚠️ **A/B not run:** {text}"
+            yield f"⚠️ **A/B not run:** {text}", [], ""
 
     def highlight(self, session: ChatSession, on: bool) -> list[dict[str, str]]:
         """Inputs: session, highlight switch. Output: chatbot. Shows the conversation with or without the draft's
@@ -607,14 +744,15 @@ class PageHandlers:
 
     def clear(self, session: ChatSession) -> tuple[Any, ...]:
         """Inputs: session. Outputs: chatbot, message box, statistics, details, acceptance plot, speed chart,
-        acceptance chart, notice, A/B box, A/B button. Stops the running answer and forgets the conversation."""
+        acceptance chart, notice, A/B box, A/B chart, A/B texts, A/B button. Stops the running answer and forgets
+        the conversation."""
         session.clear()
-        return ([], "", EMPTY_STATS, EMPTY_DETAILS, *HIDDEN_CHARTS, notice_line(""), "",
+        return ([], "", EMPTY_STATS, EMPTY_DETAILS, *HIDDEN_CHARTS, notice_line(""), *ab_cleared(),
                 ab_button(True))  # fmt: skip
 
     def page_load(self) -> tuple[Any, ...]:
         """Outputs: thinking switch, info box, temperature, top-p, top-k, min-p, sampling note, method, method help,
-        sharing note.
+        sharing note, the A/B's methods.
         The sampling controls start from the server's current defaults (the model's own once its header is read)."""
         service = self.service
         supports = service.engine_info.get("supports_thinking", True)
@@ -625,7 +763,7 @@ class PageHandlers:
                     for name in ("temperature", "top_p", "top_k", "min_p")]  # fmt: skip
         return (gr.update(visible=bool(supports)), self.about(), *sampling, sampling_note(service),
                 gr.update(choices=method_choices(service)), method_menu_help(service),
-                engine_sharing(service))  # fmt: skip
+                engine_sharing(service), ab_picker(service))  # fmt: skip
 
     def download_tick(self) -> tuple[Any, ...]:
         """Outputs: download box, timer."""

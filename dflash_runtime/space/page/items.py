@@ -24,7 +24,7 @@ from typing import Any
 GROWING = ("n_generated", "verify_steps", "plain_steps", "target_steps", "drafted", "accepted", "verify_emitted",
            "prefill_ms", "draft_ms", "inject_ms", "verify_ms", "plain_ms", "native_ms", "decode_ms", "host_ms",
            "checkpoint_restore_ms", "checkpoints_saved", "checkpoint_bytes", "checkpoint_save_ms",
-           "tree_steps", "tree_nodes", "tree_rows", "tree_accepted", "tree_off_spine",
+           "tree_steps", "tree_nodes", "tree_rows", "tree_accepted", "tree_off_spine", "tree_host_bytes",
            "gpu_seconds_used")  # fmt: skip
 GROWING_PER_POSITION = ("accepted_per_position", "drafted_per_position")
 # What an item carries for its own text only (the reply's statistics hold them for the whole answer).

@@ -10,11 +10,15 @@ from typing import Any
 from .speedup import Estimate, Pending
 from .views import method_label
 
-EMPTY_STATS = ("*Statistics appear here while the model answers: how much of the answer the draft wrote, and about "
-               "how much faster it came than without the draft.*")  # fmt: skip
+EMPTY_STATS = "*How much of an answer the draft wrote, and how much faster it came, shows here as it is written.*"
 WAITING_STATS = "*Waiting for the first tokens (the first request also loads the model)…*"
 REFUSED_STATS = "*No answer: the message was not sent (the notice under the chat says why).*"
 EMPTY_DETAILS = "*The steps, acceptance and timings of an answer appear here.*"
+# An estimate whose interval reaches further than this share of its centre either way says too little to be the
+# figure: the summary says so in words instead ("too early to tell") and the details keep the numbers.
+TOO_WIDE = 0.25
+# Speed-ups whose interval holds 1 within this (relative) are "about as fast": no gain to speak of, either way.
+ABOUT_SAME = 0.05
 
 
 def _fmt_ms(value: float) -> str:
@@ -45,17 +49,58 @@ def timed_steps(estimate: Estimate, plain_steps: int) -> str:
     return f"{estimate.plain_steps} of its {plain_steps} plain steps, those timed with no verify step among them"
 
 
-def speed_up_phrase(estimate: Estimate | Pending | None, done: bool, plain_steps: int = 0) -> str:
-    """The second half of the sentence: the estimate with its uncertainty, or why there is none yet. `plain_steps`:
-    the answer's plain steps (the table's count)."""
-    if isinstance(estimate, Estimate):
-        verb = "ran" if done else "is running"
-        digits = 2 if estimate.margin < 0.1 else 1  # as many as the uncertainty leaves meaningful
-        return (f"this answer {verb} about **{estimate.ratio:.{digits}f}× as fast** as without the draft "
-                f"(± {estimate.margin:.{digits}f}, timed against {timed_steps(estimate, plain_steps)})")
+def _digits(estimate: Estimate) -> int:
+    return 2 if estimate.margin < 0.1 else 1  # as many as the uncertainty leaves meaningful
+
+
+def interval(estimate: Estimate) -> str:
+    """The estimate's range (about 95 %), as "1.2–1.4×"."""
+    d = _digits(estimate)
+    return f"{max(0.0, estimate.ratio - estimate.margin):.{d}f}–{estimate.ratio + estimate.margin:.{d}f}×"
+
+
+def too_wide(estimate: Estimate) -> bool:
+    return estimate.margin > TOO_WIDE * estimate.ratio
+
+
+def speed_up_phrase(estimate: Estimate | Pending | None, done: bool) -> str:
+    """How much faster than the target alone, in words a visitor who never heard of drafts reads: the estimate with
+    its range where the range is narrow enough to say it, else "too early to tell" (or, the answer ended, "too
+    uncertain to tell"), with why."""
     if estimate is None:
-        return "the speed-up is not estimated here (the A/B button measures it)"
-    return f"no speed-up estimate yet: {estimate.reason} (the A/B button measures it)"
+        return "how much faster than the main model alone: not estimated here (A/B measures it)"
+    if isinstance(estimate, Pending):
+        if estimate.fixed:
+            return f"how much faster than the main model alone: not estimated ({estimate.reason}; A/B measures it)"
+        verdict = "too uncertain to tell" if done else "too early to tell"
+        return f"how much faster than the main model alone: **{verdict}** ({estimate.reason}; A/B measures it)"
+    low, high = estimate.ratio - estimate.margin, estimate.ratio + estimate.margin
+    if too_wide(estimate):  # the range says the direction at most
+        if low > 1 + ABOUT_SAME:
+            return f"**faster** than the main model alone, by how much still uncertain (estimate: {interval(estimate)})"
+        if high < 1 - ABOUT_SAME:
+            return f"**slower** than the main model alone, by how much still uncertain (estimate: {interval(estimate)})"
+        verdict = "too uncertain to tell" if done else "too early to tell"
+        return (f"how much faster than the main model alone: **{verdict}** (the estimate spans {interval(estimate)}; "
+                "A/B measures it)")  # fmt: skip
+    if low <= 1 + ABOUT_SAME and high >= 1 - ABOUT_SAME:
+        return (f"**about as fast** as the main model alone (estimate: {interval(estimate)}): checking the draft's "
+                "guesses cost about what they saved")  # fmt: skip
+    ratio = f"{estimate.ratio:.{_digits(estimate)}f}×"
+    if high < 1:
+        return f"**slower** than the main model alone, **about {ratio}** its speed (estimate: {interval(estimate)})"
+    return f"**about {ratio} as fast** as the main model alone (estimate: {interval(estimate)})"
+
+
+def _share(stats: Mapping[str, Any]) -> str:
+    """How much of the answer the draft wrote, said without the field's terms."""
+    n, accepted = int(stats.get("n_generated") or 0), int(stats.get("accepted") or 0)
+    if accepted:
+        share = f"{100 * accepted / n:.0f} %" if n else "–"
+        return f"**{share}** of these {_plural(n, 'token')} came from the draft, checked and kept by the main model"
+    if int(stats.get("drafted") or 0):
+        return f"None of these {_plural(n, 'token')} came from the draft: the main model kept none of its guesses"
+    return f"None of these {_plural(n, 'token')} came from the draft: it had no guess to offer"
 
 
 def stats_summary(stats: Mapping[str, Any], estimate: Estimate | Pending | None = None) -> str:
@@ -64,18 +109,32 @@ def stats_summary(stats: Mapping[str, Any], estimate: Estimate | Pending | None 
         return EMPTY_STATS
     n, speed = int(stats.get("n_generated") or 0), stats.get("decode_tok_s")
     finished = _finished(stats)
-    pace = f" at **{speed:.1f} tok/s**" if speed else ""
+    pace = f"**{speed:.1f} tok/s**" if speed else "speed after the first step"
     if _speculative(stats):
-        accepted = int(stats.get("accepted") or 0)
-        wrote = (f"The draft wrote **{accepted} of these {_plural(n, 'token')}**" if accepted
-                 else f"The draft has had none of these {_plural(n, 'token')} accepted")  # fmt: skip
-        phrase = speed_up_phrase(estimate, finished is not None, int(stats.get("plain_steps") or 0))
-        line = f"{wrote}{pace}; {phrase}."
+        line = f"{_share(stats)}; {pace}, {speed_up_phrase(estimate, finished is not None)}."
     else:
-        line = f"Plain decoding: **{_plural(n, 'token')}**{pace}, one step of the target each (no draft)."
+        line = f"Plain decoding, without a draft: **{_plural(n, 'token')}**, one step of the main model each; {pace}."
     if finished:
         line += f"\n\nFinished: {finished}."
     return line
+
+
+def speed_badge(stats: Mapping[str, Any], estimate: Estimate | Pending | None = None) -> str:
+    """One finished answer's figures in a few words, shown under it in the chat: how it was written, its speed, the
+    draft's share and the speed-up where its estimate is narrow enough to say one."""
+    speed = stats.get("decode_tok_s")
+    parts = [f"{speed:.0f} tok/s" if speed else "not timed"]
+    if not _speculative(stats):
+        return " · ".join(["plain decoding", *parts])
+    n, accepted = int(stats.get("n_generated") or 0), int(stats.get("accepted") or 0)
+    parts.append(f"{100 * accepted / n:.0f} % from the draft" if n else "nothing written")
+    if isinstance(estimate, Estimate) and not too_wide(estimate):
+        parts.append(f"≈ {estimate.ratio:.{_digits(estimate)}f}× as fast ({interval(estimate)})")
+    elif isinstance(estimate, Estimate) and estimate.ratio - estimate.margin > 1 + ABOUT_SAME:
+        parts.append(f"faster ({interval(estimate)})")
+    else:
+        parts.append("speed-up uncertain")
+    return " · ".join([method_label(stats.get("method")), *parts])
 
 
 def _tokens_row(stats: Mapping[str, Any]) -> tuple[str, str, str]:
@@ -109,7 +168,8 @@ def stats_details(stats: Mapping[str, Any], estimate: Estimate | Pending | None 
     plain_ms, verify_ms = float(stats.get("plain_ms") or 0.0), float(stats.get("verify_ms") or 0.0)
     if speculative:
         if isinstance(estimate, Estimate):
-            vs_plain = (f"≈ {estimate.ratio:.2f}× ± {estimate.margin:.2f}: {estimate.speed:.1f} against "
+            vs_plain = (f"≈ {estimate.ratio:.2f}× ({interval(estimate)}, about 95 %"
+                        f"{': too wide to say' if too_wide(estimate) else ''}): {estimate.speed:.1f} against "
                         f"{estimate.plain_speed:.1f} tok/s, timed over {timed_steps(estimate, plain)}")  # fmt: skip
         else:
             vs_plain = "not yet" if estimate is None else f"not yet: {estimate.reason}"

@@ -77,10 +77,11 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Pending:
-    """Not shown yet: why, in a few words."""
+    """Not shown yet: why, in a few words a visitor reads ("no one-token step timed yet")."""
 
     reason: str
     timed: int = 0  # timed plain steps so far
+    fixed: bool = False  # a fixed draft length: never shown in this answer
 
 
 @dataclass(frozen=True)
@@ -131,14 +132,14 @@ class LiveSpeedUp:
         if timed == 0:
             fixed = stats.get("draft_length") not in ("auto", 0, None)
             if fixed and not stats.get("plain_steps"):
-                return Pending("a fixed draft length drafts at every step, so there is no plain step to compare with")
-            return Pending("it shows once this answer has taken a plain step to compare with", timed)
+                return Pending("a fixed draft length takes no one-token step to compare with", fixed=True)
+            return Pending("no one-token step (without the draft) timed yet", timed)
         few = timed < self.min_plain_steps
         deviations = _verify_deviations(self._timeline) if few else []
         if few and len(deviations) < MIN_SPREAD_STEPS:
-            return Pending(f"it shows once {MIN_SPREAD_STEPS} steps are timed", timed)
+            return Pending(f"fewer than {MIN_SPREAD_STEPS} of its steps timed", timed)
         if not speed or int(stats.get("n_generated") or 0) < self.min_tokens:
-            return Pending(f"it shows after {self.min_tokens} tokens", timed)
+            return Pending(f"fewer than {self.min_tokens} tokens", timed)
         plain_answer_steps = max(1, int(stats.get("n_generated") or 0))
         if not few:
             plain = [(t.plain, t.ms) for t in self._timeline if t.plain]

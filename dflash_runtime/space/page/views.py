@@ -13,6 +13,7 @@ from ..scrub import scrub_paths
 from ..setup.presets import PairPreset
 from ..setup.runmode import RunMode
 from ..web.service import Reply
+from .highlight import escape
 
 
 def acceptance_rows(stats: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -90,7 +91,7 @@ def comparison_markdown(
         if stats:
             drafted = bool(stats.get("drafted"))  # nothing drafted: no acceptance to speak of
             acceptance = f"{stats['acceptance_rate']:.0%}" if drafted else "–"
-            mean_length = f"{stats['mean_accepted_length']:.2f}" if drafted else "–"
+            mean_length = f"{stats.get('mean_accepted_length', 1.0):.2f}"  # one definition: 1.00 without a draft
             speed = stats.get("decode_tok_s")
             lines.append(f"| {name} | {stats['n_generated']} | {'…' if speed is None else f'{speed:.1f}'} | "
                          f"{acceptance} | {mean_length} |")  # fmt: skip
@@ -99,8 +100,9 @@ def comparison_markdown(
         else:
             lines.append(f"| {name} | … | waiting | | |")
     checked = f" Drafts checked by {' / '.join(dict.fromkeys(modes))}." if modes else ""
-    lines.append(f"\n*Accepted: the drafted tokens the target kept. Tok/step: tokens per verify step (the mean "
-                 f"accepted length, the target's own token included).{checked}*")  # fmt: skip
+    lines.append(f"\n*Accepted: the drafted tokens the target kept. Tok/step: tokens per verify step, the target's own "
+                 f"one included (the mean accepted length; 1.00 where nothing was drafted, as in plain decoding)."
+                 f"{checked}*")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -154,6 +156,46 @@ def speed_up_line(speculative: Mapping[str, Any], plain: Mapping[str, Any], name
     if ratio < 1:
         return f"**{name}: slower than plain here, {ratio:.2f}×** ({speeds})"
     return f"**{name}: {ratio:.2f}× as fast as plain** ({speeds})"
+
+
+def speed_up_rows(methods: Mapping[str, Mapping[str, Any] | None],
+                  plain: Mapping[str, Any] | None) -> list[dict[str, Any]]:  # fmt: skip
+    """The A/B chart's bars: plain decoding at 1 and each finished method's measured speed over it (× plain)."""
+    plain_speed = (plain or {}).get("decode_tok_s")
+    if not plain_speed or not (plain or {}).get("finish_reason"):
+        return []
+    rows = [{"method": PLAIN_LABEL, "speed-up": 1.0}]
+    for name, stats in methods.items():
+        if stats and stats.get("finish_reason") and stats.get("decode_tok_s"):
+            rows.append({"method": name, "speed-up": round(stats["decode_tok_s"] / plain_speed, 3)})
+    return rows if len(rows) > 1 else []
+
+
+TEXTS_CLASS = "ab-texts"
+
+
+def texts_side_by_side(texts: Mapping[str, str]) -> str:
+    """The A/B's answers side by side (a column each; on a phone they stack), plain's first. A text that differs from
+    plain's says so in its heading and is marked from its first differing character. The model's text is escaped."""
+    if not texts:
+        return ""
+    names = list(texts)
+    plain = texts[names[0]]
+    columns = []
+    for name in names:
+        text = texts[name]
+        if name == names[0]:
+            note, body = "", escape(text)
+        elif text == plain:
+            note, body = " · the same text", escape(text)
+        else:
+            at = next((i for i, (a, b) in enumerate(zip(text, plain, strict=False)) if a != b), min(len(text),
+                                                                                                   len(plain)))
+            note = f" · differs from character {at + 1}"
+            body = escape(text[:at]) + f"<mark>{escape(text[at:])}</mark>"
+        columns.append(f'<div class="ab-text"><div class="ab-name"><b>{escape(name)}</b>{note}</div>'
+                       f'<div class="ab-body">{body}</div></div>')  # fmt: skip
+    return f'<div class="{TEXTS_CLASS}">{"".join(columns)}</div>'
 
 
 def comparison_verdict(identical: Mapping[str, bool], temperature: float, seed: int | None,
@@ -245,11 +287,13 @@ def mode_banner(mode: RunMode) -> str:
             f"**The model pair is not served: {mode.reason}.** {problems}. To fix it, {mode.fix}. "
             f"Meanwhile this is the **offline demo on random-weight test models**. {DEMO_WHAT}"
         )
+    # One line on top (a phone's first screen keeps room for the chat), the rest folded under it.
     return (
-        f"**Offline demo: random-weight test models on this CPU.** {DEMO_WHAT} (Started this way because: "
-        f"{mode.reason}.) "
-        "To run the real pair, start on a CUDA GPU or ZeroGPU, or set `DFLASH_DEMO=off` "
-        "(and optionally `DFLASH_TARGET_REPO` / `DFLASH_DRAFT_REPO` ...)."
+        "**Offline demo: random-weight test models on this CPU.** The answers are word salad; the drafting, the "
+        "highlight and every figure are real.\n\n<details><summary>What this demo is, and how to run the real "
+        f"pair</summary>\n\n{DEMO_WHAT} (Started this way because: {mode.reason}.) To run the real pair, start on a "
+        "CUDA GPU or ZeroGPU, or set `DFLASH_DEMO=off` (and optionally `DFLASH_TARGET_REPO` / `DFLASH_DRAFT_REPO` "
+        "...).\n\n</details>"
     )
 
 
@@ -307,6 +351,8 @@ class Comparison:
     labels: dict[str, str]
     phases: dict[str, Reply] = field(default_factory=dict)
     divergences: dict[str, dict[str, Any]] = field(default_factory=dict)  # phase → why it differs from plain
+    chart_rows: list[dict[str, Any]] = field(default_factory=list)  # the speed-up chart's bars so far
+    texts: dict[str, str] = field(default_factory=dict)  # every run's text by row name, once all have finished
 
     def add(self, reply: Reply) -> str:
         self.phases[reply.phase] = reply
@@ -323,6 +369,13 @@ class Comparison:
             identical[label] = (run.text == plain.text) if done and run and plain else None
         divergences = {label: self.divergences[phase] for phase, label in self.labels.items()
                        if phase in self.divergences}
+        self.chart_rows = speed_up_rows(methods, plain.stats if plain else None)
+        self.texts = self._finished_texts() if all(same is not None for same in identical.values()) else {}
         return comparison_markdown(methods, plain.stats if plain else None, identical,
                                    temperature=self.temperature, seed=self.seed,
                                    divergences=divergences)  # fmt: skip
+
+    def _finished_texts(self) -> dict[str, str]:
+        """Each run's text by its row name, plain's first (once every run has finished)."""
+        runs = [("plain", PLAIN_LABEL), *self.labels.items()]
+        return {label: self.phases[phase].text for phase, label in runs if phase in self.phases}

@@ -20,6 +20,9 @@ class AdmissionError(RequestError):
     """A call refused by the limits on answers (HTTP 429), or whose place a client with fewer answers took."""
 
 
+# Transitions after which no waiting job need look at its turn again (it looks every `poll_s` all the same).
+QUIET = frozenset((FairShare.sending, FairShare.padding, FairShare.knows, FairShare.session_of_event,
+                   FairShare.running_for, FairShare.opened, FairShare.cannot_yield))  # fmt: skip
 TAKEN = ("the server's queue was full and a client with fewer answers took this one's place before it started (each "
          "client gets an equal share): retry once some of your answers have ended")
 
@@ -36,10 +39,11 @@ class Calls:
 
     def apply(self, transition: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One of the policy's methods (`FairShare.queued`, ...) at the clock's time, under the lock; every waiting
-        job looks at its turn again."""
+        job looks at its turn again, but after one that changes nobody's turn (a write, a question: QUIET)."""
         with self._changed:
             result = transition(self.policy, self._clock(), *args, **kwargs)
-            self._changed.notify_all()
+            if transition not in QUIET:
+                self._changed.notify_all()
             return result
 
     def admitted(self, client: str, weight: int) -> Call:
@@ -62,9 +66,11 @@ class Calls:
             self.apply(FairShare.finish, call)
 
     def alive(self, call: Call) -> bool:
-        """Whether the call still counts: read, neither finished nor taken (asked by its job at every chunk)."""
-        self.apply(FairShare.sweep)
-        return call.live
+        """Whether the call still counts: read, neither finished nor taken (asked by its job at every chunk; a waiting
+        call it finds abandoned leaves its wait at its next look, within `poll_s`)."""
+        with self._changed:
+            self.policy.sweep(self._clock())
+            return call.live
 
     # -- the engine slot --------------------------------------------------------------------------------------------
 

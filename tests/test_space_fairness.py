@@ -264,7 +264,8 @@ def malformed_requests(server: RunningApp) -> list[tuple[str, str, Any]]:
     cases += [("POST", f"/gradio_api/run/{name}", {"data": data}) for name, datas in runs.items() for data in datas]
     cases += [("POST", "/gradio_api/call/info", {"data": [1]}), ("POST", "/gradio_api/call/v2/nosuch", {}),
               ("POST", "/gradio_api/call/v2/chat", b"nope"), ("GET", "/gradio_api/call/v2/chat/zz", None),
-              ("POST", "/gradio_api/run/predict", {"data": [], "fn_index": "12", "session_hash": "fz"})]
+              ("POST", "/gradio_api/run/predict", {"data": [], "fn_index": "12", "session_hash": "fz"}),
+              ("POST", "/gradio_api/run/predict", {"data": [True], "fn_index": 12, "session_hash": "s" * 5000})]
     cases += [("GET", f"/gradio_api/queue/data?session_hash={session}", None)
               for session in ("%00", "a%20b", "%3Cscript%3E", "never-joined", "s" * 129, "1" * 40)]  # fmt: skip
     cases += [("POST", "/gradio_api/cancel", b"[]"), ("POST", "/gradio_api/upload", b"x")]

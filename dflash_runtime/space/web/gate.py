@@ -276,6 +276,8 @@ class HttpGate:
                 self._named(run.group(1), body)
             elif (fn := gradio_int(body.field("fn_index"))) is None or isinstance(fn, int):
                 self._function(fn, body)
+                if body.field("session_hash") is not None:  # Gradio keeps a page's state by it
+                    self._check_session(body.field("session_hash"))
             return None
         elif _ROUTES["queue/join"].search(path):
             fn_index, session = gradio_int(body.field("fn_index")), body.field("session_hash")

@@ -49,6 +49,8 @@ KINDS: dict[str, Callable[[Any], bool]] = {
     "checkbox": lambda v: isinstance(v, bool),
     "textbox": lambda v: v is None or isinstance(v, str),
     "dropdown": lambda v: v is None or isinstance(v, str | int | float | list),
+    "checkboxgroup": lambda v: v is None or isinstance(v, list),
+    "chatbot": lambda v: v is None or isinstance(v, list),
 }
 
 
@@ -74,8 +76,9 @@ class Endpoints:
         inputs = {d["id"]: tuple(kinds.get(i, "") for i in d.get("inputs", [])) for d in dependencies}
         return cls(weights, public, inputs, **checked)
 
-    def problem(self, fn_index: int, data: Any, name: str | None = None) -> str | None:
-        """What is wrong with a call's values (a list of one value per input), or None."""
+    def problem(self, fn_index: int, data: Any, name: str | None = None, values: bool = True) -> str | None:
+        """What is wrong with a call's values (a list of one value per input), or None; without `values`, an API
+        endpoint's values are left to its handler (gradio_client reads its refusal as the handler sends it)."""
         if not isinstance(data, list):
             return None  # Gradio answers that itself (422)
         name = name or next((n for n, i in self.api_names.items() if i == fn_index), "")
@@ -87,7 +90,7 @@ class Endpoints:
         if len(data) != len(expected):
             return f"data must hold {len(expected)} values, {named} (got {len(data)})"
         if name in self.checks:
-            return self.checks[name](data)
+            return self.checks[name](data) if values else None
         for index, (kind, value) in enumerate(zip(expected, data, strict=True)):
             if kind in KINDS and not KINDS[kind](value):
                 return f"data[{index}] must be a {kind}'s value, got {excerpt(value)}"
@@ -283,7 +286,7 @@ class HttpGate:
             fn_index, session = gradio_int(body.field("fn_index")), body.field("session_hash")
             if isinstance(fn_index, ValueError) or session is None:
                 return None  # Gradio refuses it (422)
-            self._function(fn_index, body)
+            self._function(fn_index, body, values=False)  # gradio_client's route
             self._check_session(session)
         else:
             return None
@@ -306,10 +309,10 @@ class HttpGate:
             raise Refused(422, problem)
         return fn_index
 
-    def _function(self, fn_index: int | None, body: Body) -> None:
+    def _function(self, fn_index: int | None, body: Body, values: bool = True) -> None:
         if fn_index is None or fn_index not in self.endpoints.inputs:
             raise Refused(422, f"fn_index must name one of the app's functions (got {excerpt(body.field('fn_index'))})")
-        if problem := self.endpoints.problem(fn_index, body.field("data")):
+        if problem := self.endpoints.problem(fn_index, body.field("data"), values=values):
             raise Refused(422, problem)
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:

@@ -278,6 +278,38 @@ def malformed_requests(server: RunningApp) -> list[tuple[str, str, Any]]:
     return [*cases, ("GET", "/v1/nosuch", None), ("POST", "/v1/nosuch", {})]
 
 
+def test_every_malformed_request_gets_a_short_4xx_in_its_routes_shape(server: RunningApp, monitor: Client) -> None:
+    """~150 malformed requests over every route (unknown endpoints and events, a random session's queue stream,
+    wrong numbers or kinds of values, page functions called with temperature "hot", 5,000-character session hashes,
+    bad /v1 bodies): each answered 4xx in its route's own shape (Gradio's `detail`, OpenAI's `error`), with at most
+    one log line of at most 300 bytes each: no traceback, no 5xx, no `error: null`."""
+    quiet(monitor)  # no other answer writes to the log meanwhile
+    cases, answers = malformed_requests(server), []
+    before = server.log_path.stat().st_size
+    with httpx.Client(base_url=server.url.rstrip("/"), timeout=30, headers={"X-Forwarded-For": "10.9.0.1"}) as http:
+        for method, path, body in cases:
+            content = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
+            response = http.request(method, path, content=content, headers={"Content-Type": "application/json"})
+            answers.append((path, response.status_code, response.text))
+    quiet(monitor)
+    with server.log_path.open("rb") as log:  # (the server's output reaches the file a line at a time, a little later)
+        log.seek(before)
+        lines = log.read().decode(errors="replace").splitlines()
+    record("malformed_requests", {"requests": len(cases), "statuses": sorted({s for _, s, _ in answers}),
+                                  "log_lines": len(lines), "longest_log_line": max(map(len, lines), default=0)})
+    assert len(cases) >= 140
+
+    def shaped(path: str, status: int, text: str) -> bool:
+        said = json.loads(text).get("error" if path.startswith("/v1") else "detail")
+        return 400 <= status < 500 and bool(said) and '"error": null' not in text
+
+    wrong = [answer for answer in answers if not shaped(*answer)]
+    assert not wrong, wrong[:5]
+    assert len(lines) <= len(cases) and max(map(len, lines), default=0) <= 300, lines[:3]
+    assert "Traceback" not in server.log()
+    idle(monitor)
+
+
 def quiet(monitor: Client, timeout_s: float = 30.0) -> float:
     """Seconds until no answer is counted or runs (counted = running + queued: 0), polled to a deadline."""
     began = time.monotonic()

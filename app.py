@@ -48,9 +48,9 @@ from dflash_runtime.space.page.session import ChatSession
 from dflash_runtime.space.page.views import mode_banner
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT
 from dflash_runtime.space.setup.startup import run_startup_check
-from dflash_runtime.space.web.callers import EngineCalls, HttpGate
 from dflash_runtime.space.web.clients import servers_forward_nothing
-from dflash_runtime.space.web.openai_routes import MountV1
+from dflash_runtime.space.web.gate import Endpoints, HttpGate
+from dflash_runtime.space.web.openai_routes import v1_app
 from dflash_runtime.space.web.service import SpaceService
 
 log = logging.getLogger("dflash_space")
@@ -178,8 +178,8 @@ def trace_chart(title: str, y_title: str, elem_id: str, y_lim: list[float] | Non
     )
 
 
-def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
-    """The page, and its engine endpoints as the HTTP gate counts them (see dflash_runtime.space.web.callers)."""
+def build_ui(service: SpaceService) -> tuple[gr.Blocks, Endpoints]:
+    """The page, and its functions as the HTTP gate checks and counts them (see dflash_runtime.space.web.gate)."""
     handlers = PageHandlers(service)
     preset, limits, defaults = service.preset, service.limits, service.defaults
     with gr.Blocks(title="DFlash 2 speculative decoding") as demo:
@@ -301,7 +301,7 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
         # holds, see SpaceService.parallel): so many answers run at once, the rest wait.
         answers_at_once = service.parallel
         # Gradio starts every admitted engine event at once: they wait for the engine in its slot, where clients take
-        # turns (see dflash_runtime.space.web.jobs.EngineSlot), so one client's waiting calls hold no place of
+        # turns (see dflash_runtime.space.web.policy), so one client's waiting calls hold no place of
         # another's.
         events_at_once = max(QUEUE_SIZE, answers_at_once)
         engine = {"concurrency_limit": events_at_once, "concurrency_id": ENGINE_QUEUE, "api_visibility": "private"}
@@ -366,14 +366,13 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, EngineCalls]:
 
     answers = (answer_event, example_event, retry_event, edit_event, chat_event, generate_event)
     weights = {**{event["id"]: one for event in answers}, ab_event["id"]: handlers.comparison_weight}
-    return demo, EngineCalls(weights, {"chat": chat_event["id"], "generate": generate_event["id"]},
-                             frozenset(demo.fns))  # fmt: skip
+    return demo, Endpoints.of(demo.config, weights, parameters=CHECKED_PARAMETERS, checks=CHECKED_VALUES)
 
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # its request lines carry URLs with ZeroGPU's visitor tokens
 SERVICE = build_service()
-demo, ENGINE_CALLS = build_ui(SERVICE)
+demo, ENDPOINTS = build_ui(SERVICE)
 
 if __name__ == "__main__":
     replaced = servers_forward_nothing()  # the client is read from the socket or the trusted hops alone
@@ -382,14 +381,12 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Gradio stops the server on Ctrl+C
     SERVICE.download.start()  # the web process fetches the files while the page is already up
     # api_open=False: the REST route /run/<name> refuses queued endpoints, so every answer goes through the queue.
-    # HttpGate: bounded bodies, no uploads, limits on queued answers, and no answer runs that nobody reads (see
-    # dflash_runtime.space.web.callers).
-    gate = Middleware(HttpGate, callers=SERVICE.callers, engine=ENGINE_CALLS, parameters=CHECKED_PARAMETERS,
-                      checks=CHECKED_VALUES)  # fmt: skip
-    v1 = Middleware(MountV1, service=SERVICE)  # the OpenAI-compatible /v1 routes, behind the same gate
+    # HttpGate: bounded bodies, checked values, limits on queued answers by client, and no answer runs that nobody
+    # reads (see dflash_runtime.space.web.gate and policy).
+    gate = Middleware(HttpGate, calls=SERVICE.calls, endpoints=ENDPOINTS, v1=v1_app(SERVICE))  # and /v1's routes
     # Gradio runs at most `max_threads` events at once, of every function (40 unless told): the engine's events, each
     # waiting in the engine slot, and the page's own must all fit, or admitted answers wait in Gradio's queue in the
     # order they came, where the engine slot's turns cannot reach them.
     demo.queue(api_open=False, max_size=QUEUE_SIZE, default_concurrency_limit=1).launch(
-        css=PAGE_CSS, max_file_size=MAX_FILE_SIZE, app_kwargs={"middleware": [gate, v1]}, max_threads=QUEUE_SIZE + 16
+        css=PAGE_CSS, max_file_size=MAX_FILE_SIZE, app_kwargs={"middleware": [gate]}, max_threads=QUEUE_SIZE + 16
     )

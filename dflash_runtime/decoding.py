@@ -60,6 +60,8 @@ class Request:
     owner: Hashable | None = None  # whose text this is: only its own cached tokens are reused (cache/sessions.py)
     public_prefix: int = 0  # leading prompt tokens that any owner may reuse
     on_prefill: Callable[[int, int], None] | None = None  # (tokens prefilled, tokens to prefill) after each chunk
+    prefill_events: bool = False  # an event (no tokens) after each prompt chunk but the last: a place to stop
+    prefill_chunk: int = 0  # the most prompt tokens of it a step takes while other requests share the step (0: all)
     # a draft tree's verify rows beside the root's (drafters/dflash_tree.py); "auto": see AUTO_TREE_NODES
     tree_nodes: int | str = "auto"
 
@@ -295,6 +297,8 @@ class Decoding:
         elif pos < end and cache.interval_due():
             cache.save_checkpoint(self.costs)
         if pos < end:
+            if req.prefill_events:
+                self.events.append(StreamEvent("", [], self.stats.snapshot()))
             return
         if req.public_prefix > cache.public_len:
             cache.public_len = min(req.public_prefix, end)

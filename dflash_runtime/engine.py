@@ -224,6 +224,8 @@ class Engine:
         cache_owner: Hashable | None = None,
         public_prefix: int = 0,
         on_prefill: Callable[[int, int], None] | None = None,
+        prefill_events: bool = False,
+        prefill_chunk: int = 0,
         draft_max: int | str | None = None,
         tree_nodes: int | str = "auto",
     ) -> RequestStream:
@@ -238,6 +240,10 @@ class Engine:
         cache/sessions.py). `on_prefill(done, total)` is called after each prompt chunk the engine decodes (progress
         of a long prompt); it runs inside the engine step (on whichever request's thread steps the engine), so it must
         be quick and must not start or read requests of this engine; it may cancel the request.
+        `prefill_events`: an event without tokens after each prompt chunk but the last, so that a caller may stop
+        (close) a long prompt between its chunks; the same owner's next request goes on from what was prefilled.
+        `prefill_chunk`: the most prompt tokens of this request one step takes while other requests share the step
+        (0: as many as the step's token budget allows), so that a long prompt costs the others' steps little.
         `tree_nodes` (method "dflash-tree"): a draft tree's verify rows beside the root's down to where its paths
         leave the chain's draft (each path then runs to the full depth), "auto" (twice the draft length, at least 8)
         or an integer ≥ 1; the tree is `draft_length` deep.
@@ -250,7 +256,8 @@ class Engine:
                               method, length, n_min, p_min, verify)  # fmt: skip
         owner = checked_owner(cache_owner, public_prefix, len(tokens))
         nodes = check_tree_nodes(tree_nodes)
-        return self._start(tokens, replace(req, **owner, on_prefill=on_prefill, tree_nodes=nodes))
+        return self._start(tokens, replace(req, **owner, on_prefill=on_prefill, prefill_events=prefill_events,
+                                              prefill_chunk=max(0, int(prefill_chunk)), tree_nodes=nodes))
 
     def stream_chat(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool | None = None,
                     **kwargs: Any) -> RequestStream:

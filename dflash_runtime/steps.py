@@ -69,8 +69,8 @@ class Steps:
         self._pad([r for r in generating if r.planned is not None and not r.done])
         self._branch([r for r in generating if r.planned is not None and not r.done], bool(prefilling))
         budget = self.parts.pair.n_batch - sum(r.planned.decode_rows for r in generating if r.planned)
-        for run in prefilling:
-            planned = run.plan_prefill(budget)
+        for run in prefilling:  # a request's own bound on its chunks holds while others share the step
+            planned = run.plan_prefill(min(budget, run.req.prefill_chunk or budget) if len(live) > 1 else budget)
             if planned is not None:
                 budget -= len(planned.tokens)
         batch = [r for r in live if r.planned is not None and not r.done]  # a failed draft ended its requests

@@ -19,8 +19,8 @@ import pytest
 from gradio_client import Client
 
 from dflash_runtime import load_pair
-from dflash_runtime.space.crossing import GpuJob, ReplyChunk
 from dflash_runtime.space.gpu.host import EngineHost
+from dflash_runtime.space.gpu_job import GpuJob, ReplyChunk
 from dflash_runtime.space.page.endpoints import API_PARAMETERS
 from dflash_runtime.space.page.items import GROWING, GROWING_PER_POSITION, ITEM_OWN
 from dflash_runtime.space.requests import Limits, build_request

@@ -22,8 +22,8 @@ from space_client import chat_args, host_reply
 from test_app_browser import open_page, set_temperature, text_of, wait_for_page
 
 from dflash_runtime import load_pair
-from dflash_runtime.space.crossing import ReplyChunk
 from dflash_runtime.space.gpu.host import EngineHost
+from dflash_runtime.space.gpu_job import ReplyChunk
 from dflash_runtime.space.requests import Limits
 from dflash_runtime.space.setup.downloads import PairDownload
 from dflash_runtime.space.setup.presets import ModelSource, PairPreset, ResolvedPair

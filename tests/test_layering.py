@@ -71,7 +71,7 @@ def test_the_space_is_laid_out_by_its_two_processes() -> None:
     """The web side (the page and the web process's GPU calls) imports nothing of the GPU side, only the data that
     crosses (app.py hands the GPU function in); the GPU side imports nothing of the page nor of the web side."""
     graph = module_graph(PACKAGE)
-    assert {"space.web.service", "space.page.endpoints", "space.gpu.host", "space.crossing"} <= set(graph)
+    assert {"space.web.service", "space.page.endpoints", "space.gpu.host", "space.gpu_job"} <= set(graph)
     assert reaches(space_imports(graph, "web"), "gpu") == {}
     assert reaches(space_imports(graph, "page"), "gpu") == {}
     assert reaches(space_imports(graph, "gpu"), "page") == {}
@@ -79,7 +79,7 @@ def test_the_space_is_laid_out_by_its_two_processes() -> None:
     assert reaches(space_imports(graph, "web"), "page") == {}  # the page sits above the web side, never below it
     setup = space_imports(graph, "setup")
     assert {part: reaches(setup, part) for part in ("page", "web", "gpu")} == {"page": {}, "web": {}, "gpu": {}}
-    shared = {"space.crossing", "space.requests", "space.provenance", "space.scrub"}
+    shared = {"space.gpu_job", "space.requests", "space.provenance", "space.scrub"}
     assert not {m for s in shared for m in graph[s] if m.startswith(("space.page.", "space.web.", "space.gpu."))}
 
 

@@ -217,15 +217,18 @@ FLOOD_S = 20.0  # seconds of flooding: a per-client cap must hold however long i
 FLOOD_CONNECTIONS = 16
 
 
-def test_one_address_flooding_the_pages_own_functions_takes_no_queue(server: RunningApp, monitor: Client) -> None:
-    """127.0.0.3 joins every queued function that runs no answer (the page's load, its timer, ...) with fresh
+def test_one_address_flooding_every_queued_function_takes_no_queue(server: RunningApp, monitor: Client) -> None:
+    """127.0.0.3 joins every queued function (the answers', the A/B's, the page's load and timer, ...) with fresh
     sessions on 16 connections, reading nothing; meanwhile 127.0.0.2's short /chat calls, one after another, nearly
     all complete (Gradio's queue, 64 places, would otherwise be full: 503)."""
     config = httpx.get(server.url.rstrip("/") + "/config", timeout=30).json()
-    engine = {"chat", "generate", "respond", "compare"}
-    functions = [(dep["id"], len(dep["inputs"])) for dep in config["dependencies"]
-                 if dep.get("queue") is not False and dep.get("backend_fn") and dep.get("api_name") not in engine]
-    assert len(functions) >= 2, config["dependencies"]
+    kinds = {component["id"]: component.get("type") for component in config["components"]}
+    values = {"textbox": "hello", "slider": 0, "number": 0, "checkbox": False}
+    api = json.loads(raw_body(chat_args("hello", max_tokens=4)))["data"]
+    functions = [(dep["id"], api if dep.get("api_name") in ("chat", "generate") else
+                  [values.get(kinds.get(i)) for i in dep["inputs"]])
+                 for dep in config["dependencies"] if dep.get("queue") is not False and dep.get("backend_fn")]
+    assert len(functions) >= 6, config["dependencies"]
     join_url = server.url.rstrip("/") + "/gradio_api/queue/join"
     stop = threading.Event()
     statuses: list[int] = []
@@ -235,8 +238,8 @@ def test_one_address_flooding_the_pages_own_functions_takes_no_queue(server: Run
             for n in itertools.count():
                 if stop.is_set():
                     return
-                fn_index, inputs = functions[n % len(functions)]
-                body = {"data": [None] * inputs, "fn_index": fn_index, "session_hash": f"flood-{worker}-{n}",
+                fn_index, data = functions[n % len(functions)]
+                body = {"data": data, "fn_index": fn_index, "session_hash": f"flood-{worker}-{n}",
                         "event_data": None, "trigger_id": None}  # fmt: skip
                 with contextlib.suppress(httpx.HTTPError):
                     statuses.append(http.post(join_url, json=body).status_code)

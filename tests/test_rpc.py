@@ -22,8 +22,8 @@ from dflash_runtime import RemoteDeviceError, load_pair
 from dflash_runtime.engine import Engine
 from dflash_runtime.native.rpc import server_command
 from dflash_runtime.pair import live_handles
-from dflash_runtime.space.crossing import GpuJob
 from dflash_runtime.space.gpu.host import EngineHost
+from dflash_runtime.space.gpu_job import GpuJob
 from dflash_runtime.space.requests import Limits, build_request
 from dflash_runtime.space.setup.presets import DEMO_PAIRS, ResolvedPair, configured_preset, parallel_from_env
 from dflash_runtime.testing.rpc_server import LoopbackServer, free_port

@@ -183,8 +183,9 @@ def test_one_session_cannot_queue_more_than_its_share(server: RunningApp, monito
     assert "this session has 3 answers queued or running" in statuses[-1].json()["detail"]
     drained(server, monitor)  # nobody reads them: they go
 
-    settings = ["", 64, 0.0, 1.0, 40, 0.0, "auto", "auto", True, False]  # the page's settings, in order
-    ab = [join(server, ids["compare"], [None, "hello there", *settings], "ab-session") for _ in range(5)]
+    # the A/B's inputs: the session, the message box, its picks (none: the default's), then the page's settings
+    settings = ["", 64, 0.0, 1.0, 40, 0.0, "auto", "auto", True, False]
+    ab = [join(server, ids["compare"], [None, "hello there", None, *settings], "ab-session") for _ in range(5)]
     record("ab_runs_queued_by_one_session", [r.status_code for r in ab])
     assert [r.status_code for r in ab] == [200, 429, 429, 429, 429], [r.text for r in ab]
     assert "an A/B run counts as the answers it runs" in ab[1].json()["detail"]

@@ -19,8 +19,8 @@ from app_fixtures import REPO_ROOT
 from space_client import reference_engine, summary_contradiction
 
 from dflash_runtime.errors import PromptTooLongError, RequestError
-from dflash_runtime.space.crossing import GpuJob, ReplyChunk, resumed_stats
 from dflash_runtime.space.gpu.fitting import fit_conversation, prompt_tokens
+from dflash_runtime.space.gpu_job import GpuJob, ReplyChunk, resumed_stats
 from dflash_runtime.space.page.endpoints import AB_MOST, ab_picked
 from dflash_runtime.space.page.panel import speed_badge, stats_summary, too_wide
 from dflash_runtime.space.page.panel import stats_details as panel
@@ -56,7 +56,8 @@ from dflash_runtime.space.setup.runmode import (
     gpu_build_problems,
     settle_run_mode,
 )
-from dflash_runtime.space.web.gpu_time import GpuTimeEstimator, GpuTimeSettings
+from dflash_runtime.space.setup.settings import PublicSettings
+from dflash_runtime.space.web.gpu_time import GpuTimeEstimator
 from dflash_runtime.stats import Stats
 
 LIMITS = Limits(max_new_tokens=4096, max_input_chars=32000, max_history_messages=256, draft_capacity=7)
@@ -362,7 +363,8 @@ def speeds(decode_tok_s: float, n_generated: int = 100) -> dict[str, Any]:
 
 
 def test_gpu_time_starts_conservative_and_learns_the_worker_speeds() -> None:
-    settings = GpuTimeSettings(seconds_max=240, base_s=5, load_s=30, decode_tok_s=20, prefill_tok_s=500)
+    settings = PublicSettings(gpu_seconds_max=240, gpu_seconds_base=5, gpu_load_s=30, gpu_decode_tok_s=20,
+                              gpu_prefill_tok_s=500, estimate_voters=1)  # one voter: the arithmetic alone
     estimator = GpuTimeEstimator(settings)
     request = make_request(max_tokens=512)
     first = estimator.estimate(request, (True,))
@@ -395,7 +397,7 @@ def test_one_visitor_cannot_move_the_gpu_time_of_everybody_else() -> None:
     """Honest answers from a few sessions, then a hostile burst (slow decoding, dense tokens) from one session and
     a few more from others, fewer than the honest ones: the duration of an honest request stays within 25 % of what
     the honest answers alone gave."""
-    estimator = GpuTimeEstimator(GpuTimeSettings())
+    estimator = GpuTimeEstimator(PublicSettings())
     estimator.engine_seen(loaded=True)
     honest = make_request(message="x" * 1000, max_tokens=512)
     for number, speed in enumerate([70.0, 75.0, 72.0, 68.0, 74.0]):
@@ -415,9 +417,26 @@ def test_one_visitor_cannot_move_the_gpu_time_of_everybody_else() -> None:
 
 
 def test_short_answers_teach_nothing_about_speed() -> None:
-    estimator = GpuTimeEstimator(GpuTimeSettings())
-    estimator.observe({"n_generated": 3, "decode_tok_s": 1.0, "speculative": True}, make_request(), dropped_here=0)
-    assert estimator.describe()["decode_tok_s"]["speculative"] == GpuTimeSettings().decode_tok_s
+    estimator = GpuTimeEstimator(PublicSettings(estimate_voters=1))
+    estimator.observe({"n_generated": 3, "decode_tok_s": 1.0, "speculative": True}, make_request(), dropped_here=0,
+                      source="a")  # fmt: skip
+    assert estimator.describe()["decode_tok_s"]["speculative"] == PublicSettings().gpu_decode_tok_s
+
+
+def test_no_figure_moves_with_one_clients_calls() -> None:
+    """Each figure /info shows (characters per token, speeds, answers counted) stays at its default until three
+    distinct clients voted: one visitor's dense CJK message, however often sent, tells nothing of it."""
+    estimator = GpuTimeEstimator(PublicSettings())
+    before = estimator.describe()
+    cjk = make_request(message="速度词语测试漢字鍵盤" * 60, max_tokens=512)
+    stats = {**speeds(14.9, 512), "n_prompt": 1200, "n_prefilled": 1200, "prefill_ms": 900.0}
+    for _ in range(5):
+        estimator.observe(stats, cjk, dropped_here=0, source="one visitor")
+    estimator.observe(stats, cjk, dropped_here=0, source="another")
+    assert estimator.describe() == before, "two clients: nothing moved"
+    estimator.observe(stats, cjk, dropped_here=0, source="a third")
+    after = estimator.describe()
+    assert after["chars_per_token"] < before["chars_per_token"] and after["answers_counted"]["chars_per_token"] == 5
 
 
 # -- session, views, process line -----------------------------------------------------------------------------

@@ -14,13 +14,14 @@ from collections.abc import Iterator
 import gradio as gr
 import pytest
 
-from dflash_runtime.space.crossing import ReplyChunk
+from dflash_runtime.space.gpu_job import ReplyChunk
 from dflash_runtime.space.page.highlight import BADGE_CLASS, DRAFT_CLASS, ReplyView, reply_markdown, with_badge
 from dflash_runtime.space.page.session import ChatSession
 from dflash_runtime.space.page.speedup import ACCEPTANCE, SPEED, SpeedTrace
 from dflash_runtime.space.page.views import ab_markdown, ab_verdict
 from dflash_runtime.space.provenance import SourceRuns, draft_text, merged
-from dflash_runtime.space.web.jobs import EngineSlot, ReplyJob
+from dflash_runtime.space.web.calls import Calls
+from dflash_runtime.space.web.jobs import ReplyJob
 from dflash_runtime.stats import Stats
 
 TIMEOUT_S = 30.0
@@ -57,7 +58,9 @@ def test_a_reader_that_skips_chunks_keeps_every_run() -> None:
     def stream() -> Iterator[ReplyChunk]:
         yield from chunks
 
-    job = ReplyJob(stream, EngineSlot(), is_final=lambda c: c.finish_reason is not None, fold=ReplyChunk.then)
+    calls = Calls()
+    job = ReplyJob(stream, calls, calls.admitted("c", 1), is_final=lambda c: c.finish_reason is not None,
+                   fold=ReplyChunk.then)  # fmt: skip
 
     async def slow_reader() -> list[ReplyChunk]:
         taken = []

@@ -9,8 +9,8 @@ from typing import Any
 from space_client import host_reply
 
 from dflash_runtime import load_pair
-from dflash_runtime.space.crossing import ReplyChunk
 from dflash_runtime.space.gpu.host import EngineHost
+from dflash_runtime.space.gpu_job import ReplyChunk
 from dflash_runtime.space.page.panel import stats_details
 from dflash_runtime.space.setup.presets import ResolvedPair, pair_methods, preset_from_env
 from dflash_runtime.testing.tiny_models import tiny_pair

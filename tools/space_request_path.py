@@ -17,8 +17,8 @@ import statistics
 import time
 from typing import Any
 
-from dflash_runtime.space.crossing import GpuJob
 from dflash_runtime.space.gpu.host import EngineHost
+from dflash_runtime.space.gpu_job import GpuJob
 from dflash_runtime.space.page.session import ChatSession
 from dflash_runtime.space.requests import Limits, build_request
 from dflash_runtime.space.setup.presets import ResolvedPair, configured_preset

@@ -1,15 +1,13 @@
 """The engine host: the engine of the process where generation runs (the GPU worker on ZeroGPU), built on first use,
-up to its parallel sequences' worth of requests at once (one per cache owner), streaming replies as plain data that
-crosses the ZeroGPU process line.
+up to its parallel sequences' worth of requests at once, streaming replies as plain data that crosses the ZeroGPU
+process line, with a progress chunk at each prompt chunk's end (where a long prompt's job may yield its turn). Who
+runs when is the web process's policy (web/policy.py).
 
-On ZeroGPU the worker is a fork of the web process, and `spaces` throws a worker away after *any* exception raised
-in the GPU function (with it the loaded model). So `EngineHost.run` never raises the runtime's own errors: it ends the
-stream with a chunk that carries the error, and the web process raises it there. A request error (bad input the web
-process could not see, such as a prompt too long in tokens) leaves the engine as it is; an engine failure (a failed
-decode) closes the engine once no other request runs on it, and the next request rebuilds it in the same worker.
-Anything else (a bug, a CUDA fault) does raise: then a fresh worker is the right cure. Every chunk says whether the
-engine is loaded, so the web process knows when the next request must plan a load.
-"""
+`spaces` throws a ZeroGPU worker away (with its loaded model) after any exception raised in the GPU function, so
+`EngineHost.run` never raises the runtime's own errors: it ends the stream with a chunk that carries the error. A
+request error leaves the engine as it is; an engine failure closes it once no other request runs on it, and the next
+request rebuilds it in the same worker. Anything else (a bug, a CUDA fault) raises: a fresh worker is the cure. Every
+chunk says whether the engine is loaded, so the web process knows when the next request must plan a load."""
 
 from __future__ import annotations
 
@@ -25,40 +23,28 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ...errors import (
-    DecodeError,
-    DFlashError,
-    EngineClosedError,
-    ModelFileError,
-    PairMismatchError,
-    RemoteDeviceError,
-    RequestError,
-)
+from ... import errors
+from ...errors import DFlashError, RemoteDeviceError, RequestError
 from ...footprint import ParallelPlan, plan_parallel, with_remote_memory
 from ...gguf_meta import read_gguf
 from ...native.backends import FreeMemory, free_memory
-from ..crossing import GpuJob, ReplyChunk, Resume, client_of_owner, info_digest, phase_decoding, resumed_stats
+from ..gpu_job import GpuJob, ReplyChunk, Resume, client_of_owner, info_digest, phase_decoding, resumed_stats
 from ..requests import DEFAULT_SYSTEM_PROMPT, ChatRequest, thinking_prefix
 from ..scrub import scrub_paths
 from ..setup.presets import PairPreset, ResolvedPair, draft_unavailable, fallback_methods
+from ..setup.settings import PublicSettings
 from .fitting import FittedConversation, fit_conversation, fit_prompt, prompt_tokens
 
 log = logging.getLogger(__name__)
 # Errors after which the engine's state is not to be trusted: it is closed, and the next request loads it again.
 # Any other runtime error (a bad request, a prompt too long, a busy engine) leaves it as it is.
-ENGINE_FAILURES = (DecodeError, EngineClosedError, RemoteDeviceError)
+ENGINE_FAILURES = (errors.DecodeError, errors.EngineClosedError, RemoteDeviceError)
 
 
 # What the cache holds now (tokens, checkpoints, the owners' parked states) and how many answers run: the state of
 # somebody's requests.
 PRIVATE_ENGINE_KEYS = ("n_cached", "n_cached_by_sequence", "checkpoints", "sessions", "running")
 PUBLIC_OWNER = "public prefix"  # the owner of the requests that put the public prefix back in the cache
-# Parked states one client keeps at most (of the engine's 8): a client opening many sessions evicts its own older
-# states, never another client's; and a newcomer's state makes room by evicting from the client that holds the most.
-PARKED_PER_CLIENT = 2
-# Half of the parked states are kept for conversations in use (whose owner came back to its state): one-off requests of
-# many clients make room among themselves first.
-ACTIVE_SHARE = 0.5
 
 
 def _public_info(info: dict[str, Any]) -> dict[str, Any]:
@@ -128,35 +114,27 @@ class EngineFacts:
 
 class EngineHost:
     """Owns this process's engine: built on first use, rebuilt when the preset or files change (once no request runs
-    on it), up to the preset's `parallel` requests at once and never two of one cache owner (they share its parked
-    state), with counters that tell a warm worker from a new one (`loads`, `requests`, the process id).
+    on it), up to the preset's `parallel` requests at once, with counters that tell a warm worker from a new one
+    (`loads`, `requests`, the process id). A request reuses cached tokens only if its own `cache_owner` put them
+    there, beyond the public prefix of its prompt (the page's system prompt): nobody else's request can."""
 
-    Visitors' cached prompts are kept apart: a request reuses cached tokens only if its own `cache_owner` put them
-    there, beyond the public prefix of its prompt (the page's system prompt): the engine parks and restores each
-    owner's state itself (`cache_owner`), so a visitor's own next turn still reuses it and nobody else's request
-    can."""
-
-    def __init__(self, loader: Callable[..., Any], busy_timeout_s: float = 120.0,
-                 memory: Callable[[int], FreeMemory] | None = None) -> None:
-        self._loader = loader
-        self._busy_timeout_s = busy_timeout_s
-        # What is free where the caches go, given n_gpu_layers (backends.free_memory): read just before a load, with
-        # the previous engine closed, when the preset sizes its sequences to memory (DFLASH_PARALLEL=auto).
+    def __init__(self, loader: Callable[..., Any], settings: PublicSettings | None = None,
+                 memory: Callable[[int], FreeMemory] | None = None) -> None:  # fmt: skip
+        self._loader, self._settings = loader, settings or PublicSettings()
+        self._busy_timeout_s = self._settings.busy_timeout_s
+        # What is free where the caches go (backends.free_memory): read just before a load, with the previous engine
+        # closed, when the preset sizes its sequences to memory (DFLASH_PARALLEL=auto).
         self._memory = memory or free_memory
-        # Which requests run on the engine (their cache owners, "" for nobody's), whether it is being (re)built and
-        # whether a failure condemned it: held for this bookkeeping only; a load runs outside it, with newcomers
-        # waiting on it (each wait bounded by busy_timeout_s).
+        # How many requests run, whether the engine is being (re)built and whether a failure condemned it: held for
+        # this bookkeeping only; a load runs outside it, newcomers waiting (each wait bounded by busy_timeout_s).
         self._state = threading.Condition()
-        self._owners: list[str] = []
-        self._loading = False
-        self._condemned = False
+        self._running, self._loading, self._condemned = 0, False, False
         self._engine: Any = None
         self._key: tuple[Any, ...] | None = None
         self._facts: EngineFacts | None = None
         self._parallel = 1  # the loaded engine's sequences
         self.parallel_plan: ParallelPlan | None = None  # how they were sized to memory (DFLASH_PARALLEL=auto)
-        self.loads = 0
-        self.requests = 0
+        self.loads, self.requests = 0, 0
         self.last_load_s: float | None = None
         self.previous_request: dict[str, Any] = {}
         self.draft_problem: str | None = None  # why the loaded engine runs without its draft
@@ -165,7 +143,7 @@ class EngineHost:
     def close(self) -> None:
         """Close the engine once no request runs on it (or after busy_timeout_s)."""
         with self._state:
-            self._state.wait_for(lambda: not self._owners and not self._loading, self._busy_timeout_s)
+            self._state.wait_for(lambda: not self._running and not self._loading, self._busy_timeout_s)
             self._close()
 
     def _close(self) -> None:
@@ -177,27 +155,25 @@ class EngineHost:
         return self._engine is not None and self._key == (job.preset, job.files) and not self._condemned
 
     def _admits(self, job: GpuJob) -> bool:
-        """Whether `job` may start now: a sequence is free, its owner runs nothing, and the engine is the job's (or
-        nothing runs, so that the job may build it). Call with the condition held."""
-        if self._loading or len(self._owners) >= (self._parallel if self._ready(job) else 1):
+        """Whether `job` may start now: a sequence is free and the engine is the job's (or nothing runs, so that the
+        job may build it). Call with the condition held."""
+        if self._loading or self._running >= (self._parallel if self._ready(job) else 1):
             return False
-        if job.cache_owner and job.cache_owner in self._owners:
-            return False
-        return self._ready(job) or not self._owners
+        return self._ready(job) or not self._running
 
     def _enter(self, job: GpuJob) -> bool:
         """Take a place on the engine for `job`; False when none came within busy_timeout_s."""
         with self._state:
             if not self._state.wait_for(lambda: self._admits(job), self._busy_timeout_s):
                 return False
-            self._owners.append(job.cache_owner)
+            self._running += 1
             self.requests += 1
             return True
 
     def _leave(self, job: GpuJob) -> None:
         with self._state:
-            self._owners.remove(job.cache_owner)
-            if self._condemned and not self._owners:
+            self._running -= 1
+            if self._condemned and not self._running:
                 self._close()
             self._state.notify_all()
 
@@ -205,7 +181,7 @@ class EngineHost:
         """The engine failed: closed now when this request is the only one on it, else by the last one to leave
         (closing it would end the others' answers); either way the next request loads it again."""
         with self._state:
-            if len(self._owners) <= 1:
+            if self._running <= 1:
                 self._close()
             else:
                 self._condemned = True
@@ -224,26 +200,25 @@ class EngineHost:
                 self._loading = False
                 self._state.notify_all()
 
-    def _ensure(self, preset: PairPreset, files: ResolvedPair) -> tuple[Any, bool]:
-        """Load the engine for this preset and files (closing the one before); (engine, True)."""
-        key = (preset, files)
-        self._close()
-        started = time.monotonic()
+    def _options(self, preset: PairPreset, files: ResolvedPair) -> dict[str, Any]:
+        """The engine's options: `parallel` sequences (the requests that run at once), the Space's one wait for a
+        sequence (not the library's), and states parked only by their own request, shared out by client."""
         from ...cache.sessions import SessionPolicy  # the core's cache modules import libllama: only where engines run
 
-        # Only a visitor's own request parks its state (see run): nobody's request pays for, or times, another's.
-        # `parallel` sequences of n_ctx tokens each: the requests that run at once (see presets.parallel_from_env).
         branches = preset.branches if files.draft_path is not None else 0  # a tree's paths need the draft
         self._parallel = self._sequences(preset, files, branches)
-        # The engine's own wait for a sequence is the Space's one wait (DFLASH_BUSY_TIMEOUT_S), not the library's.
-        options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
-                   "parallel": self._parallel, "numerics": preset.numerics, "busy_timeout_s": self._busy_timeout_s,
-                   "sessions": SessionPolicy(park_on_switch=False, group_of=client_of_owner,
-                                             per_group=PARKED_PER_CLIENT, active_share=ACTIVE_SHARE)}  # fmt: skip
-        if preset.rpc:
-            options["rpc"] = list(preset.rpc)
-        if branches:
-            options["branches"] = branches
+        parking = SessionPolicy(park_on_switch=False, group_of=client_of_owner, active_share=self._settings.
+                                active_share, per_group=self._settings.parked_per_client)  # fmt: skip
+        return {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "draft_capacity": preset.draft_capacity,
+                "parallel": self._parallel, "numerics": preset.numerics, "busy_timeout_s": self._busy_timeout_s,
+                "sessions": parking, **({"rpc": list(preset.rpc)} if preset.rpc else {}),
+                **({"branches": branches} if branches else {})}  # fmt: skip
+
+    def _ensure(self, preset: PairPreset, files: ResolvedPair) -> tuple[Any, bool]:
+        """Load the engine for this preset and files (closing the one before); (engine, True)."""
+        self._close()
+        started = time.monotonic()
+        options = self._options(preset, files)
         self.draft_problem = files.draft_problem
         self._fallback = fallback_methods(files.target_path) if files.draft_problem else ()
         if files.draft_path is None:
@@ -251,7 +226,7 @@ class EngineHost:
         else:
             try:
                 self._engine = self._loader(files.target_path, files.draft_path, **options)
-            except (PairMismatchError, ModelFileError) as error:
+            except (errors.PairMismatchError, errors.ModelFileError) as error:
                 # A draft that fails validation: the target alone still accelerates when it runs a method with a
                 # model of its own (an MTP head). (If the target itself is at fault, opening it alone raises that.)
                 self._fallback = fallback_methods(files.target_path)
@@ -259,7 +234,7 @@ class EngineHost:
                     raise
                 self._engine = self._loader(files.target_path, None, **options)
                 self.draft_problem = str(error)
-        self._key, self._condemned = key, False
+        self._key, self._condemned = (preset, files), False
         self._facts = EngineFacts()
         self.loads += 1
         self.last_load_s = round(time.monotonic() - started, 3)
@@ -278,7 +253,7 @@ class EngineHost:
             memory = with_remote_memory(memory, remote_memory(preset.rpc))
         try:
             draft = read_gguf(files.draft_path) if files.draft_path is not None else None
-        except ModelFileError:
+        except errors.ModelFileError:
             draft = None  # the load says what is wrong with it, and may run the target alone (see _ensure)
         self.parallel_plan = plan_parallel(read_gguf(files.target_path), draft, memory, n_ctx=preset.n_ctx,
                                            draft_capacity=preset.draft_capacity, limit=preset.parallel,
@@ -291,84 +266,89 @@ class EngineHost:
         """Stream the job's phases; every runtime error ends the stream as an error chunk (see the module doc)."""
         started = time.monotonic()
         report: dict[str, Any] = {"pid": os.getpid(), "previous_request": dict(self.previous_request)}
-        outcome: dict[str, Any] = {"finish_reason": "closed before the first token", "n_generated": 0}
-        parking = False
+        self._outcome = {"finish_reason": "closed before the first token", "n_generated": 0}
+        closed_early = False
         if not self._enter(job):
             yield self._error_chunk(RequestError(f"the engine stayed busy for {self._busy_timeout_s:.0f} s; retry"))
             return
         try:
             engine, loaded_now = self._engine_for(job)
-            facts = self._facts
-            assert facts is not None
             report.update(loaded_now=loaded_now, load_s=self.last_load_s if loaded_now else None)
-            thinking = job.request.enable_thinking
-            if job.request.raw_prompt:  # control tokens only from a template: a raw prompt's text is text
-                fitted = fit_prompt(job.request, partial(engine.tokenize, parse_special=False), engine.n_ctx)
-            else:
-                fitted = fit_conversation(job.request, partial(prompt_tokens, engine, enable_thinking=thinking),
-                                          engine.n_ctx)  # fmt: skip
-            owner = self._owner_arguments(engine, facts, job.cache_owner, fitted.tokens, thinking)
-            info = _public_info(engine.info())
-            if self.parallel_plan is not None:
-                info["parallel_plan"] = self.parallel_plan.describe()
-            if self.draft_problem:
-                info["draft_problem"] = scrub_paths(draft_unavailable(self.draft_problem, self._fallback))
-            info_known = info_digest(info) == job.engine_info_seen
-            first = True
-            resume = job.resume
-            phases = job.phases[resume.phase:] if resume is not None else job.phases
-            answers: dict[str, list[int]] = {p: list(t) for p, t in resume.answers.items()} if resume else {}
-            final: ReplyChunk | None = None
-            for index, phase in enumerate(phases):
-                going_on = resume if index == 0 else None
-                so_far = answers.setdefault(phase, list(going_on.tokens) if going_on is not None else [])
-                with closing(self._stream(engine, facts, job.request, fitted, phase, owner, so_far,
-                                          going_on)) as chunks:  # fmt: skip
-                    for chunk in chunks:
-                        outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
-                                   "n_generated": chunk.stats["n_generated"], "phase": phase}  # fmt: skip
-                        if not info_known:
-                            chunk.engine_info, info_known = info, True
-                        chunk.used_s = round(time.monotonic() - started, 3)
-                        last = chunk.finish_reason is not None and phase == job.phases[-1]
-                        if first or last:
-                            chunk.worker = self._report(report, started)
-                            first = False
-                        if last:
-                            final = chunk  # sent once every phase's stream has closed (see below)
-                            continue
-                        try:
-                            yield chunk
-                        except GeneratorExit:
-                            parking = bool(job.cache_owner)  # closed early: maybe to yield its turn (jobs.py)
-                            raise
-            if final is not None:
-                final.divergences = self._divergences(engine, job, fitted.tokens, answers)
-                if job.cache_owner:
-                    # A visitor's state is copied aside inside its own request (after its figures), so the
-                    # next visitor's request costs the same whatever this one left.
-                    engine.park(job.cache_owner)  # by its key: with several sequences, no one is "current"
-                yield final
+            try:
+                yield from self._phases(engine, job, lambda: self._report(report, started), started)
+            except GeneratorExit:
+                closed_early = True  # maybe to yield its turn (web/jobs.py): its owner's state is parked below
+                raise
         except DFlashError as error:
-            if isinstance(error, ENGINE_FAILURES):
-                self._condemn()
-            if isinstance(error, RemoteDeviceError):  # the log names the server; a visitor is not told where it is
-                log.warning("%s", error)
-                error = RemoteDeviceError(without_endpoints(str(error), job.preset.rpc))
-            outcome = {"finish_reason": "error", "error_type": type(error).__name__, "n_generated": 0}
-            chunk = self._error_chunk(error)
-            chunk.worker = self._report(report, started)
-            chunk.used_s = chunk.worker["used_s"]
-            yield chunk
+            yield self._failed(error, job, lambda: self._report(report, started))
         finally:
-            if parking:
-                # The answer may come back at its owner's next turn (jobs.EngineSlot): its state is parked inside its
-                # own request, as at its end, and the resumed request reuses it (a cancelled answer's state is the
-                # conversation's all the same).
-                with suppress(DFlashError):
+            if closed_early and job.cache_owner:
+                with suppress(DFlashError):  # parked inside its own request, as at its end: its next turn reuses it
                     self._engine_parks(job.cache_owner)
-            self.previous_request = outcome
+            self.previous_request = self._outcome
             self._leave(job)
+
+    def _failed(self, error: DFlashError, job: GpuJob, report: Callable[[], dict[str, Any]]) -> ReplyChunk:
+        if isinstance(error, ENGINE_FAILURES):
+            self._condemn()
+        if isinstance(error, RemoteDeviceError):  # the log names the server; a visitor is not told where it is
+            log.warning("%s", error)
+            error = RemoteDeviceError(without_endpoints(str(error), job.preset.rpc))
+        self._outcome = {"finish_reason": "error", "error_type": type(error).__name__, "n_generated": 0}
+        chunk = self._error_chunk(error)
+        chunk.worker = report()  # after the engine was condemned: it says whether the engine is still loaded
+        chunk.used_s = chunk.worker["used_s"]
+        return chunk
+
+    def _phases(self, engine: Any, job: GpuJob, report: Callable[[], dict[str, Any]],
+                started: float) -> Iterator[ReplyChunk]:  # fmt: skip
+        """The job's phases' chunks (from where it yielded, with `resume`), the last one once every phase's stream
+        has closed, with its divergences; a conversation's state parked before it."""
+        facts = self._facts
+        assert facts is not None
+        fitted = self._fit(engine, job.request)
+        owner = {**self._owner_arguments(engine, facts, job.cache_owner, fitted.tokens, job.request.enable_thinking),
+                 "prefill_chunk": self._settings.prefill_chunk}  # the engine's arguments for this job's requests
+        info, known = self._info(engine, job)
+        resume = job.resume
+        answers = {p: list(t) for p, t in resume.answers.items()} if resume else {}
+        final, first = None, True
+        for index, phase in enumerate(job.phases[resume.phase:] if resume else job.phases):
+            going_on = resume if index == 0 else None
+            so_far = answers.setdefault(phase, list(going_on.tokens) if going_on is not None else [])
+            with closing(self._stream(engine, facts, job.request, fitted, phase, owner, so_far, going_on)) as chunks:
+                for chunk in chunks:
+                    self._outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
+                                     "n_generated": chunk.stats.get("n_generated", 0), "phase": phase}  # fmt: skip
+                    chunk.engine_info, known = (None, known) if known else (info, True)
+                    chunk.used_s = round(time.monotonic() - started, 3)
+                    last = chunk.finish_reason is not None and phase == job.phases[-1]
+                    chunk.worker, first = (report() if first or last else {}), False
+                    if last:
+                        final = chunk  # sent once every phase's stream has closed
+                    else:
+                        yield chunk
+        if final is not None:
+            final.divergences = self._divergences(engine, job, fitted.tokens, answers)
+            if job.conversation:  # copied aside inside its own request: the next visitor's costs the same
+                engine.park(job.cache_owner)  # by its key: with several sequences, no one is "current"
+            yield final
+
+    @staticmethod
+    def _fit(engine: Any, request: ChatRequest) -> FittedConversation:
+        if request.raw_prompt:  # control tokens only from a template: a raw prompt's text is text
+            return fit_prompt(request, partial(engine.tokenize, parse_special=False), engine.n_ctx)
+        return fit_conversation(request, partial(prompt_tokens, engine, enable_thinking=request.enable_thinking),
+                                engine.n_ctx)  # fmt: skip
+
+    def _info(self, engine: Any, job: GpuJob) -> tuple[dict[str, Any], bool]:
+        """The engine's public description, and whether the web process holds it already."""
+        info = _public_info(engine.info())
+        if self.parallel_plan is not None:
+            info["parallel_plan"] = self.parallel_plan.describe()
+        if self.draft_problem:
+            info["draft_problem"] = scrub_paths(draft_unavailable(self.draft_problem, self._fallback))
+        return info, info_digest(info) == job.engine_info_seen
 
     def _engine_parks(self, owner: str) -> None:
         with self._state:
@@ -428,72 +408,64 @@ class EngineHost:
         return ReplyChunk(delta="", stats={}, finish_reason="error", error_type=type(error).__name__, error=str(error))
 
     @staticmethod
-    def _stream(
-        engine: Any,
-        facts: EngineFacts,
-        request: ChatRequest,
-        fitted: FittedConversation,
-        phase: str,
-        owner: dict[str, Any],
-        tokens: list[int],
-        resume: Resume | None = None,
-    ) -> Iterator[ReplyChunk]:
-        """The phase's chunks; its tokens are added to `tokens` as they come. With `resume`, the phase goes on from
-        where it yielded its turn: the prompt followed by its tokens so far, the text released as one stream of all
-        its tokens would release it (UTF-8 and stop strings across the join), the statistics summed (see Resume)."""
+    def _stream(engine: Any, facts: EngineFacts, request: ChatRequest, fitted: FittedConversation, phase: str,
+                owner: dict[str, Any], tokens: list[int], resume: Resume | None = None) -> Iterator[ReplyChunk]:
+        """The phase's chunks, a progress chunk after each prompt chunk but the last (where the job may yield); its
+        tokens are added to `tokens` as they come. With `resume`, the phase goes on from where it yielded its turn
+        (see GoingOn)."""
         speculative, method = phase_decoding(request, phase)
         kwargs = request.generation_kwargs(speculative, method)
-        prompt, text = fitted.tokens, None
-        if resume is not None and (resume.tokens or resume.stats):
-            prompt = [*fitted.tokens, *resume.tokens]
-            kwargs["max_tokens"] -= len(resume.tokens)
+        going_on = GoingOn(engine, request, resume) if resume is not None and (resume.tokens or resume.stats) else None
+        if going_on is not None:
+            kwargs["max_tokens"] -= len(going_on.tokens)
             kwargs["stop"] = None  # stop strings are matched here, across the join
-            from ...textstream import TextStream  # imports libllama: only where engines run
-
-            text = TextStream(engine.pair.vocabulary, request.stop)
-            for token in resume.tokens:
-                text.feed(token)
-            text.take_runs()
-        prefix = facts.prefix(engine, request.enable_thinking) if text is None else ""
-        before = dict(resume.stats) if text is not None and resume is not None else {}
-        drafted_before = list(resume.drafted_by) if text is not None and resume is not None else []
-        events = engine.stream(prompt, **kwargs, **owner)
+        prefix = facts.prefix(engine, request.enable_thinking) if going_on is None else ""
         runs: list[tuple[int, str]] = [(len(prefix), "target")] if prefix else []
-        delta, notice, lengths_sent, drafted_sent = prefix, fitted.notice if text is None else None, 0, 0
-        try:
+        delta, notice, lengths_sent, drafted_sent = prefix, fitted.notice if going_on is None else None, 0, 0
+        with closing(engine.stream([*fitted.tokens, *(going_on.tokens if going_on else ())], **kwargs, **owner,
+                                   prefill_events=True)) as events:  # fmt: skip
             for event in events:
+                if not event.tokens and event.finish_reason is None:
+                    yield ReplyChunk("", {}, phase=phase, dropped_turns=fitted.dropped_turns, progress=True)
+                    continue
                 tokens += event.tokens
                 stats = event.stats.to_dict()
-                lengths = stats.pop("draft_lengths")
-                drafted_by = stats.pop("drafted_by")  # one entry per verify step: sent once, with the last chunk
-                finish, detail, event_delta, event_runs = (event.finish_reason, event.finish_detail, event.delta,
-                                                           event.delta_sources)  # fmt: skip
-                if text is not None:
-                    event_delta = "".join(text.feed(t, s) for t, s in zip(event.tokens, event.token_sources,
-                                                                          strict=False))  # fmt: skip
-                    if text.stopped:
-                        finish, detail = "stop", "stop string"
-                    elif finish is not None:
-                        event_delta += text.finish()
-                    event_runs = text.take_runs()
-                    stats = resumed_stats(before, stats)
+                lengths, drafted_by = stats.pop("draft_lengths"), stats.pop("drafted_by")  # drafted_by: at the end
+                text, text_runs = event.delta, event.delta_sources
+                finish, detail = event.finish_reason, event.finish_detail
+                if going_on is not None:
+                    text, text_runs, finish, detail, stats = going_on.event(event, stats)
                 if finish is not None:
-                    stats["drafted_by"] = [*drafted_before, *drafted_by]
-                yield ReplyChunk(
-                    delta=delta + event_delta,
-                    stats=stats,
-                    finish_reason=finish,
-                    finish_detail=detail,
-                    notice=notice,
-                    phase=phase,
-                    dropped_turns=fitted.dropped_turns,
-                    source_runs=[*runs, *event_runs],
-                    draft_lengths=lengths[lengths_sent:],
-                    tokens=list(event.tokens),
-                    drafted_by=drafted_by[drafted_sent:],
-                )
+                    stats["drafted_by"] = [*(going_on.drafted_by if going_on else ()), *drafted_by]
+                yield ReplyChunk(delta + text, stats, finish, detail, notice, phase, dropped_turns=fitted.dropped_turns,
+                                 source_runs=[*runs, *text_runs], draft_lengths=lengths[lengths_sent:],
+                                 tokens=list(event.tokens), drafted_by=drafted_by[drafted_sent:])  # fmt: skip
                 runs, delta, notice, lengths_sent, drafted_sent = [], "", None, len(lengths), len(drafted_by)
                 if finish is not None:
                     return
-        finally:
-            events.close()  # a closed reply stops the engine between two steps
+
+
+class GoingOn:
+    """A phase going on where it yielded its turn: the prompt followed by its tokens so far, the text released as one
+    stream of all its tokens would release it (UTF-8 and stop strings across the join), the statistics summed with
+    its earlier turns' (gpu_job.Resume)."""
+
+    def __init__(self, engine: Any, request: ChatRequest, resume: Resume) -> None:
+        from ...textstream import TextStream  # imports libllama: only where engines run
+
+        self.tokens, self.drafted_by, self._before = resume.tokens, resume.drafted_by, dict(resume.stats)
+        self._text = TextStream(engine.pair.vocabulary, request.stop)
+        for token in resume.tokens:
+            self._text.feed(token)
+        self._text.take_runs()
+
+    def event(self, event: Any, stats: dict[str, Any]) -> tuple[str, list[tuple[int, str]], str | None, str,
+                                                                 dict[str, Any]]:  # fmt: skip
+        """An event's (text, its runs, finish reason, detail, statistics) as the whole answer's."""
+        text = "".join(self._text.feed(t, s) for t, s in zip(event.tokens, event.token_sources, strict=False))
+        finish, detail = event.finish_reason, event.finish_detail
+        if self._text.stopped:
+            finish, detail = "stop", "stop string"
+        elif finish is not None:
+            text += self._text.finish()
+        return text, self._text.take_runs(), finish, detail, resumed_stats(self._before, stats)

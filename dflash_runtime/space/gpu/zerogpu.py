@@ -11,8 +11,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..crossing import GpuJob, ReplyChunk
-from ..setup.settings import busy_timeout_from_env
+from ..gpu_job import GpuJob, ReplyChunk
+from ..setup.settings import PublicSettings
 from .host import EngineHost
 
 try:  # ZeroGPU provides `spaces`; elsewhere its decorator is a no-op, and without it an identity stands in
@@ -43,7 +43,7 @@ def _load_pair(*args: Any, **kwargs: Any) -> Any:
 
 
 GPU_SIZE = gpu_size_from_env()
-HOST = EngineHost(_load_pair, busy_timeout_from_env())  # the Space's one wait for the engine
+HOST = EngineHost(_load_pair, PublicSettings.from_env())  # the Space's one wait for the engine
 
 
 def _requested_seconds(job: GpuJob) -> int:

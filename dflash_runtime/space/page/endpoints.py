@@ -24,8 +24,8 @@ from ...methods import compared as compared_by_default
 from ...methods import runnable as registered_methods
 from ..requests import AUTO, DEFAULT_SYSTEM_PROMPT, MessageTooLongError
 from ..scrub import scrub_paths
-from ..web.callers import call_of
 from ..web.clients import ClientIdentity
+from ..web.gate import call_of
 from ..web.service import MODEL_DEFAULTS, Reply, SpaceService, wait_problem
 from .items import item_stats
 from .panel import (
@@ -52,13 +52,13 @@ from .views import (
 
 log = logging.getLogger(__name__)
 ApiReply = tuple[str, dict[str, Any]]
-# /chat's and /generate's parameters, in order (a raw HTTP call sends one value for each; see callers.py)
+# /chat's and /generate's parameters, in order (a raw HTTP call sends one value for each; see web/gate.py)
 # (new ones go at the end: an old client's values keep their places; draft_max is the deprecated draft_length).
 # Declared here once: make_api refuses endpoints whose signature or documented parameters differ (api_problems).
 API_PARAMETERS = ("message", "history", "system_prompt", "preset", "max_tokens", "temperature", "top_p", "draft_max",
                   "speculative", "thinking", "method", "draft_length", "top_k", "min_p")  # fmt: skip
 WAIT_PARAMETERS = ("until", "timeout_s")
-# What the HTTP gate checks of raw calls (callers.HttpGate): each endpoint's parameters, and /wait's values (its /run
+# What the HTTP gate checks of raw calls (web/gate.py): each endpoint's parameters, and /wait's values (its /run
 # route answers a handler's error HTTP 500, so they are checked before).
 CHECKED_PARAMETERS = {"chat": API_PARAMETERS, "generate": API_PARAMETERS, "wait": WAIT_PARAMETERS, "info": ()}
 CHECKED_VALUES: dict[str, Callable[[list[Any]], str | None]] = {"wait": lambda values: wait_problem(*values)}
@@ -238,7 +238,7 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
                 async for reply in service.reply(checked, owner=owner, client=service.client(request), call=call):
                     yield reply
         finally:
-            service.callers.end(call)
+            service.calls.finish(call)
 
     @yields(ApiReply)
     async def chat(
@@ -587,7 +587,7 @@ class PageHandlers:
             # Usable again once the answer has ended (not when this event found a turn another one answers).
             yield (gr.skip(),) * 10 + (gr.skip() if session.busy() else ab_button(True),)
         finally:
-            self.service.callers.end(call)
+            self.service.calls.finish(call)
 
     async def _respond(self, session: ChatSession, call: str | None,
                        client: ClientIdentity) -> AsyncIterator[tuple[Any, ...]]:  # fmt: skip
@@ -705,7 +705,7 @@ class PageHandlers:
             # would undo it when the frames reach the page in a burst (see notice_line).
             yield ab_frame(*found, ab_button(True)) if found else (gr.skip(),) * 3 + (ab_button(True),)
         finally:
-            self.service.callers.end(call)
+            self.service.calls.finish(call)
 
     async def _compare(self, session: ChatSession, typed: str, picked: list[str] | None, settings: tuple[Any, ...],
                        call: str | None,

@@ -1,22 +1,8 @@
-"""Who a caller is, as the platform tells it: the identity the Space's limits, turns and shares are keyed to.
-
-Gradio's `session_hash` is chosen by the client (any HTTP client may send a new one with every call), so a limit keyed
-to it limits nothing: it stays what belongs to one conversation (its cache, its readers), never who may use how much.
-A client is its network address as the platform gives it:
-
-- behind Hugging Face's proxy (`SPACE_ID` set) the socket's peer is the proxy; the visitor's address is the last hop of
-  `X-Forwarded-For`, the one the proxy appended (earlier hops are whatever the client sent);
-- elsewhere nothing but the client itself sets that header: the socket's peer address is the client;
-- behind other proxies, `DFLASH_TRUSTED_PROXY_HOPS` says how many hops at the end of `X-Forwarded-For` were appended
-  by proxies the Space trusts (the client is the first of them), 0 to ignore the header.
-
-An IPv6 client is its /64 network (one host is usually given a whole /64). The key is opaque: a digest with a secret of
-the process, so nothing that carries it (logs, owner keys) tells the address.
-
-| variable | meaning | default |
-| --- | --- | --- |
-| `DFLASH_TRUSTED_PROXY_HOPS` | hops at the end of `X-Forwarded-For` added by trusted proxies | 1 on a Space, else 0 |
-"""
+"""Who a caller is, as the platform tells it: the identity the Space's limits, turns and shares are keyed to, never
+the session hash a client mints freely (docs/public-space.md, "Who a client is"). A client is its network address:
+behind Hugging Face's proxy the last hop of `X-Forwarded-For` (the one the proxy appended), elsewhere the socket's
+peer; `DFLASH_TRUSTED_PROXY_HOPS` says how many hops trusted proxies added. An IPv6 client is its /64 network. The
+key is a digest with a secret of the process: nothing that carries it tells the address."""
 
 from __future__ import annotations
 
@@ -27,9 +13,7 @@ import os
 import secrets
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
-
-from ..setup.settings import env_number
+from typing import Any, Protocol
 
 _SECRET = secrets.token_bytes(32)  # per process: client keys cannot be matched to addresses elsewhere
 UVICORN_TRUSTED_PROXIES = "FORWARDED_ALLOW_IPS"  # the peers whose X-Forwarded-For uvicorn would believe
@@ -48,15 +32,13 @@ def servers_forward_nothing(env: MutableMapping[str, str] | None = None) -> str 
     return before or None
 
 
-@dataclass(frozen=True)
-class ClientSettings:
-    trusted_proxy_hops: int = 0
+class Trusting(Protocol):
+    trusted_proxy_hops: int  # (setup.settings.PublicSettings)
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> ClientSettings:
-        env = os.environ if env is None else env
-        default = 1 if env.get("SPACE_ID") else 0
-        return cls(trusted_proxy_hops=max(0, int(env_number(env, "DFLASH_TRUSTED_PROXY_HOPS", default))))
+
+@dataclass(frozen=True)
+class Hops:
+    trusted_proxy_hops: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,10 +56,10 @@ class ClientIdentity:
 
 
 def client_identity(headers: Iterable[tuple[Any, Any]], peer: str | None,
-                    settings: ClientSettings | None = None) -> ClientIdentity:  # fmt: skip
+                    settings: Trusting | None = None) -> ClientIdentity:  # fmt: skip
     """The client of a request, from its headers (ASGI pairs of bytes, or of str) and its socket's peer address:
     the one function every route asks (see the module doc)."""
-    settings = settings or ClientSettings()
+    settings = settings or Hops()
     address, source = peer, "socket"
     if settings.trusted_proxy_hops:
         hops = _forwarded_hops(headers)
@@ -88,13 +70,13 @@ def client_identity(headers: Iterable[tuple[Any, Any]], peer: str | None,
     return ClientIdentity(_digest(_network(address)), source)
 
 
-def client_of_scope(scope: Mapping[str, Any], settings: ClientSettings | None = None) -> ClientIdentity:
+def client_of_scope(scope: Mapping[str, Any], settings: Trusting | None = None) -> ClientIdentity:
     """The client of an ASGI request (its `headers` and `client`)."""
     peer = scope.get("client")
     return client_identity(scope.get("headers") or (), peer[0] if peer else None, settings)
 
 
-def client_of_request(request: Any, settings: ClientSettings | None = None) -> ClientIdentity:
+def client_of_request(request: Any, settings: Trusting | None = None) -> ClientIdentity:
     """The client of a Gradio handler's `gr.Request` (the Starlette request it wraps)."""
     scope = getattr(getattr(request, "request", None), "scope", None)
     return client_of_scope(scope if isinstance(scope, Mapping) else {}, settings)

@@ -1,24 +1,11 @@
-"""The /v1 routes (dflash_runtime.openai_api) on the Space's own server: a backend over the SpaceService.
-
-Every /v1 answer takes the path of the Gradio API's /chat: the service's request check, then `service.reply`, which
-runs the GPU job through the engine slot and stops it when its consumer leaves. Admission and abandonment are the
-Callers' (callers.py), as for every engine call: a /v1 call is admitted for its client (`v1_client`: the client
-of clients.py, as for the page and the Gradio API), counted against that client's and everybody's limits (429 over
-one), and its HTTP connection is its reader: a client that hangs up, or takes no write for the reader timeout,
-abandons the answer.
-
-The API is stateless (each request carries its whole conversation), so a /v1 answer is nobody's cache owner: it
-reuses nothing cached and leaves nothing parked.
-
-On ZeroGPU a GPU call is scheduled for the visitor of the Gradio event it runs in (`spaces` reads the event's request
-for the visitor's `x-ip-token`, and charges that visitor); outside a Gradio event `spaces` has no visitor to charge
-(see `zero_gpu_refusal`). There the /v1 routes answer 503 saying where they are served: a duplicate of the Space on
-dedicated hardware, or `python -m dflash_runtime serve` on one's own machine.
-"""
+"""The /v1 routes (dflash_runtime.openai_api) on the Space's own server, a backend over the SpaceService: the path
+of the Gradio API's /chat, admitted by the one policy for its client, its HTTP connection its reader (the HTTP gate
+watches its writes). Stateless: a /v1 answer is no conversation's, reuses nothing cached, teaches the estimates
+nothing. On ZeroGPU (which charges a GPU call to the visitor of the Gradio event it runs in, and an HTTP request to
+/v1 is none) the routes answer 503 saying where they are served."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 from collections.abc import AsyncIterator, Mapping
@@ -29,13 +16,13 @@ from typing import Any
 from ...errors import RequestError
 from ...openai_api.errors import ApiError, bad_field, busy, from_runtime, over_limit, unavailable
 from ...openai_api.fields import CHAT, ApiRequest
-from ...openai_api.server import WRITE_WATCHERS, Caller, Progress, V1Api
+from ...openai_api.server import Caller, Progress, V1Api
 from ..requests import ChatRequest
-from .clients import ClientIdentity, ClientSettings, client_identity, client_of_scope
-from .probes import TrafficFloor, comment_heartbeat, tighten
+from .calls import AdmissionError
+from .clients import ClientIdentity, Trusting, client_identity
+from .policy import FairShare
 from .service import SpaceService, WorkerError
 
-V1_CALL = -1  # the Callers' fn_index of a /v1 call (Gradio numbers its own events from 0)
 ZERO_GPU_REFUSAL = (
     "the /v1 API is not served on a ZeroGPU Space: ZeroGPU schedules (and charges) a GPU call for the visitor of "
     "the Gradio event it runs in, and an HTTP request to /v1 is no Gradio event. Use the Space's Gradio API "
@@ -48,10 +35,9 @@ API_NAMES = {"message": "messages", "history": "messages", "system_prompt": "mes
              "thinking": "chat_template_kwargs.enable_thinking", "preset": "model"}  # fmt: skip
 
 
-def v1_client(caller: Caller, settings: ClientSettings) -> ClientIdentity:
-    """Who a /v1 call is admitted and limited for: the same client as the page's and the Gradio API's calls from
-    that address (clients.py: the trusted proxy's hop of `X-Forwarded-For` behind Hugging Face's proxy, the
-    connection's own address elsewhere), so that /v1 adds no second allowance to a client's."""
+def v1_client(caller: Caller, settings: Trusting) -> ClientIdentity:
+    """Who a /v1 call is admitted for: the same client as the page's and the Gradio API's from that address
+    (clients.py), so that /v1 adds no second allowance to a client's."""
     return client_identity(caller.headers.items(), caller.address, settings)
 
 
@@ -105,17 +91,18 @@ class SpaceBackend:
         if refusal:
             raise unavailable(refusal)
         checked = self.check(request)
-        callers = self.service.callers
-        client = v1_client(caller, callers.settings.clients)
+        calls = self.service.calls
+        client = v1_client(caller, calls.settings)
         reading = f"v1:{secrets.token_hex(8)}"  # this HTTP connection, the one reader of this call's answer
-        call = callers.admit(V1_CALL, 1, reading, client.key)
+        reader = calls.apply(FairShare.opened, reading)
+        call = calls.apply(FairShare.admit, client.key, reading, 1)
         if isinstance(call, str):
+            calls.apply(FairShare.closed, reader)
             raise over_limit(call.replace("this session", "this connection"))
-        reader = callers.opened(reading)
-        caller.on_write.append(partial(callers.sending, reader))
+        caller.on_write.append(partial(calls.apply, FairShare.sending, reader))
         try:
             # owner "": nobody's cache (see the module doc); the call: admitted above, abandoned with its reader
-            async for reply in self.service.reply(checked, owner="", client=client, call=call.id):
+            async for reply in self.service.reply(checked, owner="", client=client, call=call):
                 chunk = reply.last
                 if chunk is None:
                     continue
@@ -127,11 +114,13 @@ class SpaceBackend:
                 yield Progress(chunk.delta, reply.finish_reason, reply.stats if final else {}, extra)
         except WorkerError as error:
             raise self._worker_error(error) from None
+        except AdmissionError as error:  # its place was taken before it started
+            raise over_limit(str(error)) from None
         except RequestError as error:  # after the check: the engine slot's wait ran out
             raise busy(str(error)) from None
         finally:
-            callers.closed(reader)
-            callers.end(call.id)
+            calls.apply(FairShare.closed, reader)
+            calls.finish(call)
 
     @staticmethod
     def _worker_error(error: WorkerError) -> ApiError:
@@ -141,52 +130,9 @@ class SpaceBackend:
 
 
 def v1_app(service: SpaceService, env: Mapping[str, str] | None = None) -> Any:
-    """The /v1 routes over the service, as an ASGI application (see `mount_v1`). `DFLASH_API_KEY`: the key asked."""
+    """The /v1 routes over the service, as an ASGI application (the HTTP gate's `v1`). `DFLASH_API_KEY`: the key
+    asked."""
     env = os.environ if env is None else env
     api = V1Api(SpaceBackend(service, env), api_key=env.get("DFLASH_API_KEY") or None,
-                max_body_bytes=service.callers.settings.max_body_bytes)  # fmt: skip
+                max_body_bytes=service.calls.settings.max_body_bytes)  # fmt: skip
     return api.app()
-
-
-class MountV1:
-    """ASGI middleware: /v1 paths go to the /v1 application, everything else on to Gradio. A /v1 answer's stream
-    is watched as the Gradio API's result streams are (probes.py): small buffers and a floor of traffic (comment
-    lines) while it streams, every write to the connection told to the call's reader, so that a client that stops
-    reading, or never reads, is noticed within seconds."""
-
-    def __init__(self, app: Any, service: SpaceService) -> None:
-        self.app = app
-        self.v1 = v1_app(service)
-        self.probe_bytes_s = service.callers.settings.probe_bytes_s
-        self.callers = service.callers
-        self.clients = service.callers.settings.clients
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        path = scope.get("path", "") if scope.get("type") == "http" else ""
-        if path != "/v1" and not path.startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
-        if scope.get("method") != "POST":
-            await self.v1(scope, receive, send)
-            return
-        watchers = scope.setdefault("state", {}).setdefault(WRITE_WATCHERS, [])
-
-        async def tracked_send(message: Any) -> None:
-            for watcher in list(watchers):
-                watcher(True)
-            try:
-                await send(message)
-            finally:
-                for watcher in list(watchers):
-                    watcher(False)
-
-        tighten(send)
-        client = client_of_scope(scope, self.clients).key
-        floor = TrafficFloor(tracked_send, self.probe_bytes_s, lambda: True, comment_heartbeat,
-                             partial(self.callers.padding.take, client))  # fmt: skip
-        padder = asyncio.create_task(floor.run())
-        try:
-            await self.v1(scope, receive, floor.send)
-        finally:
-            padder.cancel()
-

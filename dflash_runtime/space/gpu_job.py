@@ -1,12 +1,13 @@
-"""What crosses between the web process and the GPU worker, as plain data (pickled into the ZeroGPU worker and back):
-the job (`GpuJob`: the checked request, the pair, its phases, the GPU time asked), each step's `ReplyChunk`, the cache
-owner's key, and the digest of the engine description the web process holds. Both sides import it; it imports
+"""The GPU job and what comes back, as plain data pickled between the web process and the GPU worker: `GpuJob` (the
+checked request, the pair, its phases, the GPU time asked, where a yielded answer goes on: `Resume`), each step's
+`ReplyChunk`, the cache owner's key and the digest of the engine description. Both sides import it; it imports
 neither."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,6 +33,7 @@ class GpuJob:
     # Whose text this is (an opaque key per visitor's session): the engine reuses cached tokens only for the same
     # owner, beyond the prompt's public prefix. Empty: a fresh owner, nothing of anybody else's is reused.
     cache_owner: str = ""
+    conversation: bool = True  # the owner is a conversation's (parked at the end), or the job's own (across turns)
     engine_info_seen: str = ""  # the digest of the engine description the web process holds (see info_digest)
     resume: Resume | None = None  # an answer that yielded its turn, going on where it was (see Resume)
 
@@ -83,6 +85,7 @@ class ReplyChunk:
     # keeps them, so that an answer that yields its turn can go on exactly: see Resume).
     tokens: list[int] = field(default_factory=list)
     drafted_by: list[str] = field(default_factory=list)
+    progress: bool = False  # a prompt chunk's end: nothing to show, a step boundary at which the job may yield
 
     def then(self, newer: ReplyChunk) -> ReplyChunk:
         """This chunk and the `newer` one after it as one (for a reader that skips chunks a newer one replaced):
@@ -98,13 +101,14 @@ class ReplyChunk:
             divergences={**self.divergences, **newer.divergences},
             tokens=[*self.tokens, *newer.tokens],
             drafted_by=[*self.drafted_by, *newer.drafted_by],
+            progress=self.progress and newer.progress,
         )
 
 
 
 @dataclass(frozen=True)
 class Resume:
-    """Where a job's answer stood when it yielded its turn to another client (jobs.EngineSlot): the phase it goes on
+    """Where a job's answer stood when it yielded its turn to another client (web/policy.py): the phase it goes on
     with (an index into the job's phases), that phase's tokens, statistics and draft methods so far, and the earlier
     phases' whole answers (an A/B run's divergences are computed at its end). The engine goes on from the prompt
     followed by these tokens: at temperature 0 exactly the tokens the answer would have gone on with (the engine
@@ -118,17 +122,17 @@ class Resume:
 
 
 class AnswerSoFar:
-    """What the web process knows of a job's answer from its chunks: where a resumed job goes on (`resume`)."""
+    """What the web process knows of a job's answer from its chunks (`seen`): where a resumed job goes on (`resume`),
+    and (`rest`, with `run`, the GPU function) the stream of the rest of the answer (web/jobs.py's Resumable)."""
 
-    def __init__(self, phases: tuple[str, ...]) -> None:
-        self._phases = phases
-        self._phase = 0
+    def __init__(self, job: GpuJob, run: Callable[[GpuJob], Iterator[ReplyChunk]] | None = None) -> None:
+        self._job, self._run, self._phases, self._phase = job, run, job.phases, 0
         self._answers: dict[str, list[int]] = {}
         self._stats: dict[str, Any] = {}
         self._drafted_by: list[str] = []
 
     def seen(self, chunk: ReplyChunk) -> None:
-        if chunk.error_type:
+        if chunk.error_type or chunk.progress:  # a prompt cut at a chunk goes on from its cached part
             return
         phase = self._phases.index(chunk.phase) if chunk.phase in self._phases else self._phase
         if phase != self._phase:  # a new phase began (the one before ended with its final chunk)
@@ -147,6 +151,10 @@ class AnswerSoFar:
         earlier = {p: tuple(self._answers.get(p, ())) for p in self._phases[: self._phase]}
         return Resume(self._phase, tuple(self._answers.get(name, ())), dict(self._stats), tuple(self._drafted_by),
                       earlier)  # fmt: skip
+
+    def rest(self) -> Callable[[], Iterator[ReplyChunk]] | None:
+        resume, run = self.resume(), self._run
+        return None if resume is None or run is None else lambda: run(replace(self._job, resume=resume))
 
 
 # Statistics a resumed answer adds to those it had (counts and times); lists summed position by position. The prompt's

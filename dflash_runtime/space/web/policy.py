@@ -1,0 +1,385 @@
+"""The public Space's one fair-share policy, pure: who is admitted, whose place is taken, who runs next, who yields,
+when a call is abandoned, and how much padding a reader's stream gets. Plain data in and out, the clock passed in
+(`now`): no locks, threads, I/O or Gradio. calls.py holds it under one lock for the web process's threads and loop;
+docs/public-space.md states its rules in the order a request meets them, tests/test_policy_simulation.py proves them.
+
+A call's life is its `State`, and every transition is one method: `admit` → WAITING; `seat` (in `schedule`) →
+RUNNING; `yield_turn` → YIELDED → RUNNING again; `finish`, `release` → FINISHED; `sweep` → ABANDONED (nobody reads
+it); `_make_room` → TAKEN (its place went to a client with fewer answers before it ever ran: a call that has run is
+paused and resumed, never cut). A place is counted while its call is WAITING, RUNNING or YIELDED; a seat while the
+call's job holds it (`seated`), until its stream is closed."""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ..setup.settings import PublicSettings
+
+REMEMBERED = 4096  # sessions and event ids kept after their calls: far more than the queue holds
+MIN_PADDING = 64  # bytes: a smaller grant waits for the stream's next tick
+FREE_FLOOR_S = 10.0  # the seconds of floor any answer's stream gets: a reader that stops early is seen as soon as ever
+
+
+class State:
+    """A call's states (plain strings: the policy compares them at every step)."""
+
+    WAITING, RUNNING, YIELDED = "waiting", "running", "yielded"
+    FINISHED, ABANDONED, TAKEN = "finished", "abandoned", "taken"
+
+
+LIVE = frozenset((State.WAITING, State.RUNNING, State.YIELDED))
+
+
+@dataclass(eq=False)
+class Call:
+    """One admitted call: an engine call (`weight`: the answers it runs) or a waiting event of another function (0)."""
+
+    order: int
+    client: str  # its client's key (clients.py), never the session, which a client mints freely
+    session: str | None  # None: session-less until Gradio names its event
+    weight: int
+    posted: float
+    sessionless: bool = False
+    owner: str | None = None  # its conversation's cache owner: one answer per conversation runs at a time
+    event_id: str | None = None
+    state: str = State.WAITING
+    handled: bool = False  # its handler started (a withdrawn call leaves Gradio's queue only before)
+    asking: bool = False  # its job waits for a seat
+    can_yield: bool = False  # its answer can go on exactly after a yield
+    started: bool = False  # it has run on the engine
+    seated: bool = False
+    asked_at: float = 0.0
+    turn_at: float = 0.0
+    yield_asked: bool = False  # asked to give its seat up at its next step
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE
+
+
+@dataclass(eq=False)
+class Reader:
+    session: str
+    sending_since: float | None = None  # a write to it that has not returned yet
+
+
+class FairShare:
+    """The policy's state: the calls, their sessions' readers, the clients' engine time, the padding buckets."""
+
+    def __init__(self, settings: PublicSettings, capacity: int = 1) -> None:
+        self.settings = settings
+        self.capacity = capacity  # the engine's sequences: seats
+        self.calls: list[Call] = []  # live calls, and ended ones still seated
+        self.yields = 0  # turns given up for another client's (a count, nothing of whose)
+        self._orders = itertools.count()
+        self._readers: dict[str, list[Reader]] = {}
+        self._left: dict[str, tuple[float, bool]] = {}  # session -> when its last reader left, whether it hung up
+        self._sessions: OrderedDict[str, None] = OrderedDict()  # sessions that joined: who may read a queue stream
+        self._events: OrderedDict[str, str] = OrderedDict()  # event id -> session
+        self._used: dict[str, float] = {}  # client -> seat-seconds (its virtual time), clients present only
+        self._served: dict[str, tuple[int, float]] = {}  # client -> (turn counter, when it last took or left a seat)
+        self._buckets: dict[str, tuple[float, float]] = {}  # padding: client ("" for all) -> (bytes left, when)
+        self._swept_at: float | None = None  # nothing was read or left since this sweep
+
+    # -- admission ---------------------------------------------------------------------------------------------------
+
+    def admit(self, now: float, client: str, session: str | None, weight: int) -> Call | str:
+        """An engine call of `weight` answers, or why it is refused. Over a limit on its own (an A/B run of many
+        answers) it is let in when nothing else counts against that limit."""
+        self.sweep(now)
+        s = self.settings
+        total = self.places() + weight
+        if total > s.total_jobs and total > weight:
+            self._make_room(now, client, weight, total - s.total_jobs)
+            total = self.places() + weight
+        if total > s.total_jobs and total > weight:
+            return (f"the server has {total - weight} answers queued or running, its limit is {s.total_jobs}, and no "
+                    "client holds more than you would: retry in a minute")  # fmt: skip
+        if (used := self.places(client=client)) and used + weight > s.client_jobs:
+            return (f"you have {used} answers queued or running (in all your sessions) and this call would add "
+                    f"{weight}; the limit is {s.client_jobs} (an A/B run counts as the answers it runs): wait for "
+                    "them, or stop them")  # fmt: skip
+        if session is not None and (used := self.places(session=session)) and used + weight > s.session_jobs:
+            return (f"this session has {used} answers queued or running and this call would add {weight}; the limit "
+                    f"is {s.session_jobs} (an A/B run counts as the answers it runs): wait for them, or stop them")
+        return self._add(Call(next(self._orders), client, session, weight, now, sessionless=session is None))
+
+    def admit_event(self, now: float, client: str, session: str) -> Call | str:
+        """A waiting event of the page's other queued functions (its load, its timer), or why it is refused."""
+        self.sweep(now)
+        used = sum(1 for c in self.calls if c.live and not c.weight and c.client == client)
+        if used >= self.settings.client_events:
+            return (f"you have {used} events of this page waiting in the queue (in all your sessions); the limit is "
+                    f"{self.settings.client_events}: wait for them")  # fmt: skip
+        return self._add(Call(next(self._orders), client, session, 0, now))
+
+    def _add(self, call: Call) -> Call:
+        self.calls.append(call)
+        if call.session is not None:
+            _remember(self._sessions, call.session, None)
+        return call
+
+    def places(self, client: str | None = None, session: str | None = None) -> int:
+        """The answers counted (live calls': queued or running), of a client, of a session, or in all."""
+        return sum(c.weight for c in self.calls if c.state in LIVE and (client is None or c.client == client)
+                   and (session is None or c.session == session))  # fmt: skip
+
+    def _make_room(self, now: float, client: str, weight: int, needed: int) -> None:
+        """Max–min shares of the total: a client gets in by taking the place of the newest call that has not run yet
+        of the client holding the most, as long as that client keeps at least as many as it will have."""
+        mine = self.places(client=client) + weight
+        while needed > 0:
+            held: dict[str, int] = {}
+            for c in self.calls:
+                if c.live and c.client != client:
+                    held[c.client] = held.get(c.client, 0) + c.weight
+            takeable = [c for c in self.calls if c.live and c.weight and not c.started and c.client in held
+                        and held[c.client] - c.weight >= mine]  # fmt: skip
+            if not takeable:
+                return
+            taken = max(takeable, key=lambda c: (held[c.client], c.posted, c.order))
+            self._end(now, taken, State.TAKEN)
+            needed -= taken.weight
+
+    # -- what Gradio and the handlers say ----------------------------------------------------------------------------
+
+    def queued(self, now: float, call: Call, event_id: str | None) -> None:
+        """Gradio answered the call's POST: with its event id, or (None) refusing it."""
+        if event_id is None:
+            self._end(now, call, State.FINISHED)
+            return
+        call.event_id = event_id
+        if call.session is None:
+            call.session = event_id
+            _remember(self._sessions, event_id, None)
+        _remember(self._events, event_id, call.session)
+
+    def withdraw(self, now: float, event_id: object) -> None:
+        """Its client cancelled an event: one whose handler has not started leaves Gradio's queue now."""
+        for call in [c for c in self.calls if c.event_id == event_id and not c.handled]:
+            self._end(now, call, State.FINISHED)
+
+    def completed(self, now: float, event_id: str) -> None:
+        """Gradio says an event completed: its handler is over (or never ran)."""
+        for call in [c for c in self.calls if c.event_id == event_id]:
+            self._end(now, call, State.FINISHED)
+
+    def start(self, now: float, call: Call) -> bool:
+        """The call's handler starts: False when the call is over already (then nothing runs)."""
+        self.sweep(now)
+        call.handled = True
+        return call.live
+
+    def finish(self, now: float, call: Call) -> None:
+        """The call's handler ended (its seat, if it holds one, goes when its job's stream is closed)."""
+        self._end(now, call, State.FINISHED)
+
+    def _end(self, now: float, call: Call, state: str) -> None:
+        if call.live:
+            call.state, call.asking = state, False
+        self._tidy(now)
+
+    # -- readers ------------------------------------------------------------------------------------------------------
+
+    def knows(self, now: float, session: str) -> bool:
+        return session in self._sessions
+
+    def session_of_event(self, now: float, event_id: str) -> str | None:
+        return self._events.get(event_id)
+
+    def opened(self, now: float, session: str) -> Reader:
+        reader = Reader(session)
+        self._readers.setdefault(session, []).append(reader)
+        self._swept_at = None
+        return reader
+
+    def closed(self, now: float, reader: Reader, hung_up: bool = True) -> None:
+        """A reader's stream ended: its client hung up, or (`hung_up` False) the server ended it."""
+        readers = self._readers.get(reader.session, [])
+        self._swept_at = None
+        if reader in readers:
+            readers.remove(reader)
+            if not readers:
+                del self._readers[reader.session]
+                self._left[reader.session] = (now, hung_up)
+        self.sweep(now)
+
+    def sending(self, now: float, reader: Reader, busy: bool) -> None:
+        reader.sending_since = now if busy else None
+        self._swept_at = None
+
+    def running_for(self, now: float, session: str) -> bool:
+        """Whether an engine call of `session` is being answered (its handler started): its stream gets padding."""
+        return any(c.live and c.weight and c.handled and c.session == session for c in self.calls)
+
+    def reading(self, now: float, session: str) -> bool:
+        """Whether a reader of the session takes its writes (none has been waiting for longer than the timeout)."""
+        limit = self.settings.reader_timeout_s
+        return any(r.sending_since is None or now - r.sending_since <= limit for r in self._readers.get(session, ()))
+
+    def abandoned(self, now: float, call: Call, reading: bool | None = None) -> bool:
+        """Nobody reads it: its last reader hung up after it came, or none was there for the reader timeout."""
+        if call.session is None or (self.reading(now, call.session) if reading is None else reading):
+            return False
+        at, hung_up = self._left.get(call.session, (0.0, False))
+        if hung_up and at >= call.posted:
+            return True
+        return now - max(call.posted, at) > self.settings.reader_timeout_s
+
+    def sweep(self, now: float) -> None:
+        """Every live call nobody reads is abandoned now: its place is free at once, its seat at its job's next step."""
+        if self._swept_at == now:
+            return
+        self._swept_at = now
+        reading: dict[str | None, bool] = {None: True}
+        for call in self.calls:
+            if call.state in LIVE:
+                if call.session not in reading:
+                    reading[call.session] = self.reading(now, call.session)
+                if self.abandoned(now, call, reading[call.session]):
+                    call.state, call.asking = State.ABANDONED, False
+        self._tidy(now)
+
+    def _tidy(self, now: float) -> None:
+        self.calls = [c for c in self.calls if c.state in LIVE or c.seated]
+        sessions = {c.session for c in self.calls}
+        self._left = {s: left for s, left in self._left.items() if s in sessions}
+        present = {c.client for c in self.calls}
+        self._used = {k: v for k, v in self._used.items() if k in present}
+        self._served = {k: v for k, v in self._served.items() if k in present}
+
+    # -- the engine's seats -------------------------------------------------------------------------------------------
+
+    def ask(self, now: float, call: Call, owner: str | None, can_yield: bool) -> None:
+        """The call's job asks for a seat (a client that comes, or comes back, starts at the least engine time of the
+        clients present, and as served when it came: absence earns no credit)."""
+        call.asking, call.asked_at, call.owner, call.can_yield = True, now, owner or None, can_yield
+        if call.client not in self._used:  # and it was last served as it came: no newcomer passes one that waits
+            present = self.loads(now)[1]
+            self._used[call.client] = min(present.values(), default=0.0)
+            self._served[call.client] = (next(self._orders), now)
+
+    def loads(self, now: float) -> tuple[dict[str, int], dict[str, float]]:
+        """Each present client's seats held, and its virtual time: the seat-seconds its calls used, running turns
+        included."""
+        held: dict[str, int] = {}
+        used = dict(self._used)
+        for c in self.calls:
+            if c.seated:
+                held[c.client] = held.get(c.client, 0) + 1
+                used[c.client] = used.get(c.client, 0.0) + now - c.turn_at
+        return held, used
+
+    def seats_used(self) -> int:
+        return sum(1 for c in self.calls if c.seated)
+
+    def waiting(self) -> list[Call]:
+        return [c for c in self.calls if c.asking and not c.seated and c.state in LIVE]
+
+    def next_call(self, now: float) -> Call | None:
+        """The waiting call whose turn it is: of the client holding the fewest seats, then with the least engine
+        time, then served least recently, then the one that came first; never a second of a conversation running."""
+        held, used = self.loads(now)
+        running = {c.owner for c in self.calls if c.seated and c.owner}
+        ready = [c for c in self.waiting() if c.owner is None or c.owner not in running]
+        return min(ready, key=lambda c: (held.get(c.client, 0), used.get(c.client, 0.0),
+                                         self._served.get(c.client, (-1, 0.0))[0], c.order), default=None)  # fmt: skip
+
+    def schedule(self, now: float) -> bool:
+        """Seat whoever's turn it is while seats are free, then ask one running call over its share to yield;
+        whether anything changed."""
+        self.sweep(now)
+        changed = False
+        while self.seats_used() < self.capacity and (call := self.next_call(now)) is not None:
+            call.state, call.seated, call.started, call.asking, call.turn_at = State.RUNNING, True, True, False, now
+            call.yield_asked = False
+            self._served[call.client] = (next(self._orders), now)
+            changed = True
+        return self._ask_to_yield(now) or changed
+
+    def _ask_to_yield(self, now: float) -> bool:
+        """With no seat free and a call waiting: the running call whose client holds two seats more than the waiting
+        call's, or one more after a turn (`quantum_s`) and more engine time, is asked to yield (one at a time)."""
+        waiting = self.next_call(now)
+        if waiting is None or self.seats_used() < self.capacity or any(c.yield_asked for c in self.calls):
+            return False
+        held, used = self.loads(now)
+        wanted, owed = held.get(waiting.client, 0), used.get(waiting.client, 0.0)
+        over = [c for c in self.calls if c.seated and c.live and c.can_yield and c.client != waiting.client and (
+            held[c.client] >= wanted + 2 or (held[c.client] == wanted + 1 and used[c.client] > owed
+                                             and now - c.turn_at >= self.settings.quantum_s))]  # fmt: skip
+        if not over:
+            return False
+        most = max(over, key=lambda c: (held[c.client], used[c.client], now - c.turn_at))
+        most.yield_asked = True
+        self.yields += 1
+        return True
+
+    def yield_turn(self, now: float, call: Call) -> None:
+        """The call's job closed its stream for another client's turn: it waits again, in its old place."""
+        self._unseat(now, call)
+        if call.live:
+            call.state, call.asking, call.asked_at = State.YIELDED, True, now
+
+    def release(self, now: float, call: Call) -> None:
+        """The call's job closed its stream for good: its seat is free, and a running call is over."""
+        self._unseat(now, call)
+        self._end(now, call, State.FINISHED)
+
+    def _unseat(self, now: float, call: Call) -> None:
+        if call.seated:
+            call.seated, call.yield_asked = False, False
+            self._used[call.client] = self._used.get(call.client, 0.0) + max(0.0, now - call.turn_at)
+            self._served[call.client] = (self._served.get(call.client, (-1, now))[0], now)
+
+    def cannot_yield(self, now: float, call: Call) -> None:
+        """Nothing of the call's answer is left to resume: it runs to its end."""
+        call.can_yield = call.yield_asked = False
+
+    def timed_out(self, now: float, call: Call) -> str | None:
+        """Why a waiting call gives up: its client was not served at all for the busy timeout (never while it holds
+        another seat); None while it may wait."""
+        served = self._served.get(call.client, (0, call.asked_at))[1]
+        if not call.asking or call.client in self.loads(now)[0]:
+            return None
+        if now - max(call.asked_at, served) <= self.settings.busy_timeout_s:
+            return None
+        own = " (this session's previous answer was still running)" if call.owner and any(
+            c.seated and c.owner == call.owner for c in self.calls) else ""  # fmt: skip
+        return f"the engine stayed busy for {self.settings.busy_timeout_s:.0f} s{own}; retry"
+
+    # -- padding -------------------------------------------------------------------------------------------------------
+
+    def padding(self, now: float, client: str, wanted: int) -> int:
+        """Bytes of padding a stream of `client` may send now: token buckets of one second's worth, per client and
+        for everybody, refilled by the clock."""
+        s = self.settings
+        total = self._level(now, "", s.probe_total_bytes_s)
+        own = self._level(now, client, s.probe_client_bytes_s)
+        granted = int(min(wanted, total, own))
+        granted = granted if granted >= MIN_PADDING else 0
+        self._buckets[""], self._buckets[client] = (total - granted, now), (own - granted, now)
+        if len(self._buckets) > REMEMBERED:  # forget the full buckets
+            self._buckets = {k: b for k, b in self._buckets.items() if not k or self._level(now, k, s.
+                             probe_client_bytes_s) < s.probe_client_bytes_s}  # fmt: skip
+        return granted
+
+    def _level(self, now: float, key: str, rate: float) -> float:
+        level, at = self._buckets.get(key, (rate, now))
+        return min(rate, level + rate * (now - at))
+
+
+def padding_room(settings: PublicSettings, items: int, idle: int, padded: int) -> int:
+    """The padding one stream may still send: the floor's first `FREE_FLOOR_S` seconds, or `probe_per_item` times its
+    items' bytes once they are more, and the whole floor of the ticks in which its answer sent nothing (waiting, a
+    prompt): a long stream's bytes follow its answer's length, not its time."""
+    return int(max(0.0, max(settings.probe_per_item * items, settings.probe_bytes_s * FREE_FLOOR_S) + idle - padded))
+
+
+def _remember(kept: OrderedDict[str, object], key: str, value: object) -> None:
+    kept[key] = value
+    kept.move_to_end(key)
+    while len(kept) > REMEMBERED:
+        kept.popitem(last=False)

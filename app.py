@@ -155,8 +155,9 @@ def build_service() -> SpaceService:
     log.info("llama.cpp build: %s", status)
     service = SpaceService.from_env(status, details, demo_files=demo_files, run_gpu=zerogpu.run_on_gpu,
                                     quota_seconds=zerogpu.quota_seconds, gpu_size=zerogpu.GPU_SIZE)
-    log.info("mode: %s (%s)", "offline demo" if service.mode.tiny else service.preset.name, service.mode.reason)
-    for problem in service.mode.problems:
+    mode = service.config.mode
+    log.info("mode: %s (%s)", "offline demo" if mode.tiny else service.config.preset.name, mode.reason)
+    for problem in mode.problems:
         log.warning("not serving the model pair: %s", problem)
     return service
 
@@ -181,7 +182,7 @@ def trace_chart(title: str, y_title: str, elem_id: str, y_lim: list[float] | Non
 def build_ui(service: SpaceService) -> tuple[gr.Blocks, Endpoints]:
     """The page, and its functions as the HTTP gate checks and counts them (see dflash_runtime.space.web.gate)."""
     handlers = PageHandlers(service)
-    preset, limits, defaults = service.preset, service.limits, service.defaults
+    preset, limits, defaults = service.config.preset, service.limits, service.defaults
     with gr.Blocks(title="DFlash 2 speculative decoding") as demo:
         # The first screen holds what a visitor came for, at 1400 × 900 and on a phone: a two-line header, the chat,
         # the message box and the examples; the statistics, the A/B and the settings follow.
@@ -191,7 +192,7 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, Endpoints]:
             "would have written anyway: the same answers, in fewer steps of the target.",
             elem_id="intro",
         )
-        gr.Markdown(mode_banner(service.mode), visible=service.mode.tiny, elem_id="mode-banner")
+        gr.Markdown(mode_banner(service.config.mode), visible=service.config.mode.tiny, elem_id="mode-banner")
         download_box = gr.Markdown("", visible=False, elem_id="download-status")
         session = gr.State(ChatSession(), delete_callback=ChatSession.stop)
         with gr.Row(equal_height=False):
@@ -294,7 +295,7 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, Endpoints]:
                 with gr.Accordion("About this Space", open=False, elem_id="about"):
                     info_box = gr.Markdown(handlers.about())
 
-        timer = gr.Timer(1.0, active=service.download.status().state != "done")
+        timer = gr.Timer(1.0, active=service.config.download.status().state != "done")
         settings = [system_prompt, max_tokens, temperature, top_p, top_k, min_p, method, draft_length, speculative,
                     thinking]  # fmt: skip
         # The engine's sequences (with DFLASH_PARALLEL=auto the most: the engine slot admits what the loaded engine
@@ -379,7 +380,7 @@ if __name__ == "__main__":
     if replaced:
         log.warning("FORWARDED_ALLOW_IPS=%s ignored: set DFLASH_TRUSTED_PROXY_HOPS for a proxy in front", replaced)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Gradio stops the server on Ctrl+C
-    SERVICE.download.start()  # the web process fetches the files while the page is already up
+    SERVICE.config.download.start()  # the web process fetches the files while the page is already up
     # api_open=False: the REST route /run/<name> refuses queued endpoints, so every answer goes through the queue.
     # HttpGate: bounded bodies, checked values, limits on queued answers by client, and no answer runs that nobody
     # reads (see dflash_runtime.space.web.gate and policy).

@@ -309,7 +309,7 @@ class SeenOnlyByJobs(FairShare):
         for call in self.calls:
             if call.live and (call.asking or call.seated) and self.abandoned(now, call):
                 call.state = State.ABANDONED
-        self._tidy(now)
+        self._tidy()
 
 
 @pytest.mark.parametrize("make", [

@@ -26,8 +26,8 @@ from space_client import chat_args, info_when, raw_body, reference_engine
 from dflash_runtime import SessionPolicy, load_pair
 from dflash_runtime.space.gpu_job import client_of_owner, owner_of
 from dflash_runtime.space.page.endpoints import API_PARAMETERS
-from dflash_runtime.space.web.clients import Hops, client_identity
-from dflash_runtime.space.web.gate import MAX_DEPTH, Body, gradio_int
+from dflash_runtime.space.web.clients import client_identity
+from dflash_runtime.space.web.gate import MAX_DEPTH, Endpoints, Refused, json_body
 from dflash_runtime.testing.tiny_models import tiny_pair
 
 N_CTX = 5120
@@ -53,13 +53,13 @@ def record(name: str, value: Any) -> None:
 
 
 def test_a_client_is_its_address_as_the_platform_gives_it() -> None:
-    socket_only, behind_proxy = Hops(0), Hops(1)
+    socket_only, behind_proxy = 0, 1
     forwarded = [(b"x-forwarded-for", b"203.0.113.9, 198.51.100.7")]  # the client wrote the first, the proxy the last
     assert client_identity(forwarded, "10.16.0.1", socket_only) == client_identity([], "10.16.0.1", socket_only)
     assert client_identity(forwarded, "10.16.0.1", behind_proxy).source == "forwarded"
     spoofed = [(b"x-forwarded-for", b"192.0.2.1, 198.51.100.7")]
     assert client_identity(spoofed, "10.16.0.2", behind_proxy) == client_identity(forwarded, "10.16.0.1", behind_proxy)
-    assert client_identity(forwarded, "10.16.0.1", Hops(2)) != client_identity(forwarded, "x", behind_proxy)
+    assert client_identity(forwarded, "10.16.0.1", 2) != client_identity(forwarded, "x", behind_proxy)
     assert client_identity([], "10.16.0.1", behind_proxy).source == "socket", "no header: the socket's peer"
     one_host = [client_identity([], f"2001:db8:1:2::{n}", socket_only) for n in (1, 2)]
     assert one_host[0] == one_host[1] and one_host[0] != client_identity([], "2001:db8:1:3::1", socket_only)
@@ -70,7 +70,7 @@ def test_a_client_is_its_address_as_the_platform_gives_it() -> None:
 def test_the_proxys_hop_is_one_client_whatever_shape_the_header_takes() -> None:
     """Behind the proxy: several headers count as one list in order, spaces and empty hops are nothing, a port or an
     IPv6 address's brackets name the same client, and only the proxy's own (last) hop counts."""
-    behind_proxy = Hops(1)
+    behind_proxy = 1
 
     def key(*values: str) -> str:
         return client_identity([(b"x-forwarded-for", v.encode()) for v in values], "10.16.0.1", behind_proxy).key
@@ -86,16 +86,20 @@ def test_the_proxys_hop_is_one_client_whatever_shape_the_header_takes() -> None:
     assert key("::ffff:198.51.100.7") == ipv4, "an IPv4-mapped address is its IPv4 client"
     headers = [(b"X-Forwarded-For", b"192.0.2.1"), (b"x-forwarded-for", b"198.51.100.7")]
     assert client_identity(headers, "10.16.0.1", behind_proxy).key == ipv4, "header names in any case"
-    assert client_identity(headers, "10.16.0.1", Hops(0)).source == "socket"
+    assert client_identity(headers, "10.16.0.1", 0).source == "socket"
 
 
 def test_bodies_are_read_as_gradio_reads_them() -> None:
-    assert [gradio_int(value) for value in ("12", 12.0, 12, None)] == [12, 12, 12, None]
-    assert all(isinstance(gradio_int(value), ValueError) for value in ("twelve", 12.5, [12]))
-    assert Body.parse(b"[" * 50_000 + b"]" * 50_000).problem is not None
-    assert Body.parse(b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)).problem is not None
-    assert Body.parse(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH).problem is None
-    assert Body.parse(b"not json") == Body()
+    endpoints = Endpoints({}, inputs={12: ()})
+    assert [endpoints.function({"fn_index": value}) for value in ("12", 12.0, 12)] == [12, 12, 12]
+    for value in ("twelve", 12.5, [12], None, 13):
+        with pytest.raises(Refused, match="fn_index must name one of the app's functions"):
+            endpoints.function({"fn_index": value})
+    for nested in (b"[" * 50_000 + b"]" * 50_000, b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)):
+        with pytest.raises(Refused, match="nested too deeply"):
+            json_body(nested)
+    assert json_body(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH) == json.loads("[" * MAX_DEPTH + "]" * MAX_DEPTH)
+    assert json_body(b"not json") is None
 
 
 def test_one_client_opening_many_sessions_evicts_only_its_own_parked_states() -> None:

@@ -18,9 +18,10 @@ from dflash_runtime import load_pair
 from dflash_runtime.footprint import DEFAULT_RESERVE_BYTES, sequence_footprint
 from dflash_runtime.gguf_meta import read_gguf
 from dflash_runtime.native.backends import FreeMemory
-from dflash_runtime.space.gpu.host import PRIVATE_ENGINE_KEYS, EngineHost
+from dflash_runtime.space.gpu.host import EngineHost
 from dflash_runtime.space.gpu_job import AnswerSoFar, GpuJob, ReplyChunk, info_digest
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT, Limits, build_request
+from dflash_runtime.space.scrub import PRIVATE_ENGINE_KEYS
 from dflash_runtime.space.setup.presets import ResolvedPair, configured_preset
 from dflash_runtime.space.setup.settings import PublicSettings
 from dflash_runtime.testing.tiny_models import pair_paths

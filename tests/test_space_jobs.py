@@ -14,8 +14,7 @@ import pytest
 
 from dflash_runtime.errors import RequestError
 from dflash_runtime.space.setup.settings import PublicSettings
-from dflash_runtime.space.web.calls import AdmissionError, Calls
-from dflash_runtime.space.web.jobs import ReplyJob
+from dflash_runtime.space.web.calls import AdmissionError, Calls, ReplyJob
 from dflash_runtime.space.web.policy import Call, FairShare, State
 from dflash_runtime.space.web.probes import Message, TrafficFloor, queue_heartbeat
 

@@ -854,8 +854,8 @@ from dflash_runtime.space.gpu import zerogpu
 maps = open("/proc/self/maps").read()
 assert "libllama" not in maps and "libcuda" not in maps and "llama_cpp" not in sys.modules, "native code loaded"
 assert inspect.isgeneratorfunction(zerogpu.run_on_gpu)
-assert app.SERVICE.download.status().state == "idle", "importing must not start a download"
-print(app.SERVICE.mode.tiny, app.SERVICE.preset.name)
+assert app.SERVICE.config.download.status().state == "idle", "importing must not start a download"
+print(app.SERVICE.config.mode.tiny, app.SERVICE.config.preset.name)
 """
 
 
@@ -881,7 +881,8 @@ def test_the_api_parameters_are_declared_once() -> None:
 
     from dflash_runtime.space.page.endpoints import API_PARAMETERS, api_problems, documented_parameters, make_api
 
-    chat, generate, _, wait = make_api(SimpleNamespace(preset=SimpleNamespace(name="p"), defaults={"max_tokens": 8}))
+    service = SimpleNamespace(config=SimpleNamespace(preset=SimpleNamespace(name="p")), defaults={"max_tokens": 8})
+    chat, generate, _, wait = make_api(service)
     assert documented_parameters(chat) == documented_parameters(generate) == API_PARAMETERS
     assert documented_parameters(wait) == ("until", "timeout_s")
 

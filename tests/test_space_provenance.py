@@ -20,8 +20,7 @@ from dflash_runtime.space.page.session import ChatSession
 from dflash_runtime.space.page.speedup import ACCEPTANCE, SPEED, SpeedTrace
 from dflash_runtime.space.page.views import ab_markdown, ab_verdict
 from dflash_runtime.space.provenance import SourceRuns, draft_text, merged
-from dflash_runtime.space.web.calls import Calls
-from dflash_runtime.space.web.jobs import ReplyJob
+from dflash_runtime.space.web.calls import Calls, ReplyJob
 from dflash_runtime.stats import Stats
 
 TIMEOUT_S = 30.0

@@ -1,7 +1,5 @@
-"""The GPU job and what comes back, as plain data pickled between the web process and the GPU worker: `GpuJob` (the
-checked request, the pair, its phases, the GPU time asked, where a yielded answer goes on: `Resume`), each step's
-`ReplyChunk`, the cache owner's key and the digest of the engine description. Both sides import it; it imports
-neither."""
+"""The GPU job and what comes back, as plain data pickled between the web process and the GPU worker. Both sides
+import it; it imports neither."""
 
 from __future__ import annotations
 
@@ -58,9 +56,8 @@ def phase_decoding(request: ChatRequest, phase: str) -> tuple[bool, str | None]:
 
 @dataclass
 class ReplyChunk:
-    """What a streaming reply sends after each engine step (plain data: it crosses the ZeroGPU process line). Its
-    size does not grow with the answer: the text and everything that accumulates come as what this step added, and
-    what does not change within a reply comes once."""
+    """What a reply sends after each engine step. Its size does not grow with the answer: what accumulates comes as
+    what this step added, and what does not change within a reply comes once."""
 
     delta: str  # the text this step added
     # The statistics after this step, without `draft_lengths` (see below) and, but for the last chunk, `drafted_by`.
@@ -88,8 +85,8 @@ class ReplyChunk:
     progress: bool = False  # a prompt chunk's end: nothing to show, a step boundary at which the job may yield
 
     def then(self, newer: ReplyChunk) -> ReplyChunk:
-        """This chunk and the `newer` one after it as one (for a reader that skips chunks a newer one replaced):
-        what accumulates is joined, what comes once is kept."""
+        """This chunk and the `newer` one after it as one (for a reader that skips chunks): what accumulates is joined,
+        what comes once is kept."""
         return replace(
             newer,
             delta=self.delta + newer.delta,
@@ -105,14 +102,11 @@ class ReplyChunk:
         )
 
 
-
 @dataclass(frozen=True)
 class Resume:
-    """Where a job's answer stood when it yielded its turn to another client (web/policy.py): the phase it goes on
-    with (an index into the job's phases), that phase's tokens, statistics and draft methods so far, and the earlier
-    phases' whole answers (an A/B run's divergences are computed at its end). The engine goes on from the prompt
-    followed by these tokens: at temperature 0 exactly the tokens the answer would have gone on with (the engine
-    answers a prompt as a fresh engine would), the text joined to what was sent, the statistics summed."""
+    """Where a job's answer stood when it yielded its turn: the phase it goes on with (an index), that phase's tokens,
+    statistics and draft methods so far, and the earlier phases' whole answers (for an A/B run's divergences). The
+    engine goes on from the prompt followed by these tokens, which at temperature 0 is exactly the answer's rest."""
 
     phase: int = 0
     tokens: tuple[int, ...] = ()
@@ -122,8 +116,8 @@ class Resume:
 
 
 class AnswerSoFar:
-    """What the web process knows of a job's answer from its chunks (`seen`): where a resumed job goes on (`resume`),
-    and (`rest`, with `run`, the GPU function) the stream of the rest of the answer (web/jobs.py's Resumable)."""
+    """What the web process knows of a job's answer from its chunks: where it goes on (`resume`), and with `run` (the
+    GPU function) the stream of its rest (web/calls.py's Resumable)."""
 
     def __init__(self, job: GpuJob, run: Callable[[GpuJob], Iterator[ReplyChunk]] | None = None) -> None:
         self._job, self._run, self._phases, self._phase = job, run, job.phases, 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ...errors import PromptTooLongError
@@ -71,6 +72,15 @@ def fit_conversation(
                                           f"answer the {n_ctx}-token context cannot hold it"))
     messages = system + history[starts[cut] :] + latest
     return FittedConversation(messages, request.dropped_turns + cut, encoded[cut], len(encoded))
+
+
+def fit_request(engine: Any, request: ChatRequest) -> FittedConversation:
+    """A request's prompt fitted in the engine's context: a completion's as it is, a conversation's older turns
+    dropped as needed."""
+    if request.raw_prompt:  # control tokens only from a template: a raw prompt's text is text
+        return fit_prompt(request, partial(engine.tokenize, parse_special=False), engine.n_ctx)
+    encode = partial(prompt_tokens, engine, enable_thinking=request.enable_thinking)
+    return fit_conversation(request, encode, engine.n_ctx)
 
 
 def fit_prompt(request: ChatRequest, tokenize: Callable[[str], list[int]], n_ctx: int) -> FittedConversation:

@@ -225,7 +225,7 @@ def api_problems(function: Callable[..., Any], parameters: tuple[str, ...] = API
 def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
     """The /chat, /generate, /info and /wait endpoints. Parameters keep JSON's types: integers, floats, booleans and
     strings are checked as such (service.check), never coerced."""
-    preset_name = service.preset.name
+    preset_name = service.config.preset.name
     max_tokens_default = service.defaults["max_tokens"]
 
     async def answer(request: gr.Request | None, **fields: Any) -> AsyncIterator[Reply]:
@@ -435,7 +435,7 @@ def ab_button(ready: bool, running: bool = False) -> Any:
 def engine_sharing(service: SpaceService) -> str:
     """The note on top of the settings column: how many answers run at once (a most until `auto` has sized the
     engine)."""
-    return sharing_note(service.parallel, until_loaded=service.preset.parallel_fit and not service.engine_info)
+    return sharing_note(service.parallel, until_loaded=service.config.preset.parallel_fit and not service.engine_info)
 
 
 def sampling_values(defaults: dict[str, Any]) -> str:
@@ -471,23 +471,23 @@ class PageHandlers:
 
     def about(self) -> str:
         service = self.service
-        if service.zero_gpu:
-            device = f"ZeroGPU, {service.gpu_size or 'large'} slice, allocated per request"
+        if service.config.zero_gpu:
+            device = f"ZeroGPU, {service.config.gpu_size or 'large'} slice, allocated per request"
         else:
-            gpus = [d.get("name") or "GPU" for d in service.build.get("cuda_devices") or []]
+            gpus = [d.get("name") or "GPU" for d in service.config.build.get("cuda_devices") or []]
             device = ", ".join(gpus) if gpus else "CPU"
         sampling = f"{sampling_values(service.defaults)} (from {service.sampling_source})"
-        lines = {"llama.cpp build": service.build_status, "Device": device, "Mode": service.mode.reason,
+        lines = {"llama.cpp build": service.config.build_status, "Device": device, "Mode": service.config.mode.reason,
                  "Sampling defaults": sampling}  # fmt: skip
         if service.draft_problem() and not service.engine_info:
             lines["⚠️ Draft"] = service.draft_problem()
-        return info_markdown(service.preset, service.limits, lines, service.engine_info)
+        return info_markdown(service.config.preset, service.limits, lines, service.engine_info)
 
     def _settings(self, values: tuple[Any, ...]) -> dict[str, Any]:
         (system_prompt, max_tokens, temperature, top_p, top_k, min_p, method, draft_length, speculative,
          thinking) = values  # fmt: skip
         return {
-            "preset": self.service.preset.name, "system_prompt": system_prompt, "max_tokens": max_tokens,
+            "preset": self.service.config.preset.name, "system_prompt": system_prompt, "max_tokens": max_tokens,
             "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p, "method": method,
             "draft_length": page_draft_length(draft_length), "speculative": speculative, "enable_thinking": thinking,
         }  # fmt: skip
@@ -603,7 +603,7 @@ class PageHandlers:
         reply: Reply | None = None
         try:
             while await self.service.poll_files() is None:
-                status = f"*Downloading the model pair: {self.service.download.status().summary()}*"
+                status = f"*Downloading the model pair: {self.service.config.download.status().summary()}*"
                 yield skip, skip, status, skip, skip, skip, skip, skip, skip, skip
             notice, first = None, True
             async for reply in self.service.reply(request, owner=session.owner, client=client, latest_only=True,
@@ -767,7 +767,7 @@ class PageHandlers:
 
     def download_tick(self) -> tuple[Any, ...]:
         """Outputs: download box, timer."""
-        status = self.service.download.status()
+        status = self.service.config.download.status()
         if status.state == "done":
             return gr.update(visible=False), gr.Timer(active=False)
         return gr.update(value=f"**Model download:** {scrub_paths(status.summary())}", visible=True), gr.skip()

@@ -29,6 +29,7 @@ from typing import Any
 
 from ... import methods
 from ...hub import ModelSource
+from ..scrub import scrub_paths
 
 log = logging.getLogger(__name__)
 DEFAULT_PRESET_NAME = "qwen3.8-27b-dflash2"
@@ -125,6 +126,15 @@ def header_sampling_defaults(target_path: Path) -> dict[str, float | int]:
     from ...gguf_meta import read_gguf, sampling_defaults
 
     return sampling_defaults(read_gguf(target_path).keys.get)
+
+
+def file_facts(files: ResolvedPair, branches: int, real: bool) -> tuple[dict[str, Any], dict[str, float | int]]:
+    """What a pair's files tell from their headers, before any load: its methods and why it drafts without its draft
+    (`draft_problem`), and a real target's recommended sampling."""
+    fallback = fallback_methods(files.target_path)
+    problem = files.draft_problem and draft_unavailable(scrub_paths(files.draft_problem), fallback)
+    facts = {"methods": pair_methods(files.target_path, files.draft_path, branches), "draft_problem": problem or None}
+    return facts, header_sampling_defaults(files.target_path) if real else {}
 
 
 def env_text(env: Mapping[str, str], name: str) -> str | None:

@@ -1,34 +1,36 @@
-"""The fair-share policy (policy.py) under one lock, for the web process's threads and its event loop alike: every
-method is one of the policy's transitions at the clock's time, and `seat` is the engine slot: a job waits here for
-its turn (see docs/public-space.md)."""
+"""The fair-share policy (policy.py) under one lock, for the web process's threads and event loop alike, and the GPU
+calls that wait in it for a seat on the engine (`ReplyJob`, docs/public-space.md sections 4 to 6)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Generic, Protocol, TypeVar
 
 from ...errors import RequestError
 from ..setup.settings import PublicSettings
 from .policy import Call, FairShare, State
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 ADMITTED = "dflash_call"  # the scope state's key of the call the HTTP gate admitted
-
-
-class AdmissionError(RequestError):
-    """A call refused by the limits on answers (HTTP 429), or whose place a client with fewer answers took."""
-
-
-# Transitions after which no waiting job need look at its turn again (it looks every `poll_s` all the same).
+# Transitions that change nobody's turn: no waiting job need look again (each looks every `poll_s` all the same).
 QUIET = frozenset((FairShare.sending, FairShare.padding, FairShare.knows, FairShare.session_of_event,
                    FairShare.running_for, FairShare.opened, FairShare.cannot_yield))  # fmt: skip
 TAKEN = ("the server's queue was full and a client with fewer answers took this one's place before it started (each "
          "client gets an equal share): retry once some of your answers have ended")
 
 
+class AdmissionError(RequestError):
+    """A call refused by the limits on answers (HTTP 429), or whose place a client with fewer answers took."""
+
+
 class Calls:
-    """The policy, thread-safe (see the module doc)."""
+    """The policy, thread-safe: every method is one of its transitions at the clock's time."""
 
     def __init__(self, settings: PublicSettings | None = None, capacity: int = 1,
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
@@ -38,8 +40,7 @@ class Calls:
         self._changed = threading.Condition()
 
     def apply(self, transition: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """One of the policy's methods (`FairShare.queued`, ...) at the clock's time, under the lock; every waiting
-        job looks at its turn again, but after one that changes nobody's turn (a write, a question: QUIET)."""
+        """One of the policy's methods (`FairShare.queued`, ...) under the lock."""
         with self._changed:
             result = transition(self.policy, self._clock(), *args, **kwargs)
             if transition not in QUIET:
@@ -66,24 +67,20 @@ class Calls:
             self.apply(FairShare.finish, call)
 
     def alive(self, call: Call) -> bool:
-        """Whether the call still counts: read, neither finished nor taken (asked by its job at every chunk; a waiting
-        call it finds abandoned leaves its wait at its next look, within `poll_s`)."""
+        """Whether the call still counts (a job asks at every chunk)."""
         with self._changed:
             self.policy.sweep(self._clock())
             return call.live
 
-    # -- the engine slot --------------------------------------------------------------------------------------------
-
     def seat(self, call: Call, owner: str | None, can_yield: bool) -> bool:
-        """Wait for the call's turn on the engine: True once it holds a seat, False when it ended meanwhile
-        (AdmissionError when its place was taken), RequestError when its client was not served for the busy
-        timeout."""
+        """Wait for the call's turn: True once it holds a seat, False when it ended meanwhile; AdmissionError when its
+        place was taken, RequestError when its client was not served for the busy timeout."""
         with self._changed:
             self.policy.ask(self._clock(), call, owner, can_yield)
             return self._wait_turn(call)
 
     def yield_turn(self, call: Call) -> bool:
-        """Give the seat up (its job was asked to, and closed its stream) and wait for the next turn, as `seat`."""
+        """Give the seat up (its job closed its stream when asked) and wait for the next turn, as `seat`."""
         with self._changed:
             self.policy.yield_turn(self._clock(), call)
             return self._wait_turn(call)
@@ -113,8 +110,7 @@ class Calls:
             self._changed.notify_all()
 
     def counts(self) -> dict[str, int]:
-        """Seats in use, calls waiting for one, answers counted against the limits (queued or running) and turns
-        yielded: counts, nothing of whose."""
+        """Seats in use, calls waiting for one, answers counted and turns yielded: counts, nothing of whose."""
         with self._changed:
             policy = self.policy
             policy.sweep(self._clock())
@@ -125,3 +121,128 @@ class Calls:
         """Wait until some job holds a seat (`busy`) or none does; False when `timeout_s` passed first."""
         with self._changed:
             return self._changed.wait_for(lambda: (self.policy.seats_used() > 0) == busy, timeout_s)
+
+
+class Resumable(Protocol[T]):
+    """How an answer comes back after it yielded its turn: `rest()` opens the stream of exactly what it would have
+    gone on with, from the chunks it has `seen` (None when it cannot)."""
+
+    def seen(self, chunk: T) -> None: ...
+
+    def rest(self) -> Callable[[], Iterator[T]] | None: ...
+
+
+class ReplyJob(Generic[T]):
+    """Runs `open_stream()` (a blocking iterator of chunks) in a thread while its call holds a seat, until its close
+    returns (on ZeroGPU: the worker stopped), and yields its chunks to one async consumer."""
+
+    def __init__(self, open_stream: Callable[[], Iterator[T]], calls: Calls, call: Call, *,
+                 is_final: Callable[[T], bool] = lambda _chunk: False,
+                 fold: Callable[[T, T], T] = lambda _older, newer: newer, orphan_timeout_s: float = 120.0,
+                 owner: str | None = None, resumable: Resumable[T] | None = None) -> None:  # fmt: skip
+        self._open_stream, self._calls, self._call = open_stream, calls, call
+        self._owner, self._resumable = owner, resumable  # its conversation's cache owner; how it resumes
+        self._is_final, self._fold, self._orphan_timeout_s = is_final, fold, orphan_timeout_s
+        self._cancelled = threading.Event()
+        self._done = threading.Event()
+        self._counts = threading.Lock()
+        self._pending, self._pending_since = 0, 0.0  # chunks handed over and not taken yet, since when
+        self.chunks_delivered = 0
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop at the next chunk (thread-safe; the consumer also calls it when it leaves)."""
+        self._cancelled.set()
+
+    def wait_done(self, timeout_s: float) -> bool:
+        """Whether the stream was closed (and the seat freed) within `timeout_s`."""
+        return self._done.wait(timeout_s)
+
+    async def chunks(self, latest_only: bool = False) -> AsyncIterator[T]:
+        """The chunks as they come; with `latest_only`, one a newer chunk replaced while the consumer was busy is folded
+        into it (never a final one). Leaving the loop, by any path, cancels the job."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()  # (a chunk?, the chunk, an error or None: the end)
+
+        def hand_over(chunk: bool, value: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (chunk, value))
+            except RuntimeError:  # the event loop is closed: nobody will read
+                self.cancel()
+
+        # The copied context carries Gradio's request into the thread (ZeroGPU reads the visitor's token from it).
+        context = contextvars.copy_context()
+        threading.Thread(target=context.run, args=(self._pump, hand_over), name="dflash-reply", daemon=True).start()
+        try:
+            while True:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                for chunk, value in self._taken(items, latest_only):
+                    if chunk:
+                        yield value
+                    elif value is not None:
+                        raise value
+                    else:
+                        return
+        finally:
+            self.cancel()
+
+    def _taken(self, items: list[tuple[bool, Any]], latest_only: bool) -> list[tuple[bool, Any]]:
+        with self._counts:  # the consumer made progress: an orphan is one that makes none for orphan_timeout_s
+            self._pending -= sum(1 for chunk, _ in items if chunk)
+            self._pending_since = time.monotonic()
+        kept, skipped = [], None
+        for index, (chunk, value) in enumerate(items):
+            if skipped is not None:  # a chunk follows a skipped one
+                value, skipped = self._fold(skipped, value), None
+            if latest_only and chunk and index + 1 < len(items) and items[index + 1][0] and not self._is_final(value):
+                skipped = value
+            else:
+                kept.append((chunk, value))
+        return kept
+
+    def _pump(self, hand_over: Callable[[bool, Any], None]) -> None:
+        calls, call = self._calls, self._call
+        try:
+            open_stream = self._open_stream if calls.seat(call, self._owner, self._resumable is not None) else None
+            try:
+                while open_stream is not None and calls.alive(call):
+                    open_stream = self._run(open_stream(), hand_over)
+                    if open_stream is not None and not calls.yield_turn(call):  # the rest comes at its next turn
+                        break
+            finally:
+                calls.apply(FairShare.release, call)
+        except BaseException as error:  # the consumer raises it in the web request
+            hand_over(False, error)
+        finally:
+            self._done.set()
+            hand_over(False, None)
+
+    def _run(self, stream: Iterator[T], hand_over: Callable[[bool, Any], None]) -> Callable[[], Iterator[T]] | None:
+        """Hand `stream`'s chunks over until it ends, the job stops, or it yields (when asked, after a chunk that is not
+        the answer's last): then the stream of the answer's rest, opened at the job's next turn."""
+        try:
+            for chunk in stream:
+                with self._counts:
+                    orphaned = self._pending and time.monotonic() - self._pending_since > self._orphan_timeout_s
+                    self._pending_since = self._pending_since if self._pending else time.monotonic()
+                    self._pending += 1
+                if self._cancelled.is_set() or orphaned or not self._calls.alive(self._call):
+                    log.info("an answer stopped after %d chunks", self.chunks_delivered)
+                    return None
+                self.chunks_delivered += 1
+                if self._resumable is not None:
+                    self._resumable.seen(chunk)
+                hand_over(True, chunk)
+                if self._call.yield_asked and not self._is_final(chunk) and self._resumable is not None:
+                    if (rest := self._resumable.rest()) is not None:
+                        return rest
+                    self._calls.apply(FairShare.cannot_yield, self._call)  # nothing left to resume: it runs to its end
+            return None
+        finally:
+            if (close := getattr(stream, "close", None)) is not None:
+                close()  # stops the engine; on ZeroGPU returns once the worker has stopped

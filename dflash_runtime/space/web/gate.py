@@ -1,7 +1,6 @@
-"""The HTTP gate: every request passes here before Gradio (plain ASGI, Gradio-free). It parses and asks the policy
-(calls.py): bodies bounded before anything parses them, every route's values checked as Gradio would refuse them,
-each refusal a 4xx in its route's own shape with one bounded log line, engine calls and the page's other events
-admitted by client, and each result stream watched for its reader (docs/public-space.md, "The door")."""
+"""The HTTP gate: every request passes here before Gradio (plain ASGI, Gradio-free). It parses, checks what Gradio
+would refuse, asks the policy (calls.py) to admit what queues, and watches each result stream for its reader; each
+refusal is a 4xx in its route's own shape with one bounded log line (docs/public-space.md, "The door")."""
 
 from __future__ import annotations
 
@@ -9,12 +8,14 @@ import asyncio
 import json
 import logging
 import re
+import traceback
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs
 
 from pydantic import TypeAdapter, ValidationError
+from starlette.datastructures import QueryParams
+from starlette.responses import JSONResponse
 
 from ...openai_api.errors import ApiError
 from ...openai_api.server import WRITE_WATCHERS
@@ -30,10 +31,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-_CALL = re.compile(r"/gradio_api/call/(v2/)?([^/]+)/?$")
+_QUEUED = re.compile(r"/gradio_api/(?:call/(?P<v2>v2/)?(?P<call>[^/]+)|run/(?P<run>[^/]+)|queue/(?P<join>join))/?$")
 _RESULT = re.compile(r"/gradio_api/call/(?:v2/)?([^/]+)/([^/]+)/?$")
-_ROUTES = {name: re.compile(rf"/gradio_api/{name}/?$") for name in ("queue/join", "queue/data", "upload", "cancel")}
-_RUN = re.compile(r"/gradio_api/run/([^/]+)/?$")
+_ROUTES = {name: re.compile(rf"/gradio_api/{name}/?$") for name in ("queue/data", "upload", "cancel")}
 _EVENT_ID = re.compile(rb'"event_id":\s*"([0-9a-f]+)"')
 _COMPLETED = re.compile(rb'"msg":\s*"process_completed",\s*"event_id":\s*"([0-9a-f]+)"')  # Gradio's field order
 _V1_CODES = {400: "invalid_json", 404: "not_found", 413: "body_too_long", 422: "invalid_value",
@@ -41,7 +41,7 @@ _V1_CODES = {400: "invalid_json", 404: "not_found", 413: "body_too_long", 422: "
 MAX_DEPTH = 32  # JSON nesting a body may have (the API's deepest is 3: data, history, a message)
 EXCERPT_CHARS = 60  # of a refused value an error quotes at most
 LOGGED_CHARS = 160  # of a refusal's detail its log line keeps
-_OPTIONAL_INT = TypeAdapter(int | None)
+_INT = TypeAdapter(int)  # as Gradio reads an integer field (pydantic's lax mode: "12", 12.0 and 12 are 12)
 # What a page function's input of each kind may be sent (Gradio fails on anything else with `error: null`).
 KINDS: dict[str, Callable[[Any], bool]] = {
     "slider": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
@@ -54,11 +54,17 @@ KINDS: dict[str, Callable[[Any], bool]] = {
 }
 
 
+class Refused(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
 @dataclass(frozen=True)
 class Endpoints:
-    """The app's functions as Gradio numbers them (a dependency's "id"): each engine function's weight (the answers a
-    call runs, asked when the call comes), the API names callable over plain HTTP, each function's inputs' kinds,
-    and the checked API endpoints' parameters and value checks (what is wrong with a list of values, or None)."""
+    """The app's functions as Gradio numbers them: each engine function's weight (the answers a call runs), the API
+    names callable over plain HTTP, each function's inputs' kinds, and the checked API endpoints' parameters and
+    value checks (what is wrong with a list of values, or None)."""
 
     weights: Mapping[int, Callable[[], int]]
     api_names: Mapping[str, int] = field(default_factory=dict)
@@ -76,25 +82,44 @@ class Endpoints:
         inputs = {d["id"]: tuple(kinds.get(i, "") for i in d.get("inputs", [])) for d in dependencies}
         return cls(weights, public, inputs, **checked)
 
-    def problem(self, fn_index: int, data: Any, name: str | None = None, values: bool = True) -> str | None:
-        """What is wrong with a call's values (a list of one value per input), or None; without `values`, an API
-        endpoint's values are left to its handler (gradio_client reads its refusal as the handler sends it)."""
+    def named(self, name: str) -> int:
+        if (fn_index := self.api_names.get(name)) is None:
+            names = ", ".join(f"/{n}" for n in self.api_names)
+            raise Refused(404, f"no endpoint {excerpt('/' + name, 40)} here; this server has {names}")
+        return fn_index
+
+    def function(self, body: Any) -> int:
+        """The function a body's `fn_index` names, read as Gradio reads it."""
+        value = body.get("fn_index")
+        try:
+            fn_index = _INT.validate_python(value)
+        except ValidationError:
+            fn_index = None
+        if fn_index not in self.inputs:
+            raise Refused(422, f"fn_index must name one of the app's functions (got {excerpt(value)})")
+        return fn_index
+
+    def check(self, fn_index: int, data: Any, values: bool = True) -> None:
+        """Refused (422) when a call's values (one per input) are not what its function takes; without `values`, an
+        API endpoint's values are left to its handler (gradio_client reads its refusal as the handler sends it)."""
         if not isinstance(data, list):
-            return None  # Gradio answers that itself (422)
-        name = name or next((n for n, i in self.api_names.items() if i == fn_index), "")
+            return  # Gradio answers that itself (422)
+        name = next((n for n, i in self.api_names.items() if i == fn_index), "")
         if name in self.parameters:
             expected = tuple(self.parameters[name])
             named = f"in this order: {', '.join(expected)}" if expected else "none"
         else:
             expected, named = self.inputs.get(fn_index, ()), f"one per input of function {fn_index}"
         if len(data) != len(expected):
-            return f"data must hold {len(expected)} values, {named} (got {len(data)})"
+            raise Refused(422, f"data must hold {len(expected)} values, {named} (got {len(data)})")
         if name in self.checks:
-            return self.checks[name](data) if values else None
-        for index, (kind, value) in enumerate(zip(expected, data, strict=True)):
-            if kind in KINDS and not KINDS[kind](value):
-                return f"data[{index}] must be a {kind}'s value, got {excerpt(value)}"
-        return None
+            problem = self.checks[name](data) if values else None
+        else:
+            problem = next((f"data[{index}] must be a {kind}'s value, got {excerpt(value)}"
+                            for index, (kind, value) in enumerate(zip(expected, data, strict=True))
+                            if kind in KINDS and not KINDS[kind](value)), None)  # fmt: skip
+        if problem is not None:
+            raise Refused(422, problem)
 
 
 def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
@@ -103,46 +128,24 @@ def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
     return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
 
 
-def json_depth(value: Any) -> int:
-    """How deeply lists and objects nest in a parsed JSON value (without recursion: any depth is measured)."""
-    deepest, stack = 0, [(value, 1)]
+def json_body(body: bytes) -> Any:
+    """A POST body as JSON, None when it is not JSON (Gradio answers that); Refused (400) when nested deeper than
+    `MAX_DEPTH`, measured without recursion."""
+    nested = Refused(400, f"the JSON body is nested too deeply (this server accepts {MAX_DEPTH} levels)")
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        raise nested from None
+    except ValueError:
+        return None
+    stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
         if isinstance(item, dict | list):
-            deepest = max(deepest, depth)
+            if depth > MAX_DEPTH:
+                raise nested
             stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
-
-
-@dataclass(frozen=True)
-class Body:
-    """A POST body as JSON: `value` (None when it is not JSON: Gradio answers that) or `problem` (HTTP 400)."""
-
-    value: Any = None
-    problem: str | None = None
-
-    @classmethod
-    def parse(cls, body: bytes) -> Body:
-        nested = f"the JSON body is nested too deeply (this server accepts {MAX_DEPTH} levels)"
-        try:
-            value = json.loads(body)
-        except RecursionError:
-            return cls(problem=nested)
-        except ValueError:
-            return cls()
-        return cls(problem=nested) if json_depth(value) > MAX_DEPTH else cls(value)
-
-    def field(self, name: str) -> Any:
-        return self.value.get(name) if isinstance(self.value, dict) else None
-
-
-def gradio_int(value: Any) -> int | ValueError | None:
-    """An integer field as Gradio reads it (pydantic's lax mode: "12", 12.0 and 12 are 12), None when absent, or
-    the ValueError Gradio's own check would answer (then Gradio refuses the request itself)."""
-    try:
-        return _OPTIONAL_INT.validate_python(value)
-    except ValidationError as error:
-        return ValueError(str(error))
+    return value
 
 
 def call_of(request: Any) -> Call | None:
@@ -152,13 +155,7 @@ def call_of(request: Any) -> Call | None:
     return state.get(ADMITTED) if isinstance(state, dict) else None
 
 
-class Refused(Exception):
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(detail)
-        self.status, self.detail = status, detail
-
-
-async def refuse(send: Send, scope: Scope, status: int, detail: str) -> None:
+async def refuse(scope: Scope, receive: Receive, send: Send, status: int, detail: str) -> None:
     """A refusal in its route's shape (/v1: OpenAI's; else Gradio's `detail`), and one bounded log line."""
     path = str(scope.get("path", ""))
     log.info("refused %s %s: %d %s", scope.get("method"), excerpt(path), status, detail[:LOGGED_CHARS])
@@ -167,11 +164,7 @@ async def refuse(send: Send, scope: Scope, status: int, detail: str) -> None:
         body = ApiError(status, detail, type=kind, code=_V1_CODES.get(status, "invalid_request")).body()
     else:
         body = {"detail": detail}
-    payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                            (b"connection", b"close")]})  # fmt: skip
-    await send({"type": "http.response.body", "body": payload})
+    await JSONResponse(body, status, headers={"connection": "close"})(scope, receive, send)
 
 
 class HttpGate:
@@ -201,39 +194,34 @@ class HttpGate:
             else:
                 await self.app(scope, receive, sent)
         except Refused as refusal:
-            await refuse(send, scope, refusal.status, refusal.detail)
+            await refuse(scope, receive, send, refusal.status, refusal.detail)
         except Exception as error:  # one bounded line, never a traceback a client can make the server write
-            where = error.__traceback__
-            while where is not None and where.tb_next is not None:
-                where = where.tb_next
-            origin = f"{where.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{where.tb_lineno}" if where else "?"
-            log.error("failed %s %s: %s at %s: %s", method, excerpt(path), type(error).__name__, origin,
-                      str(error)[:LOGGED_CHARS])  # fmt: skip
+            where = traceback.extract_tb(error.__traceback__)[-1]
+            log.error("failed %s %s: %s at %s:%s: %s", method, excerpt(path), type(error).__name__,
+                      where.filename.rsplit("/", 1)[-1], where.lineno, str(error)[:LOGGED_CHARS])  # fmt: skip
             if not started:
-                await refuse(send, scope, 500, "the server failed; retry")
+                await refuse(scope, receive, send, 500, "the server failed; retry")
 
     async def _v1(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """A /v1 request: its body bounded, its answer's writes told to its call's reader (the backend opens it)."""
+        """A /v1 POST: its body bounded, its answer's writes told to its call's reader (the backend opens it)."""
         assert self.v1 is not None
         if scope.get("method") != "POST":
             await self.v1(scope, receive, send)
             return
-        raw = await self._body(scope, receive)
-        if (body := Body.parse(raw)).problem is not None:
-            raise Refused(400, body.problem)
+        json_body(raw := await self._body(scope, receive))
         watchers = scope.setdefault("state", {}).setdefault(WRITE_WATCHERS, [])
         await self._watched(self.v1, scope, _replay(raw, receive), send,
                             lambda busy, _body=b"": [w(busy) for w in watchers], lambda: True, comment_heartbeat)
 
     async def _get(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
+        path, query = scope.get("path", ""), QueryParams(scope.get("query_string", b""))
         if result := _RESULT.search(path):
             name, event_id = result.groups()
             session = self.calls.apply(FairShare.session_of_event, event_id)
             if name not in self.endpoints.api_names or session is None:
                 raise Refused(404, f"no event {excerpt(event_id, 40)} of endpoint {excerpt(name, 40)} here")
             await self._read(session, scope, receive, send, event_id)
-        elif _ROUTES["queue/data"].search(path) and (session := _query(scope, "session_hash")) is not None:
+        elif _ROUTES["queue/data"].search(path) and (session := query.get("session_hash")) is not None:
             self._check_session(session)
             if not self.calls.apply(FairShare.knows, session):
                 raise Refused(404, "Session not found.")
@@ -252,68 +240,45 @@ class HttpGate:
         if _ROUTES["upload"].search(path):
             raise Refused(413, "uploads are off: this Space takes no files (maximum allowed size: 0 bytes)")
         raw = await self._body(scope, receive)
-        body = Body.parse(raw)
-        if body.problem is not None:
-            raise Refused(400, body.problem)
-        replay = _replay(raw, receive)
-        if _ROUTES["cancel"].search(path):
-            self.calls.apply(FairShare.withdraw, body.field("event_id"))
-        call = self._admitted(path, body, scope)
-        if call is None:
+        body, replay = json_body(raw), _replay(raw, receive)
+        if _ROUTES["cancel"].search(path) and isinstance(body, dict):
+            self.calls.apply(FairShare.withdraw, body.get("event_id"))
+        if (call := self._admitted(path, body, scope)) is None:
             await self.app(scope, replay, send)
             return
         scope.setdefault("state", {})[ADMITTED] = call
-        await self._queue(call, scope, replay, send)
+        event_id = None
+        try:
+            event_id = await self._queued(scope, replay, send)
+        finally:
+            self.calls.apply(FairShare.queued, call, event_id)
 
-    def _admitted(self, path: str, body: Body, scope: Scope) -> Call | None:
-        """The call a POST queues, admitted (Refused when its values or a limit refuse it); None for a request that
-        queues nothing (or that Gradio refuses itself)."""
-        endpoints = self.endpoints
-        if called := _CALL.search(path):
-            fn_index = self._named(called.group(2), body, versioned=bool(called.group(1)))
-            session = body.field("session_hash") or None  # "" or none: session-less
-            if session is not None:
-                self._check_session(session)
-        elif run := _RUN.search(path):
-            if run.group(1) != "predict":
-                self._named(run.group(1), body)
-            elif (fn := gradio_int(body.field("fn_index"))) is None or isinstance(fn, int):
-                self._function(fn, body)
-                if body.field("session_hash") is not None:  # Gradio keeps a page's state by it
-                    self._check_session(body.field("session_hash"))
+    def _admitted(self, path: str, body: Any, scope: Scope) -> Call | None:
+        """The call a POST queues, admitted, or None for one that queues nothing, or that Gradio refuses itself (a
+        body that is not a JSON object). One rule for every route: the function is the path's name or `fn_index`,
+        its values are checked (but the versioned route's), the session when one is given (a join needs one)."""
+        if (route := _QUEUED.search(path)) is None:
             return None
-        elif _ROUTES["queue/join"].search(path):
-            fn_index, session = gradio_int(body.field("fn_index")), body.field("session_hash")
-            if isinstance(fn_index, ValueError) or session is None:
-                return None  # Gradio refuses it (422)
-            self._function(fn_index, body, values=False)  # gradio_client's route
+        endpoints, name = self.endpoints, route["call"] or (route["run"] if route["run"] != "predict" else None)
+        fn_index = endpoints.named(name) if name is not None else None
+        if not isinstance(body, dict):
+            return None
+        fn_index = endpoints.function(body) if fn_index is None else fn_index
+        if not route["v2"]:  # gradio_client's join leaves an API endpoint's values to its handler
+            endpoints.check(fn_index, body.get("data"), values=not route["join"])
+        if not (session := body.get("session_hash")) and route["call"]:
+            session = None  # a raw call without one is session-less
+        if session is not None or route["join"]:
             self._check_session(session)
-        else:
-            return None
-        if body.value is None:
-            return None  # not JSON: Gradio refuses it (422)
-        client = client_of_scope(scope, self.settings).key
+        if route["run"]:
+            return None  # it queues nothing (Gradio keeps a page's state by its session)
+        client = client_of_scope(scope, self.settings.trusted_proxy_hops).key
         weight = endpoints.weights.get(fn_index)
         call = (self.calls.apply(FairShare.admit, client, session, weight()) if weight
                 else self.calls.apply(FairShare.admit_event, client, session))  # fmt: skip
         if isinstance(call, str):
             raise Refused(429, call)
         return call
-
-    def _named(self, name: str, body: Body, versioned: bool = False) -> int:
-        fn_index = self.endpoints.api_names.get(name)
-        if fn_index is None:
-            names = ", ".join(f"/{n}" for n in self.endpoints.api_names)
-            raise Refused(404, f"no endpoint {excerpt('/' + name, 40)} here; this server has {names}")
-        if not versioned and (problem := self.endpoints.problem(fn_index, body.field("data"), name)):
-            raise Refused(422, problem)
-        return fn_index
-
-    def _function(self, fn_index: int | None, body: Body, values: bool = True) -> None:
-        if fn_index is None or fn_index not in self.endpoints.inputs:
-            raise Refused(422, f"fn_index must name one of the app's functions (got {excerpt(body.field('fn_index'))})")
-        if problem := self.endpoints.problem(fn_index, body.field("data"), values=values):
-            raise Refused(422, problem)
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
         """The whole body (Refused once it is longer than the limit: by its declared length, or as it comes)."""
@@ -323,20 +288,16 @@ class HttpGate:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_long
         parts: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return b"".join(parts)
+        while (message := await receive())["type"] == "http.request":
             parts.append(message.get("body", b""))
-            size += len(parts[-1])
-            if size > limit:
+            if sum(map(len, parts)) > limit:
                 raise too_long
             if not message.get("more_body"):
-                return b"".join(parts)
+                break
+        return b"".join(parts)
 
-    async def _queue(self, call: Call, scope: Scope, receive: Receive, send: Send) -> None:
-        """Pass the call on and note the event id Gradio answers (or that it refused the call)."""
+    async def _queued(self, scope: Scope, receive: Receive, send: Send) -> str | None:
+        """Pass a queued call on: the event id Gradio answers, or None when it refused the call."""
         status, answer = 0, bytearray()
 
         async def noting(message: Message) -> None:
@@ -347,35 +308,28 @@ class HttpGate:
                 answer.extend(message.get("body", b""))
             await send(message)
 
-        event_id = None
-        try:
-            await self.app(scope, receive, noting)
-            found = _EVENT_ID.search(bytes(answer)) if status == 200 else None
-            event_id = found.group(1).decode() if found else None
-        finally:
-            self.calls.apply(FairShare.queued, call, event_id)
+        await self.app(scope, receive, noting)
+        found = _EVENT_ID.search(bytes(answer)) if status == 200 else None
+        return found.group(1).decode() if found else None
 
     async def _read(self, session: str, scope: Scope, receive: Receive, send: Send,
                     event_id: str | None = None) -> None:  # fmt: skip
-        """Stream a result to one of `session`'s readers, watching for its hang-up and for writes it does not take;
-        Gradio's word that an event completed ends its call."""
-        calls, early, wanted = self.calls, [], asyncio.Event()
+        """Stream a result to one of `session`'s readers, watching for its hang-up (the app itself reads nothing
+        while it writes) and for writes it does not take; Gradio's word that an event completed ends its call."""
+        calls, inbox = self.calls, asyncio.Queue[Message]()
         reader = calls.apply(FairShare.opened, session)
         floor: TrafficFloor | None = None
 
-        async def watch() -> None:  # what it reads before the app asks: a GET's empty body, the hang-up
+        async def watch() -> None:
             while (message := await receive())["type"] != "http.disconnect":
-                early.append(message)
-                wanted.set()
-            early.append(message)  # also the server's own, once it sent the stream's end
-            wanted.set()
+                inbox.put_nowait(message)
+            inbox.put_nowait(message)  # also the server's own, once it sent the stream's end
             calls.apply(FairShare.closed, reader, hung_up=floor is None or not floor.finished)
 
         async def app_receive() -> Message:
-            while not early:
-                wanted.clear()
-                await wanted.wait()
-            return early.pop(0) if early[0]["type"] != "http.disconnect" else early[0]
+            if (message := await inbox.get())["type"] == "http.disconnect":
+                inbox.put_nowait(message)  # every later ask gets it too
+            return message
 
         def sending(busy: bool, body: bytes = b"") -> None:
             for found in _COMPLETED.finditer(body) if busy else ():
@@ -406,7 +360,9 @@ class HttpGate:
                 sending(False)
 
         tighten(send)
-        client, calls, settings = client_of_scope(scope, self.settings).key, self.calls, self.settings
+        calls, settings = self.calls, self.settings
+        client = client_of_scope(scope, settings.trusted_proxy_hops).key
+
         def grant(owed: int, items: int, idle: int, padded: int) -> int:
             return calls.apply(FairShare.padding, client, min(owed, padding_room(settings, items, idle, padded)))
 
@@ -417,11 +373,6 @@ class HttpGate:
         finally:
             padder.cancel()
         return floor
-
-
-def _query(scope: Scope, name: str) -> str | None:
-    values = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True).get(name)
-    return values[0] if values else None
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

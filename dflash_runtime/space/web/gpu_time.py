@@ -1,14 +1,7 @@
-"""The GPU time a request asks ZeroGPU for, from measured speeds (docs/public-space.md, "Figures one client cannot
-move"). ZeroGPU checks the requested duration against the visitor's quota: too much refuses visitors who could have
-been served, too little lets the platform stop a long answer. The worker reports what it measured with its chunks.
-
-Each figure a visitor's answer can move (decode speed per mode, prefill speed, characters per token) is the median of
-the recent clients' votes (`estimate_window` clients: addresses, not session ids), each client voting once with the
-median of its own newest `estimate_per_client` answers, an odd number of votes counted; it stays at its default until
-`estimate_voters` distinct clients voted, so that no figure /info shows moves with one visitor's calls (their text's
-characters per token, say). Since addresses are cheap to multiply, the figure then follows that median at a pace
-bounded by the work behind the answers (at most ×1.25 per 4,096 tokens). The load time is not a visitor's doing: it
-follows its measurements (slower ones count more) and is added only when the worker may be new."""
+"""The GPU time a request asks ZeroGPU for, from measured speeds: too much refuses visitors who could have been
+served, too little lets the platform stop a long answer. Each figure a visitor's answer can move is the clients'
+vote, waiting for several clients and paced by work, so that no figure /info shows moves with one visitor's calls
+(docs/public-space.md, "Figures one client cannot move")."""
 
 from __future__ import annotations
 
@@ -38,7 +31,8 @@ class GpuEstimate:
 
 
 class Votes:
-    """One figure from the clients' votes, paced by work (see the module doc); `default` until enough voted."""
+    """One figure: the median of the recent clients' votes (each the median of its own newest answers), an odd number
+    counted, `default` until `estimate_voters` clients voted, then moving at most ×1.25 per 4,096 tokens of work."""
 
     def __init__(self, default: float, settings: PublicSettings) -> None:
         self.default, self.settings = default, settings

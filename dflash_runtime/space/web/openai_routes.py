@@ -1,8 +1,7 @@
-"""The /v1 routes (dflash_runtime.openai_api) on the Space's own server, a backend over the SpaceService: the path
-of the Gradio API's /chat, admitted by the one policy for its client, its HTTP connection its reader (the HTTP gate
-watches its writes). Stateless: a /v1 answer is no conversation's, reuses nothing cached, teaches the estimates
-nothing. On ZeroGPU (which charges a GPU call to the visitor of the Gradio event it runs in, and an HTTP request to
-/v1 is none) the routes answer 503 saying where they are served."""
+"""The /v1 routes (dflash_runtime.openai_api) on the Space's own server: the path of /chat, admitted by the one policy
+for its client, its HTTP connection its reader. Stateless: a /v1 answer is no conversation's, reuses nothing cached,
+teaches the estimates nothing. ZeroGPU charges a GPU call to the visitor of the Gradio event it runs in, and a /v1
+request is none: there the routes answer 503 saying where they are served."""
 
 from __future__ import annotations
 
@@ -14,12 +13,12 @@ from functools import partial
 from typing import Any
 
 from ...errors import RequestError
-from ...openai_api.errors import ApiError, bad_field, busy, from_runtime, over_limit, unavailable
+from ...openai_api.errors import bad_field, busy, from_runtime, over_limit, unavailable
 from ...openai_api.fields import CHAT, ApiRequest
 from ...openai_api.server import Caller, Progress, V1Api
 from ..requests import ChatRequest
 from .calls import AdmissionError
-from .clients import ClientIdentity, Trusting, client_identity
+from .clients import client_identity
 from .policy import FairShare
 from .service import SpaceService, WorkerError
 
@@ -33,87 +32,65 @@ ZERO_GPU_REFUSAL = (
 API_NAMES = {"message": "messages", "history": "messages", "system_prompt": "messages", "max_tokens": "max_tokens",
              "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
              "thinking": "chat_template_kwargs.enable_thinking", "preset": "model"}  # fmt: skip
-
-
-def v1_client(caller: Caller, settings: Trusting) -> ClientIdentity:
-    """Who a /v1 call is admitted for: the same client as the page's and the Gradio API's from that address
-    (clients.py), so that /v1 adds no second allowance to a client's."""
-    return client_identity(caller.headers.items(), caller.address, settings)
+FINAL_FIELDS = ("finish_reason", "finish_detail", "notice", "gpu_seconds_requested", "gpu_seconds_used", "preset")
 
 
 def conversation(messages: tuple[dict[str, str], ...]) -> dict[str, Any]:
     """The API's messages as the Space's request holds a conversation: the system messages at the start (joined),
     the earlier turns, and the last message, the user's."""
-    system: list[str] = []
-    index = 0
-    while index < len(messages) and messages[index]["role"] == "system":
-        system.append(messages[index]["content"])
-        index += 1
-    rest = list(messages[index:])
-    for offset, message in enumerate(rest):
-        if message["role"] == "system":
-            raise bad_field(f"messages[{index + offset}].role", "system messages go at the start of the conversation")
-    if not rest or rest[-1]["role"] != "user":
+    system = 0
+    while system < len(messages) and messages[system]["role"] == "system":
+        system += 1
+    for index in range(system, len(messages)):
+        if messages[index]["role"] == "system":
+            raise bad_field(f"messages[{index}].role", "system messages go at the start of the conversation")
+    if system == len(messages) or messages[-1]["role"] != "user":
         raise bad_field(f"messages[{len(messages) - 1}].role", "the last message must be the user's")
-    return {"system_prompt": "\n\n".join(system), "history": rest[:-1], "message": rest[-1]["content"]}
-
-
-def zero_gpu_refusal(service: SpaceService) -> str | None:
-    return ZERO_GPU_REFUSAL if service.zero_gpu else None
+    return {"system_prompt": "\n\n".join(m["content"] for m in messages[:system]),
+            "history": list(messages[system:-1]), "message": messages[-1]["content"]}  # fmt: skip
 
 
 class SpaceBackend:
     """The Space's service as a /v1 backend (see the module doc)."""
 
-    def __init__(self, service: SpaceService, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, service: SpaceService) -> None:
         self.service = service
-        self.env = os.environ if env is None else env
 
     def models(self) -> list[str]:
-        return [self.service.preset.name]
+        return [self.service.config.preset.name]
 
     def check(self, request: ApiRequest) -> ChatRequest:
         """The Space's request for an API request (its checks, its limits and defaults)."""
         service = self.service
         fields: dict[str, Any] = conversation(request.messages) if request.kind == CHAT else {"message": request.prompt}
-        fields.update(preset=service.preset.name, max_tokens=request.max_tokens or service.defaults["max_tokens"],
+        fields.update(preset=self.models()[0], max_tokens=request.max_tokens or service.defaults["max_tokens"],
                       temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                       min_p=request.min_p, enable_thinking=bool(request.enable_thinking))  # fmt: skip
         try:
             checked = service.check(**fields)
         except RequestError as error:
-            first = str(error).split(" ", 1)[0]
-            raise bad_field(API_NAMES.get(first, "messages"), str(error)) from None
+            raise bad_field(API_NAMES.get(str(error).split(" ", 1)[0], "messages"), str(error)) from None
         return replace(checked, seed=request.seed, stop=request.stop, raw_prompt=request.kind != CHAT)
 
     async def answer(self, request: ApiRequest, caller: Caller) -> AsyncIterator[Progress]:
-        refusal = zero_gpu_refusal(self.service)
-        if refusal:
-            raise unavailable(refusal)
-        checked = self.check(request)
-        calls = self.service.calls
-        client = v1_client(caller, calls.settings)
-        reading = f"v1:{secrets.token_hex(8)}"  # this HTTP connection, the one reader of this call's answer
-        reader = calls.apply(FairShare.opened, reading)
-        call = calls.apply(FairShare.admit, client.key, reading, 1)
+        if self.service.config.zero_gpu:
+            raise unavailable(ZERO_GPU_REFUSAL)
+        checked, calls = self.check(request), self.service.calls
+        client = client_identity(caller.headers.items(), caller.address, calls.settings.trusted_proxy_hops)
+        reader = calls.apply(FairShare.opened, f"v1:{secrets.token_hex(8)}")  # this connection, the call's one reader
+        call = calls.apply(FairShare.admit, client.key, reader.session, 1)
         if isinstance(call, str):
             calls.apply(FairShare.closed, reader)
             raise over_limit(call.replace("this session", "this connection"))
         caller.on_write.append(partial(calls.apply, FairShare.sending, reader))
-        try:
-            # owner "": nobody's cache (see the module doc); the call: admitted above, abandoned with its reader
+        try:  # owner "": nobody's cache; the call: abandoned with its reader
             async for reply in self.service.reply(checked, owner="", client=client, call=call):
-                chunk = reply.last
-                if chunk is None:
-                    continue
-                final = reply.finish_reason is not None
-                extra = None
-                if final:
-                    extra = {key: reply.stats.get(key) for key in ("finish_reason", "finish_detail", "notice",
-                             "gpu_seconds_requested", "gpu_seconds_used", "preset")}  # fmt: skip
-                yield Progress(chunk.delta, reply.finish_reason, reply.stats if final else {}, extra)
-        except WorkerError as error:
-            raise self._worker_error(error) from None
+                if (chunk := reply.last) is not None:
+                    final = reply.finish_reason is not None
+                    extra = {key: reply.stats.get(key) for key in FINAL_FIELDS} if final else None
+                    yield Progress(chunk.delta, reply.finish_reason, reply.stats if final else {}, extra)
+        except WorkerError as error:  # the GPU worker's engine stayed busy, or the runtime's error
+            raise busy(str(error)) if error.kind == "RequestError" else from_runtime(error) from None
         except AdmissionError as error:  # its place was taken before it started
             raise over_limit(str(error)) from None
         except RequestError as error:  # after the check: the engine slot's wait ran out
@@ -122,17 +99,11 @@ class SpaceBackend:
             calls.apply(FairShare.closed, reader)
             calls.finish(call)
 
-    @staticmethod
-    def _worker_error(error: WorkerError) -> ApiError:
-        if error.kind == "RequestError":  # the GPU worker's engine stayed busy
-            return busy(str(error))
-        return from_runtime(error)
-
 
 def v1_app(service: SpaceService, env: Mapping[str, str] | None = None) -> Any:
-    """The /v1 routes over the service, as an ASGI application (the HTTP gate's `v1`). `DFLASH_API_KEY`: the key
+    """The /v1 routes over the service, as an ASGI application (the HTTP gate's `v1`); `DFLASH_API_KEY`: the key
     asked."""
     env = os.environ if env is None else env
-    api = V1Api(SpaceBackend(service, env), api_key=env.get("DFLASH_API_KEY") or None,
+    api = V1Api(SpaceBackend(service), api_key=env.get("DFLASH_API_KEY") or None,
                 max_body_bytes=service.calls.settings.max_body_bytes)  # fmt: skip
     return api.app()

@@ -1,13 +1,6 @@
-"""The public Space's one fair-share policy, pure: who is admitted, whose place is taken, who runs next, who yields,
-when a call is abandoned, and how much padding a reader's stream gets. Plain data in and out, the clock passed in
-(`now`): no locks, threads, I/O or Gradio. calls.py holds it under one lock for the web process's threads and loop;
-docs/public-space.md states its rules in the order a request meets them, tests/test_policy_simulation.py proves them.
-
-A call's life is its `State`, and every transition is one method: `admit` → WAITING; `seat` (in `schedule`) →
-RUNNING; `yield_turn` → YIELDED → RUNNING again; `finish`, `release` → FINISHED; `sweep` → ABANDONED (nobody reads
-it); `_make_room` → TAKEN (its place went to a client with fewer answers before it ever ran: a call that has run is
-paused and resumed, never cut). A place is counted while its call is WAITING, RUNNING or YIELDED; a seat while the
-call's job holds it (`seated`), until its stream is closed."""
+"""The public Space's one fair-share policy, pure: plain data in and out, the clock passed in (`now`), no locks,
+threads, I/O or Gradio, so that tests/test_policy_simulation.py can prove it. docs/public-space.md states its rules
+in the order a request meets them; calls.py holds it under one lock."""
 
 from __future__ import annotations
 
@@ -23,18 +16,18 @@ FREE_FLOOR_S = 10.0  # the seconds of floor any answer's stream gets: a reader t
 
 
 class State:
-    """A call's states (plain strings: the policy compares them at every step)."""
+    """A call's states (docs/public-space.md, "A call's life"); each transition is one method of FairShare."""
 
     WAITING, RUNNING, YIELDED = "waiting", "running", "yielded"
     FINISHED, ABANDONED, TAKEN = "finished", "abandoned", "taken"
 
 
-LIVE = frozenset((State.WAITING, State.RUNNING, State.YIELDED))
+LIVE = frozenset((State.WAITING, State.RUNNING, State.YIELDED))  # a place is counted
 
 
 @dataclass(eq=False)
 class Call:
-    """One admitted call: an engine call (`weight`: the answers it runs) or a waiting event of another function (0)."""
+    """An engine call (`weight`: the answers it runs) or a waiting event of another queued function (0)."""
 
     order: int
     client: str  # its client's key (clients.py), never the session, which a client mints freely
@@ -48,8 +41,8 @@ class Call:
     handled: bool = False  # its handler started (a withdrawn call leaves Gradio's queue only before)
     asking: bool = False  # its job waits for a seat
     can_yield: bool = False  # its answer can go on exactly after a yield
-    started: bool = False  # it has run on the engine
-    seated: bool = False
+    started: bool = False  # it has run on the engine: its place is never taken
+    seated: bool = False  # its job holds a seat, until its stream is closed (whatever the state)
     asked_at: float = 0.0
     turn_at: float = 0.0
     yield_asked: bool = False  # asked to give its seat up at its next step
@@ -66,7 +59,7 @@ class Reader:
 
 
 class FairShare:
-    """The policy's state: the calls, their sessions' readers, the clients' engine time, the padding buckets."""
+    """The calls, their sessions' readers, the clients' engine time and the padding buckets."""
 
     def __init__(self, settings: PublicSettings, capacity: int = 1) -> None:
         self.settings = settings
@@ -81,13 +74,11 @@ class FairShare:
         self._used: dict[str, float] = {}  # client -> seat-seconds (its virtual time), clients present only
         self._served: dict[str, tuple[int, float]] = {}  # client -> (turn counter, when it last took or left a seat)
         self._buckets: dict[str, tuple[float, float]] = {}  # padding: client ("" for all) -> (bytes left, when)
-        self._swept_at: float | None = None  # nothing was read or left since this sweep
 
     # -- admission ---------------------------------------------------------------------------------------------------
 
     def admit(self, now: float, client: str, session: str | None, weight: int) -> Call | str:
-        """An engine call of `weight` answers, or why it is refused. Over a limit on its own (an A/B run of many
-        answers) it is let in when nothing else counts against that limit."""
+        """An engine call of `weight` answers, or why it is refused (docs/public-space.md, section 3)."""
         self.sweep(now)
         s = self.settings
         total = self.places() + weight
@@ -122,13 +113,12 @@ class FairShare:
         return call
 
     def places(self, client: str | None = None, session: str | None = None) -> int:
-        """The answers counted (live calls': queued or running), of a client, of a session, or in all."""
-        return sum(c.weight for c in self.calls if c.state in LIVE and (client is None or c.client == client)
+        """The answers counted (live calls'), of a client, of a session, or in all."""
+        return sum(c.weight for c in self.calls if c.live and (client is None or c.client == client)
                    and (session is None or c.session == session))  # fmt: skip
 
     def _make_room(self, now: float, client: str, weight: int, needed: int) -> None:
-        """Max–min shares of the total: a client gets in by taking the place of the newest call that has not run yet
-        of the client holding the most, as long as that client keeps at least as many as it will have."""
+        """Max–min shares: take places of calls that have not run from the clients holding the most."""
         mine = self.places(client=client) + weight
         while needed > 0:
             held: dict[str, int] = {}
@@ -146,7 +136,7 @@ class FairShare:
     # -- what Gradio and the handlers say ----------------------------------------------------------------------------
 
     def queued(self, now: float, call: Call, event_id: str | None) -> None:
-        """Gradio answered the call's POST: with its event id, or (None) refusing it."""
+        """Gradio answered the call's POST with its event id, or (None) refused it."""
         if event_id is None:
             self._end(now, call, State.FINISHED)
             return
@@ -162,7 +152,7 @@ class FairShare:
             self._end(now, call, State.FINISHED)
 
     def completed(self, now: float, event_id: str) -> None:
-        """Gradio says an event completed: its handler is over (or never ran)."""
+        """Gradio says an event completed: its handler is over, or never ran."""
         for call in [c for c in self.calls if c.event_id == event_id]:
             self._end(now, call, State.FINISHED)
 
@@ -173,13 +163,12 @@ class FairShare:
         return call.live
 
     def finish(self, now: float, call: Call) -> None:
-        """The call's handler ended (its seat, if it holds one, goes when its job's stream is closed)."""
         self._end(now, call, State.FINISHED)
 
     def _end(self, now: float, call: Call, state: str) -> None:
         if call.live:
             call.state, call.asking = state, False
-        self._tidy(now)
+        self._tidy()
 
     # -- readers ------------------------------------------------------------------------------------------------------
 
@@ -192,13 +181,11 @@ class FairShare:
     def opened(self, now: float, session: str) -> Reader:
         reader = Reader(session)
         self._readers.setdefault(session, []).append(reader)
-        self._swept_at = None
         return reader
 
     def closed(self, now: float, reader: Reader, hung_up: bool = True) -> None:
         """A reader's stream ended: its client hung up, or (`hung_up` False) the server ended it."""
         readers = self._readers.get(reader.session, [])
-        self._swept_at = None
         if reader in readers:
             readers.remove(reader)
             if not readers:
@@ -208,62 +195,48 @@ class FairShare:
 
     def sending(self, now: float, reader: Reader, busy: bool) -> None:
         reader.sending_since = now if busy else None
-        self._swept_at = None
 
     def running_for(self, now: float, session: str) -> bool:
-        """Whether an engine call of `session` is being answered (its handler started): its stream gets padding."""
+        """Whether an engine call of `session` is being answered: its stream gets padding."""
         return any(c.live and c.weight and c.handled and c.session == session for c in self.calls)
 
     def reading(self, now: float, session: str) -> bool:
-        """Whether a reader of the session takes its writes (none has been waiting for longer than the timeout)."""
+        """Whether a reader of the session takes its writes (none has waited on one longer than the timeout)."""
         limit = self.settings.reader_timeout_s
         return any(r.sending_since is None or now - r.sending_since <= limit for r in self._readers.get(session, ()))
 
-    def abandoned(self, now: float, call: Call, reading: bool | None = None) -> bool:
+    def abandoned(self, now: float, call: Call) -> bool:
         """Nobody reads it: its last reader hung up after it came, or none was there for the reader timeout."""
-        if call.session is None or (self.reading(now, call.session) if reading is None else reading):
+        if call.session is None or self.reading(now, call.session):
             return False
         at, hung_up = self._left.get(call.session, (0.0, False))
-        if hung_up and at >= call.posted:
-            return True
-        return now - max(call.posted, at) > self.settings.reader_timeout_s
+        return (hung_up and at >= call.posted) or now - max(call.posted, at) > self.settings.reader_timeout_s
 
     def sweep(self, now: float) -> None:
-        """Every live call nobody reads is abandoned now: its place is free at once, its seat at its job's next step."""
-        if self._swept_at == now:
-            return
-        self._swept_at = now
-        reading: dict[str | None, bool] = {None: True}
+        """Every live call nobody reads is abandoned: its place is free at once, its seat at its job's next step."""
         for call in self.calls:
-            if call.state in LIVE:
-                if call.session not in reading:
-                    reading[call.session] = self.reading(now, call.session)
-                if self.abandoned(now, call, reading[call.session]):
-                    call.state, call.asking = State.ABANDONED, False
-        self._tidy(now)
+            if call.live and self.abandoned(now, call):
+                call.state, call.asking = State.ABANDONED, False
+        self._tidy()
 
-    def _tidy(self, now: float) -> None:
-        self.calls = [c for c in self.calls if c.state in LIVE or c.seated]
-        sessions = {c.session for c in self.calls}
+    def _tidy(self) -> None:
+        self.calls = [c for c in self.calls if c.live or c.seated]
+        sessions, present = {c.session for c in self.calls}, {c.client for c in self.calls}
         self._left = {s: left for s, left in self._left.items() if s in sessions}
-        present = {c.client for c in self.calls}
         self._used = {k: v for k, v in self._used.items() if k in present}
         self._served = {k: v for k, v in self._served.items() if k in present}
 
     # -- the engine's seats -------------------------------------------------------------------------------------------
 
     def ask(self, now: float, call: Call, owner: str | None, can_yield: bool) -> None:
-        """The call's job asks for a seat (a client that comes, or comes back, starts at the least engine time of the
-        clients present, and as served when it came: absence earns no credit)."""
+        """The call's job asks for a seat; a client that comes (back) starts at the least engine time present."""
         call.asking, call.asked_at, call.owner, call.can_yield = True, now, owner or None, can_yield
-        if call.client not in self._used:  # and it was last served as it came: no newcomer passes one that waits
-            present = self.loads(now)[1]
-            self._used[call.client] = min(present.values(), default=0.0)
+        if call.client not in self._used:
+            self._used[call.client] = min(self.loads(now)[1].values(), default=0.0)
             self._served[call.client] = (next(self._orders), now)
 
     def loads(self, now: float) -> tuple[dict[str, int], dict[str, float]]:
-        """Each present client's seats held, and its virtual time: the seat-seconds its calls used, running turns
-        included."""
+        """Each present client's seats held, and its virtual time (seat-seconds, running turns included)."""
         held: dict[str, int] = {}
         used = dict(self._used)
         for c in self.calls:
@@ -276,11 +249,10 @@ class FairShare:
         return sum(1 for c in self.calls if c.seated)
 
     def waiting(self) -> list[Call]:
-        return [c for c in self.calls if c.asking and not c.seated and c.state in LIVE]
+        return [c for c in self.calls if c.asking and not c.seated and c.live]
 
     def next_call(self, now: float) -> Call | None:
-        """The waiting call whose turn it is: of the client holding the fewest seats, then with the least engine
-        time, then served least recently, then the one that came first; never a second of a conversation running."""
+        """Whose turn it is (docs/public-space.md, section 6); never a second answer of a conversation that runs."""
         held, used = self.loads(now)
         running = {c.owner for c in self.calls if c.seated and c.owner}
         ready = [c for c in self.waiting() if c.owner is None or c.owner not in running]
@@ -288,8 +260,7 @@ class FairShare:
                                          self._served.get(c.client, (-1, 0.0))[0], c.order), default=None)  # fmt: skip
 
     def schedule(self, now: float) -> bool:
-        """Seat whoever's turn it is while seats are free, then ask one running call over its share to yield;
-        whether anything changed."""
+        """Seat whoever's turn it is while seats are free, then ask one call over its share to yield; any change?"""
         self.sweep(now)
         changed = False
         while self.seats_used() < self.capacity and (call := self.next_call(now)) is not None:
@@ -300,8 +271,8 @@ class FairShare:
         return self._ask_to_yield(now) or changed
 
     def _ask_to_yield(self, now: float) -> bool:
-        """With no seat free and a call waiting: the running call whose client holds two seats more than the waiting
-        call's, or one more after a turn (`quantum_s`) and more engine time, is asked to yield (one at a time)."""
+        """With no seat free, ask the call of a client holding two seats more than the waiting call's, or one more
+        after a turn (`quantum_s`) and more engine time, to yield (one at a time)."""
         waiting = self.next_call(now)
         if waiting is None or self.seats_used() < self.capacity or any(c.yield_asked for c in self.calls):
             return False
@@ -312,8 +283,7 @@ class FairShare:
                                              and now - c.turn_at >= self.settings.quantum_s))]  # fmt: skip
         if not over:
             return False
-        most = max(over, key=lambda c: (held[c.client], used[c.client], now - c.turn_at))
-        most.yield_asked = True
+        max(over, key=lambda c: (held[c.client], used[c.client], now - c.turn_at)).yield_asked = True
         self.yields += 1
         return True
 
@@ -339,8 +309,7 @@ class FairShare:
         call.can_yield = call.yield_asked = False
 
     def timed_out(self, now: float, call: Call) -> str | None:
-        """Why a waiting call gives up: its client was not served at all for the busy timeout (never while it holds
-        another seat); None while it may wait."""
+        """Why a waiting call gives up (its client not served at all for the busy timeout), or None."""
         served = self._served.get(call.client, (0, call.asked_at))[1]
         if not call.asking or call.client in self.loads(now)[0]:
             return None
@@ -353,8 +322,7 @@ class FairShare:
     # -- padding -------------------------------------------------------------------------------------------------------
 
     def padding(self, now: float, client: str, wanted: int) -> int:
-        """Bytes of padding a stream of `client` may send now: token buckets of one second's worth, per client and
-        for everybody, refilled by the clock."""
+        """Bytes of padding a stream of `client` may send now: buckets of one second's worth, per client and in all."""
         s = self.settings
         total = self._level(now, "", s.probe_total_bytes_s)
         own = self._level(now, client, s.probe_client_bytes_s)
@@ -362,8 +330,8 @@ class FairShare:
         granted = granted if granted >= MIN_PADDING else 0
         self._buckets[""], self._buckets[client] = (total - granted, now), (own - granted, now)
         if len(self._buckets) > REMEMBERED:  # forget the full buckets
-            self._buckets = {k: b for k, b in self._buckets.items() if not k or self._level(now, k, s.
-                             probe_client_bytes_s) < s.probe_client_bytes_s}  # fmt: skip
+            self._buckets = {k: b for k, b in self._buckets.items()
+                             if not k or self._level(now, k, s.probe_client_bytes_s) < s.probe_client_bytes_s}
         return granted
 
     def _level(self, now: float, key: str, rate: float) -> float:
@@ -372,9 +340,7 @@ class FairShare:
 
 
 def padding_room(settings: PublicSettings, items: int, idle: int, padded: int) -> int:
-    """The padding one stream may still send: the floor's first `FREE_FLOOR_S` seconds, or `probe_per_item` times its
-    items' bytes once they are more, and the whole floor of the ticks in which its answer sent nothing (waiting, a
-    prompt): a long stream's bytes follow its answer's length, not its time."""
+    """The padding one stream may still send, so that its bytes follow its answer's length, not its time."""
     return int(max(0.0, max(settings.probe_per_item * items, settings.probe_bytes_s * FREE_FLOOR_S) + idle - padded))
 
 

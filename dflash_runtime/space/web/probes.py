@@ -1,7 +1,6 @@
-"""Whether a connected client still reads its result stream, told by the server's own write progress: small
-buffers on its socket, and a floor of traffic while its answer runs, made of Gradio's own heartbeat padded with
-whitespace (how much, the policy says: policy.FairShare.padding, policy.padding_room). docs/public-space.md,
-"Readers"."""
+"""Whether a connected client still reads its result stream, told by the server's own write progress: small buffers
+on its socket, and a floor of traffic while its answer runs, padding the policy grants (docs/public-space.md,
+"Readers")."""
 
 from __future__ import annotations
 
@@ -30,55 +29,41 @@ def call_heartbeat(size: int) -> bytes:
 
 
 def comment_heartbeat(size: int) -> bytes:
-    """A plain server-sent-event stream's heartbeat (the /v1 routes'): a comment line, which every client skips,
-    padded to about `size` bytes."""
+    """A plain server-sent-event stream's (the /v1 routes'): a comment line, which every client skips."""
     return b":" + b" " * max(0, size - 3) + b"\n\n"
 
 
-def transport_of(send: Any, depth: int = 8) -> Any:
-    """The asyncio transport under an ASGI `send` (uvicorn's request cycle holds it; middlewares wrap `send` in
-    closures), or None where none is found."""
+def tighten(send: Any, depth: int = 8) -> bool:
+    """Give the stream under an ASGI `send` small buffers: its asyncio transport is found in uvicorn's request cycle
+    behind the middlewares' closures. False where none was found."""
     seen: set[int] = set()
     layer = [send]
     for _ in range(depth):
         following = []
-        for item in layer:
-            if id(item) in seen:
-                continue
+        for item in (item for item in layer if id(item) not in seen):
             seen.add(id(item))
             transport = getattr(item, "transport", None)
             if transport is not None and hasattr(transport, "get_extra_info"):
-                return transport
-            owner = getattr(item, "__self__", None)
-            if owner is not None:
-                following.append(owner)
+                if (sock := transport.get_extra_info("socket")) is None:
+                    return False
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+                with contextlib.suppress(AttributeError, NotImplementedError, ValueError):
+                    transport.set_write_buffer_limits(high=TRANSPORT_HIGH_WATER)
+                return True
+            following += [owner] if (owner := getattr(item, "__self__", None)) is not None else []
             for cell in getattr(item, "__closure__", None) or ():
                 with contextlib.suppress(ValueError):  # an empty cell
                     following.append(cell.cell_contents)
         layer = following
-    return None
-
-
-def tighten(send: Any) -> bool:
-    """Give the stream under `send` small buffers (see the module doc); False where its socket was not found."""
-    transport = transport_of(send)
-    if transport is None:
-        return False
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return False
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-    with contextlib.suppress(AttributeError, NotImplementedError, ValueError):
-        transport.set_write_buffer_limits(high=TRANSPORT_HIGH_WATER)
-    return True
+    return False
 
 
 class TrafficFloor:
-    """Pads a server-sent-event stream to `bytes_per_s` while `running()` says its answer runs, with `padding(size)`
-    (one of the heartbeats above), as much as `grant(owed, items, idle, padded)` allows: the policy's share, given the
-    bytes of the stream's items, of the floor in the ticks the app wrote nothing, and of the padding so far. `send`
-    is the stream's own: each write, the app's and the padding's, one at a time."""
+    """Pads a server-sent-event stream to `bytes_per_s` while `running()`, with `padding(size)` (a heartbeat above),
+    as much as `grant(owed, items, idle, padded)` allows (the policy's share, given the bytes of the stream's items,
+    of the floor in the ticks the app wrote nothing, and of the padding so far). `send` carries each write, the
+    app's and the padding's, one at a time."""
 
     def __init__(self, send: Send, bytes_per_s: float, running: Callable[[], bool], padding: Callable[[int], bytes],
                  grant: Callable[[int, int, int, int], int] | None = None) -> None:  # fmt: skip

@@ -1,8 +1,5 @@
 """The Space as the web process runs it: configuration, request checks, GPU jobs and what they report, and the
-server's description (/info). Gradio-free: the endpoints and the page call it (dflash_runtime.space.page.endpoints).
-Everything that can be checked is checked here, before a GPU is asked for; the GPU function runs the job
-(dflash_runtime.space.gpu.zerogpu) and its chunks come back through a ReplyJob, which stops the work when the caller
-leaves. The GPU-time estimates learn from conversations' finished answers (gpu_time.py)."""
+server's description (/info); Gradio-free, called by the page and the routes (docs/space.md)."""
 
 from __future__ import annotations
 
@@ -24,21 +21,15 @@ from ..gpu_job import AnswerSoFar, GpuJob, ReplyChunk, info_digest, owner_of
 from ..provenance import SourceRuns
 from ..requests import AUTO, ChatRequest, Limits, build_request
 from ..scrub import scrub_paths
-from ..setup import presets as space_presets
-from ..setup.downloads import PairDownload
-from ..setup.presets import DemoFiles, PairPreset, ResolvedPair
-from ..setup.runmode import RunMode, choose_run_mode, cuda_device_present, on_zero_gpu, settle_run_mode
-from ..setup.settings import PublicSettings
-from .calls import Calls
-from .clients import ClientIdentity, client_of_request
+from ..setup.config import SpaceConfig
+from ..setup.presets import DemoFiles, ResolvedPair, file_facts
+from .calls import Calls, ReplyJob
+from .clients import ClientIdentity, client_of_scope
 from .gate import excerpt
 from .gpu_time import GpuTimeEstimator
-from .jobs import ReplyJob
 from .policy import Call
 
 log = logging.getLogger(__name__)
-BUILD_KEYS = ("llama_cpp_version", "cuda_build", "gpu_offload", "cuda_devices", "wheel_architectures",
-              "compiled_architectures", "dflash_missing_symbols", "problems", "ok")  # fmt: skip
 # Errors `spaces` raises while scheduling, before any worker is involved: the worker (if any) is still there.
 SCHEDULING_ERRORS = ("ZeroGPU quota exceeded", "ZeroGPU illegal duration", "ZeroGPU queue timeout",
                      "ZeroGPU pending credits exceeded", "ZeroGPU client error")  # fmt: skip
@@ -48,8 +39,7 @@ RunGpu = Callable[[GpuJob], Iterator[ReplyChunk]]
 
 
 class JobHolder(Protocol):
-    """Who holds a reply's running job while it streams (a tab's conversation: page.session.ChatSession), so that
-    Stop and Clear reach it."""
+    """Who holds a reply's running job while it streams (page.session.ChatSession), so that Stop and Clear reach it."""
 
     def attach(self, job: ReplyJob[ReplyChunk]) -> None: ...
 
@@ -66,8 +56,8 @@ class WorkerError(DFlashError):
 
 @dataclass
 class Reply:
-    """One phase's answer so far, as the web process assembles it from the chunks: the text, who wrote it, the draft
-    lengths, and the statistics as the API returns them (`stats`, refreshed for each chunk)."""
+    """One phase's answer so far, assembled from the chunks: the text, who wrote it, the draft lengths, and the
+    statistics as the API returns them (`stats`, refreshed for each chunk)."""
 
     phase: str = "chat"
     text: str = ""
@@ -88,8 +78,7 @@ class Reply:
 
 
 def decode_speed(stats: Mapping[str, Any]) -> float | None:
-    """Tokens per second of the decode steps: the tokens they wrote over their time. The first token is the
-    prefill's own sample, timed at almost nothing, so it is not counted; None before a step has written a token."""
+    """Tokens per second of the decode steps; the first token (the prefill's own sample) is not counted."""
     steps, generated, decode_ms = stats.get("target_steps", 0), stats.get("n_generated", 0), stats.get("decode_ms", 0)
     if not steps or generated < 2 or decode_ms <= 0:
         return None
@@ -105,12 +94,6 @@ def wait_problem(wait_until: Any, timeout_s: Any) -> str | None:
     return None
 
 
-def _scrubbed(value: Any) -> Any:
-    if isinstance(value, str):
-        return scrub_paths(value)
-    return [_scrubbed(item) for item in value] if isinstance(value, list) else value
-
-
 def web_process_facts() -> dict[str, Any]:
     """What this process has loaded (it must load no llama.cpp backend, model or context on ZeroGPU)."""
     from ...native import backends
@@ -122,73 +105,54 @@ def web_process_facts() -> dict[str, Any]:
 
 
 class SpaceService:
-    def __init__(self, *, mode: RunMode, preset: PairPreset, limits: Limits, download: PairDownload, build_status: str,
-                 build: Mapping[str, Any], run_gpu: RunGpu, quota_seconds: Callable[[int], int | None], zero_gpu: bool,
-                 gpu_size: str | None, show_diagnostics: bool = False,
-                 settings: PublicSettings | None = None) -> None:  # fmt: skip
-        settings = settings or PublicSettings()
-        self.mode = replace(mode, problems=tuple(scrub_paths(problem) for problem in mode.problems))
-        self.preset, self.limits, self.download = preset, limits, download
-        self.build_status = scrub_paths(build_status)
-        self.build = {key: _scrubbed(build.get(key)) for key in BUILD_KEYS}
-        self.estimator = GpuTimeEstimator(settings)
-        self.zero_gpu, self.gpu_size, self.show_diagnostics = zero_gpu, gpu_size, show_diagnostics
-        self.calls = Calls(settings, capacity=preset.parallel)  # the fair-share policy, shared with the HTTP gate
+    """The web process's side of every route (see the module doc), over the configuration read at start."""
+
+    def __init__(self, config: SpaceConfig, limits: Limits, *, run_gpu: RunGpu,
+                 quota_seconds: Callable[[int], int | None]) -> None:  # fmt: skip
+        self.config, self.limits = config, limits
+        self.estimator = GpuTimeEstimator(config.settings)
+        self.calls = Calls(config.settings, capacity=config.preset.parallel)  # the policy, shared with the HTTP gate
         self.engine_info: dict[str, Any] = {}
         self.worker_info: dict[str, Any] = {}
         self._run_gpu, self._quota_seconds = run_gpu, quota_seconds
         self._owner_secret = secrets.token_bytes(32)  # owner keys cannot be derived from a session id elsewhere
-        # Adaptive drafting ("auto") with the pair's default method, the real pair and the offline demo alike (the
-        # demo's generated draft is right about as often, position by position, as a real one). Sampling starts from
-        # the server's defaults; a real pair's own `general.sampling.*` replace them once its target file is here.
+        # Adaptive drafting with the pair's default method; the server's sampling until a real pair's own
+        # `general.sampling.*` replace it, once its target file is here.
         self.defaults: dict[str, Any] = {**SERVER_SAMPLING, "max_tokens": 512, "method": AUTO, "draft_length": AUTO}
         self.sampling_source = SERVER_DEFAULTS
         self.file_facts: dict[str, Any] = {}  # methods and draft problem the pair's files tell, before any load
-        if preset.target.local_path is not None and (preset.draft.local_path is not None or preset.random_weights):
-            files = ResolvedPair(preset.target.local_path, preset.draft.local_path)
-            if files.target_path.is_file():
-                self.model_files_known(files)
+        target, draft = config.preset.target.local_path, config.preset.draft.local_path
+        if target is not None and target.is_file() and (draft is not None or config.preset.random_weights):
+            self.model_files_known(ResolvedPair(target, draft))
 
     @classmethod
     def from_env(cls, build_status: str, build: Mapping[str, Any], env: Mapping[str, str] | None = None,
                  demo_files: DemoFiles | None = None, *, run_gpu: RunGpu, quota_seconds: Callable[[int], int | None],
                  gpu_size: str | None) -> SpaceService:  # fmt: skip
-        """The service as the environment configures it, given the start-up check's result and the GPU function
-        (`run_gpu`, with what ZeroGPU charges for a duration and the GPU size asked: dflash_runtime.space.gpu.zerogpu,
-        which the composition root hands in); `demo_files` makes the offline demo's generated models."""
+        """The service as the environment configures it (setup/config.py), given the start-up check's result and the
+        GPU function, which app.py hands in."""
         env = os.environ if env is None else env
-        zero_gpu, has_cuda = on_zero_gpu(env), cuda_device_present()
-        mode = choose_run_mode(env, space_presets.overrides_in_env(env), has_cuda)
-        mode = settle_run_mode(mode, build, zero_gpu=zero_gpu, has_cuda=has_cuda,
-                               n_gpu_layers=space_presets.configured_preset(False, env).n_gpu_layers)  # fmt: skip
-        parallel, fit = space_presets.parallel_from_env(env, zero_gpu)
-        preset = replace(space_presets.configured_preset(mode.tiny, env, demo_files), parallel=parallel,
-                         parallel_fit=fit)  # fmt: skip
-        return cls(mode=mode, preset=preset, limits=Limits.from_env(preset.draft_capacity, env),
-                   download=PairDownload.from_env(preset, env), build_status=build_status, build=build,
-                   run_gpu=run_gpu, quota_seconds=quota_seconds, zero_gpu=zero_gpu, gpu_size=gpu_size,
-                   show_diagnostics=env.get("DFLASH_DIAGNOSTICS", "").strip() in ("1", "true", "yes"),
-                   settings=PublicSettings.from_env(env))  # fmt: skip
+        config = SpaceConfig.from_env(build_status, build, env, demo_files, gpu_size)
+        return cls(config, Limits.from_env(config.preset.draft_capacity, env), run_gpu=run_gpu,
+                   quota_seconds=quota_seconds)  # fmt: skip
 
     @property
     def parallel(self) -> int:
-        """How many answers run at once on the engine: the loaded engine's sequences, else DFLASH_PARALLEL (with
-        `auto` the most: the engine opens as many as fit in memory; 1 on ZeroGPU)."""
-        return int(self.engine_info.get("parallel") or self.preset.parallel)
+        """How many answers run at once: the loaded engine's sequences, else DFLASH_PARALLEL's."""
+        return int(self.engine_info.get("parallel") or self.config.preset.parallel)
 
     # -- requests -------------------------------------------------------------------------------------------------
 
     def check(self, **fields: Any) -> ChatRequest:
-        """A validated request (build_request's fields), or RequestError saying what is wrong. Sampling fields left
-        out (or None) take the server's current defaults (the model's own, once known)."""
+        """A validated request (build_request's fields), or RequestError saying what is wrong; sampling fields left
+        out (or None) take the current defaults."""
         for name in SERVER_SAMPLING:
             if fields.get(name) is None:
                 fields[name] = self.defaults[name]
-        return build_request(presets=[self.preset.name], limits=self.limits, methods=self.methods(), **fields)
+        return build_request(presets=[self.config.preset.name], limits=self.limits, methods=self.methods(), **fields)
 
     def methods(self) -> list[str] | None:
-        """The draft methods the pair runs, the default first: the loaded engine's, else what its files tell
-        (a draft, an MTP head in the target's header); None while unknown."""
+        """The draft methods the pair runs, the default first: the loaded engine's, else what its files tell."""
         if "methods" in self.engine_info:
             return list(self.engine_info["methods"])
         return self.file_facts.get("methods")
@@ -197,61 +161,55 @@ class SpaceService:
         return self.engine_info.get("draft_problem") or self.file_facts.get("draft_problem")
 
     def model_files_known(self, files: ResolvedPair) -> None:
-        """Read what the pair's files tell from their headers (no model is opened): the methods, and for a real
-        pair the target's recommended sampling (`general.sampling.*`), which become the defaults."""
+        """Read what the pair's headers tell (no model is opened): the methods, and a real pair's recommended
+        sampling, which become the defaults."""
         if self.file_facts:
             return
         try:
-            methods = space_presets.pair_methods(files.target_path, files.draft_path, self.preset.branches)
-            fallback = space_presets.fallback_methods(files.target_path)
-            sampling = {} if self.mode.tiny else space_presets.header_sampling_defaults(files.target_path)
+            self.file_facts, sampling = file_facts(files, self.config.preset.branches, not self.config.mode.tiny)
         except DFlashError as error:  # the load reports it properly; here it only means "not known"
             log.warning("could not read the pair's headers: %s", error)
             return
-        problem = files.draft_problem and space_presets.draft_unavailable(scrub_paths(files.draft_problem), fallback)
-        self.file_facts = {"methods": methods, "draft_problem": problem or None}
         if sampling:
             self.defaults.update(sampling)
             self.sampling_source = MODEL_DEFAULTS
 
     async def poll_files(self, timeout_s: float = 1.0) -> ResolvedPair | None:
         """The pair's local files once downloaded (here, never in the GPU function); None while downloading."""
-        files = await asyncio.to_thread(self.download.poll, timeout_s)
+        files = await asyncio.to_thread(self.config.download.poll, timeout_s)
         if files is not None:
             self.model_files_known(files)
         return files
 
     async def files(self) -> ResolvedPair:
-        """The pair's local files, waiting for the download at most the Space's busy timeout (then RequestError: an
-        API call does not wait out a download of many gigabytes; the page shows its progress meanwhile)."""
-        deadline = time.monotonic() + self.calls.settings.busy_timeout_s
+        """The pair's local files, waiting for the download at most the busy timeout (then RequestError: an API call
+        does not wait out a download of gigabytes)."""
+        deadline = time.monotonic() + self.config.settings.busy_timeout_s
         while (files := await self.poll_files()) is None:
             if time.monotonic() >= deadline:
-                progress = scrub_paths(self.download.status().summary())
+                progress = scrub_paths(self.config.download.status().summary())
                 raise RequestError(f"the model pair is still downloading ({progress}): retry in a few minutes")
         return files
 
     def owner_key(self, session_hash: str | None, call: Call | None = None) -> str:
-        """The cache owner of a request: an opaque key derived from the caller's session (`reply` adds its client's,
-        see gpu_job.owner_of); "" for a call without a conversation (a session-less raw call, /v1)."""
+        """The cache owner of a request: an opaque key derived from the caller's session; "" for a call without a
+        conversation (a session-less raw call, /v1)."""
         if not session_hash or (call is not None and call.sessionless):
             return ""
         return hmac.new(self._owner_secret, session_hash.encode(), hashlib.sha256).hexdigest()[:32]
 
     def client(self, request: Any) -> ClientIdentity:
-        """The client of a Gradio handler's request (see clients.py)."""
-        return client_of_request(request, self.calls.settings)
+        """The client of a Gradio handler's `gr.Request` (the Starlette request it wraps)."""
+        scope = getattr(getattr(request, "request", None), "scope", None)
+        return client_of_scope(scope, self.config.settings.trusted_proxy_hops)
 
     async def reply(self, request: ChatRequest, phases: tuple[str, ...] = ("chat",), *, owner: str,
                     client: ClientIdentity, latest_only: bool = False, session: JobHolder | None = None,
                     call: Call | None = None) -> AsyncIterator[Reply]:  # fmt: skip
-        """Run `request` on the GPU for `owner` (see owner_key; "" for no conversation) of `client` and stream its
-        reply, phase by phase, after each chunk (the same Reply object, grown: read it before asking for the next).
-        Errors reported by the worker are raised as WorkerError; leaving the loop (or being cancelled) stops the engine.
-
-        Every route's engine work passes here. `call`: the engine call the HTTP gate admitted; one abandoned before it
-        starts ends here, without asking for a GPU. Without one (a route the gate does not count) the call is admitted
-        here, against the same limits (calls.AdmissionError when over one)."""
+        """Run `request` on the GPU for `owner` (see owner_key) of `client` and stream its reply, phase by phase,
+        after each chunk (the same Reply object, grown); the worker's errors raise WorkerError, and leaving the loop
+        stops the engine. Every route's engine work passes here: `call` is the one the HTTP gate admitted, and
+        without one it is admitted here against the same limits (calls.AdmissionError)."""
         call = call or self.calls.admitted(client.key, len(phases))
         try:
             if not self.calls.start(call):
@@ -265,8 +223,8 @@ class SpaceService:
     def _job(self, request: ChatRequest, phases: tuple[str, ...], owner: str, client: ClientIdentity,
              files: ResolvedPair) -> GpuJob:  # fmt: skip
         """The GPU job: a conversation's owner is its client's (parked states are shared out by client), and a call
-        of no conversation gets an owner of its own, kept only across its turns (see gpu_job.GpuJob)."""
-        job = GpuJob(request, self.preset, files, phases, cache_owner=owner_of(client.key, owner or "once-" +
+        of no conversation gets an owner of its own, kept only across its turns."""
+        job = GpuJob(request, self.config.preset, files, phases, cache_owner=owner_of(client.key, owner or "once-" +
                      secrets.token_hex(8)), conversation=bool(owner),
                      engine_info_seen=info_digest(self.engine_info) if self.engine_info else "")  # fmt: skip
         estimate = self.estimator.estimate(request, job.speculative_phases())
@@ -280,7 +238,7 @@ class SpaceService:
         spec = self._job(request, phases, owner, client, await self.files())
         job: ReplyJob[ReplyChunk] = ReplyJob(
             partial(self._run_gpu, spec), self.calls, call, is_final=lambda chunk: chunk.finish_reason is not None,
-            fold=ReplyChunk.then, orphan_timeout_s=self.calls.settings.busy_timeout_s,
+            fold=ReplyChunk.then, orphan_timeout_s=self.config.settings.busy_timeout_s,
             owner=spec.cache_owner if owner else None, resumable=AnswerSoFar(spec, self._run_gpu))  # fmt: skip
         if session is not None:
             session.attach(job)
@@ -326,40 +284,38 @@ class SpaceService:
         so far: [[n_chars, "draft" | "target"], ...] covering it exactly."""
         return {**chunk.stats, "decode_tok_s": decode_speed(chunk.stats), "draft_lengths": list(reply.draft_lengths),
                 "finish_reason": chunk.finish_reason, "finish_detail": chunk.finish_detail, "notice": reply.notice,
-                "preset": self.preset.name, "gpu_seconds_requested": requested, "gpu_seconds_used": chunk.used_s,
+                "preset": self.config.preset.name, "gpu_seconds_requested": requested, "gpu_seconds_used": chunk.used_s,
                 "source_runs": reply.sources.as_json(), "notes": list(notes)}  # fmt: skip
 
     # -- the server's description -----------------------------------------------------------------------------------
 
     def info_when(self, wait_until: str, timeout_s: float) -> dict[str, Any]:
         """`info()` once the engine slot is idle or busy (`wait_until`), or after `timeout_s` (≤ 120 s) at most."""
-        problem = wait_problem(wait_until, timeout_s)
-        if problem is not None:
+        if (problem := wait_problem(wait_until, timeout_s)) is not None:
             raise RequestError(problem)
         came = self.calls.wait(wait_until == "busy", float(timeout_s))
         return {**self.info(), "waited_out": not came}
 
     def info(self) -> dict[str, Any]:
-        download, counts, settings = self.download.status(), self.calls.counts(), self.calls.settings
+        config, counts, methods = self.config, self.calls.counts(), self.methods()
+        download, preset, mode, settings = config.download.status(), config.preset, config.mode, config.settings
         return {
-            "presets": {self.preset.name: self.preset.describe()}, "default_preset": self.preset.name,
+            "presets": {preset.name: preset.describe()}, "default_preset": preset.name,
             "defaults": dict(self.defaults), "sampling_defaults_from": self.sampling_source,
-            "methods": self.methods(), "default_method": (self.methods() or [None])[0],
-            "draft_problem": self.draft_problem(), "offline_demo": self.mode.tiny, "mode_reason": self.mode.reason,
-            "problems": list(self.mode.problems), "fix": self.mode.fix,
-            "build": {"status": self.build_status, **self.build}, "limits": self.limits.describe(),
+            "methods": methods, "default_method": (methods or [None])[0], "draft_problem": self.draft_problem(),
+            "offline_demo": mode.tiny, "mode_reason": mode.reason, "problems": list(mode.problems), "fix": mode.fix,
+            "build": {"status": config.build_status, **config.build}, "limits": self.limits.describe(),
             "download": {"state": download.state, "summary": scrub_paths(download.summary())},
-            "busy": counts["running"] > 0, "parallel": self.parallel,  # answers running (or being stopped), at most
+            "busy": counts["running"] > 0, "parallel": self.parallel,
             **counts,  # answers running, waiting, and turns yielded to another client: counts, nothing of whose
             "engine": dict(self.engine_info),
-            "gpu_time": {"zero_gpu": self.zero_gpu, "gpu_size": self.gpu_size, **self.estimator.describe()},
+            "gpu_time": {"zero_gpu": config.zero_gpu, "gpu_size": config.gpu_size, **self.estimator.describe()},
             "queue": {**asdict(settings), "client_from": "X-Forwarded-For" if settings.trusted_proxy_hops else
                       "socket"},
-            **(self.diagnostics() if self.show_diagnostics else {}),
+            **(self.diagnostics() if config.show_diagnostics else {}),
         }  # fmt: skip
 
     def diagnostics(self) -> dict[str, Any]:
-        """The processes as last seen (the GPU worker's id, loads, requests and the last request's outcome; what the
-        web process has loaded): for the operator (DFLASH_DIAGNOSTICS=1), never on a public Space, where they would
-        tell one visitor about another's requests."""
+        """The processes as last seen (the GPU worker's, the web process's): for the operator (DFLASH_DIAGNOSTICS=1),
+        never on a public Space, where they would tell one visitor about another's requests."""
         return {"worker": dict(self.worker_info), "web_process": web_process_facts()}

@@ -49,9 +49,7 @@ def phase_decoding(request: ChatRequest, phase: str) -> tuple[bool, str | None]:
     decoding = PHASES[phase]
     if decoding is None:
         return request.speculative, None
-    if isinstance(decoding, str):
-        return True, decoding
-    return decoding, None
+    return (True, decoding) if isinstance(decoding, str) else (decoding, None)
 
 
 @dataclass
@@ -87,19 +85,13 @@ class ReplyChunk:
     def then(self, newer: ReplyChunk) -> ReplyChunk:
         """This chunk and the `newer` one after it as one (for a reader that skips chunks): what accumulates is joined,
         what comes once is kept."""
-        return replace(
-            newer,
-            delta=self.delta + newer.delta,
-            notice=newer.notice or self.notice,
-            engine_info=newer.engine_info or self.engine_info,
-            worker={**self.worker, **newer.worker},
-            source_runs=[*self.source_runs, *newer.source_runs],
-            draft_lengths=[*self.draft_lengths, *newer.draft_lengths],
-            divergences={**self.divergences, **newer.divergences},
-            tokens=[*self.tokens, *newer.tokens],
-            drafted_by=[*self.drafted_by, *newer.drafted_by],
-            progress=self.progress and newer.progress,
-        )
+        joined = {name: getattr(self, name) + getattr(newer, name) for name in JOINED}
+        return replace(newer, **joined, notice=newer.notice or self.notice, worker={**self.worker, **newer.worker},
+                       engine_info=newer.engine_info or self.engine_info, progress=self.progress and newer.progress,
+                       divergences={**self.divergences, **newer.divergences})  # fmt: skip
+
+
+JOINED = ("delta", "source_runs", "draft_lengths", "tokens", "drafted_by")  # what a chunk adds to the ones before
 
 
 @dataclass(frozen=True)
@@ -116,8 +108,8 @@ class Resume:
 
 
 class AnswerSoFar:
-    """What the web process knows of a job's answer from its chunks: where it goes on (`resume`), and with `run` (the
-    GPU function) the stream of its rest (web/calls.py's Resumable)."""
+    """A job's answer as its chunks told it: where it goes on, and with `run` (the GPU function) the stream of its rest
+    (web/calls.py's Resumable)."""
 
     def __init__(self, job: GpuJob, run: Callable[[GpuJob], Iterator[ReplyChunk]] | None = None) -> None:
         self._job, self._run, self._phases, self._phase = job, run, job.phases, 0
@@ -141,10 +133,9 @@ class AnswerSoFar:
         """Where the answer goes on, or None when nothing is left to run."""
         if self._phase >= len(self._phases):
             return None
-        name = self._phases[self._phase]
-        earlier = {p: tuple(self._answers.get(p, ())) for p in self._phases[: self._phase]}
-        return Resume(self._phase, tuple(self._answers.get(name, ())), dict(self._stats), tuple(self._drafted_by),
-                      earlier)  # fmt: skip
+        answers = {p: tuple(self._answers.get(p, ())) for p in self._phases[: self._phase + 1]}
+        tokens = answers.pop(self._phases[self._phase])
+        return Resume(self._phase, tokens, dict(self._stats), tuple(self._drafted_by), answers)
 
     def rest(self) -> Callable[[], Iterator[ReplyChunk]] | None:
         resume, run = self.resume(), self._run
@@ -187,17 +178,15 @@ def resumed_stats(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]
 
 
 def owner_of(client: str, session: str) -> str:
-    """The cache owner of a session of a client (both opaque hex keys): the engine shares its parked states out by
-    the client part (see client_of_owner)."""
+    """The cache owner of a client's session (opaque keys): the engine shares parked states out by the client part."""
     return f"{client}/{session}"
 
 
 def client_of_owner(owner: Any) -> Any:
-    """The client part of a cache owner made by owner_of (an owner of another form is its own client)."""
+    """The client part of an owner_of owner (an owner of another form is its own client)."""
     return owner.split("/", 1)[0] if isinstance(owner, str) else owner
 
 
 def info_digest(info: dict[str, Any]) -> str:
-    """A short digest of an engine description: the web process says which one it holds, the host sends its own only
-    when it differs."""
+    """An engine description's digest: the host sends its own only when it differs from the web process's."""
     return hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode()).hexdigest()[:16]

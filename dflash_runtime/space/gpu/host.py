@@ -1,8 +1,7 @@
-"""The engine host: this process's engine (the GPU worker's on ZeroGPU), built on first use, up to its sequences'
-worth of jobs at once, each streamed back as plain data (gpu_job.py) with a progress chunk at each prompt chunk's end,
-where a long prompt's job may yield its turn. `spaces` throws a worker away after any exception of the GPU function,
-so `run` never raises the runtime's own errors: it ends the stream with a chunk that carries the error, and an engine
-failure closes the engine once no other job runs on it (docs/space.md)."""
+"""The engine host: this process's engine (the GPU worker's on ZeroGPU), running up to its sequences' worth of jobs
+at once, each streamed back as plain data (gpu_job.py). `spaces` throws a worker away after any exception of the GPU
+function, so `run` never raises the runtime's own errors: it ends the stream with a chunk that carries the error, and
+an engine failure closes the engine once no other job runs on it (docs/space.md)."""
 
 from __future__ import annotations
 
@@ -36,38 +35,39 @@ PUBLIC_OWNER = "public prefix"  # the owner of the requests that put the public 
 
 @dataclass
 class EngineFacts:
-    """What the host learns once per loaded engine, per thinking switch: the public prompt prefix, whether the
-    engine keeps it, and the thinking tag the template opens."""
+    """Per loaded engine and thinking switch: the public prompt prefix, and whether the engine keeps it."""
 
     public_tokens: dict[bool, list[int]] = field(default_factory=dict)
-    thinking_prefix: dict[bool, str] = field(default_factory=dict)
     public_kept: set[bool] = field(default_factory=set)
     keeping: threading.Lock = field(default_factory=threading.Lock)  # one request puts a public prefix in the cache
 
-    def public(self, engine: Any, thinking: bool) -> list[int]:
-        """The page's system prompt up to where the visitor's own message begins: the common prefix of two
-        conversations that differ only there."""
-        if thinking not in self.public_tokens:
+    def owner_arguments(self, engine: Any, owner: str, tokens: list[int], thinking: bool) -> dict[str, Any]:
+        """The engine's arguments that keep a job's cache to its owner. The public prefix (the page's system prompt
+        up to where the visitor's message begins) is all or nothing, and in the cache before every request that
+        declares it, put back by a one-token request of nobody's (docs/space.md)."""
+        if thinking not in self.public_tokens:  # the common prefix of two conversations that differ only there
             system = {"role": "system", "content": DEFAULT_SYSTEM_PROMPT}
             a, b = (prompt_tokens(engine, [system, {"role": "user", "content": text}], thinking) for text in "ab")
             same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
             self.public_tokens[thinking] = a[:same]
-        return self.public_tokens[thinking]
-
-    def prefix(self, engine: Any, thinking: bool) -> str:
-        """The thinking tag the template opens at the end of every prompt (with thinking on), shown with the reply so
-        that it folds whole."""
-        if thinking not in self.thinking_prefix:
-            probe = [{"role": "user", "content": "a"}]
-            self.thinking_prefix[thinking] = (thinking_prefix(engine.render_chat(probe, enable_thinking=True))
-                                              if thinking else "")  # fmt: skip
-        return self.thinking_prefix[thinking]
+        public = self.public_tokens[thinking]
+        declared = len(public) if len(tokens) > len(public) and tokens[: len(public)] == public else 0
+        if declared and thinking not in self.public_kept:
+            with self.keeping:  # one request makes it; others that declare it meanwhile wait (it is one token long)
+                if thinking not in self.public_kept:
+                    with engine.stream(public, max_tokens=1, speculative=False, cache_owner=PUBLIC_OWNER,
+                                       public_prefix=declared) as events:  # fmt: skip
+                        for _ in events:
+                            pass
+                    self.public_kept.add(thinking)
+        # nobody's session: a fresh owner, nothing to reuse, never parked
+        return {"cache_owner": owner or secrets.token_hex(16), "public_prefix": declared}
 
 
 class EngineHost:
     """Owns this process's engine: built on first use, rebuilt when the preset or files change (once no job runs on
-    it), up to the preset's `parallel` jobs at once, with counters that tell a warm worker from a new one. A job
-    reuses cached tokens only if its own `cache_owner` put them there, beyond its prompt's public prefix."""
+    it), with counters that tell a warm worker from a new one. A job reuses cached tokens only if its own
+    `cache_owner` put them there, beyond its prompt's public prefix."""
 
     def __init__(self, loader: Callable[..., Any], settings: PublicSettings | None = None,
                  memory: Callable[[int], FreeMemory] | None = None) -> None:  # fmt: skip
@@ -86,23 +86,20 @@ class EngineHost:
         self.draft_problem: str | None = None  # why the loaded engine runs without its draft
         self._fallback: tuple[str, ...] = ()  # the methods it then drafts with (the target's own)
 
-    def close(self) -> None:
-        """Close the engine once no job runs on it (or after the busy timeout)."""
+    def close(self, wait: bool = True) -> None:
+        """Close the engine once no job runs on it (or after the busy timeout); without `wait`, under the lock now."""
         with self._state:
-            self._state.wait_for(lambda: not self._running and not self._loading, self._settings.busy_timeout_s)
-            self._close()
-
-    def _close(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
-            self._engine, self._key = None, None
+            if wait:
+                self._state.wait_for(lambda: not self._running and not self._loading, self._settings.busy_timeout_s)
+            if self._engine is not None:
+                self._engine.close()
+                self._engine, self._key = None, None
 
     def _ready(self, job: GpuJob) -> bool:
         return self._engine is not None and self._key == (job.preset, job.files) and not self._condemned
 
     def _enter(self, job: GpuJob) -> bool:
-        """Take a place for `job`: a sequence of its engine, or the host alone to (re)build it; False when none came
-        within the busy timeout."""
+        """Take a sequence of the job's engine, or the host alone to (re)build it; False after the busy timeout."""
         with self._state:
             if not self._state.wait_for(lambda: not self._loading and (
                     self._running < self._parallel if self._ready(job) else not self._running),
@@ -116,16 +113,15 @@ class EngineHost:
         with self._state:
             self._running -= 1
             if self._condemned and not self._running:
-                self._close()
+                self.close(wait=False)
             self._state.notify_all()
 
     def _condemn(self) -> None:
         """The engine failed: closed by the last job to leave it (closing it now would end the others' answers)."""
         with self._state:
+            self._condemned = True
             if self._running <= 1:
-                self._close()
-            else:
-                self._condemned = True
+                self.close(wait=False)
 
     def _engine_for(self, job: GpuJob) -> tuple[Any, bool]:
         """The engine for the job's preset and files, and whether it was loaded now (the job alone on the host)."""
@@ -142,12 +138,11 @@ class EngineHost:
                 self._state.notify_all()
 
     def _load(self, preset: PairPreset, files: ResolvedPair) -> None:
-        """Load the engine (closing the one before): `parallel` sequences, the Space's one wait for a sequence, and
-        states parked only by their own request, shared out by client. A draft that fails validation leaves the
-        target alone where it drafts with a model of its own (an MTP head)."""
+        """Load the engine (closing the one before), its parked states shared out by client. A draft that fails
+        validation leaves the target alone where it drafts with a model of its own (an MTP head)."""
         from ...cache.sessions import SessionPolicy  # the core's cache modules import libllama: only where engines run
 
-        self._close()
+        self.close(wait=False)
         started, settings = time.monotonic(), self._settings
         branches = preset.branches if files.draft_path is not None else 0  # a tree's paths need the draft
         self._parallel = self._sequences(preset, files, branches)
@@ -171,8 +166,8 @@ class EngineHost:
         self.last_load_s = round(time.monotonic() - started, 3)
 
     def _sequences(self, preset: PairPreset, files: ResolvedPair, branches: int) -> int:
-        """How many sequences to open: the preset's, or with `parallel_fit` as many as fit in the memory free now (at
-        least 1, at most the preset's) beside `branches` spare ones, from the files' headers."""
+        """The preset's sequences, or with `parallel_fit` as many as fit in the memory free now (at least 1) beside
+        `branches` spare ones, from the files' headers."""
         self.parallel_plan = None
         if not preset.parallel_fit:
             return preset.parallel
@@ -239,11 +234,10 @@ class EngineHost:
         return chunk
 
     def _phases(self, engine: Any, job: GpuJob, report: Callable[[], dict[str, Any]]) -> Iterator[ReplyChunk]:
-        """The job's phases' chunks (from where it yielded, with `resume`), the last one once every phase's stream
-        has closed, with its divergences; a conversation's state parked before it."""
-        request, facts, resume = job.request, self._facts, job.resume
+        """The job's phases' chunks from where it yielded; the last one once every phase's stream has closed."""
+        request, resume = job.request, job.resume
         fitted = fit_request(engine, request)
-        owner = {**_owner_arguments(engine, facts, job.cache_owner, fitted.tokens, request.enable_thinking),
+        owner = {**self._facts.owner_arguments(engine, job.cache_owner, fitted.tokens, request.enable_thinking),
                  "prefill_chunk": self._settings.prefill_chunk}  # the engine's arguments for this job's requests
         info = self._info(engine)
         known = info_digest(info) == job.engine_info_seen
@@ -252,7 +246,7 @@ class EngineHost:
         for index, phase in enumerate(job.phases[resume.phase:] if resume else job.phases):
             going_on = resume if index == 0 else None
             so_far = answers.setdefault(phase, list(going_on.tokens) if going_on is not None else [])
-            with closing(_stream(engine, facts, request, fitted, phase, owner, so_far, going_on)) as chunks:
+            with closing(_stream(engine, request, fitted, phase, owner, so_far, going_on)) as chunks:
                 for chunk in chunks:
                     self._outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
                                      "n_generated": chunk.stats.get("n_generated", 0), "phase": phase}  # fmt: skip
@@ -271,7 +265,6 @@ class EngineHost:
             yield final
 
     def _info(self, engine: Any) -> dict[str, Any]:
-        """The engine's public description."""
         info = public_engine_info(engine.info())
         if self.parallel_plan is not None:
             info["parallel_plan"] = self.parallel_plan.describe()
@@ -282,7 +275,7 @@ class EngineHost:
 
 def _divergences(engine: Any, request: ChatRequest, prompt: list[int],
                  answers: dict[str, list[int]]) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """At temperature 0, why each phase's answer differs from plain decoding's (a near-tie or a fault)."""
+    """At temperature 0, why each phase's answer differs from plain decoding's."""
     plain = answers.get("plain")
     if request.temperature != 0 or plain is None:
         return {}
@@ -296,39 +289,23 @@ def _divergences(engine: Any, request: ChatRequest, prompt: list[int],
     return out
 
 
-def _owner_arguments(engine: Any, facts: EngineFacts, owner: str, tokens: list[int], thinking: bool) -> dict[str, Any]:
-    """The engine's arguments that keep a job's cache to its owner. The public prefix is all or nothing, and in the
-    cache before every request that declares it, put back by a one-token request of nobody's (docs/space.md)."""
-    owner = owner or secrets.token_hex(16)  # nobody's session: a fresh owner, nothing to reuse, never parked
-    public = facts.public(engine, thinking)
-    declared = len(public) if len(tokens) > len(public) and tokens[: len(public)] == public else 0
-    if declared and thinking not in facts.public_kept:
-        with facts.keeping:  # one request makes it; others that declare it meanwhile wait (it is one token long)
-            if thinking not in facts.public_kept:
-                with engine.stream(public, max_tokens=1, speculative=False, cache_owner=PUBLIC_OWNER,
-                                   public_prefix=declared) as events:  # fmt: skip
-                    for _ in events:
-                        pass
-                facts.public_kept.add(thinking)
-    return {"cache_owner": owner, "public_prefix": declared}
-
-
 def _error_chunk(error: DFlashError) -> ReplyChunk:
-    return ReplyChunk(delta="", stats={}, finish_reason="error", error_type=type(error).__name__, error=str(error))
+    return ReplyChunk("", {}, "error", error_type=type(error).__name__, error=str(error))
 
 
-def _stream(engine: Any, facts: EngineFacts, request: ChatRequest, fitted: FittedConversation, phase: str,
+def _stream(engine: Any, request: ChatRequest, fitted: FittedConversation, phase: str,
             owner: dict[str, Any], tokens: list[int], resume: Resume | None = None) -> Iterator[ReplyChunk]:
-    """The phase's chunks, a progress chunk after each prompt chunk but the last (where the job may yield); its
-    tokens are added to `tokens` as they come. With `resume`, the phase goes on from where it yielded its turn
-    (see GoingOn)."""
+    """The phase's chunks (a progress chunk at each prompt chunk's end, where the job may yield), its tokens added to
+    `tokens`; with `resume`, going on from where it yielded its turn."""
     speculative, method = phase_decoding(request, phase)
     kwargs = request.generation_kwargs(speculative, method)
     going_on = GoingOn(engine, request, resume) if resume is not None and (resume.tokens or resume.stats) else None
     if going_on is not None:
         kwargs["max_tokens"] -= len(going_on.tokens)
         kwargs["stop"] = None  # stop strings are matched here, across the join
-    prefix = facts.prefix(engine, request.enable_thinking) if going_on is None else ""
+    # The thinking tag the template opens at every prompt's end, shown with the reply so that it folds whole.
+    probe, thinking = [{"role": "user", "content": "a"}], request.enable_thinking and going_on is None
+    prefix = thinking_prefix(engine.render_chat(probe, enable_thinking=True)) if thinking else ""
     runs: list[tuple[int, str]] = [(len(prefix), "target")] if prefix else []
     delta, notice, lengths_sent, drafted_sent = prefix, fitted.notice if going_on is None else None, 0, 0
     with closing(engine.stream([*fitted.tokens, *(going_on.tokens if going_on else ())], **kwargs, **owner,
@@ -355,9 +332,8 @@ def _stream(engine: Any, facts: EngineFacts, request: ChatRequest, fitted: Fitte
 
 
 class GoingOn:
-    """A phase going on where it yielded its turn: the prompt followed by its tokens so far, the text released as one
-    stream of all its tokens would release it (UTF-8 and stop strings across the join), the statistics summed with
-    its earlier turns' (gpu_job.Resume)."""
+    """A phase going on where it yielded its turn: its text released as one stream of all its tokens would release it
+    (UTF-8 and stop strings across the join), its statistics summed with its earlier turns'."""
 
     def __init__(self, engine: Any, request: ChatRequest, resume: Resume) -> None:
         from ...textstream import TextStream  # imports libllama: only where engines run
@@ -368,8 +344,7 @@ class GoingOn:
             self._text.feed(token)
         self._text.take_runs()
 
-    def event(self, event: Any, stats: dict[str, Any]) -> tuple[str, list[tuple[int, str]], str | None, str,
-                                                                 dict[str, Any]]:  # fmt: skip
+    def event(self, event: Any, stats: dict[str, Any]) -> tuple[str, list[tuple[int, str]], str | None, str, Any]:
         """An event's (text, its runs, finish reason, detail, statistics) as the whole answer's."""
         text = "".join(self._text.feed(t, s) for t, s in zip(event.tokens, event.token_sources, strict=False))
         finish, detail = event.finish_reason, event.finish_detail

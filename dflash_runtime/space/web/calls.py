@@ -1,5 +1,5 @@
-"""The fair-share policy (policy.py) under one lock, for the web process's threads and event loop alike, and the GPU
-calls that wait in it for a seat on the engine (`ReplyJob`, docs/public-space.md sections 4 to 6)."""
+"""The fair-share policy (policy.py) under one lock, and the GPU calls that wait in it for a seat on the engine
+(`ReplyJob`, docs/public-space.md sections 4 to 6)."""
 
 from __future__ import annotations
 
@@ -72,36 +72,31 @@ class Calls:
             self.policy.sweep(self._clock())
             return call.live
 
-    def seat(self, call: Call, owner: str | None, can_yield: bool) -> bool:
-        """Wait for the call's turn: True once it holds a seat, False when it ended meanwhile; AdmissionError when its
-        place was taken, RequestError when its client was not served for the busy timeout."""
+    def seat(self, call: Call, owner: str | None = None, can_yield: bool = False, *, again: bool = False) -> bool:
+        """Wait for the call's turn (`again`: after giving its seat up when asked): True once it holds a seat, False
+        when it ended meanwhile; AdmissionError when its place was taken, RequestError when its client was not
+        served for the busy timeout."""
         with self._changed:
-            self.policy.ask(self._clock(), call, owner, can_yield)
-            return self._wait_turn(call)
-
-    def yield_turn(self, call: Call) -> bool:
-        """Give the seat up (its job closed its stream when asked) and wait for the next turn, as `seat`."""
-        with self._changed:
-            self.policy.yield_turn(self._clock(), call)
-            return self._wait_turn(call)
-
-    def _wait_turn(self, call: Call) -> bool:
-        while True:
-            if self.policy.schedule(self._clock()):
-                self._changed.notify_all()
-            if call.seated:
-                return True
-            if call.state is State.TAKEN:
-                raise AdmissionError(TAKEN)
-            if not call.live:
-                return False
-            if (refusal := self.policy.timed_out(self._clock(), call)) is not None:
-                self.policy.finish(self._clock(), call)
-                raise RequestError(refusal)
-            self._changed.wait(self.settings.poll_s)
+            if again:
+                self.policy.yield_turn(self._clock(), call)
+            else:
+                self.policy.ask(self._clock(), call, owner, can_yield)
+            while True:
+                if self.policy.schedule(self._clock()):
+                    self._changed.notify_all()
+                if call.seated:
+                    return True
+                if call.state is State.TAKEN:
+                    raise AdmissionError(TAKEN)
+                if not call.live:
+                    return False
+                if (refusal := self.policy.timed_out(self._clock(), call)) is not None:
+                    self.policy.finish(self._clock(), call)
+                    raise RequestError(refusal)
+                self._changed.wait(self.settings.poll_s)
 
     def resize(self, capacity: int) -> None:
-        """Seat up to `capacity` jobs from now on (the loaded engine's sequences); jobs running stay."""
+        """Seat up to `capacity` jobs from now on; jobs running stay."""
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
         with self._changed:
@@ -110,7 +105,7 @@ class Calls:
             self._changed.notify_all()
 
     def counts(self) -> dict[str, int]:
-        """Seats in use, calls waiting for one, answers counted and turns yielded: counts, nothing of whose."""
+        """Seats in use, calls waiting for one, answers counted and turns yielded: nothing of whose."""
         with self._changed:
             policy = self.policy
             policy.sweep(self._clock())
@@ -124,8 +119,8 @@ class Calls:
 
 
 class Resumable(Protocol[T]):
-    """How an answer comes back after it yielded its turn: `rest()` opens the stream of exactly what it would have
-    gone on with, from the chunks it has `seen` (None when it cannot)."""
+    """How an answer comes back after it yielded its turn: `rest()`, the stream of what it would have gone on with,
+    from the chunks it has `seen` (None when it cannot)."""
 
     def seen(self, chunk: T) -> None: ...
 
@@ -147,7 +142,6 @@ class ReplyJob(Generic[T]):
         self._done = threading.Event()
         self._counts = threading.Lock()
         self._pending, self._pending_since = 0, 0.0  # chunks handed over and not taken yet, since when
-        self.chunks_delivered = 0
 
     @property
     def cancelled(self) -> bool:
@@ -158,8 +152,7 @@ class ReplyJob(Generic[T]):
         self._cancelled.set()
 
     def wait_done(self, timeout_s: float) -> bool:
-        """Whether the stream was closed (and the seat freed) within `timeout_s`."""
-        return self._done.wait(timeout_s)
+        return self._done.wait(timeout_s)  # the stream closed and the seat freed
 
     async def chunks(self, latest_only: bool = False) -> AsyncIterator[T]:
         """The chunks as they come; with `latest_only`, one a newer chunk replaced while the consumer was busy is folded
@@ -212,7 +205,7 @@ class ReplyJob(Generic[T]):
             try:
                 while open_stream is not None and calls.alive(call):
                     open_stream = self._run(open_stream(), hand_over)
-                    if open_stream is not None and not calls.yield_turn(call):  # the rest comes at its next turn
+                    if open_stream is not None and not calls.seat(call, again=True):  # the rest: next turn
                         break
             finally:
                 calls.apply(FairShare.release, call)
@@ -223,8 +216,8 @@ class ReplyJob(Generic[T]):
             hand_over(False, None)
 
     def _run(self, stream: Iterator[T], hand_over: Callable[[bool, Any], None]) -> Callable[[], Iterator[T]] | None:
-        """Hand `stream`'s chunks over until it ends, the job stops, or it yields (when asked, after a chunk that is not
-        the answer's last): then the stream of the answer's rest, opened at the job's next turn."""
+        """Hand `stream`'s chunks over until it ends, the job stops, or it yields when asked (then the stream of the
+        answer's rest, opened at the job's next turn)."""
         try:
             for chunk in stream:
                 with self._counts:
@@ -232,9 +225,8 @@ class ReplyJob(Generic[T]):
                     self._pending_since = self._pending_since if self._pending else time.monotonic()
                     self._pending += 1
                 if self._cancelled.is_set() or orphaned or not self._calls.alive(self._call):
-                    log.info("an answer stopped after %d chunks", self.chunks_delivered)
+                    log.info("an answer stopped: its reader left or stalled")
                     return None
-                self.chunks_delivered += 1
                 if self._resumable is not None:
                     self._resumable.seen(chunk)
                 hand_over(True, chunk)

@@ -1,6 +1,5 @@
-"""Who a caller is: its network address as the platform gives it, never the session hash a client mints freely
-(docs/public-space.md, "Who a client is"), as a digest with a secret of the process that tells nothing of the
-address."""
+"""Who a caller is: its network address as the platform gives it, never the session hash a client mints freely, as
+a digest with a secret of the process (docs/public-space.md, "Who a client is")."""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ UVICORN_TRUSTED_PROXIES = "FORWARDED_ALLOW_IPS"  # the peers whose X-Forwarded-F
 
 
 def servers_forward_nothing(env: MutableMapping[str, str] | None = None) -> str | None:
-    """Make uvicorn trust no proxy header (by default it believes 127.0.0.1's, so a client on the same machine could
-    pick a new identity per request): the header is read here alone. Call before `launch()`; the value replaced."""
+    """Make uvicorn trust no proxy header (by default it believes 127.0.0.1's: a client on the same machine could pick
+    a new identity per request); call before `launch()`. The value replaced."""
     env = os.environ if env is None else env
     before = env.get(UVICORN_TRUSTED_PROXIES)
     env[UVICORN_TRUSTED_PROXIES] = ""
@@ -28,16 +27,15 @@ def servers_forward_nothing(env: MutableMapping[str, str] | None = None) -> str 
 
 @dataclass(frozen=True)
 class ClientIdentity:
-    """One client: `key` (opaque, what limits and shares count by) and `source`, where its address came from
-    ("forwarded": the trusted proxy's header; "socket": the connection's peer; "none")."""
+    """One client: `key` (opaque, what limits and shares count by) and where its address came from (`source`)."""
 
     key: str
-    source: str
+    source: str  # "forwarded" (the trusted proxy's header), "socket" (the connection's peer) or "none"
 
 
 def client_identity(headers: Iterable[tuple[Any, Any]], peer: str | None, hops: int = 0) -> ClientIdentity:
-    """The client of a request, from its headers (pairs of bytes or str) and its socket's peer: the `hops`-th address
-    from the end of X-Forwarded-For (the one a trusted proxy appended), or without `hops` the peer."""
+    """The client of a request (headers: pairs of bytes or str): the `hops`-th address from the end of X-Forwarded-For
+    (the one a trusted proxy appended), or without `hops` the socket's peer."""
     address, source = peer, "socket"
     forwarded = [hop.strip() for name, value in headers if _text(name).lower() == "x-forwarded-for"
                  for hop in _text(value).split(",") if hop.strip()] if hops else []  # fmt: skip
@@ -49,7 +47,6 @@ def client_identity(headers: Iterable[tuple[Any, Any]], peer: str | None, hops: 
 
 
 def client_of_scope(scope: Mapping[str, Any] | None, hops: int = 0) -> ClientIdentity:
-    """The client of an ASGI request (its `headers` and `client`)."""
     scope = scope if isinstance(scope, Mapping) else {}
     peer = scope.get("client")
     return client_identity(scope.get("headers") or (), peer[0] if peer else None, hops)

@@ -1,6 +1,5 @@
-"""The HTTP gate: every request passes here before Gradio (plain ASGI, Gradio-free). It parses, checks what Gradio
-would refuse, asks the policy (calls.py) to admit what queues, and watches each result stream for its reader; each
-refusal is a 4xx in its route's own shape with one bounded log line (docs/public-space.md, "The door")."""
+"""The HTTP gate: every request passes here before Gradio (plain ASGI). It checks what Gradio would refuse, asks the
+policy to admit what queues, and watches each result stream for its reader (docs/public-space.md, "The door")."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import logging
 import re
 import traceback
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,9 +62,8 @@ class Refused(Exception):
 
 @dataclass(frozen=True)
 class Endpoints:
-    """The app's functions as Gradio numbers them: each engine function's weight (the answers a call runs), the API
-    names callable over plain HTTP, each function's inputs' kinds, and the checked API endpoints' parameters and
-    value checks (what is wrong with a list of values, or None)."""
+    """The app's functions as Gradio numbers them: each engine function's weight (the answers a call runs), the public
+    API names, each function's inputs' kinds, and the checked endpoints' parameters and value checks."""
 
     weights: Mapping[int, Callable[[], int]]
     api_names: Mapping[str, int] = field(default_factory=dict)
@@ -90,14 +89,10 @@ class Endpoints:
 
     def function(self, body: Any) -> int:
         """The function a body's `fn_index` names, read as Gradio reads it."""
-        value = body.get("fn_index")
-        try:
-            fn_index = _INT.validate_python(value)
-        except ValidationError:
-            fn_index = None
-        if fn_index not in self.inputs:
-            raise Refused(422, f"fn_index must name one of the app's functions (got {excerpt(value)})")
-        return fn_index
+        with suppress(ValidationError):
+            if (fn_index := _INT.validate_python(body.get("fn_index"))) in self.inputs:
+                return fn_index
+        raise Refused(422, f"fn_index must name one of the app's functions (got {excerpt(body.get('fn_index'))})")
 
     def check(self, fn_index: int, data: Any, values: bool = True) -> None:
         """Refused (422) when a call's values (one per input) are not what its function takes; without `values`, an
@@ -129,8 +124,7 @@ def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
 
 
 def json_body(body: bytes) -> Any:
-    """A POST body as JSON, None when it is not JSON (Gradio answers that); Refused (400) when nested deeper than
-    `MAX_DEPTH`, measured without recursion."""
+    """A POST body as JSON, None when it is not JSON (Gradio answers that); Refused when nested too deeply."""
     nested = Refused(400, f"the JSON body is nested too deeply (this server accepts {MAX_DEPTH} levels)")
     try:
         value = json.loads(body)
@@ -168,7 +162,7 @@ async def refuse(scope: Scope, receive: Receive, send: Send, status: int, detail
 
 
 class HttpGate:
-    """The ASGI middleware (see the module doc); `calls` is shared with the service, `v1` serves the /v1 routes."""
+    """The ASGI middleware; `calls` is shared with the service, `v1` serves the /v1 routes."""
 
     def __init__(self, app: ASGIApp, calls: Calls, endpoints: Endpoints | None = None,
                  v1: ASGIApp | None = None) -> None:  # fmt: skip
@@ -203,7 +197,7 @@ class HttpGate:
                 await refuse(scope, receive, send, 500, "the server failed; retry")
 
     async def _v1(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """A /v1 POST: its body bounded, its answer's writes told to its call's reader (the backend opens it)."""
+        """A /v1 POST: its body bounded, its answer's writes told to its call's reader."""
         assert self.v1 is not None
         if scope.get("method") != "POST":
             await self.v1(scope, receive, send)
@@ -230,10 +224,8 @@ class HttpGate:
             await self.app(scope, receive, send)
 
     def _check_session(self, session: Any) -> None:
-        if not isinstance(session, str) or not session:
-            raise Refused(422, "session_hash must be a non-empty string")
-        if len(session) > self.settings.session_hash_chars:
-            raise Refused(422, f"session_hash must be at most {self.settings.session_hash_chars} characters")
+        if not isinstance(session, str) or not 0 < len(session) <= (limit := self.settings.session_hash_chars):
+            raise Refused(422, f"session_hash must be a non-empty string of at most {limit} characters")
 
     async def _post(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -247,16 +239,15 @@ class HttpGate:
             await self.app(scope, replay, send)
             return
         scope.setdefault("state", {})[ADMITTED] = call
-        event_id = None
+        event_id = None  # Gradio refused the call, unless it answers its event id
         try:
             event_id = await self._queued(scope, replay, send)
         finally:
             self.calls.apply(FairShare.queued, call, event_id)
 
     def _admitted(self, path: str, body: Any, scope: Scope) -> Call | None:
-        """The call a POST queues, admitted, or None for one that queues nothing, or that Gradio refuses itself (a
-        body that is not a JSON object). One rule for every route: the function is the path's name or `fn_index`,
-        its values are checked (but the versioned route's), the session when one is given (a join needs one)."""
+        """The call a POST queues, admitted; None for one that queues nothing or that Gradio refuses itself. One rule
+        for every route: the function is the path's name or `fn_index`, its values and session are checked."""
         if (route := _QUEUED.search(path)) is None:
             return None
         endpoints, name = self.endpoints, route["call"] or (route["run"] if route["run"] != "predict" else None)
@@ -281,11 +272,11 @@ class HttpGate:
         return call
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
-        """The whole body (Refused once it is longer than the limit: by its declared length, or as it comes)."""
+        """The whole body (Refused once longer than the limit: by its declared length, or as it comes)."""
         limit = self.settings.max_body_bytes
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         too_long = Refused(413, f"the request body is longer than this server accepts ({limit} bytes)")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        if declared.isdigit() and int(declared) > limit:
             raise too_long
         parts: list[bytes] = []
         while (message := await receive())["type"] == "http.request":
@@ -314,8 +305,8 @@ class HttpGate:
 
     async def _read(self, session: str, scope: Scope, receive: Receive, send: Send,
                     event_id: str | None = None) -> None:  # fmt: skip
-        """Stream a result to one of `session`'s readers, watching for its hang-up (the app itself reads nothing
-        while it writes) and for writes it does not take; Gradio's word that an event completed ends its call."""
+        """Stream a result to one of `session`'s readers, watching for its hang-up (the app reads nothing while it
+        writes) and for writes it does not take; Gradio's word that an event completed ends its call."""
         calls, inbox = self.calls, asyncio.Queue[Message]()
         reader = calls.apply(FairShare.opened, session)
         floor: TrafficFloor | None = None
@@ -349,8 +340,8 @@ class HttpGate:
     async def _watched(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send,
                        sending: Callable[..., Any], running: Callable[[], bool],
                        heartbeat: Callable[[int], bytes]) -> TrafficFloor:  # fmt: skip
-        """Run `app` with small buffers under its stream and a floor of traffic while `running()` (probes.py), each
-        write told to `sending(busy, body)`; the floor, once the app is done."""
+        """Run `app` with small buffers and a floor of traffic while `running()` (probes.py), each write told to
+        `sending(busy, body)`."""
 
         async def told(message: Message) -> None:
             sending(True, message.get("body", b""))

@@ -1,7 +1,6 @@
 """The GPU time a request asks ZeroGPU for, from measured speeds: too much refuses visitors who could have been
-served, too little lets the platform stop a long answer. Each figure a visitor's answer can move is the clients'
-vote, waiting for several clients and paced by work, so that no figure /info shows moves with one visitor's calls
-(docs/public-space.md, "Figures one client cannot move")."""
+served, too little lets the platform stop a long answer. Each figure is the clients' vote, so that none moves with one
+visitor's calls (docs/public-space.md, "Figures one client cannot move")."""
 
 from __future__ import annotations
 
@@ -31,8 +30,8 @@ class GpuEstimate:
 
 
 class Votes:
-    """One figure: the median of the recent clients' votes (each the median of its own newest answers), an odd number
-    counted, `default` until `estimate_voters` clients voted, then moving at most ×1.25 per 4,096 tokens of work."""
+    """One figure: the median of the recent clients' votes (each the median of its own newest answers), `default`
+    until `estimate_voters` clients voted, then moving at most ×1.25 per 4,096 tokens of work."""
 
     def __init__(self, default: float, settings: PublicSettings) -> None:
         self.default, self.settings = default, settings
@@ -53,8 +52,7 @@ class Votes:
         self._value = target if self._value is None else min(max(target, self._value / step), self._value * step)
 
     @property
-    def measured(self) -> int:
-        """The answers behind the figure: 0 until it moved from its default."""
+    def measured(self) -> int:  # the answers behind the figure: 0 until it moved from its default
         return sum(len(own) for own in self._votes.values()) if self._value is not None else 0
 
     @property
@@ -79,8 +77,8 @@ class GpuTimeEstimator:
         return self._figures["decode_speculative" if speculative else "decode_plain"].value
 
     def estimate(self, request: ChatRequest, phases: tuple[bool, ...]) -> GpuEstimate:
-        """Duration for `request` decoded once per phase (True = speculative): load when the worker may be new,
-        then for each phase the whole prompt prefilled and max_tokens decoded at the planned speeds."""
+        """Duration for `request` decoded once per phase (True = speculative): a load when the worker may be new, then
+        per phase the prompt prefilled and max_tokens decoded at the planned speeds."""
         with self._lock:
             prompt_tokens = request.input_chars / self._figures["chars_per_token"].value
             seconds = self.settings.gpu_seconds_base + (self._load if self._worker_may_be_new else 0.0)
@@ -112,8 +110,7 @@ class GpuTimeEstimator:
             else:
                 self._load += (0.7 if seconds > self._load else 0.2) * (seconds - self._load)
 
-    def engine_seen(self, loaded: bool) -> None:
-        """The worker's report: whether its engine is loaded (if not, the next request must plan a load)."""
+    def engine_seen(self, loaded: bool) -> None:  # if not, the next request must plan a load
         with self._lock:
             self._worker_may_be_new = not loaded
 

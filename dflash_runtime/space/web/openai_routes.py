@@ -1,7 +1,6 @@
-"""The /v1 routes (dflash_runtime.openai_api) on the Space's own server: the path of /chat, admitted by the one policy
-for its client, its HTTP connection its reader. Stateless: a /v1 answer is no conversation's, reuses nothing cached,
-teaches the estimates nothing. ZeroGPU charges a GPU call to the visitor of the Gradio event it runs in, and a /v1
-request is none: there the routes answer 503 saying where they are served."""
+"""The /v1 routes (dflash_runtime.openai_api) on the Space's own server: the path of /chat, its HTTP connection its
+reader; a /v1 answer is no conversation's (it reuses and teaches nothing). On ZeroGPU, which charges a GPU call to the
+visitor of its Gradio event, they answer 503 saying where they are served."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ FINAL_FIELDS = ("finish_reason", "finish_detail", "notice", "gpu_seconds_request
 
 
 def conversation(messages: tuple[dict[str, str], ...]) -> dict[str, Any]:
-    """The API's messages as the Space's request holds a conversation: the system messages at the start (joined),
-    the earlier turns, and the last message, the user's."""
+    """The API's messages as the Space's request holds them: the system prompt, the history and the user's message."""
     system = 0
     while system < len(messages) and messages[system]["role"] == "system":
         system += 1
@@ -51,7 +49,7 @@ def conversation(messages: tuple[dict[str, str], ...]) -> dict[str, Any]:
 
 
 class SpaceBackend:
-    """The Space's service as a /v1 backend (see the module doc)."""
+    """The Space's service as a /v1 backend."""
 
     def __init__(self, service: SpaceService) -> None:
         self.service = service
@@ -60,7 +58,6 @@ class SpaceBackend:
         return [self.service.config.preset.name]
 
     def check(self, request: ApiRequest) -> ChatRequest:
-        """The Space's request for an API request (its checks, its limits and defaults)."""
         service = self.service
         fields: dict[str, Any] = conversation(request.messages) if request.kind == CHAT else {"message": request.prompt}
         fields.update(preset=self.models()[0], max_tokens=request.max_tokens or service.defaults["max_tokens"],
@@ -101,8 +98,7 @@ class SpaceBackend:
 
 
 def v1_app(service: SpaceService, env: Mapping[str, str] | None = None) -> Any:
-    """The /v1 routes over the service, as an ASGI application (the HTTP gate's `v1`); `DFLASH_API_KEY`: the key
-    asked."""
+    """The /v1 routes over the service, the HTTP gate's `v1`; `DFLASH_API_KEY`: the key asked."""
     env = os.environ if env is None else env
     api = V1Api(SpaceBackend(service), api_key=env.get("DFLASH_API_KEY") or None,
                 max_body_bytes=service.calls.settings.max_body_bytes)  # fmt: skip

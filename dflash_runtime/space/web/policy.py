@@ -1,6 +1,5 @@
 """The public Space's one fair-share policy, pure: plain data in and out, the clock passed in (`now`), no locks,
-threads, I/O or Gradio, so that tests/test_policy_simulation.py can prove it. docs/public-space.md states its rules
-in the order a request meets them; calls.py holds it under one lock."""
+threads, I/O or Gradio, so that tests/test_policy_simulation.py can prove it (docs/public-space.md)."""
 
 from __future__ import annotations
 
@@ -81,11 +80,9 @@ class FairShare:
         """An engine call of `weight` answers, or why it is refused (docs/public-space.md, section 3)."""
         self.sweep(now)
         s = self.settings
-        total = self.places() + weight
-        if total > s.total_jobs and total > weight:
+        if (total := self.places() + weight) > s.total_jobs and total > weight:
             self._make_room(now, client, weight, total - s.total_jobs)
-            total = self.places() + weight
-        if total > s.total_jobs and total > weight:
+        if (total := self.places() + weight) > s.total_jobs and total > weight:
             return (f"the server has {total - weight} answers queued or running, its limit is {s.total_jobs}, and no "
                     "client holds more than you would: retry in a minute")  # fmt: skip
         if (used := self.places(client=client)) and used + weight > s.client_jobs:
@@ -157,7 +154,7 @@ class FairShare:
             self._end(now, call, State.FINISHED)
 
     def start(self, now: float, call: Call) -> bool:
-        """The call's handler starts: False when the call is over already (then nothing runs)."""
+        """The call's handler starts: False when the call is over already."""
         self.sweep(now)
         call.handled = True
         return call.live
@@ -246,7 +243,7 @@ class FairShare:
         return held, used
 
     def seats_used(self) -> int:
-        return sum(1 for c in self.calls if c.seated)
+        return sum(c.seated for c in self.calls)
 
     def waiting(self) -> list[Call]:
         return [c for c in self.calls if c.asking and not c.seated and c.live]
@@ -265,9 +262,7 @@ class FairShare:
         changed = False
         while self.seats_used() < self.capacity and (call := self.next_call(now)) is not None:
             call.state, call.seated, call.started, call.asking, call.turn_at = State.RUNNING, True, True, False, now
-            call.yield_asked = False
-            self._served[call.client] = (next(self._orders), now)
-            changed = True
+            self._served[call.client], changed = (next(self._orders), now), True
         return self._ask_to_yield(now) or changed
 
     def _ask_to_yield(self, now: float) -> bool:
@@ -311,9 +306,8 @@ class FairShare:
     def timed_out(self, now: float, call: Call) -> str | None:
         """Why a waiting call gives up (its client not served at all for the busy timeout), or None."""
         served = self._served.get(call.client, (0, call.asked_at))[1]
-        if not call.asking or call.client in self.loads(now)[0]:
-            return None
-        if now - max(call.asked_at, served) <= self.settings.busy_timeout_s:
+        if not call.asking or call.client in self.loads(now)[0] or now - max(call.asked_at, served) <= \
+                self.settings.busy_timeout_s:
             return None
         own = " (this session's previous answer was still running)" if call.owner and any(
             c.seated and c.owner == call.owner for c in self.calls) else ""  # fmt: skip

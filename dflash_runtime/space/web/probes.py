@@ -18,19 +18,14 @@ TRANSPORT_HIGH_WATER = 16 * 1024
 TICK_S = 0.25
 
 
-def queue_heartbeat(size: int) -> bytes:
-    """The queue stream's heartbeat (`/gradio_api/queue/data`), padded to about `size` bytes."""
-    return b'data: {"msg": "heartbeat"' + b" " * max(0, size - 30) + b"}\n\n"
+def _heartbeat(head: bytes, tail: bytes) -> Callable[[int], bytes]:
+    """A stream's heartbeat padded with whitespace (which every client skips) to about `size` bytes."""
+    return lambda size: head + b" " * max(0, size - len(head) - len(tail)) + tail
 
 
-def call_heartbeat(size: int) -> bytes:
-    """A call's result stream's heartbeat (`/gradio_api/call/<name>/<event id>`), padded to about `size` bytes."""
-    return b"event: heartbeat\ndata: null" + b" " * max(0, size - 30) + b"\n\n"
-
-
-def comment_heartbeat(size: int) -> bytes:
-    """A plain server-sent-event stream's (the /v1 routes'): a comment line, which every client skips."""
-    return b":" + b" " * max(0, size - 3) + b"\n\n"
+queue_heartbeat = _heartbeat(b'data: {"msg": "heartbeat"', b"}\n\n")  # /gradio_api/queue/data
+call_heartbeat = _heartbeat(b"event: heartbeat\ndata: null", b"\n\n")  # /gradio_api/call/<name>/<event id>
+comment_heartbeat = _heartbeat(b":", b"\n\n")  # a comment line: the /v1 routes'
 
 
 def tighten(send: Any, depth: int = 8) -> bool:

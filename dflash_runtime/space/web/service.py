@@ -1,5 +1,5 @@
-"""The Space as the web process runs it: configuration, request checks, GPU jobs and what they report, and the
-server's description (/info); Gradio-free, called by the page and the routes (docs/space.md)."""
+"""The Space as the web process runs it: request checks, GPU jobs and what they report, and the server's description
+(/info); Gradio-free, called by the page and the routes (docs/space.md)."""
 
 from __future__ import annotations
 
@@ -56,8 +56,7 @@ class WorkerError(DFlashError):
 
 @dataclass
 class Reply:
-    """One phase's answer so far, assembled from the chunks: the text, who wrote it, the draft lengths, and the
-    statistics as the API returns them (`stats`, refreshed for each chunk)."""
+    """One phase's answer so far, assembled from the chunks, its `stats` as the API returns them."""
 
     phase: str = "chat"
     text: str = ""
@@ -94,16 +93,6 @@ def wait_problem(wait_until: Any, timeout_s: Any) -> str | None:
     return None
 
 
-def web_process_facts() -> dict[str, Any]:
-    """What this process has loaded (it must load no llama.cpp backend, model or context on ZeroGPU)."""
-    from ...native import backends
-
-    pair = sys.modules.get("dflash_runtime.pair")  # never imported here: then it holds nothing
-    return {"pid": os.getpid(), "backends_loaded": backends.backends_loaded(),
-            "native_libraries": backends.mapped_native_libraries(),
-            "live_handles": pair.live_handles() if pair is not None else 0}  # fmt: skip
-
-
 class SpaceService:
     """The web process's side of every route (see the module doc), over the configuration read at start."""
 
@@ -129,8 +118,7 @@ class SpaceService:
     def from_env(cls, build_status: str, build: Mapping[str, Any], env: Mapping[str, str] | None = None,
                  demo_files: DemoFiles | None = None, *, run_gpu: RunGpu, quota_seconds: Callable[[int], int | None],
                  gpu_size: str | None) -> SpaceService:  # fmt: skip
-        """The service as the environment configures it (setup/config.py), given the start-up check's result and the
-        GPU function, which app.py hands in."""
+        """The service as the environment configures it (setup/config.py)."""
         env = os.environ if env is None else env
         config = SpaceConfig.from_env(build_status, build, env, demo_files, gpu_size)
         return cls(config, Limits.from_env(config.preset.draft_capacity, env), run_gpu=run_gpu,
@@ -138,14 +126,13 @@ class SpaceService:
 
     @property
     def parallel(self) -> int:
-        """How many answers run at once: the loaded engine's sequences, else DFLASH_PARALLEL's."""
+        """Answers at once: the loaded engine's sequences, else DFLASH_PARALLEL's."""
         return int(self.engine_info.get("parallel") or self.config.preset.parallel)
 
     # -- requests -------------------------------------------------------------------------------------------------
 
     def check(self, **fields: Any) -> ChatRequest:
-        """A validated request (build_request's fields), or RequestError saying what is wrong; sampling fields left
-        out (or None) take the current defaults."""
+        """A validated request (build_request's fields; sampling ones left out take the defaults), or RequestError."""
         for name in SERVER_SAMPLING:
             if fields.get(name) is None:
                 fields[name] = self.defaults[name]
@@ -153,16 +140,14 @@ class SpaceService:
 
     def methods(self) -> list[str] | None:
         """The draft methods the pair runs, the default first: the loaded engine's, else what its files tell."""
-        if "methods" in self.engine_info:
-            return list(self.engine_info["methods"])
-        return self.file_facts.get("methods")
+        methods = self.engine_info.get("methods", self.file_facts.get("methods"))
+        return None if methods is None else list(methods)
 
     def draft_problem(self) -> str | None:
         return self.engine_info.get("draft_problem") or self.file_facts.get("draft_problem")
 
     def model_files_known(self, files: ResolvedPair) -> None:
-        """Read what the pair's headers tell (no model is opened): the methods, and a real pair's recommended
-        sampling, which become the defaults."""
+        """Read what the pair's headers tell (no model is opened): the methods, and a real pair's sampling defaults."""
         if self.file_facts:
             return
         try:
@@ -182,8 +167,7 @@ class SpaceService:
         return files
 
     async def files(self) -> ResolvedPair:
-        """The pair's local files, waiting for the download at most the busy timeout (then RequestError: an API call
-        does not wait out a download of gigabytes)."""
+        """The pair's local files, waiting for the download at most the busy timeout (then RequestError)."""
         deadline = time.monotonic() + self.config.settings.busy_timeout_s
         while (files := await self.poll_files()) is None:
             if time.monotonic() >= deadline:
@@ -192,8 +176,7 @@ class SpaceService:
         return files
 
     def owner_key(self, session_hash: str | None, call: Call | None = None) -> str:
-        """The cache owner of a request: an opaque key derived from the caller's session; "" for a call without a
-        conversation (a session-less raw call, /v1)."""
+        """A request's cache owner: an opaque key of its session; "" for a call of no conversation."""
         if not session_hash or (call is not None and call.sessionless):
             return ""
         return hmac.new(self._owner_secret, session_hash.encode(), hashlib.sha256).hexdigest()[:32]
@@ -206,9 +189,8 @@ class SpaceService:
     async def reply(self, request: ChatRequest, phases: tuple[str, ...] = ("chat",), *, owner: str,
                     client: ClientIdentity, latest_only: bool = False, session: JobHolder | None = None,
                     call: Call | None = None) -> AsyncIterator[Reply]:  # fmt: skip
-        """Run `request` on the GPU for `owner` (see owner_key) of `client` and stream its reply, phase by phase,
-        after each chunk (the same Reply object, grown); the worker's errors raise WorkerError, and leaving the loop
-        stops the engine. Every route's engine work passes here: `call` is the one the HTTP gate admitted, and
+        """Run `request` on the GPU for `owner` (see owner_key) and stream each phase's Reply as it grows; the worker's
+        errors raise WorkerError, and leaving the loop stops the engine. `call` is the one the HTTP gate admitted;
         without one it is admitted here against the same limits (calls.AdmissionError)."""
         call = call or self.calls.admitted(client.key, len(phases))
         try:
@@ -222,8 +204,8 @@ class SpaceService:
 
     def _job(self, request: ChatRequest, phases: tuple[str, ...], owner: str, client: ClientIdentity,
              files: ResolvedPair) -> GpuJob:  # fmt: skip
-        """The GPU job: a conversation's owner is its client's (parked states are shared out by client), and a call
-        of no conversation gets an owner of its own, kept only across its turns."""
+        """The GPU job: a conversation's owner is its client's (parked states are shared out by client); a call of no
+        conversation gets an owner of its own, kept across its turns."""
         job = GpuJob(request, self.config.preset, files, phases, cache_owner=owner_of(client.key, owner or "once-" +
                      secrets.token_hex(8)), conversation=bool(owner),
                      engine_info_seen=info_digest(self.engine_info) if self.engine_info else "")  # fmt: skip
@@ -266,7 +248,7 @@ class SpaceService:
                 session.detach(job)
 
     def _learn(self, chunk: ReplyChunk, first: bool) -> None:
-        """What a chunk tells of the engine and the worker (and the worker's error, raised)."""
+        """What a chunk tells of the engine and the worker (the worker's error, raised)."""
         if chunk.engine_info:
             self.engine_info = chunk.engine_info
             self.calls.resize(self.parallel)  # the loaded engine may hold fewer sequences than the queue lets through
@@ -280,8 +262,7 @@ class SpaceService:
 
     def reply_stats(self, chunk: ReplyChunk, reply: Reply, requested: int | None,
                     notes: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
-        """The statistics the API returns (and the panel shows) for one chunk; `source_runs` says who wrote the text
-        so far: [[n_chars, "draft" | "target"], ...] covering it exactly."""
+        """The statistics the API returns for one chunk; `source_runs`: [[n_chars, "draft" | "target"], ...]."""
         return {**chunk.stats, "decode_tok_s": decode_speed(chunk.stats), "draft_lengths": list(reply.draft_lengths),
                 "finish_reason": chunk.finish_reason, "finish_detail": chunk.finish_detail, "notice": reply.notice,
                 "preset": self.config.preset.name, "gpu_seconds_requested": requested, "gpu_seconds_used": chunk.used_s,
@@ -290,7 +271,7 @@ class SpaceService:
     # -- the server's description -----------------------------------------------------------------------------------
 
     def info_when(self, wait_until: str, timeout_s: float) -> dict[str, Any]:
-        """`info()` once the engine slot is idle or busy (`wait_until`), or after `timeout_s` (≤ 120 s) at most."""
+        """`info()` once the engine slot is idle or busy (`wait_until`), or after `timeout_s` at most."""
         if (problem := wait_problem(wait_until, timeout_s)) is not None:
             raise RequestError(problem)
         came = self.calls.wait(wait_until == "busy", float(timeout_s))
@@ -316,6 +297,12 @@ class SpaceService:
         }  # fmt: skip
 
     def diagnostics(self) -> dict[str, Any]:
-        """The processes as last seen (the GPU worker's, the web process's): for the operator (DFLASH_DIAGNOSTICS=1),
-        never on a public Space, where they would tell one visitor about another's requests."""
-        return {"worker": dict(self.worker_info), "web_process": web_process_facts()}
+        """The GPU worker as last seen, and what this process has loaded (on ZeroGPU: no backend, model or context):
+        for the operator (DFLASH_DIAGNOSTICS=1), never on a public Space (it tells of others' requests)."""
+        from ...native import backends
+
+        pair = sys.modules.get("dflash_runtime.pair")  # never imported here: then it holds nothing
+        return {"worker": dict(self.worker_info), "web_process": {
+            "pid": os.getpid(), "backends_loaded": backends.backends_loaded(),
+            "native_libraries": backends.mapped_native_libraries(),
+            "live_handles": pair.live_handles() if pair is not None else 0}}  # fmt: skip

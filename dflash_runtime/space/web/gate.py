@@ -224,7 +224,8 @@ class HttpGate:
             await self.app(scope, receive, send)
 
     def _check_session(self, session: Any) -> None:
-        if not isinstance(session, str) or not 0 < len(session) <= (limit := self.settings.session_hash_chars):
+        limit = self.settings.session_hash_chars
+        if not isinstance(session, str) or not 0 < len(session) <= limit:
             raise Refused(422, f"session_hash must be a non-empty string of at most {limit} characters")
 
     async def _post(self, scope: Scope, receive: Receive, send: Send) -> None:

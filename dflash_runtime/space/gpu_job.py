@@ -28,8 +28,7 @@ class GpuJob:
     files: ResolvedPair
     phases: tuple[str, ...] = ("chat",)  # e.g. ("dflash", "mtp", "plain") for an A/B comparison
     gpu_seconds: int = 60  # the duration asked of ZeroGPU, decided in the web process
-    # Whose text this is (an opaque key per visitor's session): the engine reuses cached tokens only for the same
-    # owner, beyond the prompt's public prefix. Empty: a fresh owner, nothing of anybody else's is reused.
+    # Whose text this is (an opaque key): the engine reuses cached tokens only for the same owner. Empty: a fresh one.
     cache_owner: str = ""
     conversation: bool = True  # the owner is a conversation's (parked at the end), or the job's own (across turns)
     engine_info_seen: str = ""  # the digest of the engine description the web process holds (see info_digest)
@@ -152,8 +151,7 @@ PER_POSITION_STATS = ("accepted_per_position", "drafted_per_position")
 
 
 def resumed_stats(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
-    """An answer's statistics after it resumed: `now` (the resumed turn's own) added to `before` (see ADDED_STATS),
-    the derived figures computed again."""
+    """An answer's statistics after it resumed: the resumed turn's (`now`) added to `before`, derived ones anew."""
     if not before:
         return now
     out = dict(now)

@@ -66,8 +66,7 @@ class EngineFacts:
 
 class EngineHost:
     """Owns this process's engine: built on first use, rebuilt when the preset or files change (once no job runs on
-    it), with counters that tell a warm worker from a new one. A job reuses cached tokens only if its own
-    `cache_owner` put them there, beyond its prompt's public prefix."""
+    it), with counters that tell a warm worker from a new one."""
 
     def __init__(self, loader: Callable[..., Any], settings: PublicSettings | None = None,
                  memory: Callable[[int], FreeMemory] | None = None) -> None:  # fmt: skip

@@ -129,7 +129,7 @@ class Resumable(Protocol[T]):
 
 class ReplyJob(Generic[T]):
     """Runs `open_stream()` (a blocking iterator of chunks) in a thread while its call holds a seat, until its close
-    returns (on ZeroGPU: the worker stopped), and yields its chunks to one async consumer."""
+    returns, and yields its chunks to one async consumer."""
 
     def __init__(self, open_stream: Callable[[], Iterator[T]], calls: Calls, call: Call, *,
                  is_final: Callable[[T], bool] = lambda _chunk: False,

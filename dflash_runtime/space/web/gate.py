@@ -95,8 +95,8 @@ class Endpoints:
         raise Refused(422, f"fn_index must name one of the app's functions (got {excerpt(body.get('fn_index'))})")
 
     def check(self, fn_index: int, data: Any, values: bool = True) -> None:
-        """Refused (422) when a call's values (one per input) are not what its function takes; without `values`, an
-        API endpoint's values are left to its handler (gradio_client reads its refusal as the handler sends it)."""
+        """Refused when a call's values are not what its function takes; without `values`, an API endpoint's values
+        are left to its handler (gradio_client reads its refusal as the handler sends it)."""
         if not isinstance(data, list):
             return  # Gradio answers that itself (422)
         name = next((n for n, i in self.api_names.items() if i == fn_index), "")

@@ -29,8 +29,7 @@ comment_heartbeat = _heartbeat(b":", b"\n\n")  # a comment line: the /v1 routes'
 
 
 def tighten(send: Any, depth: int = 8) -> bool:
-    """Give the stream under an ASGI `send` small buffers: its asyncio transport is found in uvicorn's request cycle
-    behind the middlewares' closures. False where none was found."""
+    """Give the stream under an ASGI `send` small buffers (its transport, found behind the middlewares' closures)."""
     seen: set[int] = set()
     layer = [send]
     for _ in range(depth):
@@ -55,10 +54,8 @@ def tighten(send: Any, depth: int = 8) -> bool:
 
 
 class TrafficFloor:
-    """Pads a server-sent-event stream to `bytes_per_s` while `running()`, with `padding(size)` (a heartbeat above),
-    as much as `grant(owed, items, idle, padded)` allows (the policy's share, given the bytes of the stream's items,
-    of the floor in the ticks the app wrote nothing, and of the padding so far). `send` carries each write, the
-    app's and the padding's, one at a time."""
+    """Pads a server-sent-event stream to `bytes_per_s` while `running()` with `padding(size)`, as much as `grant(owed,
+    items, idle, padded)` allows (the policy's share); `send` carries each write, the app's and the padding's."""
 
     def __init__(self, send: Send, bytes_per_s: float, running: Callable[[], bool], padding: Callable[[int], bytes],
                  grant: Callable[[int, int, int, int], int] | None = None) -> None:  # fmt: skip
@@ -71,8 +68,7 @@ class TrafficFloor:
         self._sent = 0  # bytes the app wrote since the last tick
         self.items = self.idle = self.padded = 0  # bytes the app wrote; the floor's in ticks it wrote none; padding
 
-    async def send(self, message: Message) -> None:
-        """The app's write."""
+    async def send(self, message: Message) -> None:  # the app's write
         async with self._lock:
             if message["type"] == "http.response.start":
                 headers = {bytes(k).lower(): bytes(v).lower() for k, v in message.get("headers", [])}

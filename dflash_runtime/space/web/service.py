@@ -38,16 +38,14 @@ SERVER_DEFAULTS, MODEL_DEFAULTS = "server defaults", "the model's general.sampli
 RunGpu = Callable[[GpuJob], Iterator[ReplyChunk]]
 
 
-class JobHolder(Protocol):
-    """Who holds a reply's running job while it streams (page.session.ChatSession), so that Stop and Clear reach it."""
+class JobHolder(Protocol):  # who holds a reply's running job (page.session.ChatSession): Stop and Clear reach it
 
     def attach(self, job: ReplyJob[ReplyChunk]) -> None: ...
 
     def detach(self, job: ReplyJob[ReplyChunk]) -> None: ...
 
 
-class WorkerError(DFlashError):
-    """A runtime error raised where generation runs and reported back as data (`kind` is its class name)."""
+class WorkerError(DFlashError):  # a runtime error of the GPU worker, reported back as data (`kind`: its class)
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)

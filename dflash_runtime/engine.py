@@ -243,7 +243,8 @@ class Engine:
         `prefill_events`: an event without tokens after each prompt chunk but the last, so that a caller may stop
         (close) a long prompt between its chunks; the same owner's next request goes on from what was prefilled.
         `prefill_chunk`: the most prompt tokens of this request one step takes while other requests share the step
-        (0: as many as the step's token budget allows), so that a long prompt costs the others' steps little.
+        (0: as many as the step's token budget allows), so that a long prompt costs the others' steps little; beside
+        a request that is generating, the step's prompts together take the largest of their chunks.
         `tree_nodes` (method "dflash-tree"): a draft tree's verify rows beside the root's down to where its paths
         leave the chain's draft (each path then runs to the full depth), "auto" (twice the draft length, at least 8)
         or an integer ≥ 1; the tree is `draft_length` deep.

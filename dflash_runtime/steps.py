@@ -69,6 +69,10 @@ class Steps:
         self._pad([r for r in generating if r.planned is not None and not r.done])
         self._branch([r for r in generating if r.planned is not None and not r.done], bool(prefilling))
         budget = self.parts.pair.n_batch - sum(r.planned.decode_rows for r in generating if r.planned)
+        if generating and prefilling:
+            # Beside answers being written, the step's prompt tokens together take one chunk: a generating
+            # request's step costs its own rows and one chunk however many prompts wait (the shortest first).
+            budget = min(budget, max(r.req.prefill_chunk or budget for r in prefilling))
         for run in prefilling:  # a request's own bound on its chunks holds while others share the step
             planned = run.plan_prefill(min(budget, run.req.prefill_chunk or budget) if len(live) > 1 else budget)
             if planned is not None:

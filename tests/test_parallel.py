@@ -256,6 +256,51 @@ def test_a_short_request_is_served_while_a_long_prompt_prefills() -> None:
     reference.engine.close()
 
 
+def test_beside_an_answer_being_written_the_steps_prompts_take_one_chunk_together() -> None:
+    """Two long prompts prefill in chunks of 8 while a third request generates: a step that writes its token holds
+    at most 8 prompt tokens in all, so its cost does not grow with the prompts waiting;
+    every answer is exact."""
+    pair = tiny_pair("hybrid", "dflash2", head="random")
+    reference = Reference(pair, n_ctx=2048)
+    with load_pair(pair.target, pair.draft, n_ctx=2048, draft_capacity=7, parallel=3) as engine:
+        words = engine.tokenize(" ".join(WORDS))
+        prompts = {"a": (words * 20)[:200], "b": (words * 30)[:320]}
+        done = {"a": 0, "b": 0}
+
+        def progress(name: str):
+            return lambda n, _total: done.__setitem__(name, n)
+
+        prompts["g"] = engine.tokenize("hello world")
+        writing = engine.stream(prompts["g"], max_tokens=120, speculative=False)
+        events = {"g": [next(writing)]}
+        streams = {"g": writing}
+        for name in ("a", "b"):
+            streams[name] = engine.stream(prompts[name], max_tokens=2, prefill_events=True, prefill_chunk=8,
+                                          on_prefill=progress(name), speculative=False)
+            events[name] = []
+        shared_steps = 0
+        while streams:
+            for name in list(streams):
+                before, counters = dict(done), engine.step_counters()
+                event = next(streams[name], None)
+                after = engine.step_counters()
+                if event is None or event.finish_reason is not None:
+                    del streams[name]
+                if event is not None:
+                    events[name].append(event)
+                prompt_rows = sum(done.values()) - sum(before.values())
+                if after["decodes"] - counters["decodes"] == 1 and after["rows"] - counters["rows"] > prompt_rows > 0:
+                    shared_steps += 1  # one step, holding a generating request's row beside prompt chunks
+                    assert prompt_rows <= 8, (before, done)
+        assert shared_steps >= 10, shared_steps
+    for name, prompt in prompts.items():
+        reference.engine.reset()
+        expected = reference.engine.generate(prompt, max_tokens=len([t for e in events[name] for t in e.tokens]),
+                                             speculative=False).tokens
+        assert [t for e in events[name] for t in e.tokens] == expected, name
+    reference.engine.close()
+
+
 def test_owners_keep_their_own_sequences_without_parking() -> None:
     """Two visitors alternating on two sequences each reuse their whole previous prompt, and nothing is parked."""
     pair = tiny_pair("hybrid", "dflash2", head="random")

@@ -32,10 +32,10 @@ from .drafters import ngram, ngram_cache, ngram_map
 from .drafters.drafting import DFLASH, MTP, Drafter, Implementation, TokenView
 from .drafters.method_chains import CHAIN_SEPARATOR, split
 from .errors import PairMismatchError, RequestError
-from .validation import dflash_kind, has_markov_head
+from .files.validation import dflash_kind, has_markov_head
 
 if TYPE_CHECKING:
-    from .gguf_meta import GGUFInfo
+    from .files.gguf_meta import GGUFInfo
     from .pair import DraftFile, LinkedPair, TargetPart
 
 NOTHING, NEXTN = "", "nextn"  # what a method without a file of its own needs

@@ -19,11 +19,11 @@ import pytest
 from llama_cpp import Llama
 
 from dflash_runtime import load_pair
+from dflash_runtime.decoding.verify import DRAFT, TARGET, RejectionVerifier, Verifiers
 from dflash_runtime.engine import Engine
 from dflash_runtime.native.backends import load_backends
 from dflash_runtime.testing.heads import SOFT_TOKENS
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_draft_model, tiny_pair
-from dflash_runtime.verify import DRAFT, TARGET, RejectionVerifier, Verifiers
 
 PROMPT = "hello world"
 NGRAMS = ("ngram-mod", "ngram-map-k")

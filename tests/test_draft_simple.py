@@ -16,8 +16,8 @@ import pytest
 from pairs import PROMPTS, owners_in_turns_answer_alone
 
 from dflash_runtime import load_pair
-from dflash_runtime.footprint import sequence_footprint
-from dflash_runtime.gguf_meta import read_gguf
+from dflash_runtime.files.footprint import sequence_footprint
+from dflash_runtime.files.gguf_meta import read_gguf
 from dflash_runtime.testing.tiny_models import tiny_draft_model, tiny_pair
 
 KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB")  # as tests/test_footprint.py reads libllama's log
@@ -84,7 +84,7 @@ def test_the_target_itself_drafts_every_token_right(kind: str) -> None:
 
 
 def test_its_memory_per_sequence_is_what_libllama_allocates(capfd: pytest.CaptureFixture[str]) -> None:
-    """footprint.py's draft_kv for a draft-simple model: the draft context's KV cache as libllama logs it, for one
+    """files/footprint.py's draft_kv for a draft-simple model: the draft context's KV cache as libllama logs it, for one
     sequence and for each more."""
     dense = tiny_pair("dense", None, head="phrase")
     draft = tiny_draft_model(dense)

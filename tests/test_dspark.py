@@ -21,7 +21,7 @@ from pairs import PROMPTS, owners_in_turns_answer_alone
 from space_client import host_reply
 
 from dflash_runtime import PairMismatchError, RequestError, load_pair, methods
-from dflash_runtime.gguf_meta import read_gguf
+from dflash_runtime.files.gguf_meta import read_gguf
 from dflash_runtime.space.gpu.host import EngineHost
 from dflash_runtime.space.page.endpoints import ab_picked
 from dflash_runtime.space.page.views import method_help

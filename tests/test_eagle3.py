@@ -10,7 +10,7 @@ import pytest
 from pairs import PROMPTS, owners_in_turns_answer_alone
 
 from dflash_runtime import PairMismatchError, load_pair
-from dflash_runtime.gguf_meta import read_gguf
+from dflash_runtime.files.gguf_meta import read_gguf
 from dflash_runtime.testing.tiny_models import tiny_pair
 
 METHOD = "eagle3"

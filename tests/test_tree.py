@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from test_distribution import Z_LIMIT, chi_square_z
 
-from dflash_runtime.controller import TreeOrChain
+from dflash_runtime.decoding.controller import TreeOrChain
+from dflash_runtime.decoding.verify import TreeRejection
 from dflash_runtime.drafters.proposal import DRAFT, TARGET, draw
 from dflash_runtime.drafters.tree import (
     ROOT,
@@ -30,7 +31,6 @@ from dflash_runtime.drafters.tree import (
     TreeWalker,
     build_tree,
 )
-from dflash_runtime.verify import TreeRejection
 
 VOCAB = 6
 LENGTH = 3  # tokens whose joint distribution is compared

@@ -20,12 +20,12 @@ from test_parallel import _jobs, check_against_reference, interleave
 from test_tree import UnnormalisedResidual
 
 from dflash_runtime import load_pair
+from dflash_runtime.decoding.verify import MatchVerifier, RejectionVerifier, TreeRejection, Verifiers
 from dflash_runtime.drafters.proposal import DRAFT, TARGET, Proposal
 from dflash_runtime.drafters.tree import ROOT, DraftTree, TreeWalk, accepted_path
 from dflash_runtime.engine import Engine
 from dflash_runtime.errors import RequestError
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
-from dflash_runtime.verify import MatchVerifier, RejectionVerifier, TreeRejection, Verifiers
 
 TREE = "dflash-tree"
 

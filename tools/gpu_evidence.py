@@ -15,7 +15,7 @@ Sections (each one a key of the JSON and a table of the markdown):
   within 10 % of one row.
 - `checkpoints`: a hybrid target's recurrent-state checkpoints (host copies) saved while prefilling a long prompt and
   restored by a request that shares part of it: bytes, ms, MB/s (the engine's own Stats).
-- `speed`: plain vs speculative tok/s (dflash_runtime.bench) with full (`const` head) and partial (`phrase` head)
+- `speed`: plain vs speculative tok/s (dflash_runtime.cli.bench) with full (`const` head) and partial (`phrase` head)
   acceptance on a generated target large enough that a GPU step is bound by memory bandwidth: its size and the
   bandwidth plain decoding reaches (target file bytes read per step / step time).
 - `trees`: draft trees (method dflash-tree) against the chain at depth 7 with 16 rows and with tree_nodes="auto", on
@@ -324,7 +324,7 @@ def check_lengths(engine: Any, reference: Reference, target: str, method: str, l
         if result.tokens != expected:
             row["mismatches"] += 1
             at = _first_difference(result.tokens, expected)
-            # plain decoding's answer against this one, scored by the target (dflash_runtime.divergence)
+            # plain decoding's answer against this one, scored by the target (dflash_runtime.decoding.divergence)
             why = engine.explain_divergence(prompt, expected, result.tokens)
             row["near_ties" if why.near_tie else "faults"] += 1
             mismatches.append({"target": target, "method": method, "draft_length": length, "kind": kind,
@@ -496,7 +496,7 @@ def checkpoints(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any
 
 
 def speed(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any]:
-    from dflash_runtime.bench import BenchConfig, bench_pair
+    from dflash_runtime.cli.bench import BenchConfig, bench_pair
 
     out: dict[str, Any] = {"max_tokens": plan.speed_tokens, "runs": plan.speed_runs, "pairs": {}}
     names = [n for n in models.names if n.startswith("large-")] + ["small-dense-phrase"]
@@ -629,8 +629,8 @@ def serve_together(engine: Any, n: int, max_tokens: int) -> dict[str, Any]:
 def sizing(pair: Any, plan: Plan, before: Any, after: Any) -> dict[str, Any]:
     """DFLASH_PARALLEL=auto's plan for this pair (footprint.plan_parallel, at most max(STREAMS) sequences) against
     what opening the engine with max(STREAMS) sequences took of the free memory it read (backends.free_memory)."""
-    from dflash_runtime.footprint import DEFAULT_RESERVE_BYTES, plan_parallel
-    from dflash_runtime.gguf_meta import read_gguf
+    from dflash_runtime.files.footprint import DEFAULT_RESERVE_BYTES, plan_parallel
+    from dflash_runtime.files.gguf_meta import read_gguf
 
     draft = read_gguf(pair.draft) if pair.draft else None
     sized = plan_parallel(read_gguf(pair.target), draft, before, n_ctx=4096, draft_capacity=7, limit=max(STREAMS),

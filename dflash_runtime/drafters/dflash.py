@@ -14,7 +14,7 @@ its lattice walk: at position i, q(· | previous) is the request's chain (top-k,
 K candidates scored from the candidate actually sampled at i − 1. DFlash v1 samples each mask position from the
 request's chain over the draft logits.
 
-`DFLASH_FILE` is what the method declares to the pair: a draft of architecture `dflash` (validation.py checks it
+`DFLASH_FILE` is what the method declares to the pair: a draft of architecture `dflash` (files/validation.py checks it
 against its target), the target's layer taps turned on before its first decode, and a draft context linked to the
 target's through `ctx_other`.
 """
@@ -30,13 +30,13 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from ..errors import DecodeError, PairMismatchError
-from ..gguf_meta import GGUFInfo
+from ..files.gguf_meta import GGUFInfo
+from ..files.validation import DraftSpec, validate_pair
 from ..native.batches import TokenBatch
 from ..native.ext import DFlashApi, dflash_api
 from ..native.memory import SequenceMemory
 from ..native.states import WHOLE, load_seq, save_seq
 from ..pair import LinkedPair, Threads
-from ..validation import DraftSpec, validate_pair
 from .drafting import DFLASH, DraftAsk, Implementation, Rows, TokenView
 from .features import FeatureBridge
 from .proposal import DraftSampling, Proposal, draw

@@ -9,10 +9,10 @@ temperature 0 (and with sample-and-match) the children are chosen, the likeliest
 are drawn without replacement, each with the distribution it was drawn from. The spine goes into the request's own
 sequence; every other root-to-leaf path into a spare target sequence of its own (`LinkedPair(branches=N)`), with its
 own copy of the rows it shares with the spine, because libllama refuses a token with several sequence ids wherever
-it splits batches by sequence (a KV stream per sequence, and every recurrent layer). The steps (steps.py) give the
-paths their sequences, and the request's state to each (cache/spares.py); decoding.py walks the tree. A path accepted
-off the spine is adopted: its rows' features go to the DFlash drafter at once (`adopt`), so that the next step drafts
-after it, and decodes its tokens in the request's sequence before id_last (no decode of its own).
+it splits batches by sequence (a KV stream per sequence, and every recurrent layer). The steps (decoding/steps.py)
+give the paths their sequences, and the request's state to each (cache/spares.py); decoding/request.py walks the tree.
+A path accepted off the spine is adopted: its rows' features go to the DFlash drafter at once (`adopt`), so that the
+next step drafts after it, and decodes its tokens in the request's sequence before id_last (no decode of its own).
 
 A tree of one path is a chain, and is proposed as one (verified, counted and timed as a chain step).
 """

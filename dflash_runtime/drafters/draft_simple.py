@@ -17,7 +17,7 @@ restored after the draft, and the target's rows are decoded into it only when it
 
 What it opens (`DraftModelFile`): any model file with the target's vocabulary (size, tokenizer model and special
 tokens) that no other method claims first (its registry line claims any model, at the lowest priority), in a plain
-context of its own. Its memory per sequence is that cache (footprint.py's `draft_kv`: n_ctx cells of its layers).
+context of its own. Its memory per sequence is that cache (files/footprint.py's `draft_kv`: n_ctx cells of its layers).
 It takes no options of its own: the request's draft length, n_min and p_min apply.
 """
 
@@ -31,11 +31,11 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from ..errors import DecodeError, PairMismatchError
-from ..gguf_meta import GGUFInfo
+from ..files.gguf_meta import GGUFInfo
+from ..files.validation import check_vocab
 from ..native.batches import TokenBatch
 from ..native.memory import DraftSequence
 from ..pair import LinkedPair, Threads, new_context
-from ..validation import check_vocab
 from .drafting import DraftAsk, Implementation, Rows
 from .proposal import Proposal
 

@@ -31,10 +31,10 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from ..errors import DecodeError, PairMismatchError
-from ..gguf_meta import GGUFInfo
+from ..files.gguf_meta import GGUFInfo
+from ..files.validation import DSPARK_KIND, DraftSpec
 from ..native.ext import DFlashApi, dflash_api
 from ..pair import LinkedPair, Threads
-from ..validation import DSPARK_KIND, DraftSpec
 from .dflash import BlockPass, DFlashDrafter, DFlashFile, linked_drafter
 from .drafting import DraftAsk, Implementation, TokenView
 from .proposal import Proposal

@@ -30,12 +30,12 @@ from llama_cpp import llama_cpp as ll
 from llama_cpp import llama_cpp_ext as lx
 
 from ..errors import ContextCreationError, DecodeError, PairMismatchError
-from ..gguf_meta import GGUFInfo
+from ..files.gguf_meta import GGUFInfo
+from ..files.validation import check_vocab
 from ..native.batches import decode_error
 from ..native.ext import DFlashApi, dflash_api
 from ..native.rpc import raise_if_lost
 from ..pair import LinkedPair, Threads
-from ..validation import check_vocab
 from .drafting import Implementation, Rows, TokenView
 from .row_chain import ChainDrafter, RowChain
 

@@ -24,7 +24,7 @@ from llama_cpp import llama_cpp as ll
 from llama_cpp import llama_cpp_ext as lx
 
 from ..errors import ContextCreationError, DecodeError, PairMismatchError
-from ..gguf_meta import GGUFInfo
+from ..files.gguf_meta import GGUFInfo
 from ..pair import LinkedPair, Threads, new_context
 from .drafting import MTP, Implementation, Rows
 from .row_chain import ChainDrafter, RowChain

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:  # the drafters' side stays free of libllama: the Space's web process lists methods through it
-    from ..sampling import ChainProbabilities
+    from ..native.sampling import ChainProbabilities
 
 DRAFT, TARGET = "draft", "target"  # an accepted draft token; the target's own sample that ends a verify walk
 CONFIDENCE_TOP_K = 10  # a greedy draft's confidence: the softmax over its top candidates, as llama.cpp's draft sampler

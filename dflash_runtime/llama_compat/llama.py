@@ -491,7 +491,7 @@ def _hub_file(
     token: str | None,
 ) -> str:
     """Local path of the one file of `repo_id` that `pattern` names (a glob pattern is resolved on the Hub)."""
-    from ..hub import ModelSource, fetch_model_file
+    from ..files.hub import ModelSource, fetch_model_file
 
     filename = pattern
     if any(char in pattern for char in "*?["):

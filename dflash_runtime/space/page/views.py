@@ -215,7 +215,7 @@ def comparison_verdict(identical: Mapping[str, bool], temperature: float, seed: 
 
 def divergence_verdict(divergence: Mapping[str, Any] | None) -> str:
     """A temperature-0 difference from plain decoding, as the target's logits at the first differing token explain
-    it (dflash_runtime.divergence): a near-tie that the kernels' rounding breaks either way, or a fault."""
+    it (dflash_runtime.decoding.divergence): a near-tie that the kernels' rounding breaks either way, or a fault."""
     if not divergence or divergence.get("kind") not in ("near-tie", "fault"):
         detail = f" ({divergence['summary']})" if divergence and divergence.get("summary") else ""
         return ("**Texts identical: NO, and the difference was not explained**" + detail + ". At temperature 0 a "

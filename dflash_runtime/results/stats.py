@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .deprecated import renamed
+from ..deprecated import renamed
 
 
 def tokens_per_verify(emitted: int | float, verify_steps: int | float) -> float:

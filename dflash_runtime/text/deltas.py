@@ -5,7 +5,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
-from .native.vocab import Vocabulary
+from ..native.vocab import Vocabulary
 
 
 class TextStream:

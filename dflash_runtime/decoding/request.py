@@ -25,22 +25,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cache.checkpoints import CheckpointCosts, prompt_marks
-from .cache.pair_cache import PairCache
-from .cache.sessions import CacheOwners
-from .cache.spares import SpareSequences
+from ..cache.checkpoints import CheckpointCosts, prompt_marks
+from ..cache.pair_cache import PairCache
+from ..cache.sessions import CacheOwners
+from ..cache.spares import SpareSequences
+from ..drafters.drafting import DraftAsk, Drafter, Rows
+from ..drafters.method_chains import Chain, split
+from ..drafters.proposal import DRAFT, TARGET, DraftSampling, Proposal
+from ..drafters.tree import ROOT, DraftTree, TreeWalker, accepted_path
+from ..errors import RollbackError
+from ..native.batches import TokenBatch
+from ..native.sampling import ChainProbabilities, Sampler, SamplingParams
+from ..pair import LinkedPair
+from ..results.events import StreamEvent
+from ..results.stats import Stats
+from ..text.deltas import TextStream
 from .controller import DraftPolicy
-from .drafters.drafting import DraftAsk, Drafter, Rows
-from .drafters.method_chains import Chain, split
-from .drafters.proposal import DRAFT, TARGET, DraftSampling, Proposal
-from .drafters.tree import ROOT, DraftTree, TreeWalker, accepted_path
-from .errors import RollbackError
-from .native.batches import TokenBatch
-from .pair import LinkedPair
-from .results import StreamEvent
-from .sampling import ChainProbabilities, Sampler, SamplingParams
-from .stats import Stats
-from .textstream import TextStream
 from .verify import Verifier, Verifiers, target_distribution
 
 EVENTS_AHEAD = 4  # events a request may make before its reader has taken them

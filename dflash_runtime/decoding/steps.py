@@ -15,9 +15,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .decoding import Decoding, Parts, Planned
-from .drafters.drafting import DraftAsk, Rows
-from .drafters.method_chains import Chain, draft_all
+from ..drafters.drafting import DraftAsk, Rows
+from ..drafters.method_chains import Chain, draft_all
+from .request import Decoding, Parts, Planned
 
 
 @dataclass

@@ -229,7 +229,7 @@ class AdaptiveLength:
 class TreeOrChain:
     """Whether a step drafts a tree or the chain (method "dflash-tree" with tree_nodes="auto"): each arm's measured
     tokens per second — a tree step's emitted tokens and time, plus the time the next step spends on the rows of an
-    accepted path off its spine (decoding.py) — as decayed sums; the better arm runs, the other is tried every
+    accepted path off its spine (request.py) — as decayed sums; the better arm runs, the other is tried every
     `probe_every` steps, twice as seldom after each probe that did not change the choice (up to `probe_max`; the
     first `warmup` steps of each arm are taken in turn, the chain's first). It lives with the request's draft
     policy, so it carries over to the owner's next request. A tree costs more rows than the chain (on a CPU about in

@@ -31,10 +31,10 @@ from typing import Any, Protocol
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from .drafters.proposal import DRAFT, TARGET, Proposal, draw
-from .drafters.tree import ROOT, DraftTree, TreeWalk, TreeWalker
-from .errors import DecodeError
-from .sampling import ChainProbabilities, Sampler
+from ..drafters.proposal import DRAFT, TARGET, Proposal, draw
+from ..drafters.tree import ROOT, DraftTree, TreeWalk, TreeWalker
+from ..errors import DecodeError
+from ..native.sampling import ChainProbabilities, Sampler
 
 
 class Verifier(Protocol):

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import methods as draft_methods
-from .errors import DFlashError
+from .. import methods as draft_methods
+from ..errors import DFlashError
 
 
 def _add_pair_args(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--cache", action="store_true", help="keep received weights on disk, so a reload sends none")
     r.add_argument("--print", action="store_true", help="print the command (and its environment) instead of running it")
 
-    from .openai_api.serve import add_serve_args  # starlette and uvicorn are imported only when serving
+    from ..openai_api.serve import add_serve_args  # starlette and uvicorn are imported only when serving
 
     s = sub.add_parser("serve", help="an OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models")
     add_serve_args(s)
@@ -90,7 +90,7 @@ def _rpc_server(args: argparse.Namespace) -> int:
     import os
     import shlex
 
-    from .native.rpc import server_command
+    from ..native.rpc import server_command
 
     argv, env = server_command(args.host, args.port, threads=args.threads, devices=args.device, cache=args.cache)
     if args.print:
@@ -138,8 +138,8 @@ def _lengths(args: argparse.Namespace, default: str) -> str:
 
 
 def _open(args: argparse.Namespace, target: str, draft: str | None, parallel: int = 1, **options: Any):
-    from .engine import load_pair
-    from .gguf_meta import read_gguf
+    from ..engine import load_pair
+    from ..files.gguf_meta import read_gguf
 
     capacity = args.draft_capacity
     if capacity is None and draft is not None:
@@ -156,14 +156,14 @@ def _open(args: argparse.Namespace, target: str, draft: str | None, parallel: in
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .openai_api.serve import serve
+    from ..openai_api.serve import serve
 
     return serve(args, lambda: _open(args, args.target, args.draft, args.parallel, busy_timeout_s=args.busy_timeout,
                                      draft_length=_draft_arg(args.draft_length)))
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .report import stats_table
+    from ..results.tables import stats_table
 
     with _open(args, args.target, args.draft) as engine:
         kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

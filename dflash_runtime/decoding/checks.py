@@ -1,4 +1,4 @@
-"""A request's keywords checked against the pair, into a `Request` (decoding.py): every refusal a RequestError that
+"""A request's keywords checked against the pair, into a `Request` (request.py): every refusal a RequestError that
 says what would be accepted."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from . import methods
-from .decoding import Request
-from .errors import PromptTooLongError, RequestError
-from .pair import LinkedPair
-from .sampling import VERIFY_MODES, SamplingParams
+from .. import methods
+from ..errors import PromptTooLongError, RequestError
+from ..native.sampling import VERIFY_MODES, SamplingParams
+from ..pair import LinkedPair
+from .request import Request
 
 MAX_TREE_NODES = 256  # a draft tree's verify rows (the spare sequences and the batch bound what is decoded)
 

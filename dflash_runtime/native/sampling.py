@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from .errors import RequestError
+from ..errors import RequestError
 
 VERIFY_MODES = ("sample", "match")
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)

@@ -39,7 +39,7 @@ from ..native.sampling import ChainProbabilities, Sampler, SamplingParams
 from ..pair import LinkedPair
 from ..results.events import StreamEvent
 from ..results.stats import Stats
-from ..text.deltas import TextStream
+from ..text.deltas import TextDeltas
 from .controller import DraftPolicy
 from .verify import Verifier, Verifiers, target_distribution
 
@@ -184,7 +184,7 @@ class Decoding:
                            draft_length=req.draft_length if req.speculative else 0, verify_mode=req.verify_mode)
         self.costs = CheckpointCosts()
         self.clock = Clock()
-        self.text = TextStream(parts.pair.vocabulary, req.stop)
+        self.text = TextDeltas(parts.pair.vocabulary, req.stop)
         self.events: deque[StreamEvent] = deque()  # emitted, not read yet
         self.error: BaseException | None = None
         self.done = False

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from ..native.vocab import Vocabulary
 
 
-class TextStream:
+class TextDeltas:
     """Feeds tokens, returns the text that is safe to show; `stopped` once a stop string completed.
 
     Each character remembers the source of the token that completed it ("draft" or "target"); `take_runs()` gives

@@ -451,10 +451,10 @@ class GoingOn:
     its earlier turns' (gpu_job.Resume)."""
 
     def __init__(self, engine: Any, request: ChatRequest, resume: Resume) -> None:
-        from ...text.deltas import TextStream  # imports libllama: only where engines run
+        from ...text.deltas import TextDeltas  # imports libllama: only where engines run
 
         self.tokens, self.drafted_by, self._before = resume.tokens, resume.drafted_by, dict(resume.stats)
-        self._text = TextStream(engine.pair.vocabulary, request.stop)
+        self._text = TextDeltas(engine.pair.vocabulary, request.stop)
         for token in resume.tokens:
             self._text.feed(token)
         self._text.take_runs()

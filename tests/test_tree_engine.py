@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from pairs import PROMPTS
-from test_distribution import Z_LIMIT, Chain, Reference, z_scores
+from test_distribution import Z_LIMIT, NumpySampler, Reference, z_scores
 from test_parallel import Reference as FreshEngine
 from test_parallel import _jobs, check_against_reference, interleave
 from test_tree import UnnormalisedResidual
@@ -316,27 +316,27 @@ def opened() -> Iterator[Callable[..., tuple[Engine, Reference]]]:
         engine.close()
 
 
-def tree_z_scores(engine: Engine, reference: Reference, chain: Chain, verify: str, n: int) -> list[float]:
-    """z-scores of three-token answers drawn with trees at every step (depth 3, tree_nodes fixed: no chain steps)."""
+def tree_z_scores(engine: Engine, reference: Reference, sampler: NumpySampler, verify: str, n: int) -> list[float]:
+    """z-scores of three-token answers drawn with trees at every step (depth 3, tree_nodes fixed: no linear steps)."""
     drawn = [tuple(engine.generate(reference.text, max_tokens=3, draft_length=3, verify=verify, seed=seed,
-                                   method=TREE, tree_nodes=9, **chain.kwargs()).tokens) for seed in range(n)]
-    return z_scores(drawn, reference.joint(chain, 3), 3)
+                                   method=TREE, tree_nodes=9, **sampler.kwargs()).tokens) for seed in range(n)]
+    return z_scores(drawn, reference.joint(sampler, 3), 3)
 
 
-@pytest.mark.parametrize(("target", "verify", "chain"), [("hybrid", "sample", Chain(1.0)),
-                                                          ("dense", "sample", Chain(0.7, top_k=3)),
-                                                          ("dense", "match", Chain(1.0))])
-def test_tree_samples_follow_the_target_distribution(opened, target: str, verify: str, chain: Chain) -> None:
+@pytest.mark.parametrize(("target", "verify", "sampler"), [("hybrid", "sample", NumpySampler(1.0)),
+                                                            ("dense", "sample", NumpySampler(0.7, top_k=3)),
+                                                            ("dense", "match", NumpySampler(1.0))])
+def test_tree_samples_follow_the_target_distribution(opened, target: str, verify: str, sampler: NumpySampler) -> None:
     """Drawn trees (rejection sampling: q far from the target's p on the markov head, three drafted positions, up to
     four siblings at the root) and chosen ones (sample-and-match) alike."""
     engine, reference = opened(target, "markov", Verifiers(tree_sample=RootCounted))
     ROOT_CHILDREN.clear()
-    zs = tree_z_scores(engine, reference, chain, verify, n=600)
+    zs = tree_z_scores(engine, reference, sampler, verify, n=600)
     assert max(zs) < Z_LIMIT, zs
     if verify == "sample":
         assert sum(n >= 3 for n in ROOT_CHILDREN) > len(ROOT_CHILDREN) // 2, ROOT_CHILDREN
     stats = engine.generate(reference.text, max_tokens=24, draft_length=3, verify=verify, seed=7, method=TREE,
-                            tree_nodes=9, **chain.kwargs()).stats
+                            tree_nodes=9, **sampler.kwargs()).stats
     assert stats.tree_steps > 0 and stats.tree_nodes > 3 * stats.tree_steps
 
 
@@ -351,13 +351,13 @@ def test_steps_after_a_path_off_the_spine_sample_the_target_distribution(opened)
     is often kept, and the next step drafts after it at once, its verify rows after the path's; answers of five
     tokens keep the target's law."""
     engine, reference = opened("hybrid", "markov", Verifiers(tree_sample=TreeRejectionRecorded))
-    chain, drawn, after = Chain(1.0, top_k=3), [], 0
+    sampler, drawn, after = NumpySampler(1.0, top_k=3), [], 0
     for seed in range(600):
         WALKS.clear()
         drawn.append(tuple(engine.generate(reference.text, max_tokens=5, draft_length=1, seed=seed, method=TREE,
-                                           tree_nodes=7, **chain.kwargs()).tokens))
+                                           tree_nodes=7, **sampler.kwargs()).tokens))
         after += sum(_fork(*WALKS[k - 1]) is not None for k in range(1, len(WALKS)))
-    zs = z_scores(drawn, reference.joint(chain, 5), 5)
+    zs = z_scores(drawn, reference.joint(sampler, 5), 5)
     assert max(zs) < Z_LIMIT, zs
     assert after > 30, after  # trees drafted right after a path off the spine
 
@@ -369,5 +369,5 @@ def test_a_broken_tree_verifier_fails_the_distribution_test(opened, verify: str,
     """(Siblings drawn with replacement, and the unremoved q, are broken in the builder or too subtly on these
     pairs for 400 answers: tests/test_tree.py catches them on a table target.)"""
     engine, reference = opened("dense", "markov", broken)
-    zs = tree_z_scores(engine, reference, Chain(1.0), verify, n=400)
+    zs = tree_z_scores(engine, reference, NumpySampler(1.0), verify, n=400)
     assert max(zs) > Z_LIMIT, zs

@@ -35,7 +35,7 @@ from ..drafters.proposal import DRAFT, TARGET, DraftSampling, Proposal
 from ..drafters.tree import ROOT, DraftTree, TreeWalker, accepted_path
 from ..errors import RollbackError
 from ..native.batches import TokenBatch
-from ..native.sampling import ChainProbabilities, Sampler, SamplingParams
+from ..native.sampling import Sampler, SamplerDistribution, SamplingParams
 from ..pair import LinkedPair
 from ..results.events import StreamEvent
 from ..results.stats import Stats
@@ -496,17 +496,17 @@ class Decoding:
 
     def _make_verifier(self) -> tuple[Verifier, DraftSampling | None, TreeWalker]:
         """The request's verifier, what its drafter samples with (None: greedy drafts, and chosen trees), and its
-        tree verifier: with rejection sampling, recursive rejection over drawn trees (the request's chain and random
+        tree verifier: with rejection sampling, recursive rejection over drawn trees (the request's sampler and random
         generator at every node); else the walk that samples each node's row with the request's sampler."""
         pair, sampling, verifiers = self.parts.pair, self.req.sampling, self.parts.verifiers
         if self.stats.verify_mode == "sample":
             rng = np.random.default_rng(sampling.seed)
-            chain = ChainProbabilities(sampling, pair.n_vocab)
-            self._resources.callback(chain.free)
-            verifier = verifiers.sample(chain, rng, pair.target_ctx, pair.n_vocab)
-            tree = verifiers.tree_sample(lambda row: target_distribution(pair.target_ctx, row, pair.n_vocab, chain),
-                                         rng)
-            return verifier, DraftSampling(chain, rng), tree
+            distribution = SamplerDistribution(sampling, pair.n_vocab)
+            self._resources.callback(distribution.free)
+            verifier = verifiers.sample(distribution, rng, pair.target_ctx, pair.n_vocab)
+            tree = verifiers.tree_sample(
+                lambda row: target_distribution(pair.target_ctx, row, pair.n_vocab, distribution), rng)
+            return verifier, DraftSampling(distribution, rng), tree
         sampler = self._resources.enter_context(Sampler(sampling))
         return (verifiers.match(sampler, pair.target_ctx), None,
                 verifiers.tree(lambda row: sampler.sample(pair.target_ctx, row)))

@@ -3,7 +3,7 @@
 The block is drafted by the DFlash drafter (dflash.py), which also keeps feeding the draft context: this method drafts
 through it and adds nothing to process. From each block's lattice the tree is grown (tree.py) within the request's
 `tree_nodes` verify rows and `draft_length` depth: its spine is the chain's own draft — the greedy walk, or above
-temperature 0 with rejection sampling the walk drawn from the request's chain, stopping where the chain would (p_min)
+temperature 0 with rejection sampling the walk drawn from the request's sampler, stopping where the chain would (p_min)
 and dropped where the chain would be (n_min) — and the other paths leave it where the draft is least sure. At
 temperature 0 (and with sample-and-match) the children are chosen, the likeliest first; with rejection sampling they
 are drawn without replacement, each with the distribution it was drawn from. The spine goes into the request's own
@@ -61,7 +61,7 @@ class TreeDrafter:
 
     def _tree(self, ask: DraftAsk, lattice: Any) -> Proposal:
         sampling = ask.sampling
-        levels = LatticeLevels(lattice, self._k, chain=sampling.chain if sampling is not None else None)
+        levels = LatticeLevels(lattice, self._k, distribution=sampling.distribution if sampling is not None else None)
         tree = build_tree(levels, ask.tree_nodes, branching=self._branching, p_min=ask.p_min, paths=ask.tree_paths,
                           rng=sampling.rng if sampling is not None else None)
         spine = tree.spine()

@@ -7,8 +7,8 @@ a draft (`catch_up`), or at once after a target decode when a request drafts wit
 llama.cpp's `process` decodes every target batch into the draft). A draft decodes id_last at pos0 and chains: n
 drafted tokens cost n small decodes, row i of every drafting sequence in the same decode. Greedy, each step takes
 the draft's top token while its confidence over the top 10 candidates is at least p_min (llama.cpp's draft sampler
-is a top-k 10 chain, and it cuts the draft below p_min); above temperature 0 with rejection sampling each token is
-sampled from the request's chain over the draft's logits, its q recorded. The drafted cells are removed afterwards:
+is a top-k 10 sampler, and it cuts the draft below p_min); above temperature 0 with rejection sampling each token is
+sampled from the request's sampler over the draft's logits, its q recorded. The drafted cells are removed afterwards:
 the accepted tokens come back with the sequence's tokens.
 
 A hybrid (recurrent) draft model — the small models of the Qwen3.5 family, the classic draft of a Qwen3.5/3.8

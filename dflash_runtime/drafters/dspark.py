@@ -16,9 +16,9 @@ feature bridge); what differs is the block and how it is read.
   token's probability.
 
 At temperature 0 each row drafts its argmax (llama.cpp's top-10 sampler's first candidate). Above it, with
-rejection-sampling verification, each row's token is drawn from the request's chain over that row's logits and that
+rejection-sampling verification, each row's token is drawn from the request's sampler over that row's logits and that
 distribution q is recorded with it. The Markov bias of row i is the graph's, conditioned on row i − 1's argmax
-(llama.cpp computes the chain greedily inside the graph): a function of the context alone, so q is exactly what the
+(llama.cpp takes each row's argmax inside the graph): a function of the context alone, so q is exactly what the
 token was drawn from and the verifier's guarantee holds.
 """
 

@@ -7,7 +7,7 @@ draft's estimate of how likely the target goes there, within a budget of verify 
 the spine's depth.
 
 A node's children come one at a time from the draft's distribution q at that node (the softmax of the selector's
-scores from the node's own candidate; above temperature 0, the request's sampler chain over them):
+scores from the node's own candidate; above temperature 0, the request's sampler over them):
 - chosen (temperature 0, and sample-and-match above it): the likeliest candidate not taken yet. DDTree's tree. Such
   a tree is verified by `TreeWalk`: at each node a sample x of the target's row with the request's own sampler,
   following the child whose token is x, else emitting x and stopping. Every emitted token is a sample of the target
@@ -255,13 +255,14 @@ def build_tree(levels: Levels, budget: int, *, branching: int = DEFAULT_BRANCHIN
 @dataclass
 class LatticeLevels:
     """A DFlash 2 block's lattice as `Levels`: row i (of the block's mask positions) holds K candidate ids, then the
-    K × K transition scores, predecessor-major; position 1's predecessor is the anchor's slot 0 (as the chain's walk
-    starts). The draft's distribution is the softmax of the scores, or with `chain` (the request's sampler chain as
-    probabilities, sampling.ChainProbabilities) what that chain makes of them — as the chain's own walk draws."""
+    K × K transition scores, predecessor-major; position 1's predecessor is the anchor's slot 0 (as the linear
+    draft's walk starts). The draft's distribution is the softmax of the scores, or with `distribution` (the request's
+    sampler as probabilities, sampling.SamplerDistribution) what the sampler makes of them — as the linear draft's own
+    walk draws."""
 
     rows: np.ndarray
     k: int
-    chain: Callable[[np.ndarray, np.ndarray], Distribution] | None = None
+    distribution: Callable[[np.ndarray, np.ndarray], Distribution] | None = None
 
     @property
     def depth(self) -> int:
@@ -271,11 +272,11 @@ class LatticeLevels:
         row = self.rows[i - 1]
         cands = row[:self.k].astype(np.int64)
         scores = row[self.k + pred * self.k:self.k + (pred + 1) * self.k]
-        if self.chain is None:
+        if self.distribution is None:
             z = scores.astype(np.float64)
             probs = np.exp(z - z.max())
             return Candidates(cands, probs / probs.sum(), np.arange(self.k))
-        ids, probs = self.chain(scores.astype(np.float32), cands.astype(np.int32))
+        ids, probs = self.distribution(scores.astype(np.float32), cands.astype(np.int32))
         slots = np.array([int(np.flatnonzero(cands == token)[0]) for token in ids], dtype=np.int64)
         return Candidates(ids.astype(np.int64), probs, slots)
 
@@ -290,7 +291,7 @@ class TreeWalker(Protocol):
 class TreeWalk:
     """The exact verifier of a chosen tree: at each node a sample x of the target's row with the request's sampler;
     the child whose token is x is followed ("draft"), else x ends the walk ("target"). `sample(row)` samples a row of
-    the last target decode with the request's chain (at temperature 0: its argmax)."""
+    the last target decode with the request's sampler (at temperature 0: its argmax)."""
 
     def __init__(self, sample: Callable[[int], int]) -> None:
         self._sample = sample

@@ -161,7 +161,7 @@ class Engine:
     @property
     def methods(self) -> tuple[str, ...]:
         """The draft methods this engine can run, in the registry's order (methods.py): "dflash" with a DFlash draft,
-        "mtp" with the target's MTP head, the n-gram methods on every pair, then the listed chains."""
+        "mtp" with the target's MTP head, the n-gram methods on every pair, then the listed method lists."""
         return methods.available(self.pair)
 
     @property
@@ -170,7 +170,7 @@ class Engine:
         return methods.default(self.pair)
 
     def capacity(self, method: str) -> int:
-        """The longest draft of a method or chain this engine runs (0 for one it does not)."""
+        """The longest draft of a method or method list this engine runs (0 for one it does not)."""
         return methods.capacity(self.pair, method)
 
     def sampling_defaults(self) -> dict[str, float | int]:
@@ -232,8 +232,8 @@ class Engine:
     ) -> RequestStream:
         """A request's events, one per engine step; the request starts at the first `next()`.
 
-        `method`: one of `methods` (default `default_method`), or a chain "a,b" in order of preference (each step
-        drafted by the first that proposes something); `speculative=False` decodes plainly.
+        `method`: one of `methods` (default `default_method`), or a method list "a,b" in order of preference
+        (each step drafted by the first that proposes something); `speculative=False` decodes plainly.
         `draft_length`: "auto" (the adaptive controller), 0 (no draft) or a fixed length ≤ the method's capacity;
         default the engine's `draft_length`. `verify` ("sample" or "match") chooses how drafts are checked above
         temperature 0. `cache_owner` (any hashable key, e.g. a visitor's session) limits prefix reuse to what the

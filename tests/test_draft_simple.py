@@ -1,6 +1,6 @@
 """draft-simple: a small autoregressive model of the target's vocabulary drafts (llama.cpp's --spec-type
-draft-simple). At temperature 0 every answer is the target's own, alone, chained and with parallel sequences, on
-dense and hybrid targets, with a dense or a hybrid (recurrent, rolled back exactly) draft model; the file is refused
+draft-simple). At temperature 0 every answer is the target's own, alone, in a method list and with parallel sequences,
+on dense and hybrid targets, with a dense or a hybrid (recurrent, rolled back exactly) draft model; the file is refused
 clearly where it cannot draft. (Above temperature 0:
 tests/test_distribution.py; against llama-server: tools/compare_llama_server.py --draft draft-simple.)"""
 
@@ -45,7 +45,7 @@ def test_a_small_model_drafts_and_every_answer_is_the_targets_own(pair) -> None:
         for prompt in PROMPTS[:4]:
             base = engine.generate(prompt, max_tokens=40, speculative=False)
             runs = [(METHOD, length) for length in (1, 5, "auto")]
-            runs += [(f"ngram-mod,{METHOD}", 5), (f"{METHOD},ngram-map-k", "auto")]  # chained, either side
+            runs += [(f"ngram-mod,{METHOD}", 5), (f"{METHOD},ngram-map-k", "auto")]  # in a method list, either side
             for method, length in runs:
                 result = engine.generate(prompt, max_tokens=40, method=method, draft_length=length)
                 assert result.tokens == base.tokens, (prompt, length, method)

@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p × the top probability")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--method", default=None,
-                   help=f"draft method ({', '.join(draft_methods.names())}) or a chain 'a,b' (default: dflash when a "
+                   help=f"draft method ({', '.join(draft_methods.names())}) or a list 'a,b' (default: dflash when a "
                         "draft is given)")
     g.add_argument("--draft-length", default=None, help="'auto' (default) or a fixed draft length, 0 for no draft")
     g.add_argument("--draft-max", default=None, help=argparse.SUPPRESS)  # deprecated spelling of --draft-length
@@ -108,7 +108,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--draft-max", default=None, help=argparse.SUPPRESS)  # deprecated spelling of --draft-length
     # By default the methods with a model (a draft file or the target's MTP head): those the pair runs are compared.
     b.add_argument("--methods", nargs="+", default=[m.name for m in draft_methods.REGISTRY if m.needs],
-                   help=f"draft methods to compare with plain ({', '.join(draft_methods.names())}; a chain: 'a,b')")
+                   help=f"draft methods to compare with plain ({', '.join(draft_methods.names())}; a method list: "
+                        "'a,b')")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--verify", default="sample", help="above temperature 0: comma list of 'sample' and/or 'match'")
     b.add_argument("--runs", type=int, default=None,

@@ -61,7 +61,7 @@ def checked_request(pair: LinkedPair, default_length: int | str, max_tokens: int
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     runs = methods.available(pair)
     if method is not None:
-        method = methods.CHAIN_SEPARATOR.join(methods.check(method, runs))
+        method = methods.METHOD_SEPARATOR.join(methods.check(method, runs))
     chosen = (method or methods.default(pair)) if speculative else None
     capacity = methods.capacity(pair, chosen) if chosen else max((methods.capacity(pair, m) for m in runs), default=0)
     length = check_length(default_length if draft_length is None else draft_length, capacity)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..drafters.drafting import DraftAsk, Rows
-from ..drafters.method_chains import Chain, draft_all
+from ..drafters.method_list import MethodList, draft_all
 from .request import Decoding, Parts, Planned
 
 
@@ -47,7 +47,7 @@ class Steps:
         live = [r for r in runs if self._guard(r, self._admit)]
         generating = [r for r in live if not r.prefilling]
         prefilling = sorted((r for r in live if r.prefilling), key=lambda r: (r.prompt_left, r.seq))
-        asks: list[tuple[Chain, DraftAsk, Decoding]] = []
+        asks: list[tuple[MethodList, DraftAsk, Decoding]] = []
         rows = 0
         paths = len(self._free_spares(bool(prefilling)))  # the most tree paths this step can decode
         for run in sorted(generating, key=lambda r: r.seq):
@@ -59,8 +59,8 @@ class Steps:
             except Exception as error:
                 run.fail(error)
                 continue
-            if ask is not None and run.chain is not None:
-                asks.append((run.chain, ask, run))
+            if ask is not None and run.method_list is not None:
+                asks.append((run.method_list, ask, run))
             else:
                 run.plain_step()
             rows += 1 + n_block
@@ -92,11 +92,11 @@ class Steps:
 
     # -- the shared passes --------------------------------------------------------------------------------------
 
-    def _draft(self, asks: list[tuple[Chain, DraftAsk, Decoding]]) -> None:
+    def _draft(self, asks: list[tuple[MethodList, DraftAsk, Decoding]]) -> None:
         """Every drafting request's draft, each method in one pass; a failed pass ends the requests in it."""
         t = time.perf_counter()
         try:
-            results = draft_all([(chain, ask) for chain, ask, _ in asks])
+            results = draft_all([(listed, ask) for listed, ask, _ in asks])
         except Exception as error:
             for _, _, run in asks:
                 run.fail(error)
@@ -264,7 +264,7 @@ class Steps:
 
     @staticmethod
     def _members(run: Decoding) -> list[object]:
-        return list(run.chain.members) if run.chain is not None else []
+        return list(run.method_list.members) if run.method_list is not None else []
 
     # -- per request --------------------------------------------------------------------------------------------
 

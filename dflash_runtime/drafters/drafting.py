@@ -143,7 +143,7 @@ class Adopting(Protocol):
     accepted off its spine, decoded in a spare target sequence after exactly the sequence's tokens (`rows.row0` in
     the last target decode, at the sequence's next positions from `rows.pos0`). The sequence's next decode holds the
     path's tokens again, before id_last; such a drafter does not take those rows twice. `adopt` says whether it took
-    them: then it alone drafts the next step, after them (the chain's other members know nothing of them)."""
+    them: then it alone drafts the next step, after them (the method list's other members know nothing of them)."""
 
     def adopt(self, rows: Rows) -> bool: ...
 

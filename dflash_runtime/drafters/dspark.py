@@ -12,7 +12,7 @@ feature bridge); what differs is the block and how it is read.
 - The confidence head scores each drafted row (sigmoid, libllama writes it to the row's nextn embedding); with
   `p_min > 0` the draft stops at the first row scored below it: the draft's length is the draft's own call. A draft
   without a confidence head is never cut (llama-server refuses `--spec-draft-p-min > 0` for such a file; here p_min is
-  a request's and may be meant for another method of its chain). Unlike DFlash, p_min does not cut on the draft
+  a request's and may be meant for another method of its method list). Unlike DFlash, p_min does not cut on the draft
   token's probability.
 
 At temperature 0 each row drafts its argmax (llama.cpp's top-10 sampler's first candidate). Above it, with

@@ -246,7 +246,7 @@ class Engine:
         `prefill_chunk`: the most prompt tokens of this request one step takes while other requests share the step
         (0: as many as the step's token budget allows), so that a long prompt costs the others' steps little.
         `tree_nodes` (method "dflash-tree"): a draft tree's verify rows beside the root's down to where its paths
-        leave the chain's draft (each path then runs to the full depth), "auto" (twice the draft length, at least 8)
+        leave the linear draft (each path then runs to the full depth), "auto" (twice the draft length, at least 8)
         or an integer ≥ 1; the tree is `draft_length` deep.
         `draft_max=` is the deprecated spelling of `draft_length=`."""
         self.check_open()

@@ -203,8 +203,8 @@ class Decoding:
         self._id_last = -1
         self._lead: list[int] = []  # emitted tokens before id_last that the cache does not hold yet (see _walk_tree)
         self._tree_walker: TreeWalker | None = None
-        # tree_nodes="auto": whether each step drafts a tree or the chain, from measured tokens per second
-        self.tree_or_chain = policy.tree if policy is not None and req.tree_nodes == "auto" else None
+        # tree_nodes="auto": whether each step drafts a tree or a linear draft, from measured tokens per second
+        self.tree_or_linear = policy.tree if policy is not None and req.tree_nodes == "auto" else None
         self._drafted_by: str | None = None  # the method that drafted the current step (a list's member)
         self.on_release: list[Callable[[], None]] = []
 
@@ -317,7 +317,8 @@ class Decoding:
     def plan_step(self, others: int, paths: int = 0) -> tuple[int, DraftAsk | None]:
         """This step's draft length and what to ask the method list (None: a plain step); `others` is the rows the
         step's target decode holds beside this request's n + 1 (see Steps.run: as the last decode held them); `paths`:
-        the most tree paths beside the spine the step could decode (0: a tree would be a chain, none is drafted)."""
+        the most tree paths beside the spine the step could decode (0: a tree would be a linear draft, none is
+        drafted)."""
         assert self.cache is not None
         self._t_round = time.perf_counter()
         req, stats, policy = self.req, self.stats, self.policy
@@ -335,8 +336,8 @@ class Decoding:
             return n_block, None
         if paths <= 0:
             nodes = 0
-        elif self.tree_or_chain is not None:
-            nodes = max(2 * n_block, AUTO_TREE_NODES) if self.tree_or_chain.choose() == "tree" else 0
+        elif self.tree_or_linear is not None:
+            nodes = max(2 * n_block, AUTO_TREE_NODES) if self.tree_or_linear.choose() == "tree" else 0
         else:
             nodes = int(req.tree_nodes)
         # A fixed length cut by max_tokens alone: the block keeps its length (see DraftAsk.n_asked); the context's end
@@ -389,7 +390,7 @@ class Decoding:
         if planned.tree is not None:
             stats.record_verify(planned.tree.depth, n_accepted, len(emitted.tokens), self._drafted_by)
             stats.record_tree(len(planned.tree), planned.decode_rows - planned.pad, n_accepted, n_kept < n_accepted)
-            n_accepted = min(n_accepted, len(proposal.tokens))  # the controller's model is the chain's
+            n_accepted = min(n_accepted, len(proposal.tokens))  # the controller's model is the linear draft's
         elif proposal.tokens:
             stats.record_verify(len(proposal.tokens), n_accepted, len(emitted.tokens), self._drafted_by)
         else:
@@ -401,7 +402,7 @@ class Decoding:
         seconds = step_s + time.perf_counter() - t
         if policy is not None:
             policy.observe(planned.n_block, len(proposal.tokens), n_accepted, seconds, rows=decode_rows)
-        arms = self.tree_or_chain
+        arms = self.tree_or_linear
         if arms is not None:
             # The lead's rows are the tree's that accepted the path: their share of the step's time, by rows (what
             # they cost on a CPU; more than on a GPU), is the rest of that tree's step.
@@ -409,8 +410,8 @@ class Decoding:
             if planned.tree is not None:
                 arms.observe("tree", len(emitted.tokens), seconds)
             else:
-                if proposal.tokens:  # the chain's draft, or a tree that got no path beside its spine: a chain step
-                    arms.observe("chain", len(emitted.tokens), seconds - lead_s, ceiling=planned.n_block + 1)
+                if proposal.tokens:  # a linear draft, or a tree that got no path beside its spine: a linear step
+                    arms.observe("linear", len(emitted.tokens), seconds - lead_s, ceiling=planned.n_block + 1)
                 if lead_s:
                     arms.observe("tree", 0, lead_s, more=True)
         if self.cache.interval_due():
@@ -464,8 +465,8 @@ class Decoding:
         self._time()
         if self.policy is not None:
             self.stats.controller = self.policy.describe()
-            if self.tree_or_chain is not None and self.stats.tree_steps:
-                self.stats.controller["tree"] = self.tree_or_chain.describe()
+            if self.tree_or_linear is not None and self.stats.tree_steps:
+                self.stats.controller["tree"] = self.tree_or_linear.describe()
         return StreamEvent(delta, tokens, self.stats.snapshot(), finish, detail, sources, self.text.take_runs())
 
     def _conclude(self, emitted: Emitted) -> None:

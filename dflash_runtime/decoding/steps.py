@@ -135,7 +135,7 @@ class Steps:
     def _branch(self, runs: list[Decoding], prefilling: bool) -> None:
         """Give the paths of each draft tree beside its spine a spare target sequence each, while there are spare
         sequences and room in the decode; a tree keeps the paths that got one (its first ones), and a tree that got
-        none is its spine: a chain step. A hybrid target's paths run only where the whole decode is one ubatch of
+        none is its spine: a linear step. A hybrid target's paths run only where the whole decode is one ubatch of
         consecutive sequences (or the request is alone): see docs/how-it-works.md, "Draft trees"."""
         pair = self.parts.pair
         free = self._free_spares(prefilling) if not pair.is_recurrent or self._one_ubatch(runs, prefilling) else []

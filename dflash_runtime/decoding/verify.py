@@ -15,7 +15,7 @@ target's distribution exactly (token for token at temperature 0):
 A draft tree (drafters/tree.py) has a verifier of its own: `TreeWalk` for a chosen tree (the walk that samples each
 node's row and follows the child holding the sample), `TreeRejection` for a tree drawn from q (recursive rejection
 sampling over each node's siblings, the residual renormalised after each rejection; one `rejection_stage` is the
-chain's step too).
+linear draft's step too).
 
 Rows are those of the last target decode, from `first_row` on. `walk()` yields (token, source) lazily, so sampling
 stops where the caller stops reading (end of generation, a stop string): "draft" for an accepted draft token,
@@ -99,9 +99,9 @@ class TreeRejection:
     from, its earlier siblings removed — and on its rejection p_(i+1) is the normalised residual max(0, p_i − q_i);
     a kept child is emitted and its node is next; when every child is rejected (or there is none) a sample of what
     is left of p ends the walk. Every stage is rejection sampling of p_i with proposal q_i, so the node emits a sample
-    of p (docs/how-it-works.md has the proof); the first stage is the chain's own rule, so no node keeps less than the
-    chain would with the first child alone. A chosen child (no recorded q) is a point mass: kept with probability
-    p_i(x). `distribution(row)`: a row of the last target decode under the request's sampler."""
+    of p (docs/how-it-works.md has the proof); the first stage is the linear draft's own rule, so no node keeps less
+    than a linear draft would with the first child alone. A chosen child (no recorded q) is a point mass: kept with
+    probability p_i(x). `distribution(row)`: a row of the last target decode under the request's sampler."""
 
     def __init__(self, distribution: Callable[[int], tuple[np.ndarray, np.ndarray]],
                  rng: np.random.Generator) -> None:

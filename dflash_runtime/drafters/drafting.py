@@ -98,7 +98,7 @@ class DraftAsk:
     n_min: int = 0
     p_min: float = 0.0
     sampling: DraftSampling | None = None
-    tree_nodes: int = 0  # a draft tree's row budget (dflash_tree.py); 0: a chain
+    tree_nodes: int = 0  # a draft tree's row budget (dflash_tree.py); 0: a linear draft
     tree_paths: int = 0  # the most paths beside the spine the step can decode (its free spare target sequences)
     # The request's fixed draft length before the room left in max_tokens cut it to n (at most what the context
     # holds); 0: n. A block drafter whose rows see one another drafts a block this long and keeps n, as llama.cpp does.

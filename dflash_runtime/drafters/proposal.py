@@ -18,7 +18,7 @@ CONFIDENCE_TOP_K = 10  # a greedy draft's confidence: the softmax over its top c
 @dataclass
 class Proposal:
     """Drafted tokens and, when they were sampled, the distribution each was sampled from (token ids, probs); with a
-    draft tree, the tokens (and their q) are its spine, the chain's draft."""
+    draft tree, the tokens (and their q) are its spine, the linear draft."""
 
     tokens: list[int] = field(default_factory=list)
     q: list[tuple[np.ndarray, np.ndarray]] | None = None

@@ -68,7 +68,7 @@ def test_parallel_sequences_and_owners_answer_as_one_request_alone(pair) -> None
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_the_target_itself_drafts_every_token_right(kind: str) -> None:
     """A draft that is the target proposes the target's own tokens only while its state is exactly the target's: for
-    a hybrid draft, after every partial acceptance (a chained draft's cells dropped, the recurrent state restored),
+    a hybrid draft, after every partial acceptance (a draft's cells dropped, the recurrent state restored),
     every prefix cut of a following request, and parked owners."""
     target = tiny_pair(kind, None, head="random")  # a head that never repeats: rejections come from the state alone
     with load_pair(target.target, target.target, n_ctx=256, draft_capacity=4, parallel=2) as engine:

@@ -275,11 +275,11 @@ def floors(graph: dict[str, set[str]]) -> dict[str, int]:
 def test_the_drafting_path_needs_no_registry_and_the_engine_stands_low() -> None:
     """Decoding a step runs the drafters a request chose (drafters/method_list.py); only the engine and the request
     checks ask the registry which. The engine tops the data path at most 11 floors up (it stood 12 up while decoding
-    reached the drafters through the registry), so a chain of imports added on the way shows here."""
+    reached the drafters through the registry), so a longer line of imports added on the way shows here."""
     graph = module_graph(PACKAGE)
     assert "methods" not in graph["decoding.request"] | graph["decoding.steps"] | graph["drafters.method_list"]
     assert floors(graph)["engine"] <= 11
 
 
-def test_floors_count_the_longest_chain() -> None:
+def test_floors_count_the_longest_line_of_imports() -> None:
     assert floors({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": set()}) == {"a": 3, "b": 2, "c": 1, "d": 1}

@@ -208,7 +208,7 @@ def test_the_pair_names_no_method_and_the_registry_sits_above_it() -> None:
 # The core's rooms (a folder, or a module standing alone) in the order of the data path: each imports only rooms
 # before its own. `results/` (a request's statistics, events and tables) is plain data, filled and read by the rooms
 # above it; what stands above the engine (cli/, openai_api/, llama_compat/, space/, testing/) is not in the line.
-DATA_PATH = ("errors", "deprecated", "native", "results", "files", "text", "pair", "drafters", "methods", "cache",
+DATA_PATH = ("errors", "deprecated", "native", "results", "files", "pair", "drafters", "methods", "cache", "text",
              "decoding", "engine")
 
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from dflash_runtime import DecodeError, EngineBusyError, load_pair
-from dflash_runtime.bench_concurrency import run_streams
+from dflash_runtime.cli.bench_concurrency import run_streams
+from dflash_runtime.decoding.occupancy import RequestStream
 from dflash_runtime.engine import Engine
 from dflash_runtime.native.memory import SequenceMemory
-from dflash_runtime.results import StreamEvent
-from dflash_runtime.streams import RequestStream
+from dflash_runtime.results.events import StreamEvent
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
 
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "one", "two", "three",

@@ -37,17 +37,17 @@ def __getattr__(name: str) -> Any:
 
         return SessionPolicy
     if name in ("Verifiers",):
-        from .verify import Verifiers
+        from .decoding.verify import Verifiers
 
         return Verifiers
     if name in ("Stats",):
-        from .stats import Stats
+        from .results.stats import Stats
 
         return Stats
     if name in ("Result", "StreamEvent"):
-        from . import results
+        from .results import events
 
-        return getattr(results, name)
+        return getattr(events, name)
     if name in ("DFlashLlama", "DFlashDraftModel", "ArrayDraft"):
         from . import llama_compat
 

@@ -6,7 +6,7 @@ interruptible = signal.getsignal(signal.SIGINT) is signal.default_int_handler
 if interruptible:
     signal.signal(signal.SIGINT, lambda *_: sys.exit(128 + signal.SIGINT))
 
-from .cli import main  # noqa: E402
+from .cli.main import main  # noqa: E402
 
 if interruptible:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here `main` says "stopped"

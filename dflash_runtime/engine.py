@@ -1,9 +1,10 @@
 """The speculative engine: a linked pair, the caches' bookkeeping, and requests streamed on its sequences.
 
 Every emitted token is a target sample given the accepted prefix, so the output is the target's own: token for
-token at temperature 0, and in distribution above it (see verify.py). The caches are kept between requests: a new
-request prefills only what follows the prefix it shares with the cache (see cache/pair_cache.py for the one rule of
-going back, and cache/checkpoints.py for hybrid targets). Lifetime, cancellation and busy rules are in streams.py.
+token at temperature 0, and in distribution above it (see decoding/verify.py). The caches are kept between requests:
+a new request prefills only what follows the prefix it shares with the cache (see cache/pair_cache.py for the one rule
+of going back, and cache/checkpoints.py for hybrid targets). Lifetime, cancellation and busy rules are in
+decoding/occupancy.py.
 """
 
 from __future__ import annotations
@@ -22,23 +23,23 @@ from .cache.checkpoints import CheckpointPolicy, CheckpointStore
 from .cache.pair_cache import PairCache
 from .cache.sessions import CacheOwners, SessionPolicy
 from .cache.spares import SpareSequences
-from .chat import ChatTemplate, ControlToken, control_tokens, model_template
-from .controller import Policies
-from .decoding import Decoding, Parts, Request
+from .decoding.checks import check_length, check_tree_nodes, checked_owner, checked_request, prompt_tokens
+from .decoding.controller import Policies
+from .decoding.divergence import Divergence, explain
+from .decoding.occupancy import CLOSED_MESSAGE, Occupancy, RequestStream
+from .decoding.request import Decoding, Parts, Request
+from .decoding.steps import Steps
+from .decoding.verify import Verifiers
 from .deprecated import renamed, renamed_keyword
-from .divergence import Divergence, explain
 from .drafters.drafting import MTP, TokenView
 from .errors import EngineBusyError, EngineClosedError, RequestError
-from .gguf_meta import read_gguf
+from .files.gguf_meta import read_gguf
 from .native.batches import TokenBatch
+from .native.sampling import SamplingParams
 from .pair import LinkedPair, PairOptions
-from .request_checks import check_length, check_tree_nodes, checked_owner, checked_request, prompt_tokens
-from .results import Result, StreamEvent
-from .sampling import SamplingParams
-from .stats import Stats
-from .steps import Steps
-from .streams import CLOSED_MESSAGE, Occupancy, RequestStream
-from .verify import Verifiers
+from .results.events import Result, StreamEvent
+from .results.stats import Stats
+from .text.chat import ChatTemplate, ControlToken, control_tokens, model_template
 
 DEFAULT_BUSY_TIMEOUT_S = 300.0
 
@@ -53,7 +54,7 @@ class Engine:
     `draft_length` (a request's default: "auto" or a fixed length), `checkpoints` (a
     `CheckpointPolicy` for hybrid targets; `CheckpointPolicy(max_count=0)` turns them off), `sessions` (a
     `SessionPolicy`: how many other owners' caches are kept aside), `verifiers` (how drafts are checked: see
-    verify.py), `busy_timeout_s` (how long another thread's request waits for the engine; None waits as long as
+    decoding/verify.py), `busy_timeout_s` (how long another thread's request waits for the engine; None waits as long as
     it takes) and `method_options` (a method's own settings by name, e.g. {"ngram-mod": {"n_match": 16}}; see the
     method's module). `draft_policy=` is the deprecated spelling of `draft_length=`.
     """
@@ -160,7 +161,7 @@ class Engine:
     @property
     def methods(self) -> tuple[str, ...]:
         """The draft methods this engine can run, in the registry's order (methods.py): "dflash" with a DFlash draft,
-        "mtp" with the target's MTP head, the n-gram methods on every pair, then the listed chains."""
+        "mtp" with the target's MTP head, the n-gram methods on every pair, then the listed method lists."""
         return methods.available(self.pair)
 
     @property
@@ -169,7 +170,7 @@ class Engine:
         return methods.default(self.pair)
 
     def capacity(self, method: str) -> int:
-        """The longest draft of a method or chain this engine runs (0 for one it does not)."""
+        """The longest draft of a method or method list this engine runs (0 for one it does not)."""
         return methods.capacity(self.pair, method)
 
     def sampling_defaults(self) -> dict[str, float | int]:
@@ -231,8 +232,8 @@ class Engine:
     ) -> RequestStream:
         """A request's events, one per engine step; the request starts at the first `next()`.
 
-        `method`: one of `methods` (default `default_method`), or a chain "a,b" in order of preference (each step
-        drafted by the first that proposes something); `speculative=False` decodes plainly.
+        `method`: one of `methods` (default `default_method`), or a method list "a,b" in order of preference
+        (each step drafted by the first that proposes something); `speculative=False` decodes plainly.
         `draft_length`: "auto" (the adaptive controller), 0 (no draft) or a fixed length ≤ the method's capacity;
         default the engine's `draft_length`. `verify` ("sample" or "match") chooses how drafts are checked above
         temperature 0. `cache_owner` (any hashable key, e.g. a visitor's session) limits prefix reuse to what the
@@ -243,9 +244,10 @@ class Engine:
         `prefill_events`: an event without tokens after each prompt chunk but the last, so that a caller may stop
         (close) a long prompt between its chunks; the same owner's next request goes on from what was prefilled.
         `prefill_chunk`: the most prompt tokens of this request one step takes while other requests share the step
-        (0: as many as the step's token budget allows), so that a long prompt costs the others' steps little.
+        (0: as many as the step's token budget allows), so that a long prompt costs the others' steps little; beside
+        a request that is generating, the step's prompts together take the largest of their chunks.
         `tree_nodes` (method "dflash-tree"): a draft tree's verify rows beside the root's down to where its paths
-        leave the chain's draft (each path then runs to the full depth), "auto" (twice the draft length, at least 8)
+        leave the linear draft (each path then runs to the full depth), "auto" (twice the draft length, at least 8)
         or an integer ≥ 1; the tree is `draft_length` deep.
         `draft_max=` is the deprecated spelling of `draft_length=`."""
         self.check_open()
@@ -325,8 +327,8 @@ class Engine:
         speculative answer's): the first differing position, its row scored as plain decoding computes it (one row
         after the same prefix) and as a verify batch of `verify_rows` rows does (default: one more than the draft
         capacity), both candidates' logits and margins, and whether the difference is a near-tie that this build's
-        rounding can flip or a fault (see divergence.py). Runs between requests on an idle sequence, whose state is
-        put back afterwards (no step runs meanwhile; the running requests keep their sequences)."""
+        rounding can flip or a fault (see decoding/divergence.py). Runs between requests on an idle sequence, whose
+        state is put back afterwards (no step runs meanwhile; the running requests keep their sequences)."""
         tokens = prompt_tokens(prompt, self.pair, lambda text: self._tokenize(text, True, True))
         pair = self.pair
         rows = verify_rows if verify_rows is not None else max(2, min(pair.verify_cap, pair.draft_capacity or 7) + 1)
@@ -399,7 +401,7 @@ class Engine:
 
     def close(self) -> None:
         """Close the engine at once; a request suspended or running ends with one final "cancelled" event, and the
-        native handles are freed as soon as no step runs (see streams.py). Idempotent."""
+        native handles are freed as soon as no step runs (see decoding/occupancy.py). Idempotent."""
         if not self._occupancy.closing:
             self._occupancy.close()
 

@@ -13,8 +13,8 @@ one. The engine hands the pair the declaration of the draft file's claimant (`dr
 methods declare (`target_parts`), and opens a drafter for each method the open pair runs (`open_drafters`), each
 with its own options; a drafter reads the sequence's tokens through the read-only view it is opened with.
 
-A request names one method or a chain, "a,b" in order of preference (llama.cpp's `--spec-type a,b`): each step
-drafts with the first member that proposes something (see drafters/method_chains.py). Adding a method is one
+A request names one method or a method list, "a,b" in order of preference (llama.cpp's `--spec-type a,b`): each step
+drafts with the first member that proposes something (see drafters/method_list.py). Adding a method is one
 module with its `Implementation` (drafters/drafting.py) and one line in `REGISTRY` (`register` adds one from
 outside the package). A method's implementation is loaded when a pair opens, never by listing the methods: the
 Space's web process lists them without loading libllama.
@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 from .drafters import ngram, ngram_cache, ngram_map
 from .drafters.drafting import DFLASH, MTP, Drafter, Implementation, TokenView
-from .drafters.method_chains import CHAIN_SEPARATOR, split
+from .drafters.method_list import METHOD_SEPARATOR, split
 from .errors import PairMismatchError, RequestError
-from .validation import dflash_kind, has_markov_head
+from .files.validation import dflash_kind, has_markov_head
 
 if TYPE_CHECKING:
-    from .gguf_meta import GGUFInfo
+    from .files.gguf_meta import GGUFInfo
     from .pair import DraftFile, LinkedPair, TargetPart
 
 NOTHING, NEXTN = "", "nextn"  # what a method without a file of its own needs
@@ -161,9 +161,9 @@ REGISTRY: tuple[Method, ...] = (
            help="no draft model: the tokens most often seen after the last 1 to 4 tokens, in this answer's text and "
                 "in what your own earlier requests taught it (llama.cpp's ngram-cache, lookup decoding)"),
 )
-# Chains the pair lists beside its methods when all their members run (any other chain may still be asked for):
+# Method lists the pair lists beside its methods when all their members run (any other list may still be asked for):
 # the n-gram draft where the answer copies its prompt, DFlash everywhere else.
-LISTED_CHAINS: tuple[tuple[str, ...], ...] = ((ngram.NGRAM_MOD, DFLASH),)
+LISTED_METHOD_LISTS: tuple[tuple[str, ...], ...] = ((ngram.NGRAM_MOD, DFLASH),)
 
 
 def register(method: Method) -> None:
@@ -180,8 +180,8 @@ def unregister(name: str) -> None:
 
 
 def _check_line(method: Method, others: Sequence[Method]) -> None:
-    if any(m.name == method.name for m in others) or CHAIN_SEPARATOR in method.name:
-        raise ValueError(f"a draft method is named {method.name!r} already, or the name holds {CHAIN_SEPARATOR!r}")
+    if any(m.name == method.name for m in others) or METHOD_SEPARATOR in method.name:
+        raise ValueError(f"a draft method is named {method.name!r} already, or the name holds {METHOD_SEPARATOR!r}")
     if method.claims is not None and any(m.claims is not None and m.priority == method.priority for m in others):
         raise ValueError(f"claim priority {method.priority} of {method.name!r} is another method's")
 
@@ -195,7 +195,7 @@ def names() -> tuple[str, ...]:
 
 
 def label(name: str) -> str:
-    """A method's or a chain's label: "A → B" for a chain."""
+    """A method's or a method list's label: "A → B" for a list."""
     known = registry()
     return " → ".join(known[m].label if m in known else m for m in split(name))
 
@@ -237,7 +237,7 @@ def _claiming(draft: GGUFInfo, *, loaded: bool = False) -> Method | None:
 
 
 def from_headers(target: GGUFInfo, draft: GGUFInfo | None, *, branches: int = 0) -> tuple[str, ...]:
-    """The methods (and listed chains) a pair of these files runs, from their headers: what the Space lists before
+    """The methods (and listed method lists) a pair of these files runs, from their headers: what the Space lists before
     a pair opens (with `branches` spare target sequences, as `load_pair(branches=...)`). A draft no method claims
     adds nothing."""
     held = {m.needs for m in REGISTRY if m.target_has is not None and m.target_has(target)}
@@ -259,21 +259,21 @@ def target_alone(target: GGUFInfo) -> tuple[str, ...]:
 
 
 def available(pair: LinkedPair) -> tuple[str, ...]:
-    """The methods the opened pair runs, in registry order, then the listed chains whose members all run."""
+    """The methods the opened pair runs, in registry order, then the listed method lists whose members all run."""
     return runnable(lambda needs: holds(pair, needs))
 
 
 def runnable(holds: Callable[[str], bool]) -> tuple[str, ...]:
     """The methods of a pair that holds what `holds(needs)` says ("" always), in registry order, then the listed
-    chains whose members all run: for a pair not opened yet, from its files."""
+    method lists whose members all run: for a pair not opened yet, from its files."""
     singles = tuple(m.name for m in REGISTRY if not m.needs or holds(m.needs))
-    chains = tuple(CHAIN_SEPARATOR.join(c) for c in LISTED_CHAINS if all(m in singles for m in c))
-    return singles + chains
+    lists = tuple(METHOD_SEPARATOR.join(c) for c in LISTED_METHOD_LISTS if all(m in singles for m in c))
+    return singles + lists
 
 
 def compared(name: str) -> bool:
-    """Whether the Space's A/B compares a method or listed chain unless the visitor picks others (a chain: where
-    every member is)."""
+    """Whether the Space's A/B compares a method or listed method list unless the visitor picks others (a list:
+    where every member is)."""
     lines = registry()
     return all(m in lines and lines[m].compared for m in split(name))
 
@@ -284,25 +284,25 @@ def default(pair: LinkedPair) -> str | None:
 
 
 def capacity(pair: LinkedPair, name: str) -> int:
-    """The longest draft of a method or chain the pair runs (0 for one it does not)."""
+    """The longest draft of a method or method list the pair runs (0 for one it does not)."""
     runs = available(pair)
     members = split(name)
     return pair.longest_draft if members and all(m in runs for m in members) else 0
 
 
 def check(name: str, runs: Sequence[str]) -> tuple[str, ...]:
-    """The members of a method or chain name, each one the pair runs; RequestError says which is not."""
+    """The members of a method or method list name, each one the pair runs; RequestError says which is not."""
     if not isinstance(name, str) or not name.strip():
         raise RequestError(f"a draft method is a name or a comma list of names (got {name!r})")
     members = split(name)
     known = registry()
     for member in members:
         if member not in runs:
-            singles = ", ".join(m for m in runs if CHAIN_SEPARATOR not in m) or "none"
+            singles = ", ".join(m for m in runs if METHOD_SEPARATOR not in m) or "none"
             why = "not available on this pair" if member in known else "unknown"
             raise RequestError(f"draft method {member!r} is {why} (available: {singles})")
     if len(set(members)) != len(members):
-        raise RequestError(f"draft method chain {name!r} names a method twice")
+        raise RequestError(f"draft method list {name!r} names a method twice")
     return members
 
 
@@ -373,6 +373,6 @@ def open_drafters(pair: LinkedPair, views: Sequence[TokenView],
     return drafters
 
 
-__all__ = ["CHAIN_SEPARATOR", "REGISTRY", "Method", "available", "capacity", "check", "check_options",
+__all__ = ["METHOD_SEPARATOR", "REGISTRY", "Method", "available", "capacity", "check", "check_options",
            "claimant", "default", "draft_file", "from_headers", "label", "names",
            "open_drafters", "register", "split", "target_alone", "target_parts", "unregister"]

@@ -28,7 +28,7 @@ from llama_cpp import llama_cpp as ll
 
 from .deprecated import renamed_keyword
 from .errors import ContextCreationError, EngineClosedError, PairMismatchError, RemoteDeviceError
-from .gguf_meta import GGUFInfo, read_gguf, sampling_defaults
+from .files.gguf_meta import GGUFInfo, read_gguf, sampling_defaults
 from .native.backends import load_backends
 from .native.ext import dflash_api
 from .native.placement import DeviceList, layer_ranges
@@ -40,7 +40,7 @@ MAX_BRANCHES = 16  # target sequences for draft-tree paths (each a KV stream of 
 CUDA_VERIFY_ROWS = 8  # CUDA's small-batch matrix-vector kernels take up to this many rows: verify batches stay there
 DEFAULT_DRAFT_CAPACITY = CUDA_VERIFY_ROWS - 1  # a verify batch is id_last + the draft
 # "exact": the CPU target takes kernels whose rows do not depend on their batch (see batch_invariant); "fast": the
-# fastest kernels, answers exact up to near-ties (see divergence.py).
+# fastest kernels, answers exact up to near-ties (see decoding/divergence.py).
 NUMERICS = ("exact", "fast")
 _backend_ready = False
 _live_handles = 0
@@ -587,7 +587,7 @@ class LinkedPair:
         up), and a build whose matrix products take one summation order for any row count (see
         `matrix_products_invariant`). GPU kernels (and a GPU build, which offloads large batches even with
         n_gpu_layers=0) are not batch-invariant: there every answer is a valid greedy answer of the target under
-        its own batch's numerics, and a temperature-0 difference is a near-tie or a fault (divergence.py)."""
+        its own batch's numerics, and a temperature-0 difference is a near-tie or a fault (decoding/divergence.py)."""
         return self._exact_cpu and not ll.llama_supports_gpu_offload() and matrix_products_invariant()
 
     @property

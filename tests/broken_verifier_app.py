@@ -13,7 +13,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from test_divergence import BrokenMatch  # noqa: E402
 
 from dflash_runtime import engine  # noqa: E402
-from dflash_runtime.verify import Verifiers  # noqa: E402
+from dflash_runtime.decoding.verify import Verifiers  # noqa: E402
 
 engine.Verifiers = lambda: Verifiers(match=BrokenMatch())  # type: ignore[assignment]  # every engine's default
 runpy.run_path(str(ROOT / "app.py"), run_name="__main__")

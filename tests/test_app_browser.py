@@ -680,7 +680,7 @@ def run_ab(page: DevTools, verdict: str, running: str | None = None) -> str:
         page.wait_for(f"{text_of('#ab-result')}.includes('A/B running: DFlash 2')", 240, "the DFlash 2 run")
         page.screenshot(ARTIFACTS / running, whole=False)  # what the visitor sees (a whole-page capture scrolls)
         assert page.evaluate(BROKEN_WORDS) == [], "a word breaks across lines while the A/B runs"
-    # Eight runs of up to 512 tokens each on the demo pair (plain, DFlash 2, five n-gram methods and a chain).
+    # Eight runs of up to 512 tokens each on the demo pair (plain, DFlash 2, five n-gram methods and a method list).
     result = page.wait_for(f"{text_of('#ab-result')}.includes({json.dumps(verdict)}) && {text_of('#ab-result')}", 600,
                            "the A/B comparison")  # fmt: skip
     shown = page.evaluate("window.dflashAb")

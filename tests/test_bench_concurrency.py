@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash_runtime.bench_concurrency import distinct_prompts
+from dflash_runtime.cli.bench_concurrency import distinct_prompts
 from dflash_runtime.testing.tiny_models import tiny_pair
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import pytest
 from pairs import ALL_PAIRS, PAIR_IDS, PROMPTS
 
 from dflash_runtime import load_pair
-from dflash_runtime.controller import AdaptiveLength
+from dflash_runtime.decoding.controller import AdaptiveLength
 from dflash_runtime.testing.tiny_models import REGIME_TOKEN, tiny_pair
 
 

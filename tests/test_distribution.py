@@ -1,8 +1,8 @@
 """Above temperature 0 the guarantee is the distribution: speculative output must be distributed exactly as the target's
-own sampling under the request's chain (temperature, top-k, top-p, min-p), whatever the verification mode.
+own sampling under the request's sampler (temperature, top-k, top-p, min-p), whatever the verification mode.
 
 The reference is computed independently of the engine: the target's logits from llama-cpp-python's own `Llama`
-(teacher-forced), and the chain written out in numpy here. The tests have power: a deliberately broken verifier
+(teacher-forced), and the sampler written out in numpy here. The tests have power: a deliberately broken verifier
 (accepting every draft) fails them.
 """
 
@@ -19,11 +19,11 @@ import pytest
 from llama_cpp import Llama
 
 from dflash_runtime import load_pair
+from dflash_runtime.decoding.verify import DRAFT, TARGET, RejectionVerifier, Verifiers
 from dflash_runtime.engine import Engine
 from dflash_runtime.native.backends import load_backends
 from dflash_runtime.testing.heads import SOFT_TOKENS
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_draft_model, tiny_pair
-from dflash_runtime.verify import DRAFT, TARGET, RejectionVerifier, Verifiers
 
 PROMPT = "hello world"
 NGRAMS = ("ngram-mod", "ngram-map-k")
@@ -34,7 +34,7 @@ Z_LIMIT = 4.5  # one-sided normal quantile: a false alarm about once in 300,000 
 
 
 @dataclass(frozen=True)
-class Chain:
+class NumpySampler:
     temperature: float
     top_k: int = 0
     top_p: float = 1.0
@@ -44,7 +44,7 @@ class Chain:
         return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
     def probabilities(self, logits: np.ndarray) -> dict[int, float]:
-        """llama.cpp's chain written out: top-k, top-p (at temperature 1), min-p, temperature, softmax."""
+        """llama.cpp's sampler written out: top-k, top-p (at temperature 1), min-p, temperature, softmax."""
         ids = np.arange(len(logits))
         z = logits.astype(np.float64)
         if self.top_k > 0:
@@ -98,12 +98,12 @@ class Reference:
         self.llm.eval(list(self.prompt) + list(prefix))
         return np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float64)
 
-    def joint(self, chain: Chain, length: int) -> dict[tuple[int, ...], float]:
+    def joint(self, sampler: NumpySampler, length: int) -> dict[tuple[int, ...], float]:
         out: dict[tuple[int, ...], float] = {(): 1.0}
         for _ in range(length):
             grown: dict[tuple[int, ...], float] = {}
             for prefix, p in out.items():
-                for token, q in chain.probabilities(self.next_logits(prefix)).items():
+                for token, q in sampler.probabilities(self.next_logits(prefix)).items():
                     if p * q > 1e-9:
                         grown[(*prefix, token)] = p * q
             out = grown
@@ -113,19 +113,19 @@ class Reference:
         self.llm.close()
 
 
-def samples(engine: Engine, reference: Reference, chain: Chain, verify: str, n: int,
+def samples(engine: Engine, reference: Reference, sampler: NumpySampler, verify: str, n: int,
             length: int) -> Iterator[tuple[int, ...]]:
     for seed in range(n):
         result = engine.generate(reference.text, max_tokens=length, draft_length=3, verify=verify, seed=seed,
-                                 method=reference.method, **chain.kwargs())
+                                 method=reference.method, **sampler.kwargs())
         yield tuple(result.tokens)
 
 
-def check_distribution(engine: Engine, reference: Reference, chain: Chain, verify: str, n: int,
+def check_distribution(engine: Engine, reference: Reference, sampler: NumpySampler, verify: str, n: int,
                        length: int = 3) -> list[float]:
     """z-scores of the per-position marginals and of the joint, for `n` samples of `length` tokens."""
-    expected = reference.joint(chain, length)
-    return z_scores(list(samples(engine, reference, chain, verify, n, length)), expected, length)
+    expected = reference.joint(sampler, length)
+    return z_scores(list(samples(engine, reference, sampler, verify, n, length)), expected, length)
 
 
 def z_scores(drawn: list[tuple[int, ...]], expected: dict[tuple[int, ...], float], length: int) -> list[float]:
@@ -140,9 +140,9 @@ def z_scores(drawn: list[tuple[int, ...]], expected: dict[tuple[int, ...], float
     return zs
 
 
-# Every (target, draft, verify) combination, each with two of the chain variants: all variants and both
+# Every (target, draft, verify) combination, each with two of the sampler variants: all variants and both
 # temperatures are covered, with thousands of samples in all.
-VARIANTS = [Chain(0.6), Chain(1.0, top_k=3), Chain(0.6, top_p=0.8), Chain(1.0, min_p=0.25)]
+VARIANTS = [NumpySampler(0.6), NumpySampler(1.0, top_k=3), NumpySampler(0.6, top_p=0.8), NumpySampler(1.0, min_p=0.25)]
 COMBOS = [(t, d, v) for t in ("dense", "hybrid") for d in ("dflash2", "dflash1") for v in ("sample", "match")]
 COMBOS += [("hybrid", "mtp", v) for v in ("sample", "match")]  # the target's own MTP head drafts
 COMBOS += [(t, d, v) for t in ("dense", "hybrid") for d in NGRAMS for v in ("sample", "match")]  # no q: point masses
@@ -197,24 +197,24 @@ def markov() -> Iterator[dict]:
         engine.close()
 
 
-@pytest.mark.parametrize(("target", "draft", "verify", "chain"), CASES,
+@pytest.mark.parametrize(("target", "draft", "verify", "sampler"), CASES,
                          ids=[f"{t}-{d}-{v}-{c}" for t, d, v, c in CASES])
-def test_speculative_samples_follow_the_target_distribution(target, draft, verify, chain, markov) -> None:
+def test_speculative_samples_follow_the_target_distribution(target, draft, verify, sampler, markov) -> None:
     engine, reference = markov(target, draft)
-    zs = check_distribution(engine, reference, chain, verify, n=1200)
+    zs = check_distribution(engine, reference, sampler, verify, n=1200)
     assert max(zs) < Z_LIMIT, zs
     stats = engine.generate(reference.text, max_tokens=24, draft_length=3, verify=verify, seed=7,
-                            method=reference.method, **chain.kwargs()).stats
+                            method=reference.method, **sampler.kwargs()).stats
     assert stats.verify_mode == verify and stats.drafted > 0
 
 
 def test_plain_sampling_follows_the_reference(markov) -> None:
-    """The reference itself is right: target-only sampling (llama.cpp's own chain) passes the same test."""
+    """The reference itself is right: target-only sampling (llama.cpp's own sampler) passes the same test."""
     engine, reference = markov("hybrid", "dflash2")
-    chain = Chain(1.0, top_p=0.9)
-    expected = reference.joint(chain, 3)
+    sampler = NumpySampler(1.0, top_p=0.9)
+    expected = reference.joint(sampler, 3)
     n = 1200
-    drawn = Counter(tuple(engine.generate(PROMPT, max_tokens=3, speculative=False, seed=s, **chain.kwargs()).tokens)
+    drawn = Counter(tuple(engine.generate(PROMPT, max_tokens=3, speculative=False, seed=s, **sampler.kwargs()).tokens)
                     for s in range(n))
     assert chi_square_z(drawn, expected, n)[0] < Z_LIMIT
 
@@ -239,7 +239,7 @@ class AcceptEverything:
                                                ("hybrid", "ngram-cache"), ("hybrid", "eagle3")])
 def test_a_broken_verifier_fails_the_distribution_test(target, draft, markov) -> None:
     engine, reference = markov(target, draft, verifiers=Verifiers(sample=AcceptEverything))
-    zs = check_distribution(engine, reference, Chain(1.0), "sample", n=1200)
+    zs = check_distribution(engine, reference, NumpySampler(1.0), "sample", n=1200)
     assert max(zs) > Z_LIMIT, zs
 
 
@@ -249,12 +249,12 @@ def test_a_broken_verifier_fails_the_distribution_test(target, draft, markov) ->
 DSPARK_LENGTH = 5
 
 
-@pytest.mark.parametrize(("target", "chain"), [("dense", VARIANTS[0]), ("hybrid", Chain(1.0))])
-def test_dspark_samples_follow_the_target_distribution_where_q_is_far_from_p(target, chain, markov) -> None:
+@pytest.mark.parametrize(("target", "sampler"), [("dense", VARIANTS[0]), ("hybrid", NumpySampler(1.0))])
+def test_dspark_samples_follow_the_target_distribution_where_q_is_far_from_p(target, sampler, markov) -> None:
     engine, reference = markov(target, "dspark")
-    zs = check_distribution(engine, reference, chain, "sample", n=1200, length=DSPARK_LENGTH)
+    zs = check_distribution(engine, reference, sampler, "sample", n=1200, length=DSPARK_LENGTH)
     assert max(zs) < Z_LIMIT, zs
-    stats = engine.generate(reference.text, max_tokens=48, draft_length=3, seed=7, **chain.kwargs()).stats
+    stats = engine.generate(reference.text, max_tokens=48, draft_length=3, seed=7, **sampler.kwargs()).stats
     assert stats.drafted > 24 and stats.acceptance_rate < 0.5, stats  # q far from p: most drafts are rejected
 
 
@@ -300,7 +300,7 @@ def test_rejection_sampling_keeps_more_drafts_than_sample_and_match(target: str,
     assert sample > match + 0.2, rates
 
 
-def samples_beside_neighbours(engine: Engine, reference: Reference, chain: Chain, verify: str, n: int,
+def samples_beside_neighbours(engine: Engine, reference: Reference, sampler: NumpySampler, verify: str, n: int,
                               length: int) -> Iterator[tuple[int, ...]]:
     """The same samples, three at a time on an engine of several sequences, beside a neighbour that decodes a long
     greedy answer to another prompt: every step of a sample shares its target decode with other requests' rows."""
@@ -312,7 +312,7 @@ def samples_beside_neighbours(engine: Engine, reference: Reference, chain: Chain
             if not batch:
                 return
             streams = [engine.stream(reference.text, max_tokens=length, draft_length=3, verify=verify, seed=seed,
-                                     method=reference.method, **chain.kwargs()) for seed in batch]
+                                     method=reference.method, **sampler.kwargs()) for seed in batch]
             drawn: list[list[int]] = [[] for _ in streams]
             running = list(range(len(streams)))
             while running:
@@ -328,12 +328,12 @@ def samples_beside_neighbours(engine: Engine, reference: Reference, chain: Chain
         neighbour.close()
 
 
-@pytest.mark.parametrize(("target", "draft", "verify", "chain"), [
+@pytest.mark.parametrize(("target", "draft", "verify", "sampler"), [
     ("dense", "dflash2", "sample", VARIANTS[0]), ("hybrid", "dflash2", "sample", VARIANTS[1]),
     ("hybrid", "mtp", "sample", VARIANTS[2]), ("hybrid", "dflash2", "match", VARIANTS[3]),
     ("dense", "ngram-mod", "sample", VARIANTS[1]),
 ], ids=lambda v: str(v))
-def test_samples_beside_busy_neighbours_follow_the_target_distribution(target, draft, verify, chain) -> None:
+def test_samples_beside_busy_neighbours_follow_the_target_distribution(target, draft, verify, sampler) -> None:
     if draft in NGRAMS:
         pair = tiny_pair(target, None, head="markov")
     else:
@@ -344,8 +344,8 @@ def test_samples_beside_busy_neighbours_follow_the_target_distribution(target, d
         reference = Reference(pair, engine, ngram_prompt(engine) if draft in NGRAMS else PROMPT,
                               draft if draft in NGRAMS else None)
         length, n = 3, 1200
-        expected = reference.joint(chain, length)
-        drawn = list(samples_beside_neighbours(engine, reference, chain, verify, n, length))
+        expected = reference.joint(sampler, length)
+        drawn = list(samples_beside_neighbours(engine, reference, sampler, verify, n, length))
         reference.close()
     assert len(drawn) == n
     zs = z_scores(drawn, expected, length)

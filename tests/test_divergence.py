@@ -9,12 +9,12 @@ from collections.abc import Iterator
 import pytest
 
 from dflash_runtime import load_pair
-from dflash_runtime.divergence import FAULT, IDENTICAL, NEAR_TIE, Divergence, first_difference
+from dflash_runtime.decoding.divergence import FAULT, IDENTICAL, NEAR_TIE, Divergence, first_difference
+from dflash_runtime.decoding.verify import MatchVerifier, Verifiers
 from dflash_runtime.drafters.proposal import DRAFT, TARGET, Proposal
 from dflash_runtime.engine import Engine
-from dflash_runtime.sampling import Sampler
+from dflash_runtime.native.sampling import Sampler
 from dflash_runtime.testing.tiny_models import tiny_pair
-from dflash_runtime.verify import MatchVerifier, Verifiers
 
 PROMPTS = [f"{a} {b}" for a in ("the quick brown fox", "hello world", "what is the capital of", "once upon a time",
                                 "one two three") for b in ("jumps", "and the dog", "said the model", "over it")]

@@ -1,6 +1,6 @@
 """draft-simple: a small autoregressive model of the target's vocabulary drafts (llama.cpp's --spec-type
-draft-simple). At temperature 0 every answer is the target's own, alone, chained and with parallel sequences, on
-dense and hybrid targets, with a dense or a hybrid (recurrent, rolled back exactly) draft model; the file is refused
+draft-simple). At temperature 0 every answer is the target's own, alone, in a method list and with parallel sequences,
+on dense and hybrid targets, with a dense or a hybrid (recurrent, rolled back exactly) draft model; the file is refused
 clearly where it cannot draft. (Above temperature 0:
 tests/test_distribution.py; against llama-server: tools/compare_llama_server.py --draft draft-simple.)"""
 
@@ -16,8 +16,8 @@ import pytest
 from pairs import PROMPTS, owners_in_turns_answer_alone
 
 from dflash_runtime import load_pair
-from dflash_runtime.footprint import sequence_footprint
-from dflash_runtime.gguf_meta import read_gguf
+from dflash_runtime.files.footprint import sequence_footprint
+from dflash_runtime.files.gguf_meta import read_gguf
 from dflash_runtime.testing.tiny_models import tiny_draft_model, tiny_pair
 
 KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB")  # as tests/test_footprint.py reads libllama's log
@@ -45,7 +45,7 @@ def test_a_small_model_drafts_and_every_answer_is_the_targets_own(pair) -> None:
         for prompt in PROMPTS[:4]:
             base = engine.generate(prompt, max_tokens=40, speculative=False)
             runs = [(METHOD, length) for length in (1, 5, "auto")]
-            runs += [(f"ngram-mod,{METHOD}", 5), (f"{METHOD},ngram-map-k", "auto")]  # chained, either side
+            runs += [(f"ngram-mod,{METHOD}", 5), (f"{METHOD},ngram-map-k", "auto")]  # in a method list, either side
             for method, length in runs:
                 result = engine.generate(prompt, max_tokens=40, method=method, draft_length=length)
                 assert result.tokens == base.tokens, (prompt, length, method)
@@ -68,7 +68,7 @@ def test_parallel_sequences_and_owners_answer_as_one_request_alone(pair) -> None
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_the_target_itself_drafts_every_token_right(kind: str) -> None:
     """A draft that is the target proposes the target's own tokens only while its state is exactly the target's: for
-    a hybrid draft, after every partial acceptance (a chained draft's cells dropped, the recurrent state restored),
+    a hybrid draft, after every partial acceptance (a draft's cells dropped, the recurrent state restored),
     every prefix cut of a following request, and parked owners."""
     target = tiny_pair(kind, None, head="random")  # a head that never repeats: rejections come from the state alone
     with load_pair(target.target, target.target, n_ctx=256, draft_capacity=4, parallel=2) as engine:
@@ -84,7 +84,7 @@ def test_the_target_itself_drafts_every_token_right(kind: str) -> None:
 
 
 def test_its_memory_per_sequence_is_what_libllama_allocates(capfd: pytest.CaptureFixture[str]) -> None:
-    """footprint.py's draft_kv for a draft-simple model: the draft context's KV cache as libllama logs it, for one
+    """files/footprint.py's draft_kv for a draft-simple model: the draft context's KV cache as libllama logs it, for one
     sequence and for each more."""
     dense = tiny_pair("dense", None, head="phrase")
     draft = tiny_draft_model(dense)

@@ -21,7 +21,7 @@ from pairs import PROMPTS, owners_in_turns_answer_alone
 from space_client import host_reply
 
 from dflash_runtime import PairMismatchError, RequestError, load_pair, methods
-from dflash_runtime.gguf_meta import read_gguf
+from dflash_runtime.files.gguf_meta import read_gguf
 from dflash_runtime.space.gpu.host import EngineHost
 from dflash_runtime.space.page.endpoints import ab_picked
 from dflash_runtime.space.page.views import method_help
@@ -123,8 +123,8 @@ def test_every_answer_is_the_targets_own(kind: str, confidence: bool) -> None:
                     cut = cut_short(result, length)
                     assert not cut or (p_min and confidence), cut  # without a confidence head p_min cuts nothing
                     cuts += cut
-        with_chain = engine.generate(PROMPTS[0], max_tokens=MAX_TOKENS, method=f"ngram-mod,{METHOD}", draft_length=3)
-        assert with_chain.tokens == engine.generate(PROMPTS[0], max_tokens=MAX_TOKENS, speculative=False).tokens
+        with_list = engine.generate(PROMPTS[0], max_tokens=MAX_TOKENS, method=f"ngram-mod,{METHOD}", draft_length=3)
+        assert with_list.tokens == engine.generate(PROMPTS[0], max_tokens=MAX_TOKENS, speculative=False).tokens
     assert accepted > 0 and drafted > accepted  # drafts right and wrong: the check can fail
     if confidence:  # the confidence head ends drafts at positions of its own: before the first token and later
         assert 0 in cuts and len(set(cuts) - {0}) >= 2, sorted(cuts)

@@ -1,6 +1,6 @@
 """EAGLE-3: a one-layer draft reading three target layers (llama.cpp's --spec-type draft-eagle3). At temperature 0
-every answer is the target's own, alone, chained, with parallel sequences and across requests, on dense and hybrid
-targets; the generated draft is laid out as the converter writes one; a draft that does not fit is refused.
+every answer is the target's own, alone, in a method list, with parallel sequences and across requests, on dense and
+hybrid targets; the generated draft is laid out as the converter writes one; a draft that does not fit is refused.
 (Above temperature 0: tests/test_distribution.py; against llama-server: tools/compare_llama_server.py.)"""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from pairs import PROMPTS, owners_in_turns_answer_alone
 
 from dflash_runtime import PairMismatchError, load_pair
-from dflash_runtime.gguf_meta import read_gguf
+from dflash_runtime.files.gguf_meta import read_gguf
 from dflash_runtime.testing.tiny_models import tiny_pair
 
 METHOD = "eagle3"

@@ -14,7 +14,7 @@ from dflash_runtime import (
     RollbackError,
     load_pair,
 )
-from dflash_runtime.stats import Stats
+from dflash_runtime.results.stats import Stats
 
 
 def check_invariants(stats: Stats, tokens: list[int], draft_length: int | None = None) -> None:

@@ -1,4 +1,4 @@
-"""footprint.py against what libllama allocates: each part of one more sequence, on generated pairs (the KV caches
+"""files/footprint.py against what libllama allocates: each part of one more sequence, on generated pairs (the KV caches
 and recurrent states libllama logs as it opens each context, and the recurrent state a filled sequence saves)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from dflash_runtime import load_pair
-from dflash_runtime.footprint import (
+from dflash_runtime.files.footprint import (
     ParallelPlan,
     branch_footprint,
     fit_parallel,
@@ -19,7 +19,7 @@ from dflash_runtime.footprint import (
     recurrent_cell_bytes,
     sequence_footprint,
 )
-from dflash_runtime.gguf_meta import read_gguf
+from dflash_runtime.files.gguf_meta import read_gguf
 from dflash_runtime.native.backends import FreeMemory, device_memory, free_memory
 from dflash_runtime.native.states import PARTIAL_ONLY, state_size
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair

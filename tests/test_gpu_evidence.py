@@ -77,7 +77,7 @@ def test_cpu_mode_writes_every_section_and_finds_no_mismatch(tmp_path: Path) -> 
     assert all(0 <= r["host_share"] <= 1 for r in result["host_overhead"]["rows"])
     tree_pairs = result["trees"]["pairs"]
     tree_rows = [r for p in tree_pairs.values() for r in p["rows"]]
-    assert {r["mode"] for r in tree_rows} == {"chain", "chain-q", "tree", "tree-auto"} and len(tree_rows) == 21
+    assert {r["mode"] for r in tree_rows} == {"linear", "linear-q", "tree", "tree-auto"} and len(tree_rows) == 21
     assert all(r["mismatches"] == 0 and r["accepted_per_verify"] >= 1 for r in tree_rows)
     hybrid = tree_pairs["small-hybrid-phrase-mtp"]  # its paths' forks: on the device, none through host memory
     assert hybrid["target"] == "hybrid" and hybrid["forks"] > 0 and hybrid["fork_host_bytes"] == 0

@@ -19,7 +19,7 @@ from space_client import chat_args
 from dflash_runtime import methods
 from dflash_runtime.drafters.drafting import Implementation
 from dflash_runtime.errors import PairMismatchError
-from dflash_runtime.gguf_meta import read_gguf
+from dflash_runtime.files.gguf_meta import read_gguf
 from dflash_runtime.testing.tiny_models import tiny_draft_model, tiny_pair
 
 

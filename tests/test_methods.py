@@ -151,16 +151,17 @@ def test_the_registry_names_each_method_once_and_the_engine_opens_what_it_lists(
             load_pair(both.target, both.draft, n_ctx=256, method_options={method: {"bogus": 1}})
 
 
-@pytest.mark.parametrize("chain", ["mtp,dflash", "dflash,mtp"])
-def test_a_chain_drafts_with_its_first_member_that_drafts_and_answers_as_plain_decoding(both, chain: str) -> None:
-    """A chain is lossless and its stats say which member drafted each verify step (here the first always can)."""
-    first = chain.split(",")[0]
+@pytest.mark.parametrize("methods", ["mtp,dflash", "dflash,mtp"])
+def test_a_method_list_drafts_with_its_first_member_that_drafts_and_answers_as_plain_decoding(both, methods) -> None:
+    """A method list is lossless and its stats say which member drafted each verify step (here the first always
+    can)."""
+    first = methods.split(",")[0]
     with load_pair(both.target, both.draft, n_ctx=1024) as engine:
         for prompt in PROMPTS:
             base = engine.generate(prompt, max_tokens=30, speculative=False)
             for length in (1, 3, "auto"):
-                result = engine.generate(prompt, max_tokens=30, method=chain.replace(",", ", "), draft_length=length)
-                assert result.tokens == base.tokens, (chain, prompt, length)
-                assert result.stats.method == chain
+                result = engine.generate(prompt, max_tokens=30, method=methods.replace(",", ", "), draft_length=length)
+                assert result.tokens == base.tokens, (methods, prompt, length)
+                assert result.stats.method == methods
                 assert result.stats.drafted_by == [first] * result.stats.verify_steps
                 assert result.token_sources.count("draft") == result.stats.accepted

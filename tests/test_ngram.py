@@ -1,7 +1,7 @@
 """N-gram drafting (llama.cpp's ngram-mod, ngram-map-k, ngram-simple, ngram-map-k4v and ngram-cache): on every target,
-no draft file, lossless at temperature 0 on dense and hybrid targets, alone and chained before DFlash, and one
-owner's text never drafts for another. (ngram-cache's files and what it learns: tests/test_ngram_cache.py; against
-llama-server: tests/test_llama_server_ngrams.py.)"""
+no draft file, lossless at temperature 0 on dense and hybrid targets, alone and before DFlash in a method list, and
+one owner's text never drafts for another. (ngram-cache's files and what it learns: tests/test_ngram_cache.py;
+against llama-server: tests/test_llama_server_ngrams.py.)"""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_ngram_simple_drafts_what_followed_the_newest_earlier_occurrence() -> No
         assert NgramSimpleDrafter(TokenView(lambda s=sequence: s), capacity=64).draft(111, 0, 64).tokens == drafted
 
 
-def test_chains_before_dflash_are_lossless_and_say_who_drafted() -> None:
+def test_method_lists_with_dflash_are_lossless_and_say_who_drafted() -> None:
     """ngram-mod,dflash: the n-gram draft where the answer copies the prompt, DFlash elsewhere, each step recorded."""
     pair = tiny_pair("hybrid", "dflash2", head="phrase")
     with load_pair(pair.target, pair.draft, n_ctx=1024, draft_capacity=7, method_options=SMALL) as engine:
@@ -82,15 +82,15 @@ def test_chains_before_dflash_are_lossless_and_say_who_drafted() -> None:
         seen: set[str] = set()
         for prompt in PROMPTS:
             base = engine.generate(prompt, max_tokens=48, speculative=False)
-            for chain in ("ngram-mod,dflash", "ngram-map-k,dflash", "ngram-cache,ngram-map-k4v,dflash",
-                          "dflash,ngram-mod"):
+            for method in ("ngram-mod,dflash", "ngram-map-k,dflash", "ngram-cache,ngram-map-k4v,dflash",
+                           "dflash,ngram-mod"):
                 for length in (3, 7, "auto"):
-                    result = engine.generate(prompt, max_tokens=48, method=chain, draft_length=length)
-                    assert result.tokens == base.tokens, (chain, prompt, length)
+                    result = engine.generate(prompt, max_tokens=48, method=method, draft_length=length)
+                    assert result.tokens == base.tokens, (method, prompt, length)
                     stats = result.stats
-                    assert stats.method == chain and len(stats.drafted_by) == stats.verify_steps
-                    assert set(stats.drafted_by) <= set(chain.split(","))
-                    if chain.startswith("dflash"):
+                    assert stats.method == method and len(stats.drafted_by) == stats.verify_steps
+                    assert set(stats.drafted_by) <= set(method.split(","))
+                    if method.startswith("dflash"):
                         assert set(stats.drafted_by) <= {"dflash"}  # DFlash always drafts: the n-grams never run
                     seen.update(stats.drafted_by)
         assert {"ngram-mod", "ngram-map-k", "ngram-cache", "dflash"} <= seen

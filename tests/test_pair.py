@@ -21,7 +21,7 @@ from dflash_runtime import (
     methods,
 )
 from dflash_runtime.drafters.dflash import BlockDrafter
-from dflash_runtime.gguf_meta import GGML_TYPE_SIZES, read_gguf
+from dflash_runtime.files.gguf_meta import GGML_TYPE_SIZES, read_gguf
 from dflash_runtime.native.batches import TokenBatch
 from dflash_runtime.native.ext import DFlashApi, dflash_api, missing_symbols
 from dflash_runtime.pair import LinkedPair, live_handles
@@ -217,7 +217,7 @@ def test_a_truncated_header_is_a_model_file_error(tmp_path: Path) -> None:
 def test_a_load_reads_each_header_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The registry (which method claims the draft), the pair, the memory plan and the Space ask for the same
     headers during one load: each file is parsed once while it is unchanged, again once it changed."""
-    from dflash_runtime import gguf_meta
+    from dflash_runtime.files import gguf_meta
 
     files = pair_files("dense", "dflash2")
     target, draft = tmp_path / "target.gguf", tmp_path / "draft.gguf"

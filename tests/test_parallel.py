@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from dflash_runtime import DecodeError, EngineBusyError, load_pair
-from dflash_runtime.bench_concurrency import run_streams
+from dflash_runtime.cli.bench_concurrency import run_streams
+from dflash_runtime.decoding.occupancy import RequestStream
 from dflash_runtime.engine import Engine
 from dflash_runtime.native.memory import SequenceMemory
-from dflash_runtime.results import StreamEvent
-from dflash_runtime.streams import RequestStream
+from dflash_runtime.results.events import StreamEvent
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
 
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "one", "two", "three",
@@ -253,6 +253,51 @@ def test_a_short_request_is_served_while_a_long_prompt_prefills() -> None:
     reference.engine.reset()
     assert [t for e in long_events for t in e.tokens] == reference.engine.generate(
         long_prompt, max_tokens=4, speculative=False).tokens
+    reference.engine.close()
+
+
+def test_beside_an_answer_being_written_the_steps_prompts_take_one_chunk_together() -> None:
+    """Two long prompts prefill in chunks of 8 while a third request generates: a step that writes its token holds
+    at most 8 prompt tokens in all, so its cost does not grow with the prompts waiting;
+    every answer is exact."""
+    pair = tiny_pair("hybrid", "dflash2", head="random")
+    reference = Reference(pair, n_ctx=2048)
+    with load_pair(pair.target, pair.draft, n_ctx=2048, draft_capacity=7, parallel=3) as engine:
+        words = engine.tokenize(" ".join(WORDS))
+        prompts = {"a": (words * 20)[:200], "b": (words * 30)[:320]}
+        done = {"a": 0, "b": 0}
+
+        def progress(name: str):
+            return lambda n, _total: done.__setitem__(name, n)
+
+        prompts["g"] = engine.tokenize("hello world")
+        writing = engine.stream(prompts["g"], max_tokens=120, speculative=False)
+        events = {"g": [next(writing)]}
+        streams = {"g": writing}
+        for name in ("a", "b"):
+            streams[name] = engine.stream(prompts[name], max_tokens=2, prefill_events=True, prefill_chunk=8,
+                                          on_prefill=progress(name), speculative=False)
+            events[name] = []
+        shared_steps = 0
+        while streams:
+            for name in list(streams):
+                before, counters = dict(done), engine.step_counters()
+                event = next(streams[name], None)
+                after = engine.step_counters()
+                if event is None or event.finish_reason is not None:
+                    del streams[name]
+                if event is not None:
+                    events[name].append(event)
+                prompt_rows = sum(done.values()) - sum(before.values())
+                if after["decodes"] - counters["decodes"] == 1 and after["rows"] - counters["rows"] > prompt_rows > 0:
+                    shared_steps += 1  # one step, holding a generating request's row beside prompt chunks
+                    assert prompt_rows <= 8, (before, done)
+        assert shared_steps >= 10, shared_steps
+    for name, prompt in prompts.items():
+        reference.engine.reset()
+        expected = reference.engine.generate(prompt, max_tokens=len([t for e in events[name] for t in e.tokens]),
+                                             speculative=False).tokens
+        assert [t for e in events[name] for t in e.tokens] == expected, name
     reference.engine.close()
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pairs import ALL_PAIRS, PAIR_IDS, PROMPTS
 
-from dflash_runtime.results import TOKEN_SOURCES
+from dflash_runtime.results.events import TOKEN_SOURCES
 
 
 def check_sources(tokens: list[int], sources: list[str], stats) -> None:

@@ -16,12 +16,12 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dflash_runtime import load_pair
-from dflash_runtime.gguf_meta import read_gguf
+from dflash_runtime.files.gguf_meta import read_gguf
+from dflash_runtime.files.validation import validate_pair
 from dflash_runtime.space.page.highlight import reply_markdown
 from dflash_runtime.space.requests import THINK_CLOSE, THINK_OPEN, strip_thinking, thinking_prefix
 from dflash_runtime.testing.real_layout import SAMPLING_DEFAULTS, RealLayoutPair, real_layout_pair, vendored_file
 from dflash_runtime.testing.tiny_models import tiny_pair
-from dflash_runtime.validation import validate_pair
 
 N_VOCAB = 248_320
 BOS, IM_START, IM_END, THINK, THINK_END, MASK = 248044, 248045, 248046, 248068, 248069, 248070

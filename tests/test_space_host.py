@@ -15,8 +15,8 @@ import pytest
 from space_client import demo_pair, expected_answer, reference_engine, whole_reply
 
 from dflash_runtime import load_pair
-from dflash_runtime.footprint import DEFAULT_RESERVE_BYTES, sequence_footprint
-from dflash_runtime.gguf_meta import read_gguf
+from dflash_runtime.files.footprint import DEFAULT_RESERVE_BYTES, sequence_footprint
+from dflash_runtime.files.gguf_meta import read_gguf
 from dflash_runtime.native.backends import FreeMemory
 from dflash_runtime.space.gpu.host import EngineHost
 from dflash_runtime.space.gpu_job import AnswerSoFar, GpuJob, ReplyChunk, info_digest

@@ -498,6 +498,31 @@ def test_clients_take_turns_and_one_holding_most_shares_with_a_newcomer() -> Non
     assert order == ["A", "B"] and turns.yields == 2, order
 
 
+def test_a_waiting_job_looks_again_when_a_seat_holders_turn_ends() -> None:
+    """While a call waits and no seat is free, the policy names the time the soonest turn reaches its quantum (the
+    waiting job's next look, not a poll later); at that time the holder is asked to yield; with a free seat, or
+    nobody waiting, there is no such time."""
+    share = FairShare(PublicSettings(quantum_s=2.0), capacity=1)
+    a, b = share.admit(0.0, "A", None, 1), share.admit(0.0, "B", None, 1)
+    assert isinstance(a, Call) and isinstance(b, Call)
+    assert share.turn_ends(0.0) is None
+    share.ask(0.0, a, None, can_yield=True)
+    share.schedule(0.0)
+    assert a.seated and share.turn_ends(0.3) is None, "nobody waits"
+    share.ask(0.3, b, None, can_yield=True)
+    share.schedule(0.3)
+    assert share.turn_ends(0.3) == 2.0 and not a.yield_asked
+    share.schedule(1.999)
+    assert not a.yield_asked
+    share.schedule(2.0)
+    assert a.yield_asked
+    share.yield_turn(2.1, a)
+    share.schedule(2.1)
+    assert b.seated and share.turn_ends(2.1) == 4.1, "A waits again: B's turn ends a quantum after it began"
+    share.release(2.5, b)
+    assert share.turn_ends(2.5) is None, "a seat is free"
+
+
 def test_two_seats_stream_two_jobs_at_once() -> None:
     """With two seats, each of two jobs hands over a chunk while the other is still running: the first job goes on
     only once the second has sent its first chunk, and the second ends only after the first's second chunk."""

@@ -19,6 +19,7 @@ from app_fixtures import REPO_ROOT
 from space_client import reference_engine, summary_contradiction
 
 from dflash_runtime.errors import PromptTooLongError, RequestError
+from dflash_runtime.results.stats import Stats
 from dflash_runtime.space.gpu.fitting import fit_conversation, prompt_tokens
 from dflash_runtime.space.gpu_job import GpuJob, ReplyChunk, resumed_stats
 from dflash_runtime.space.page.endpoints import AB_MOST, ab_picked
@@ -58,7 +59,6 @@ from dflash_runtime.space.setup.runmode import (
 )
 from dflash_runtime.space.setup.settings import PublicSettings
 from dflash_runtime.space.web.gpu_time import GpuTimeEstimator
-from dflash_runtime.stats import Stats
 
 LIMITS = Limits(max_new_tokens=4096, max_input_chars=32000, max_history_messages=256, draft_capacity=7)
 Message = dict[str, str]

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import gradio as gr
 import pytest
 
+from dflash_runtime.results.stats import Stats
 from dflash_runtime.space.gpu_job import ReplyChunk
 from dflash_runtime.space.page.highlight import BADGE_CLASS, DRAFT_CLASS, ReplyView, reply_markdown, with_badge
 from dflash_runtime.space.page.session import ChatSession
@@ -21,7 +22,6 @@ from dflash_runtime.space.page.speedup import ACCEPTANCE, SPEED, SpeedTrace
 from dflash_runtime.space.page.views import ab_markdown, ab_verdict
 from dflash_runtime.space.provenance import SourceRuns, draft_text, merged
 from dflash_runtime.space.web.calls import Calls, ReplyJob
-from dflash_runtime.stats import Stats
 
 TIMEOUT_S = 30.0
 def random_runs(text: str, rng: random.Random) -> list[tuple[int, str]]:

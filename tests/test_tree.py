@@ -5,7 +5,7 @@ exact joint distribution of the first tokens is known, and a draft whose distrib
 position's q depends on the candidate its parent took, as a DFlash 2 lattice's do). The verifier under test reads the
 target's "rows" through the same callables the engine's would. They have power: the deliberately broken variants —
 siblings drawn with replacement but verified as drawn without, the residual left unnormalised, every sibling verified
-against the unremoved q, the chain's rule applied to a chosen tree — fail them.
+against the unremoved q, the linear draft's rule applied to a chosen tree — fail them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from test_distribution import Z_LIMIT, chi_square_z
 
-from dflash_runtime.controller import TreeOrChain
+from dflash_runtime.decoding.controller import TreeOrLinear
+from dflash_runtime.decoding.verify import TreeRejection
 from dflash_runtime.drafters.proposal import DRAFT, TARGET, draw
 from dflash_runtime.drafters.tree import (
     ROOT,
@@ -30,7 +31,6 @@ from dflash_runtime.drafters.tree import (
     TreeWalker,
     build_tree,
 )
-from dflash_runtime.verify import TreeRejection
 
 VOCAB = 6
 LENGTH = 3  # tokens whose joint distribution is compared
@@ -124,7 +124,7 @@ def drawn_tree(draft: TableDraft) -> Callable[[np.random.Generator], DraftTree]:
     return lambda rng: build_tree(draft, BUDGET, rng=rng)
 
 
-def test_a_drawn_tree_has_siblings_at_every_depth_and_its_spine_is_the_chains_draw() -> None:
+def test_a_drawn_tree_has_siblings_at_every_depth_and_its_spine_is_the_linear_draw() -> None:
     _, draft = FAR
     tree = build_tree(draft, BUDGET, rng=np.random.default_rng(0))
     assert len(tree.children(ROOT)) >= 3 and tree.depth == 3
@@ -216,8 +216,8 @@ def test_broken_tree_verifiers_fail_the_distribution_test() -> None:
     assert min(zs.values()) > Z_LIMIT, zs
 
 
-def test_every_node_keeps_at_least_what_the_chains_rule_keeps_with_its_first_sibling() -> None:
-    """At the root the chain keeps its draft with probability Σ min(p, q); the tree's first sibling is that draw
+def test_every_node_keeps_at_least_what_the_linear_rule_keeps_with_its_first_sibling() -> None:
+    """At the root a linear draft keeps its draft with probability Σ min(p, q); the tree's first sibling is that draw
     under that rule, and each further one adds the residual's chance ("sure": the draft's certainty leaves the root
     without forks most of the time, "far": never)."""
     for case, (target, draft) in CASES.items():
@@ -230,9 +230,9 @@ def test_every_node_keeps_at_least_what_the_chains_rule_keeps_with_its_first_sib
             rows = rows_of(target, tree)
             walk = TreeRejection(lambda row, rows=rows: (np.arange(VOCAB), rows[row]), rng).walk(tree, lambda i: i)
             kept += next(walk)[1] == DRAFT
-        chain = float(np.minimum(p, q).sum())
-        sigma = np.sqrt(chain * (1 - chain) / n)
-        assert kept / n > chain + (4 * sigma if case == "far" else -4 * sigma), (case, kept / n, chain)
+        linear_keeps = float(np.minimum(p, q).sum())
+        sigma = np.sqrt(linear_keeps * (1 - linear_keeps) / n)
+        assert kept / n > linear_keeps + (4 * sigma if case == "far" else -4 * sigma), (case, kept / n, linear_keeps)
 
 
 class CountedDraws:
@@ -261,21 +261,21 @@ def lattice_rows(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
     return np.concatenate([cands, scores], axis=1)
 
 
-def test_a_chosen_lattice_tree_holds_the_chains_draft_and_forks_best_first_within_its_budget() -> None:
+def test_a_chosen_lattice_tree_holds_the_linear_draft_and_forks_best_first_within_its_budget() -> None:
     rng = np.random.default_rng(5)
     k, n = 4, 7
     rows = lattice_rows(rng, n, k)
     levels = LatticeLevels(rows, k)
-    # the chain's greedy lattice walk (dflash.BlockDrafter): argmax of the scores from the predecessor's slot
-    chain, pred = [], 0
+    # the linear draft's greedy lattice walk (dflash.BlockDrafter): argmax of the scores from the predecessor's slot
+    linear_draft, pred = [], 0
     for i in range(n):
         s = rows[i, k + pred * k:k + (pred + 1) * k]
         pred = int(np.argmax(s))
-        chain.append(int(rows[i, pred]))
+        linear_draft.append(int(rows[i, pred]))
     for budget in (1, 4, 16, 40):
         tree = build_tree(levels, budget)
         spine = [tree.nodes[i].token for i in tree.spine()]
-        assert spine == chain[:min(budget, n)]
+        assert spine == linear_draft[:min(budget, n)]
         for path in tree.paths():
             assert len(path) == len(spine)  # every path runs to the spine's depth
         for index, node in enumerate(tree.nodes):
@@ -304,15 +304,15 @@ class SureDraft:
         return Candidates(np.arange(4), probs, np.arange(4))
 
 
-def test_the_spine_stops_where_the_chain_would() -> None:
+def test_the_spine_stops_where_the_linear_draft_would() -> None:
     for rng in (None, np.random.default_rng(1)):
         assert build_tree(SureDraft(), 20, p_min=0.65, rng=rng).depth == 3  # 0.9, 0.8, 0.7 kept; 0.6 < 0.65
 
 
 def test_at_temperature_0_the_walk_keeps_the_longest_path_the_target_agrees_with() -> None:
     tree = build_tree(TableDraft(3, 9), 9)
-    chain = [tree.nodes[i].token for i in tree.spine()]
-    other = next(t for t in tree.children(ROOT) if t != chain[0])  # the target's greedy text leaves the chain at once
+    spine = [tree.nodes[i].token for i in tree.spine()]
+    other = next(t for t in tree.children(ROOT) if t != spine[0])  # the target's greedy text leaves the spine at once
     below = tree.children(tree.child(ROOT, other))  # type: ignore[arg-type]
     greedy = {(): other, (other,): next(iter(below))}
 
@@ -321,12 +321,12 @@ def test_at_temperature_0_the_walk_keeps_the_longest_path_the_target_agrees_with
 
     walked = list(TreeWalk(argmax).walk(tree, lambda node: node))
     assert [s for _, s in walked][:2] == [DRAFT, DRAFT] and walked[-1][1] == TARGET
-    assert [t for t, _ in walked][:2] == [other, next(iter(below))]  # the chain would accept nothing
+    assert [t for t, _ in walked][:2] == [other, next(iter(below))]  # a linear draft would accept nothing
 
 
-class ChainRuleOnTree:
-    """Deliberately broken: the chain's rejection rule along a chosen tree's spine, as if its tokens had been drawn
-    from the draft's q — kept with probability min(1, p/q), else a sample of max(0, p − q)."""
+class LinearRuleOnTree:
+    """Deliberately broken: the linear draft's rejection rule along a chosen tree's spine, as if its tokens had been
+    drawn from the draft's q — kept with probability min(1, p/q), else a sample of max(0, p − q)."""
 
     def __init__(self, draft: TableDraft, rows: Callable[[int], np.ndarray], rng: np.random.Generator) -> None:
         self._draft, self._rows, self._rng = draft, rows, rng
@@ -347,43 +347,44 @@ class ChainRuleOnTree:
         yield draw(self._rows(row_of(node)), self._rng), TARGET
 
 
-def test_a_chosen_tree_is_exact_under_the_walk_and_not_under_the_chains_rule() -> None:
+def test_a_chosen_tree_is_exact_under_the_walk_and_not_under_the_linear_rule() -> None:
     target, draft = FAR
     tree = build_tree(draft, BUDGET)
     assert len(tree.children(ROOT)) >= 3
     rows = rows_of(target, tree)
     walk = z_of(target, lambda rng: tree, lambda dist, rng: TreeWalk(lambda row: draw(dist(row)[1], rng)))
-    broken = z_of(target, lambda rng: tree, lambda dist, rng: ChainRuleOnTree(draft, rows.__getitem__, rng))
+    broken = z_of(target, lambda rng: tree, lambda dist, rng: LinearRuleOnTree(draft, rows.__getitem__, rng))
     assert walk < Z_LIMIT < broken, (walk, broken)
 
 
-def test_the_tree_or_chain_choice_follows_measured_tokens_per_second() -> None:
-    for tree_rate, chain_rate, winner in ((2.0, 1.0, "tree"), (1.0, 1.2, "chain")):
-        arms = TreeOrChain(probe_every=8)
+def test_the_tree_or_linear_choice_follows_measured_tokens_per_second() -> None:
+    for tree_rate, linear_rate, winner in ((2.0, 1.0, "tree"), (1.0, 1.2, "linear")):
+        arms = TreeOrLinear(probe_every=8)
         chosen = []
         for _ in range(64):
             arm = arms.choose()
             chosen.append(arm)
-            arms.observe(arm, 4, 4 / (tree_rate if arm == "tree" else chain_rate))
+            arms.observe(arm, 4, 4 / (tree_rate if arm == "tree" else linear_rate))
         later = chosen[8:]
         assert later.count(winner) >= len(later) * 7 // 8, chosen  # the loser only at probes
-        assert 0 < later.count("chain" if winner == "tree" else "tree") <= len(later) // 8 + 1
-        assert arms.describe()["tree_or_chain"] in ("tree", "chain")
+        assert 0 < later.count("linear" if winner == "tree" else "tree") <= len(later) // 8 + 1
+        assert arms.describe()["tree_or_linear"] in ("tree", "linear")
 
 
-def test_no_tree_is_tried_where_the_chain_already_fills_its_steps() -> None:
-    """A chain whose drafts the target takes whole leaves a tree nothing to add: after the chain's warm-up the tree is
-    never tried, however fast a tree would be measured; as the chain's steps stop filling, the tree is tried."""
-    arms = TreeOrChain(probe_every=4)
+def test_no_tree_is_tried_where_the_linear_draft_already_fills_its_steps() -> None:
+    """A linear draft whose drafts the target takes whole leaves a tree nothing to add: after the linear draft's
+    warm-up the tree is never tried, however fast a tree would be measured; as the linear steps stop filling, the tree
+    is tried."""
+    arms = TreeOrLinear(probe_every=4)
     chosen = []
     for step in range(96):
         arm = arms.choose()
         chosen.append(arm)
         full = step < 48
-        if arm == "chain":
-            arms.observe(arm, 8 if full else 3, 0.01, ceiling=8)  # a depth-7 chain: 8 tokens at most
+        if arm == "linear":
+            arms.observe(arm, 8 if full else 3, 0.01, ceiling=8)  # a depth-7 linear draft: 8 tokens at most
         else:
             arms.observe(arm, 5, 0.001)
-    assert chosen[:48] == ["chain"] * 48 and arms.steps["tree"] > 0
+    assert chosen[:48] == ["linear"] * 48 and arms.steps["tree"] > 0
     assert chosen[48:].count("tree") > 24  # once there is room, the (faster) tree runs
-    assert TreeOrChain().fill() is None and TreeOrChain().tree_has_room()
+    assert TreeOrLinear().fill() is None and TreeOrLinear().tree_has_room()

@@ -14,18 +14,18 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from pairs import PROMPTS
-from test_distribution import Z_LIMIT, Chain, Reference, z_scores
+from test_distribution import Z_LIMIT, NumpySampler, Reference, z_scores
 from test_parallel import Reference as FreshEngine
 from test_parallel import _jobs, check_against_reference, interleave
 from test_tree import UnnormalisedResidual
 
 from dflash_runtime import load_pair
+from dflash_runtime.decoding.verify import MatchVerifier, RejectionVerifier, TreeRejection, Verifiers
 from dflash_runtime.drafters.proposal import DRAFT, TARGET, Proposal
 from dflash_runtime.drafters.tree import ROOT, DraftTree, TreeWalk, accepted_path
 from dflash_runtime.engine import Engine
 from dflash_runtime.errors import RequestError
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
-from dflash_runtime.verify import MatchVerifier, RejectionVerifier, TreeRejection, Verifiers
 
 TREE = "dflash-tree"
 
@@ -52,7 +52,7 @@ def test_a_tree_answers_as_plain_decoding_alone_and_after_an_ngram_draft(regime)
             for key in totals:
                 totals[key] += getattr(stats, key)
     assert totals["tree_steps"] > 0 and totals["tree_off_spine"] > 0, totals
-    assert totals["tree_nodes"] > totals["tree_steps"] * 7  # trees, not chains
+    assert totals["tree_nodes"] > totals["tree_steps"] * 7  # trees, not linear drafts
 
 
 def test_long_tree_answers_are_plain_decodings_alone_and_beside_other_requests(regime) -> None:
@@ -80,16 +80,16 @@ def test_long_tree_answers_are_plain_decodings_alone_and_beside_other_requests(r
     assert got["tree"] == plain[prompts[0]] and got["beside"] == plain[prompts[1]]
 
 
-def test_a_tree_accepts_at_least_what_the_chain_does_and_answers_long_as_plain(regime) -> None:
+def test_a_tree_accepts_at_least_what_the_linear_draft_does_and_answers_long_as_plain(regime) -> None:
     _, engine = regime
     prompt = PROMPTS[1]
     plain = engine.generate(prompt, max_tokens=240, speculative=False).tokens
-    chain = engine.generate(prompt, max_tokens=240, method="dflash", draft_length=7)
+    linear = engine.generate(prompt, max_tokens=240, method="dflash", draft_length=7)
     tree = engine.generate(prompt, max_tokens=240, method=TREE, draft_length=7, tree_nodes=16)
-    assert chain.tokens == tree.tokens == plain
-    # the tree holds the chain's draft: its steps emit at least as many tokens (a path off the spine costs no
+    assert linear.tokens == tree.tokens == plain
+    # the tree holds the linear draft: its steps emit at least as many tokens (a path off the spine costs no
     # decode of its own)
-    assert tree.stats.n_generated / tree.stats.target_steps >= chain.stats.n_generated / chain.stats.target_steps
+    assert tree.stats.n_generated / tree.stats.target_steps >= linear.stats.n_generated / linear.stats.target_steps
     assert tree.stats.tree_off_spine > 0 and tree.stats.plain_steps <= 1
 
 
@@ -102,9 +102,9 @@ def _recorded(walk: Iterator[tuple[int, str]], tokens: list[int]) -> Iterator[tu
         yield token, source
 
 
-class ChainWalkRecorded(MatchVerifier):
+class LinearWalkRecorded(MatchVerifier):
     def walk(self, proposal: Proposal, first_row: int = 0) -> Iterator[tuple[int, str]]:
-        WALKS.append(("chain", tuple(proposal.tokens), tokens := []))
+        WALKS.append(("linear", tuple(proposal.tokens), tokens := []))
         return _recorded(super().walk(proposal, first_row), tokens)
 
 
@@ -115,9 +115,9 @@ class TreeWalkRecorded(TreeWalk):
 
 
 def _drafted(kind: str, what: object) -> object:
-    """A walk's draft, comparable across engines: a chain's tokens, or a tree's nodes in order (token, parent, and the
-    draft's log probability of its path, to the bit)."""
-    return what if kind == "chain" else [(n.token, n.parent, n.logp) for n in what.nodes]  # type: ignore[attr-defined]
+    """A walk's draft, comparable across engines: a linear draft's tokens, or a tree's nodes in order (token, parent,
+    and the draft's log probability of its path, to the bit)."""
+    return what if kind == "linear" else [(n.token, n.parent, n.logp) for n in what.nodes]  # type: ignore[attr-defined]
 
 
 def _fork(kind: str, what: object, tokens: list[int]) -> int | None:
@@ -143,7 +143,7 @@ def test_the_step_after_a_path_off_the_spine_drafts_as_after_a_fresh_prefill(tar
     the spine below the root (`below_root`)."""
     pair = tiny_pair(target, "dflash2", head=head)
     with load_pair(pair.target, pair.draft, n_ctx=1024, draft_capacity=7, branches=3,
-                   verifiers=Verifiers(match=ChainWalkRecorded, tree=TreeWalkRecorded)) as engine:
+                   verifiers=Verifiers(match=LinearWalkRecorded, tree=TreeWalkRecorded)) as engine:
         text = PROMPTS[prompt]
         plain = engine.generate(text, max_tokens=150, speculative=False).tokens
         WALKS.clear()
@@ -174,8 +174,8 @@ def test_parallel_tree_requests_across_a_long_lived_engine_answer_as_a_fresh_eng
 
 
 def trees_in_turns_answer_as_a_fresh_engine(pair: TinyPair, engine: Engine, rng: random.Random) -> None:
-    """Ten random requests (trees of every size, chains, plain ones) interleaved on `engine`: each answers as a fresh
-    engine answers it alone."""
+    """Ten random requests (trees of every size, linear drafts, plain ones) interleaved on `engine`: each answers as a
+    fresh engine answers it alone."""
     jobs = _jobs(rng, engine, 10)
     for job in jobs:
         if job.options["speculative"]:
@@ -199,7 +199,7 @@ def test_hybrid_trees_in_random_schedules_of_three_sequences_answer_as_a_fresh_e
 
 def test_a_hybrid_trees_paths_get_their_state_on_the_device() -> None:
     """Every tree path of a hybrid target gets the request's recurrent state without a copy through host memory —
-    at temperature 0 (answers exact), above it, with a chain step's rollback before the tree's (tree_nodes="auto"),
+    at temperature 0 (answers exact), above it, with a linear step's rollback before the tree's (tree_nodes="auto"),
     and on a sequence that is not the last before the spare ones. Where libllama may have applied the request's
     rollback already (here: a divergence explained on another sequence between two steps), the state goes through
     host memory once, counted, and the answer stays exact."""
@@ -223,22 +223,22 @@ def test_a_hybrid_trees_paths_get_their_state_on_the_device() -> None:
         assert engine.step_counters()["fork_host_bytes"] == event.stats.tree_host_bytes
 
 
-CHAIN_DRAFTS: list[tuple[int, int]] = []  # (drafted tokens, distributions recorded) of every chain verify
+LINEAR_DRAFTS: list[tuple[int, int]] = []  # (drafted tokens, distributions recorded) of every linear verify
 
 
-class ChainRecorded(RejectionVerifier):
+class LinearRecorded(RejectionVerifier):
     def walk(self, proposal: Proposal, first_row: int = 0) -> Iterator[tuple[int, str]]:
-        CHAIN_DRAFTS.append((len(proposal.tokens), -1 if proposal.q is None else len(proposal.q)))
+        LINEAR_DRAFTS.append((len(proposal.tokens), -1 if proposal.q is None else len(proposal.q)))
         yield from super().walk(proposal, first_row)
 
 
-def test_a_tree_that_gets_no_path_is_a_chain_step() -> None:
-    """Two tree requests stepped together on one spare sequence: the tree that gets no path is its spine, the chain's
-    draw, verified by the chain's rejection sampling with the draft's q and counted as a chain step."""
+def test_a_tree_that_gets_no_path_is_a_linear_step() -> None:
+    """Two tree requests stepped together on one spare sequence: the tree that gets no path is its spine, the linear
+    draft's draw, verified by its rejection sampling with the draft's q and counted as a linear step."""
     pair = tiny_pair("dense", "dflash2", head="markov")
     with load_pair(pair.target, pair.draft, n_ctx=512, draft_capacity=7, branches=1, parallel=2,
-                   verifiers=Verifiers(sample=ChainRecorded)) as engine:
-        CHAIN_DRAFTS.clear()
+                   verifiers=Verifiers(sample=LinearRecorded)) as engine:
+        LINEAR_DRAFTS.clear()
         streams = [engine.stream(prompt, max_tokens=60, method=TREE, draft_length=5, tree_nodes=12, temperature=1.0,
                                  seed=seed, cache_owner=seed) for seed, prompt in enumerate(PROMPTS[1:3])]
         last = {}
@@ -248,9 +248,9 @@ def test_a_tree_that_gets_no_path_is_a_chain_step() -> None:
                 if event.finish_reason is not None:
                     last[id(stream)] = event.stats
                     streams.remove(stream)
-        drafts = [(n, q) for n, q in CHAIN_DRAFTS if n]  # (the prompt's own first sample is a walk of no draft)
-        chains = sum(s.verify_steps - s.tree_steps for s in last.values())
-        assert sum(s.tree_steps for s in last.values()) > 0 and chains == len(drafts) > 0
+        drafts = [(n, q) for n, q in LINEAR_DRAFTS if n]  # (the prompt's own first sample is a walk of no draft)
+        linear = sum(s.verify_steps - s.tree_steps for s in last.values())
+        assert sum(s.tree_steps for s in last.values()) > 0 and linear == len(drafts) > 0
         assert all(q == n for n, q in drafts)  # the spine's tokens, each with its q
 
 
@@ -316,27 +316,27 @@ def opened() -> Iterator[Callable[..., tuple[Engine, Reference]]]:
         engine.close()
 
 
-def tree_z_scores(engine: Engine, reference: Reference, chain: Chain, verify: str, n: int) -> list[float]:
-    """z-scores of three-token answers drawn with trees at every step (depth 3, tree_nodes fixed: no chain steps)."""
+def tree_z_scores(engine: Engine, reference: Reference, sampler: NumpySampler, verify: str, n: int) -> list[float]:
+    """z-scores of three-token answers drawn with trees at every step (depth 3, tree_nodes fixed: no linear steps)."""
     drawn = [tuple(engine.generate(reference.text, max_tokens=3, draft_length=3, verify=verify, seed=seed,
-                                   method=TREE, tree_nodes=9, **chain.kwargs()).tokens) for seed in range(n)]
-    return z_scores(drawn, reference.joint(chain, 3), 3)
+                                   method=TREE, tree_nodes=9, **sampler.kwargs()).tokens) for seed in range(n)]
+    return z_scores(drawn, reference.joint(sampler, 3), 3)
 
 
-@pytest.mark.parametrize(("target", "verify", "chain"), [("hybrid", "sample", Chain(1.0)),
-                                                          ("dense", "sample", Chain(0.7, top_k=3)),
-                                                          ("dense", "match", Chain(1.0))])
-def test_tree_samples_follow_the_target_distribution(opened, target: str, verify: str, chain: Chain) -> None:
+@pytest.mark.parametrize(("target", "verify", "sampler"), [("hybrid", "sample", NumpySampler(1.0)),
+                                                            ("dense", "sample", NumpySampler(0.7, top_k=3)),
+                                                            ("dense", "match", NumpySampler(1.0))])
+def test_tree_samples_follow_the_target_distribution(opened, target: str, verify: str, sampler: NumpySampler) -> None:
     """Drawn trees (rejection sampling: q far from the target's p on the markov head, three drafted positions, up to
     four siblings at the root) and chosen ones (sample-and-match) alike."""
     engine, reference = opened(target, "markov", Verifiers(tree_sample=RootCounted))
     ROOT_CHILDREN.clear()
-    zs = tree_z_scores(engine, reference, chain, verify, n=600)
+    zs = tree_z_scores(engine, reference, sampler, verify, n=600)
     assert max(zs) < Z_LIMIT, zs
     if verify == "sample":
         assert sum(n >= 3 for n in ROOT_CHILDREN) > len(ROOT_CHILDREN) // 2, ROOT_CHILDREN
     stats = engine.generate(reference.text, max_tokens=24, draft_length=3, verify=verify, seed=7, method=TREE,
-                            tree_nodes=9, **chain.kwargs()).stats
+                            tree_nodes=9, **sampler.kwargs()).stats
     assert stats.tree_steps > 0 and stats.tree_nodes > 3 * stats.tree_steps
 
 
@@ -351,13 +351,13 @@ def test_steps_after_a_path_off_the_spine_sample_the_target_distribution(opened)
     is often kept, and the next step drafts after it at once, its verify rows after the path's; answers of five
     tokens keep the target's law."""
     engine, reference = opened("hybrid", "markov", Verifiers(tree_sample=TreeRejectionRecorded))
-    chain, drawn, after = Chain(1.0, top_k=3), [], 0
+    sampler, drawn, after = NumpySampler(1.0, top_k=3), [], 0
     for seed in range(600):
         WALKS.clear()
         drawn.append(tuple(engine.generate(reference.text, max_tokens=5, draft_length=1, seed=seed, method=TREE,
-                                           tree_nodes=7, **chain.kwargs()).tokens))
+                                           tree_nodes=7, **sampler.kwargs()).tokens))
         after += sum(_fork(*WALKS[k - 1]) is not None for k in range(1, len(WALKS)))
-    zs = z_scores(drawn, reference.joint(chain, 5), 5)
+    zs = z_scores(drawn, reference.joint(sampler, 5), 5)
     assert max(zs) < Z_LIMIT, zs
     assert after > 30, after  # trees drafted right after a path off the spine
 
@@ -369,5 +369,5 @@ def test_a_broken_tree_verifier_fails_the_distribution_test(opened, verify: str,
     """(Siblings drawn with replacement, and the unremoved q, are broken in the builder or too subtly on these
     pairs for 400 answers: tests/test_tree.py catches them on a table target.)"""
     engine, reference = opened("dense", "markov", broken)
-    zs = tree_z_scores(engine, reference, Chain(1.0), verify, n=400)
+    zs = tree_z_scores(engine, reference, NumpySampler(1.0), verify, n=400)
     assert max(zs) > Z_LIMIT, zs

@@ -98,9 +98,10 @@ def test_three_chats_in_a_row_build_the_engine_once_and_ask_for_the_estimated_ti
     assert start["worker"] == {} and start["gpu_time"]["zero_gpu"] is True
     assert start["gpu_time"]["worker_may_be_new"] is True
     assert start["parallel"] == 1, "DFLASH_PARALLEL=auto on ZeroGPU: one answer at a time (see the test below)"
-    workers, asked = [], []
+    workers, asked, new_worker = [], [], []
     for number, message in enumerate(["hello world", "the quick brown fox", "one two three four"], start=1):
         before = info(client)["gpu_time"]
+        new_worker.append(before["worker_may_be_new"])
         text, stats = stream_chat(client, **chat_args(message, max_tokens=64))[-1]
         assert text == answer(reference, message, 64)
         schedule = device_api.of("/schedule")[-1]
@@ -114,8 +115,10 @@ def test_three_chats_in_a_row_build_the_engine_once_and_ask_for_the_estimated_ti
     assert len(set(workers)) == 1 and workers[0][1] == 1 and workers[0][0] != web_pid, workers
     assert len(device_api.of("/allow")) == 1, "one worker, allowed once"
     assert [call.params["fail"] for call in device_api.of("/release")] == ["false"] * 3
-    # The first request planned a model load at the slow starting speed; once measured, neither is planned.
-    assert asked[0] >= 1 + 20 + 64 / (4 * 0.8) and asked[1] < asked[0] - 20 and asked[2] == asked[1]
+    # The first request planned a model load at the slow starting speed; once the worker holds the model, no load is
+    # planned (the speeds move only on several clients' votes: one client's calls leave them where they were).
+    assert new_worker == [True, False, False]
+    assert asked[0] >= 1 + 20 + 64 / (4 * 0.8) and asked[1] <= asked[0] - 20 and asked[2] == asked[1]
 
 
 def test_an_error_raised_in_the_worker_comes_back_as_a_message_and_leaves_the_worker(

@@ -102,7 +102,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout
 
 from dflash_runtime import load_pair
-from dflash_runtime.bench_concurrency import distinct_prompts, run_streams
+from dflash_runtime.cli.bench_concurrency import distinct_prompts, run_streams
 from dflash_runtime.engine import Engine
 from dflash_runtime.pair import LinkedPair, PairOptions
 from dflash_runtime.testing.heads import PHRASE

@@ -15,14 +15,14 @@ Sections (each one a key of the JSON and a table of the markdown):
   within 10 % of one row.
 - `checkpoints`: a hybrid target's recurrent-state checkpoints (host copies) saved while prefilling a long prompt and
   restored by a request that shares part of it: bytes, ms, MB/s (the engine's own Stats).
-- `speed`: plain vs speculative tok/s (dflash_runtime.bench) with full (`const` head) and partial (`phrase` head)
+- `speed`: plain vs speculative tok/s (dflash_runtime.cli.bench) with full (`const` head) and partial (`phrase` head)
   acceptance on a generated target large enough that a GPU step is bound by memory bandwidth: its size and the
   bandwidth plain decoding reaches (target file bytes read per step / step time).
-- `trees`: draft trees (method dflash-tree) against the chain at depth 7 with 16 rows and with tree_nodes="auto", on
-  dense targets and a hybrid one: accepted tokens per verify, tokens per target decode, tok/s, rows per tree and the
-  bytes its paths' forks moved through host memory, at temperature 0 (answers against plain decoding: `mismatches`,
-  which on a GPU may be near-ties, see `lossless`) and 1 (the chain with sample-and-match and with rejection sampling,
-  the tree drawn from the draft's q).
+- `trees`: draft trees (method dflash-tree) against the linear draft at depth 7 with 16 rows and with
+  tree_nodes="auto", on dense targets and a hybrid one: accepted tokens per verify, tokens per target decode, tok/s,
+  rows per tree and the bytes its paths' forks moved through host memory, at temperature 0 (answers against plain
+  decoding: `mismatches`, which on a GPU may be near-ties, see `lossless`) and 1 (the linear draft with
+  sample-and-match and with rejection sampling, the tree drawn from the draft's q).
 - `host_overhead`: time per step outside libllama (Stats.decode_ms − native_ms) as a share of the step.
 - `streams`: aggregate tok/s with 1, 2, 4, 8 concurrent requests on one engine of 8 sequences (`parallel`), each step
   one target decode for all of them, with the rows per decode the engine counted (`step_counters`); and the memory
@@ -324,7 +324,7 @@ def check_lengths(engine: Any, reference: Reference, target: str, method: str, l
         if result.tokens != expected:
             row["mismatches"] += 1
             at = _first_difference(result.tokens, expected)
-            # plain decoding's answer against this one, scored by the target (dflash_runtime.divergence)
+            # plain decoding's answer against this one, scored by the target (dflash_runtime.decoding.divergence)
             why = engine.explain_divergence(prompt, expected, result.tokens)
             row["near_ties" if why.near_tie else "faults"] += 1
             mismatches.append({"target": target, "method": method, "draft_length": length, "kind": kind,
@@ -496,7 +496,7 @@ def checkpoints(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any
 
 
 def speed(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any]:
-    from dflash_runtime.bench import BenchConfig, bench_pair
+    from dflash_runtime.cli.bench import BenchConfig, bench_pair
 
     out: dict[str, Any] = {"max_tokens": plan.speed_tokens, "runs": plan.speed_runs, "pairs": {}}
     names = [n for n in models.names if n.startswith("large-")] + ["small-dense-phrase"]
@@ -520,21 +520,21 @@ def speed(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any]:
 
 
 TREE_PROMPTS = ("the quick brown fox jumps over the lazy dog.", "one two three four five")
-# (label, method, verify, tree_nodes) by temperature: at 1 the chain with both verifiers, the tree drawn from the
-# draft's q under recursive rejection, and the tree or the chain chosen per step
+# (label, method, verify, tree_nodes) by temperature: at 1 the linear draft with both verifiers, the tree drawn from
+# the draft's q under recursive rejection, and the tree or the linear draft chosen per step
 TREE_MODES = {
-    0.0: (("chain", "dflash", "match", 16), ("tree", "dflash-tree", "match", 16),
+    0.0: (("linear", "dflash", "match", 16), ("tree", "dflash-tree", "match", 16),
           ("tree-auto", "dflash-tree", "match", "auto")),
-    1.0: (("chain", "dflash", "match", 16), ("chain-q", "dflash", "sample", 16), ("tree", "dflash-tree", "sample", 16),
-          ("tree-auto", "dflash-tree", "sample", "auto")),
+    1.0: (("linear", "dflash", "match", 16), ("linear-q", "dflash", "sample", 16),
+          ("tree", "dflash-tree", "sample", 16), ("tree-auto", "dflash-tree", "sample", "auto")),
 }
 
 
 def trees(models: Models, plan: Plan, deadline: Deadline) -> dict[str, Any]:
-    """Draft trees against the chain at depth 7: accepted tokens per verify, tokens per target decode and tok/s of the
-    chain, a tree of 16 rows and tree_nodes="auto", at temperature 0 (every answer checked against plain decoding) and
-    1, on dense targets and a hybrid one; and what the tree paths' forks moved through host memory (0: the state
-    copied on the device). A GPU's verify of 16 rows costs about what 8 cost, which is where a tree pays."""
+    """Draft trees against the linear draft at depth 7: accepted tokens per verify, tokens per target decode and tok/s
+    of the linear draft, a tree of 16 rows and tree_nodes="auto", at temperature 0 (every answer checked against plain
+    decoding) and 1, on dense targets and a hybrid one; and what the tree paths' forks moved through host memory (0:
+    the state copied on the device). A GPU's verify of 16 rows costs about what 8 cost, which is where a tree pays."""
     out: dict[str, Any] = {"depth": 7, "tree_nodes": 16, "max_tokens": plan.speed_tokens, "pairs": {}}
     hybrid = "large-hybrid-phrase-mtp" if "large-hybrid-phrase-mtp" in models.names else "small-hybrid-phrase-mtp"
     for name in ("small-dense-phrase", "large-dense-phrase", hybrid):
@@ -629,8 +629,8 @@ def serve_together(engine: Any, n: int, max_tokens: int) -> dict[str, Any]:
 def sizing(pair: Any, plan: Plan, before: Any, after: Any) -> dict[str, Any]:
     """DFLASH_PARALLEL=auto's plan for this pair (footprint.plan_parallel, at most max(STREAMS) sequences) against
     what opening the engine with max(STREAMS) sequences took of the free memory it read (backends.free_memory)."""
-    from dflash_runtime.footprint import DEFAULT_RESERVE_BYTES, plan_parallel
-    from dflash_runtime.gguf_meta import read_gguf
+    from dflash_runtime.files.footprint import DEFAULT_RESERVE_BYTES, plan_parallel
+    from dflash_runtime.files.gguf_meta import read_gguf
 
     draft = read_gguf(pair.draft) if pair.draft else None
     sized = plan_parallel(read_gguf(pair.target), draft, before, n_ctx=4096, draft_capacity=7, limit=max(STREAMS),
@@ -725,7 +725,7 @@ def markdown(result: dict[str, Any]) -> str:
             ("pair", "target MiB", "mode", "tok/s", "vs plain", "acceptance", "step ms", "plain GB/s"), rows), ""]
     tr = {n: p for n, p in result.get("trees", {}).get("pairs", {}).items() if "rows" in p}
     if tr:
-        parts += ["## Draft trees against the chain (depth 7, 16 rows)", "", md_table(
+        parts += ["## Draft trees against the linear draft (depth 7, 16 rows)", "", md_table(
             ("pair", "target MiB", "T", "mode", "accepted / verify", "tokens / decode", "tok/s", "rows / tree",
              "host bytes / tree", "mismatches"),
             [(n, p["target_mib"], r["temperature"], r["mode"], r["accepted_per_verify"], r["tokens_per_decode"],

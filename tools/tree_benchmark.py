@@ -1,5 +1,5 @@
-"""Draft tree against chain at the same depth: accepted tokens per verify, tokens per target decode, what the tree's
-paths moved through host memory, and speed.
+"""Draft tree against linear draft at the same depth: accepted tokens per verify, tokens per target decode, what the
+tree's paths moved through host memory, and speed.
 
     python tools/tree_benchmark.py [--pairs soft,markov,demo] [--targets dense,hybrid] [--depth 7] [--tree-nodes 16]
                                    [--max-tokens 96] [--seeds 6] [--rounds 2] [--real-layout]
@@ -8,9 +8,9 @@ Pairs: generated tiny pairs whose draft distributions are not one-hot (heads "so
 "markov": right only part of the time; "shaped" for contrast), on dense and hybrid targets; "demo", the offline demo's
 pair (the page's first example as a chat, --demo-tokens tokens); with --real-layout also the pair in the real files'
 layout (dflash_runtime.testing.real_layout, $DFLASH_REAL_LAYOUT_CACHE). Each temperature-0 answer is checked against
-plain decoding. Modes: at temperature 0 the chain, the tree (chosen children, best-first) and tree_nodes="auto"; at
-temperature 1 the chain checked by sample-and-match (`chain`) and by rejection sampling with the draft's q
-(`chain-q`), the tree drawn from q under recursive rejection (`tree`), the chosen tree under the walk
+plain decoding. Modes: at temperature 0 the linear draft, the tree (chosen children, best-first) and tree_nodes="auto";
+at temperature 1 the linear draft checked by sample-and-match (`linear`) and by rejection sampling with the draft's q
+(`linear-q`), the tree drawn from q under recursive rejection (`tree`), the chosen tree under the walk
 (`tree-match`, the rule of a tree that cannot use q) and tree_nodes="auto" with rejection sampling. Rounds of every
 mode run in alternating order, so that a machine's drift weighs on every mode alike. Prints one JSON line per
 (pair, temperature). Tokens per verify and per decode are counts; tok/s is wall-clock, as loaded as the machine is.
@@ -35,9 +35,9 @@ TOTALS = ("verify_steps", "verify_emitted", "target_steps", "n_generated", "tree
           "tree_off_spine", "tree_host_bytes", "decode_ms")
 # (label, method, verify, tree_nodes): None stands for --tree-nodes
 MODES = {
-    0.0: [("chain", "dflash", "match", None), ("tree", "dflash-tree", "match", None),
+    0.0: [("linear", "dflash", "match", None), ("tree", "dflash-tree", "match", None),
           ("tree-auto", "dflash-tree", "match", "auto")],
-    1.0: [("chain", "dflash", "match", None), ("chain-q", "dflash", "sample", None),
+    1.0: [("linear", "dflash", "match", None), ("linear-q", "dflash", "sample", None),
           ("tree", "dflash-tree", "sample", None), ("tree-match", "dflash-tree", "match", None),
           ("tree-auto", "dflash-tree", "sample", "auto")],
 }
@@ -93,15 +93,16 @@ def bench(name: str, target: Any, draft: Any, args: argparse.Namespace, *, demo:
                     walls[mode[0]] += time.perf_counter() - t
                     totals[mode[0]] = {k: totals.get(mode[0], {}).get(k, 0) + v for k, v in got.items()}
             rows = {label: figures(totals[label], walls[label]) for label in walls}
-            base = rows["chain-q" if temperature > 0 else "chain"]
+            base = rows["linear-q" if temperature > 0 else "linear"]
             print(json.dumps({
                 "pair": name, "temperature": temperature, "depth": args.depth, "tree_nodes": args.tree_nodes,
                 **rows,
-                "tree_over_chain_accepted": round(rows["tree"]["accepted_per_verify"] / base["accepted_per_verify"], 3),
-                "tree_over_chain_per_decode": round(rows["tree"]["tokens_per_decode"] / base["tokens_per_decode"], 3),
-                "auto_over_chain_per_decode": round(rows["tree-auto"]["tokens_per_decode"]
-                                                    / base["tokens_per_decode"], 3),
-                "auto_over_chain_speed": round(rows["tree-auto"]["tok_s"] / max(1e-9, base["tok_s"]), 3),
+                "tree_over_linear_accepted": round(rows["tree"]["accepted_per_verify"] / base["accepted_per_verify"],
+                                                   3),
+                "tree_over_linear_per_decode": round(rows["tree"]["tokens_per_decode"] / base["tokens_per_decode"], 3),
+                "auto_over_linear_per_decode": round(rows["tree-auto"]["tokens_per_decode"]
+                                                     / base["tokens_per_decode"], 3),
+                "auto_over_linear_speed": round(rows["tree-auto"]["tok_s"] / max(1e-9, base["tok_s"]), 3),
             }), flush=True)
         args.max_tokens = saved
 

@@ -10,11 +10,11 @@ selector's transition scores, DFlash v1 takes the argmax of the draft logits at 
 
 Stochastic (rejection-sampling verification at temperature > 0): each drafted token is sampled from a distribution
 q that is recorded with it, because the verifier's guarantee rests on exactly those probabilities. DFlash 2 samples
-its lattice walk: at position i, q(· | previous) is the request's chain (top-k, top-p, min-p, temperature) over the
+its lattice walk: at position i, q(· | previous) is the request's sampler (top-k, top-p, min-p, temperature) over the
 K candidates scored from the candidate actually sampled at i − 1. DFlash v1 samples each mask position from the
-request's chain over the draft logits.
+request's sampler over the draft logits.
 
-`DFLASH_FILE` is what the method declares to the pair: a draft of architecture `dflash` (validation.py checks it
+`DFLASH_FILE` is what the method declares to the pair: a draft of architecture `dflash` (files/validation.py checks it
 against its target), the target's layer taps turned on before its first decode, and a draft context linked to the
 target's through `ctx_other`.
 """
@@ -30,13 +30,13 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from ..errors import DecodeError, PairMismatchError
-from ..gguf_meta import GGUFInfo
+from ..files.gguf_meta import GGUFInfo
+from ..files.validation import DraftSpec, validate_pair
 from ..native.batches import TokenBatch
 from ..native.ext import DFlashApi, dflash_api
 from ..native.memory import SequenceMemory
 from ..native.states import WHOLE, load_seq, save_seq
 from ..pair import LinkedPair, Threads
-from ..validation import DraftSpec, validate_pair
 from .drafting import DFLASH, DraftAsk, Implementation, Rows, TokenView
 from .features import FeatureBridge
 from .proposal import DraftSampling, Proposal, draw
@@ -147,7 +147,7 @@ class BlockDrafter:
                 out.tokens.append(int(cands[i, best]))
                 pred = best
                 continue
-            ids, probs = sampling.chain(s.astype(np.float32), cands[i].astype(np.int32))
+            ids, probs = sampling.distribution(s.astype(np.float32), cands[i].astype(np.int32))
             if p_min > 0.0 and float(probs.max()) < p_min:
                 break
             pick = draw(probs, sampling.rng)

@@ -2,19 +2,19 @@
 
 The block is drafted by the DFlash drafter (dflash.py), which also keeps feeding the draft context: this method drafts
 through it and adds nothing to process. From each block's lattice the tree is grown (tree.py) within the request's
-`tree_nodes` verify rows and `draft_length` depth: its spine is the chain's own draft — the greedy walk, or above
-temperature 0 with rejection sampling the walk drawn from the request's chain, stopping where the chain would (p_min)
-and dropped where the chain would be (n_min) — and the other paths leave it where the draft is least sure. At
+`tree_nodes` verify rows and `draft_length` depth: its spine is the linear draft's own — the greedy walk, or above
+temperature 0 with rejection sampling the walk drawn from the request's sampler, stopping where the linear draft would
+(p_min) and dropped where it would be (n_min) — and the other paths leave it where the draft is least sure. At
 temperature 0 (and with sample-and-match) the children are chosen, the likeliest first; with rejection sampling they
 are drawn without replacement, each with the distribution it was drawn from. The spine goes into the request's own
 sequence; every other root-to-leaf path into a spare target sequence of its own (`LinkedPair(branches=N)`), with its
 own copy of the rows it shares with the spine, because libllama refuses a token with several sequence ids wherever
-it splits batches by sequence (a KV stream per sequence, and every recurrent layer). The steps (steps.py) give the
-paths their sequences, and the request's state to each (cache/spares.py); decoding.py walks the tree. A path accepted
-off the spine is adopted: its rows' features go to the DFlash drafter at once (`adopt`), so that the next step drafts
-after it, and decodes its tokens in the request's sequence before id_last (no decode of its own).
+it splits batches by sequence (a KV stream per sequence, and every recurrent layer). The steps (decoding/steps.py)
+give the paths their sequences, and the request's state to each (cache/spares.py); decoding/request.py walks the tree.
+A path accepted off the spine is adopted: its rows' features go to the DFlash drafter at once (`adopt`), so that the
+next step drafts after it, and decodes its tokens in the request's sequence before id_last (no decode of its own).
 
-A tree of one path is a chain, and is proposed as one (verified, counted and timed as a chain step).
+A tree of one path is a linear draft, and is proposed as one (verified, counted and timed as a linear step).
 """
 
 from __future__ import annotations
@@ -61,12 +61,12 @@ class TreeDrafter:
 
     def _tree(self, ask: DraftAsk, lattice: Any) -> Proposal:
         sampling = ask.sampling
-        levels = LatticeLevels(lattice, self._k, chain=sampling.chain if sampling is not None else None)
+        levels = LatticeLevels(lattice, self._k, distribution=sampling.distribution if sampling is not None else None)
         tree = build_tree(levels, ask.tree_nodes, branching=self._branching, p_min=ask.p_min, paths=ask.tree_paths,
                           rng=sampling.rng if sampling is not None else None)
         spine = tree.spine()
         if len(spine) < max(1, ask.n_min):
-            return Proposal.start(sampling)  # what n_min drops of the chain's draft
+            return Proposal.start(sampling)  # what n_min drops of the linear draft
         q = [tree.nodes[i].q for i in spine] if sampling is not None else None
         return Proposal([tree.nodes[i].token for i in spine], q, tree if len(tree) > len(spine) else None)
 

@@ -4,12 +4,12 @@
 The draft model has a context of its own, a KV stream per sequence, n_ctx cells each (as the target's). It reads
 each sequence's tokens — the target cache's, through the views it is opened with — and decodes what it lacks before
 a draft (`catch_up`), or at once after a target decode when a request drafts with it (`process` of eager rows, as
-llama.cpp's `process` decodes every target batch into the draft). A draft decodes id_last at pos0 and chains: n
-drafted tokens cost n small decodes, row i of every drafting sequence in the same decode. Greedy, each step takes
-the draft's top token while its confidence over the top 10 candidates is at least p_min (llama.cpp's draft sampler
-is a top-k 10 chain, and it cuts the draft below p_min); above temperature 0 with rejection sampling each token is
-sampled from the request's chain over the draft's logits, its q recorded. The drafted cells are removed afterwards:
-the accepted tokens come back with the sequence's tokens.
+llama.cpp's `process` decodes every target batch into the draft). A draft decodes id_last at pos0 and goes on token
+by token: n drafted tokens cost n small decodes, row i of every drafting sequence in the same decode. Greedy, each
+step takes the draft's top token while its confidence over the top 10 candidates is at least p_min (llama.cpp's
+draft sampler is a top-k 10 sampler, and it cuts the draft below p_min); above temperature 0 with rejection sampling
+each token is sampled from the request's sampler over the draft's logits, its q recorded. The drafted cells are
+removed afterwards: the accepted tokens come back with the sequence's tokens.
 
 A hybrid (recurrent) draft model — the small models of the Qwen3.5 family, the classic draft of a Qwen3.5/3.8
 target — is rolled back exactly (memory.DraftSequence): the recurrent state where drafting began is copied and
@@ -17,7 +17,7 @@ restored after the draft, and the target's rows are decoded into it only when it
 
 What it opens (`DraftModelFile`): any model file with the target's vocabulary (size, tokenizer model and special
 tokens) that no other method claims first (its registry line claims any model, at the lowest priority), in a plain
-context of its own. Its memory per sequence is that cache (footprint.py's `draft_kv`: n_ctx cells of its layers).
+context of its own. Its memory per sequence is that cache (files/footprint.py's `draft_kv`: n_ctx cells of its layers).
 It takes no options of its own: the request's draft length, n_min and p_min apply.
 """
 
@@ -31,11 +31,11 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from ..errors import DecodeError, PairMismatchError
-from ..gguf_meta import GGUFInfo
+from ..files.gguf_meta import GGUFInfo
+from ..files.validation import check_vocab
 from ..native.batches import TokenBatch
 from ..native.memory import DraftSequence
 from ..pair import LinkedPair, Threads, new_context
-from ..validation import check_vocab
 from .drafting import DraftAsk, Implementation, Rows
 from .proposal import Proposal
 
@@ -129,7 +129,7 @@ class DraftSimpleDrafter:
                 state.n_fed = stop
 
     def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
-        """Every ask's chain in the same decodes: step i decodes the i-th row of each ask still drafting."""
+        """Every ask's draft in the same decodes: step i decodes the i-th row of each ask still drafting."""
         self.catch_up([a.seq for a in asks])
         for ask in asks:
             self._seqs[ask.seq].drafting()

@@ -98,7 +98,7 @@ class DraftAsk:
     n_min: int = 0
     p_min: float = 0.0
     sampling: DraftSampling | None = None
-    tree_nodes: int = 0  # a draft tree's row budget (dflash_tree.py); 0: a chain
+    tree_nodes: int = 0  # a draft tree's row budget (dflash_tree.py); 0: a linear draft
     tree_paths: int = 0  # the most paths beside the spine the step can decode (its free spare target sequences)
     # The request's fixed draft length before the room left in max_tokens cut it to n (at most what the context
     # holds); 0: n. A block drafter whose rows see one another drafts a block this long and keeps n, as llama.cpp does.
@@ -143,7 +143,7 @@ class Adopting(Protocol):
     accepted off its spine, decoded in a spare target sequence after exactly the sequence's tokens (`rows.row0` in
     the last target decode, at the sequence's next positions from `rows.pos0`). The sequence's next decode holds the
     path's tokens again, before id_last; such a drafter does not take those rows twice. `adopt` says whether it took
-    them: then it alone drafts the next step, after them (the chain's other members know nothing of them)."""
+    them: then it alone drafts the next step, after them (the method list's other members know nothing of them)."""
 
     def adopt(self, rows: Rows) -> bool: ...
 

@@ -12,13 +12,13 @@ feature bridge); what differs is the block and how it is read.
 - The confidence head scores each drafted row (sigmoid, libllama writes it to the row's nextn embedding); with
   `p_min > 0` the draft stops at the first row scored below it: the draft's length is the draft's own call. A draft
   without a confidence head is never cut (llama-server refuses `--spec-draft-p-min > 0` for such a file; here p_min is
-  a request's and may be meant for another method of its chain). Unlike DFlash, p_min does not cut on the draft
+  a request's and may be meant for another method of its method list). Unlike DFlash, p_min does not cut on the draft
   token's probability.
 
 At temperature 0 each row drafts its argmax (llama.cpp's top-10 sampler's first candidate). Above it, with
-rejection-sampling verification, each row's token is drawn from the request's chain over that row's logits and that
+rejection-sampling verification, each row's token is drawn from the request's sampler over that row's logits and that
 distribution q is recorded with it. The Markov bias of row i is the graph's, conditioned on row i − 1's argmax
-(llama.cpp computes the chain greedily inside the graph): a function of the context alone, so q is exactly what the
+(llama.cpp takes each row's argmax inside the graph): a function of the context alone, so q is exactly what the
 token was drawn from and the verifier's guarantee holds.
 """
 
@@ -31,10 +31,10 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from ..errors import DecodeError, PairMismatchError
-from ..gguf_meta import GGUFInfo
+from ..files.gguf_meta import GGUFInfo
+from ..files.validation import DSPARK_KIND, DraftSpec
 from ..native.ext import DFlashApi, dflash_api
 from ..pair import LinkedPair, Threads
-from ..validation import DSPARK_KIND, DraftSpec
 from .dflash import BlockPass, DFlashDrafter, DFlashFile, linked_drafter
 from .drafting import DraftAsk, Implementation, TokenView
 from .proposal import Proposal

@@ -4,7 +4,7 @@ An EAGLE-3 draft (architecture `eagle3`) has two graphs in one context. Its enco
 three layers (`target_layers`: the input of layer l, or the target's last hidden row for l = n_layer) into one row
 g_p per position (`fc`; read back through the nextn embeddings). Its decoder, at position p, reads the pair
 (token_{p+1}, g_p) — the token *after* the one whose target rows made g_p — and outputs logits for token_{p+2} and
-its own pre-norm row, which stands in for g at the next position when it chains. It borrows the target's token
+its own pre-norm row, which stands in for g at the next position as it goes on. It borrows the target's token
 embedding (and head, when it has none of its own) through `ctx_other`.
 
 So a sequence's draft cache holds positions 0..n-2 of its n target tokens; the last, whose next token is the one the
@@ -15,7 +15,7 @@ leaves the draft cache at what the target's tokens say. g rows are encoded after
 `process`) and kept per sequence and position in host memory, so that after any cut of the caches the row before it
 is at hand; the decoder's cells are caught up when the request drafts (`eager`) or when it resumes drafting.
 Each step drafts the draft's argmax under p_min, as llama.cpp's top-10 sampler does (or samples the request's
-chain at temperature > 0: see proposal.py). The chained decodes and the bookkeeping are MTP's too (row_chain.py).
+sampler at temperature > 0: see proposal.py). The decodes and the bookkeeping are MTP's too (row_drafter.py).
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ from llama_cpp import llama_cpp as ll
 from llama_cpp import llama_cpp_ext as lx
 
 from ..errors import ContextCreationError, DecodeError, PairMismatchError
-from ..gguf_meta import GGUFInfo
+from ..files.gguf_meta import GGUFInfo
+from ..files.validation import check_vocab
 from ..native.batches import decode_error
 from ..native.ext import DFlashApi, dflash_api
 from ..native.rpc import raise_if_lost
 from ..pair import LinkedPair, Threads
-from ..validation import check_vocab
 from .drafting import Implementation, Rows, TokenView
-from .row_chain import ChainDrafter, RowChain
+from .row_drafter import RowDecoder, RowDrafter
 
 EAGLE3 = "eagle3"
 N_TAPS = 3  # libllama's EAGLE-3 reads exactly three target layers
@@ -107,7 +107,7 @@ class Eagle3File:
 
 class Encoder:
     """EAGLE-3's rows: the three tapped target layers of every decoded row, fused into its g row by the draft's
-    encoder graph (a `row_chain.RowSource`)."""
+    encoder graph (a `row_drafter.RowSource`)."""
 
     def __init__(self, api: DFlashApi, target_ctx: Any, draft_ctx: Any, spec: Eagle3Spec, *,
                  n_layer_target: int) -> None:
@@ -179,14 +179,14 @@ class Encoder:
             self._batch = None
 
 
-def open_drafter(pair: LinkedPair, views: Sequence[TokenView], capacity: int) -> ChainDrafter:
-    """Cell p of the decoder: (token_{p+1}, g_p), every drafting sequence's chain in the same decodes."""
+def open_drafter(pair: LinkedPair, views: Sequence[TokenView], capacity: int) -> RowDrafter:
+    """Cell p of the decoder: (token_{p+1}, g_p), every drafting sequence's draft in the same decodes."""
     n_ubatch = int(ll.llama_n_ubatch(pair.draft_ctx))
     encoder = Encoder(dflash_api(), pair.target_ctx, pair.draft_ctx, pair.spec,
                       n_layer_target=int(ll.llama_model_n_layer(pair.target_model)))
-    chain = RowChain(pair.draft_ctx, "EAGLE-3", views, width=pair.spec.n_embd, n_vocab=pair.n_vocab,
-                     n_batch=n_ubatch, capacity=capacity, lag=1)
-    return ChainDrafter(EAGLE3, chain, encoder, capacity)
+    decoder = RowDecoder(pair.draft_ctx, "EAGLE-3", views, width=pair.spec.n_embd, n_vocab=pair.n_vocab,
+                         n_batch=n_ubatch, capacity=capacity, lag=1)
+    return RowDrafter(EAGLE3, decoder, encoder, capacity)
 
 
 IMPLEMENTATION = Implementation(open_drafter, draft_file=Eagle3File())

@@ -3,15 +3,15 @@
 The MTP context is a second context of the target model (`ctx_type = LLAMA_CONTEXT_TYPE_MTP`); its KV cache holds
 the nextn layer only. Its input at position p is the pair (token_p, h_{p-1}), h being the target's nextn hidden row
 (`llama_get_embeddings_nextn`, output for every row of every target decode). Drafting decodes `id_last` at pos0 with
-h_{pos0-1}, takes the head's best token and its own hidden row, and chains: n drafts cost n small decodes. The
-drafted cells are removed afterwards; the verify batch's rows then come in through `process`, as in llama.cpp.
+h_{pos0-1}, takes the head's best token and its own hidden row, and goes on with them: n drafts cost n small decodes.
+The drafted cells are removed afterwards; the verify batch's rows then come in through `process`, as in llama.cpp.
 
-Every sequence of the engine drafts in the same chained decodes: step i holds row i of each drafting sequence.
+Every sequence of the engine drafts in the same decodes, token by token: step i holds row i of each drafting sequence.
 The target's hidden rows are kept per sequence and position in host memory (n_embd floats per cached token), so
 that after any cut of the caches — a rejected draft, a new request sharing a prefix — the row before the cut is at
 hand, and rows of plain decoding can reach the MTP context later, in one batch, only when a request drafts with MTP.
-Their tokens are read from each sequence's target cache, through the views the drafter is opened with. The chained
-decodes and the bookkeeping are EAGLE-3's too (row_chain.py).
+Their tokens are read from each sequence's target cache, through the views the drafter is opened with. The decodes
+and the bookkeeping are EAGLE-3's too (row_drafter.py).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from llama_cpp import llama_cpp as ll
 from llama_cpp import llama_cpp_ext as lx
 
 from ..errors import ContextCreationError, DecodeError, PairMismatchError
-from ..gguf_meta import GGUFInfo
+from ..files.gguf_meta import GGUFInfo
 from ..pair import LinkedPair, Threads, new_context
 from .drafting import MTP, Implementation, Rows
-from .row_chain import ChainDrafter, RowChain
+from .row_drafter import RowDecoder, RowDrafter
 
 
 class NextnRows:
-    """The MTP head's rows: the target's nextn hidden row of every decoded row (a `row_chain.RowSource`)."""
+    """The MTP head's rows: the target's nextn hidden row of every decoded row (a `row_drafter.RowSource`)."""
 
     def __init__(self, target_ctx: Any, n_embd: int) -> None:
         self._target = target_ctx
@@ -84,11 +84,11 @@ class MTPHead:
         return {"mtp_head": pair.target_layers.get(trunk)}
 
 
-def open_drafter(pair: LinkedPair, views: Sequence[Sequence[int]], capacity: int) -> ChainDrafter:
-    """Cell p of the MTP context: (token_p, h_{p-1}), every drafting sequence's chain in the same decodes."""
-    chain = RowChain(pair.parts[NEXTN], "MTP", views, width=pair.n_embd_out, n_vocab=pair.n_vocab,
-                     n_batch=pair.n_ubatch, capacity=capacity, lag=0)
-    return ChainDrafter(MTP, chain, NextnRows(pair.target_ctx, pair.n_embd_out), capacity)
+def open_drafter(pair: LinkedPair, views: Sequence[Sequence[int]], capacity: int) -> RowDrafter:
+    """Cell p of the MTP context: (token_p, h_{p-1}), every drafting sequence's draft in the same decodes."""
+    decoder = RowDecoder(pair.parts[NEXTN], "MTP", views, width=pair.n_embd_out, n_vocab=pair.n_vocab,
+                         n_batch=pair.n_ubatch, capacity=capacity, lag=0)
+    return RowDrafter(MTP, decoder, NextnRows(pair.target_ctx, pair.n_embd_out), capacity)
 
 
 IMPLEMENTATION = Implementation(open_drafter, target_part=MTPHead())

@@ -5,12 +5,12 @@ ngram_cache.py).
 No model and no file: the draft is what followed the last n tokens the last time they occurred in the sequence (the
 prompt and the answer so far), so it wins where an answer copies its prompt — editing a text, quoting a document,
 repeating a list. The drafts are deterministic (no distribution q): above temperature 0 rejection sampling treats
-each as drawn from a point mass (verify.py). A port of the vendored `common/ngram-mod.cpp` and its
+each as drawn from a point mass (decoding/verify.py). A port of the vendored `common/ngram-mod.cpp` and its
 `common_speculative_impl_ngram_mod` in `common/speculative.cpp`, step for step, hash included, so that counts match
 llama-server's: a table of 4 Mi slots, slot = hash(n_match tokens) mod size, holding the token that followed that
 n-gram last (collisions overwrite). `begin` adds the prompt's n-grams, a draft adds new ones every 32 tokens and
-chains lookups from the last n_match tokens (id_last included) for up to n_max tokens; five drafts in a row with under
-a quarter accepted clear the table.
+repeats the lookup from the last n_match tokens (id_last included) for up to n_max tokens; five drafts in a row with
+under a quarter accepted clear the table.
 
 One difference from llama-server, where the tables live as long as the server: here they are the sequence's own,
 rebuilt by `begin` from the request's tokens (the prompt in the cache), so one owner's text never drafts for another

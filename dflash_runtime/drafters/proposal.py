@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:  # the drafters' side stays free of libllama: the Space's web process lists methods through it
-    from ..sampling import ChainProbabilities
+    from ..native.sampling import SamplerDistribution
 
 DRAFT, TARGET = "draft", "target"  # an accepted draft token; the target's own sample that ends a verify walk
 CONFIDENCE_TOP_K = 10  # a greedy draft's confidence: the softmax over its top candidates, as llama.cpp's draft sampler
@@ -18,7 +18,7 @@ CONFIDENCE_TOP_K = 10  # a greedy draft's confidence: the softmax over its top c
 @dataclass
 class Proposal:
     """Drafted tokens and, when they were sampled, the distribution each was sampled from (token ids, probs); with a
-    draft tree, the tokens (and their q) are its spine, the chain's draft."""
+    draft tree, the tokens (and their q) are its spine, the linear draft."""
 
     tokens: list[int] = field(default_factory=list)
     q: list[tuple[np.ndarray, np.ndarray]] | None = None
@@ -34,10 +34,10 @@ class Proposal:
         return self if len(self.tokens) >= n_min else Proposal.start(sampling)
 
     def add_from_logits(self, logits: np.ndarray, p_min: float, sampling: DraftSampling | None) -> int | None:
-        """Draft one token from a position's logits and append it: the argmax, or a sample of the request's chain
+        """Draft one token from a position's logits and append it: the argmax, or a sample of the request's sampler
         (its distribution recorded). None, and nothing appended, when the draft is less confident than `p_min`."""
         if sampling is not None:
-            ids, probs = sampling.chain(logits)
+            ids, probs = sampling.distribution(logits)
             if p_min > 0.0 and float(probs.max()) < p_min:
                 return None
             token = int(ids[draw(probs, sampling.rng)])
@@ -55,9 +55,9 @@ class Proposal:
 
 @dataclass
 class DraftSampling:
-    """What a stochastic draft needs: the request's chain as probabilities, and the request's random generator."""
+    """What a stochastic draft needs: the request's sampler as probabilities, and the request's random generator."""
 
-    chain: ChainProbabilities
+    distribution: SamplerDistribution
     rng: np.random.Generator
 
 

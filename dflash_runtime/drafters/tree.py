@@ -1,13 +1,13 @@
 """Draft trees over a DFlash 2 block, and the walk that verifies a chosen tree exactly at any temperature.
 
 A DFlash 2 block gives, for every drafted position, K candidate tokens and transition scores from each candidate of
-the position before (the lattice, dflash.py). The chain keeps one path through it. A tree keeps more: `build_tree`
-takes the chain's own draft first (its spine: the first child at every node), then new paths best-first by the
+the position before (the lattice, dflash.py). A linear draft keeps one path through it. A tree keeps more: `build_tree`
+takes the linear draft first (its spine: the first child at every node), then new paths best-first by the
 draft's estimate of how likely the target goes there, within a budget of verify rows, each new path running down to
 the spine's depth.
 
 A node's children come one at a time from the draft's distribution q at that node (the softmax of the selector's
-scores from the node's own candidate; above temperature 0, the request's sampler chain over them):
+scores from the node's own candidate; above temperature 0, the request's sampler over them):
 - chosen (temperature 0, and sample-and-match above it): the likeliest candidate not taken yet. DDTree's tree. Such
   a tree is verified by `TreeWalk`: at each node a sample x of the target's row with the request's own sampler,
   following the child whose token is x, else emitting x and stopping. Every emitted token is a sample of the target
@@ -16,9 +16,10 @@ scores from the node's own candidate; above temperature 0, the request's sampler
 - drawn (temperature > 0 with rejection sampling): a sample of q with the siblings already drawn removed and the
   rest renormalised — the order Gumbel-top-k gives (Plackett–Luce), drawn one sibling at a time so that a node spends
   one random draw per child it keeps. Each drawn node records the exact distribution it was drawn from, and the tree
-  is verified by recursive rejection sampling (verify.TreeRejection), which uses q: the first sibling is the chain's
-  own rule, each further one adds the residual's chance. Whether a node gets another child is decided before that
-  child is drawn (from the tree so far and the budget), never from the child itself: the verifier's proof needs it.
+  is verified by recursive rejection sampling (verify.TreeRejection), which uses q: the first sibling is the linear
+  draft's own rule, each further one adds the residual's chance. Whether a node gets another child is decided before
+  that child is drawn (from the tree so far and the budget), never from the child itself: the verifier's proof needs
+  it.
 
 How the target sees a tree: every root-to-leaf path is a sequence (`DraftTree.paths`). libllama restricts attention to
 cells that share a sequence with the row, so a node carrying the ids of all paths through it would attend exactly to
@@ -119,8 +120,8 @@ class DraftTree:
         return [self.path(leaf) for leaf in leaves]
 
     def spine(self) -> list[int]:
-        """The path of first children: the chain's draft (chosen: the likeliest at every node; drawn: the first
-        sibling drawn at every node, a sample of the chain's own walk)."""
+        """The path of first children: the linear draft (chosen: the likeliest at every node; drawn: the first
+        sibling drawn at every node, a sample of the linear draft's own walk)."""
         out: list[int] = []
         node = ROOT
         while kids := self._children.get(node):
@@ -190,10 +191,10 @@ class _Children:
 
 def build_tree(levels: Levels, budget: int, *, branching: int = DEFAULT_BRANCHING,
                rng: np.random.Generator | None = None, p_min: float = 0.0, paths: int | None = None) -> DraftTree:
-    """The chain's draft and, best-first, new paths that leave it, at most `levels.depth` deep.
+    """The linear draft and, best-first, new paths that leave it, at most `levels.depth` deep.
 
     The spine comes first: the first child at every depth (chosen, or drawn with `rng`), stopping where the draft is
-    less sure than `p_min` (the chain's rule). `budget` counts verify rows beside the spine's root row: the spine
+    less sure than `p_min` (the linear draft's rule). `budget` counts verify rows beside the spine's root row: the spine
     costs its length, and a new path leaving a node at depth d − 1 costs d + 1 — its own root row, its copy of the d −
     1 rows it shares and its first node; it then runs down to the spine's depth in rows its sequence holds anyway (the
     decode's sequences are as wide as the spine's, see steps.Steps._branch). New paths are taken by the draft's
@@ -255,13 +256,14 @@ def build_tree(levels: Levels, budget: int, *, branching: int = DEFAULT_BRANCHIN
 @dataclass
 class LatticeLevels:
     """A DFlash 2 block's lattice as `Levels`: row i (of the block's mask positions) holds K candidate ids, then the
-    K × K transition scores, predecessor-major; position 1's predecessor is the anchor's slot 0 (as the chain's walk
-    starts). The draft's distribution is the softmax of the scores, or with `chain` (the request's sampler chain as
-    probabilities, sampling.ChainProbabilities) what that chain makes of them — as the chain's own walk draws."""
+    K × K transition scores, predecessor-major; position 1's predecessor is the anchor's slot 0 (as the linear
+    draft's walk starts). The draft's distribution is the softmax of the scores, or with `distribution` (the request's
+    sampler as probabilities, sampling.SamplerDistribution) what the sampler makes of them — as the linear draft's own
+    walk draws."""
 
     rows: np.ndarray
     k: int
-    chain: Callable[[np.ndarray, np.ndarray], Distribution] | None = None
+    distribution: Callable[[np.ndarray, np.ndarray], Distribution] | None = None
 
     @property
     def depth(self) -> int:
@@ -271,11 +273,11 @@ class LatticeLevels:
         row = self.rows[i - 1]
         cands = row[:self.k].astype(np.int64)
         scores = row[self.k + pred * self.k:self.k + (pred + 1) * self.k]
-        if self.chain is None:
+        if self.distribution is None:
             z = scores.astype(np.float64)
             probs = np.exp(z - z.max())
             return Candidates(cands, probs / probs.sum(), np.arange(self.k))
-        ids, probs = self.chain(scores.astype(np.float32), cands.astype(np.int32))
+        ids, probs = self.distribution(scores.astype(np.float32), cands.astype(np.int32))
         slots = np.array([int(np.flatnonzero(cands == token)[0]) for token in ids], dtype=np.int64)
         return Candidates(ids.astype(np.int64), probs, slots)
 
@@ -290,7 +292,7 @@ class TreeWalker(Protocol):
 class TreeWalk:
     """The exact verifier of a chosen tree: at each node a sample x of the target's row with the request's sampler;
     the child whose token is x is followed ("draft"), else x ends the walk ("target"). `sample(row)` samples a row of
-    the last target decode with the request's chain (at temperature 0: its argmax)."""
+    the last target decode with the request's sampler (at temperature 0: its argmax)."""
 
     def __init__(self, sample: Callable[[int], int]) -> None:
         self._sample = sample

@@ -183,10 +183,10 @@ class DFlashLlama(Llama):
     defaults and return its shapes, plus `"dflash_stats"` on the response (and on the last streamed chunk).
     Sampling honours max_tokens, temperature, top_k, top_p, min_p, seed and stop; options that need host logits
     (logprobs, grammar, penalties, logits processors, logit_bias, ...) raise `RequestError` when turned on.
-    Extra keywords: `speculative=False` (target only), `method` (one of `methods`, or a chain "a,b"), `draft_length`
-    (an int ≤ the pair's capacity, 0 for no draft, or "auto"; `draft_max` is its deprecated spelling), `verify`
-    ("sample": rejection sampling, or "match", above temperature 0) and, for chats, `enable_thinking`. Chats use the
-    target GGUF's own template; message content never becomes control tokens.
+    Extra keywords: `speculative=False` (target only), `method` (one of `methods`, or a method list "a,b"),
+    `draft_length` (an int ≤ the pair's capacity, 0 for no draft, or "auto"; `draft_max` is its deprecated spelling),
+    `verify` ("sample": rejection sampling, or "match", above temperature 0) and, for chats, `enable_thinking`. Chats
+    use the target GGUF's own template; message content never becomes control tokens.
 
     Constructor: `draft_model_path` or `draft_model=DFlashDraftModel(...)` (neither: the target runs alone, or with
     its own MTP head when it has one); `draft_capacity`: the longest draft the pair is opened for (default: the
@@ -351,7 +351,7 @@ class DFlashLlama(Llama):
     @property
     def methods(self) -> tuple[str, ...]:
         """The draft methods this model can run (the engine's: "dflash" with a DFlash draft, "mtp" with the target's
-        MTP head, the n-gram methods, the listed chains)."""
+        MTP head, the n-gram methods, the listed method lists)."""
         return self._engine.methods if self._engine is not None else ()
 
     # -- Llama methods re-implemented on the engine ---------------------------------------------------------------
@@ -491,7 +491,7 @@ def _hub_file(
     token: str | None,
 ) -> str:
     """Local path of the one file of `repo_id` that `pattern` names (a glob pattern is resolved on the Hub)."""
-    from ..hub import ModelSource, fetch_model_file
+    from ..files.hub import ModelSource, fetch_model_file
 
     filename = pattern
     if any(char in pattern for char in "*?["):

@@ -128,7 +128,7 @@ class FeatureBatch:
 
 class TokenRowBatch:
     """A `llama_batch_ext` of tokens each with an embedding row (the MTP head's and EAGLE-3's decoder input: the
-    token with the target's or the encoder's row), decoded into a drafter's context (row_chain.py)."""
+    token with the target's or the encoder's row), decoded into a drafter's context (drafters/row_drafter.py)."""
 
     def __init__(self, ctx: Any, name: str, width: int) -> None:
         self._ctx = ctx

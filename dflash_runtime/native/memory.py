@@ -56,8 +56,8 @@ class DraftSequence:
     (`drafting`, `drop_drafts`), for parking (`save`, `restore`).
 
     An attention-only context cuts any suffix. A recurrent (hybrid) context cannot cut its recurrent state, and its
-    chained one-row draft decodes leave nothing a snapshot could undo, so, as the target's checkpoints do, it keeps a
-    copy of the recurrent state where drafting began (`PARTIAL_ONLY`) and restores it: the drafts are dropped
+    one-row draft decodes, token by token, leave nothing a snapshot could undo, so, as the target's checkpoints do, it
+    keeps a copy of the recurrent state where drafting began (`PARTIAL_ONLY`) and restores it: the drafts are dropped
     exactly, and so is anything fed after that point later; a cut below it starts the sequence over (the drafter then
     decodes the target's tokens again)."""
 
@@ -66,7 +66,7 @@ class DraftSequence:
         self._ctx = ctx
         self.seq = seq
         self.recurrent = recurrent
-        self.lag = lag  # the context's cell p holds what follows position p + lag - 1 (EAGLE-3: 1, row_chain.py)
+        self.lag = lag  # cell p holds what follows position p + lag - 1 (EAGLE-3: 1, drafters/row_drafter.py)
         self.n_known = 0  # the target cache's length as the last decode left it
         self.n_fed = 0  # positions decoded into the drafter's context
         self._mark: tuple[int, np.ndarray] | None = None  # (n_fed, recurrent state) where drafting last began

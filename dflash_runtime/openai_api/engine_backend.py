@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import suppress
 from typing import Any
 
-from ..results import StreamEvent
+from ..results.events import StreamEvent
 from .errors import bad_field, over_limit
 from .fields import CHAT, ApiRequest
 from .server import Caller, Progress

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import methods as draft_methods
-from ..stats import tokens_per_verify
+from ..results.stats import tokens_per_verify
 from .requests import ChatRequest
 from .setup.presets import PairPreset, ResolvedPair
 
@@ -73,7 +73,7 @@ class ReplyChunk:
     source_runs: list[tuple[int, str]] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)  # the draft lengths chosen in this step's rounds
     # On an A/B comparison's last chunk at temperature 0: each phase whose answer differs from plain decoding's →
-    # Divergence.to_dict() (dflash_runtime.divergence): where, and whether a near-tie or a fault.
+    # Divergence.to_dict() (dflash_runtime.decoding.divergence): where, and whether a near-tie or a fault.
     divergences: dict[str, dict[str, Any]] = field(default_factory=dict)
     # What crosses only: the tokens of `delta` and the methods that drafted this step's verify steps (the web process
     # keeps them, so that an answer that yields its turn can go on exactly: see Resume).

@@ -166,13 +166,13 @@ def check_draft_length(value: Any, capacity: int) -> int | str:
 
 
 def check_method(value: Any, available: Sequence[str] | None) -> str:
-    """"auto", a registered method or a chain of them ("a,b"), and (when the pair's methods are known) one the pair
+    """"auto", a registered method or a list of them ("a,b"), and (when the pair's methods are known) one the pair
     runs."""
     known = draft_methods.names()
     if value != AUTO and not (isinstance(value, str) and all(m in known for m in draft_methods.split(value))):
         raise RequestError(f"method must be one of {', '.join(map(repr, METHOD_CHOICES))}, got {_shown(value)} "
-                           "(or a chain of methods, 'a,b')")
-    singles = [m for m in available or () if draft_methods.CHAIN_SEPARATOR not in m]
+                           "(or a list of methods, 'a,b')")
+    singles = [m for m in available or () if draft_methods.METHOD_SEPARATOR not in m]
     if available is not None and value != AUTO and not all(m in singles for m in draft_methods.split(value)):
         runs = ", ".join(map(repr, available)) or "none (plain decoding only)"
         raise RequestError(f"method {value!r} is not available on this pair; it runs {runs}")

@@ -25,7 +25,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..cli import add_bench_args, run_bench_cli
+from ..cli.main import add_bench_args, run_bench_cli
 from ..errors import DFlashError
 from ..space.setup.presets import DEMO_PAIR
 from .real_layout import real_layout_pair

@@ -17,8 +17,8 @@ from typing import Any
 
 from ... import errors
 from ...errors import DFlashError, RemoteDeviceError, RequestError
-from ...footprint import ParallelPlan, plan_parallel, with_remote_memory
-from ...gguf_meta import read_gguf
+from ...files.footprint import ParallelPlan, plan_parallel, with_remote_memory
+from ...files.gguf_meta import read_gguf
 from ...native.backends import FreeMemory, free_memory
 from ..gpu_job import GpuJob, ReplyChunk, Resume, client_of_owner, info_digest, phase_decoding, resumed_stats
 from ..requests import DEFAULT_SYSTEM_PROMPT, ChatRequest, thinking_prefix
@@ -335,10 +335,10 @@ class GoingOn:
     (UTF-8 and stop strings across the join), its statistics summed with its earlier turns'."""
 
     def __init__(self, engine: Any, request: ChatRequest, resume: Resume) -> None:
-        from ...textstream import TextStream  # imports libllama: only where engines run
+        from ...text.deltas import TextDeltas  # imports libllama: only where engines run
 
         self.tokens, self.drafted_by, self._before = resume.tokens, resume.drafted_by, dict(resume.stats)
-        self._text = TextStream(engine.pair.vocabulary, request.stop)
+        self._text = TextDeltas(engine.pair.vocabulary, request.stop)
         for token in resume.tokens:
             self._text.feed(token)
         self._text.take_runs()

@@ -17,8 +17,8 @@ steps' stalls, and so does a plain answer's (a mean without its slowest tenth pu
 on a loaded machine).
 
 Where drafting pays, plain steps are rare: the adaptive draft length takes one at its second round and one every few
-dozen rounds after (dflash_runtime.controller), so the estimate rests on few of them. Two things then move a mean of
-them away from a plain answer's mean step, and the estimate meets both:
+dozen rounds after (dflash_runtime.decoding.controller), so the estimate rests on few of them. Two things then move a
+mean of them away from a plain answer's mean step, and the estimate meets both:
 - One step may stall (a page fault, the scheduler, a collection): of two or three steps, one stall would be the
   figure. So the centre of a few is their median; of two, the faster one raised by what the faster of two falls
   short of their centre (`FASTER_OF_TWO` spreads).

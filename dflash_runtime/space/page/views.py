@@ -35,7 +35,7 @@ def method_label(method: str | None, draft_kind: str | None = None) -> str:
     """How the page names a draft method, short ("DFlash" for a v1 draft)."""
     if method == "dflash" and draft_kind == "dflash1":
         return "DFlash"
-    if method and draft_methods.CHAIN_SEPARATOR in method:
+    if method and draft_methods.METHOD_SEPARATOR in method:
         return " → ".join(method_label(m, draft_kind) for m in draft_methods.split(method))
     known = draft_methods.registry().get(method or "")
     return known.label if known else "speculative"
@@ -48,7 +48,7 @@ def method_description(method: str | None, draft_kind: str | None = None) -> str
 
 
 def method_help(methods: list[str], draft_kind: str | None = None, default: str | None = None) -> str:
-    """The method menu's help: one line for "auto" and for each method or chain in the menu."""
+    """The method menu's help: one line for "auto" and for each method or method list in the menu."""
     lines = [f"- **auto**: the pair's default{f' ({method_label(default, draft_kind)})' if default else ''}"]
     for method in methods:
         members = draft_methods.split(method)
@@ -215,7 +215,7 @@ def comparison_verdict(identical: Mapping[str, bool], temperature: float, seed: 
 
 def divergence_verdict(divergence: Mapping[str, Any] | None) -> str:
     """A temperature-0 difference from plain decoding, as the target's logits at the first differing token explain
-    it (dflash_runtime.divergence): a near-tie that the kernels' rounding breaks either way, or a fault."""
+    it (dflash_runtime.decoding.divergence): a near-tie that the kernels' rounding breaks either way, or a fault."""
     if not divergence or divergence.get("kind") not in ("near-tie", "fault"):
         detail = f" ({divergence['summary']})" if divergence and divergence.get("summary") else ""
         return ("**Texts identical: NO, and the difference was not explained**" + detail + ". At temperature 0 a "

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ...errors import DownloadError, ModelFileError
-from ...hub import ModelSource, fetch_model_file
+from ...files.hub import ModelSource, fetch_model_file
 from .presets import PairPreset, ResolvedPair, draft_unavailable, env_text, fallback_methods
 
 log = logging.getLogger(__name__)

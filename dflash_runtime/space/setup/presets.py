@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import methods
-from ...hub import ModelSource
+from ...files.hub import ModelSource
 from ..scrub import scrub_paths
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def fallback_methods(target_path: Path) -> tuple[str, ...]:
     """The methods with a model that the target runs without its draft (the registry's `target_alone`: MTP with a
     nextn head), from its header: no model is opened. Where the draft is unusable, the pair opens without it when
     there is one."""
-    from ...gguf_meta import read_gguf
+    from ...files.gguf_meta import read_gguf
 
     return methods.target_alone(read_gguf(target_path))
 
@@ -108,7 +108,7 @@ def fallback_methods(target_path: Path) -> tuple[str, ...]:
 def pair_methods(target_path: Path, draft_path: Path | None, branches: int = 0) -> list[str]:
     """The methods a pair of these files runs, from their headers (the registry's `from_headers`), opened with
     `branches` spare target sequences."""
-    from ...gguf_meta import read_gguf
+    from ...files.gguf_meta import read_gguf
 
     draft = read_gguf(draft_path) if draft_path else None
     return list(methods.from_headers(read_gguf(target_path), draft, branches=branches))
@@ -123,7 +123,7 @@ def draft_unavailable(why: str, fallback: Sequence[str]) -> str:
 
 def header_sampling_defaults(target_path: Path) -> dict[str, float | int]:
     """The target's recommended sampling from its GGUF header, read in the web process without opening the model."""
-    from ...gguf_meta import read_gguf, sampling_defaults
+    from ...files.gguf_meta import read_gguf, sampling_defaults
 
     return sampling_defaults(read_gguf(target_path).keys.get)
 

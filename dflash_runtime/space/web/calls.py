@@ -93,7 +93,9 @@ class Calls:
                 if (refusal := self.policy.timed_out(self._clock(), call)) is not None:
                     self.policy.finish(self._clock(), call)
                     raise RequestError(refusal)
-                self._changed.wait(self.settings.poll_s)
+                now, poll_s = self._clock(), self.settings.poll_s
+                turn_ends = self.policy.turn_ends(now)  # a seat holder's quantum ending: look then, not a poll later
+                self._changed.wait(poll_s if turn_ends is None else min(poll_s, turn_ends - now))
 
     def resize(self, capacity: int) -> None:
         """Seat up to `capacity` jobs from now on; jobs running stay."""

@@ -282,6 +282,14 @@ class FairShare:
         self.yields += 1
         return True
 
+    def turn_ends(self, now: float) -> float | None:
+        """While a call waits and no seat is free: the soonest time a seated call's turn reaches `quantum_s`, when
+        `schedule` may ask it to yield with nothing else happening (so a waiting job looks then, not a poll later)."""
+        if not self.waiting() or self.seats_used() < self.capacity:
+            return None
+        ends = [c.turn_at + self.settings.quantum_s for c in self.calls if c.seated]
+        return min((end for end in ends if end > now), default=None)
+
     def yield_turn(self, now: float, call: Call) -> None:
         """The call's job closed its stream for another client's turn: it waits again, in its old place."""
         self._unseat(now, call)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ModelFileError
+from ..errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
 

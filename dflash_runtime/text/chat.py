@@ -22,8 +22,8 @@ from typing import Any
 
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from .errors import RequestError
-from .native.vocab import CONTROL_ATTRS, LSTRIP, RSTRIP, Vocabulary
+from ..errors import RequestError
+from ..native.vocab import CONTROL_ATTRS, LSTRIP, RSTRIP, Vocabulary
 
 ROLES = ("system", "user", "assistant", "tool")
 WHITESPACE = " \t\n\v\f\r"  # C isspace(), as llama.cpp strips around LSTRIP / RSTRIP tokens

@@ -7,7 +7,7 @@ The contract, which cannot deadlock:
   sequence raises `EngineBusyError` at once (waiting would wait for itself).
 - The engine steps every running request at once (steps.py), on the thread of whichever consumer asks for an event
   while no step runs; the others wait for that step's end and find their events queued. A request whose reader is
-  a few events behind (decoding.EVENTS_AHEAD) takes no part in a step: a suspended stream soon costs nothing, and
+  a few events behind (request.EVENTS_AHEAD) takes no part in a step: a suspended stream soon costs nothing, and
   keeps its sequence. So a cancel lands at the next step the request takes part in; with other requests running,
   events it made ahead of its reader still come first.
 - A cancel belongs to one request: `RequestStream.cancel()` to that stream; `Engine.cancel()` to every stream that
@@ -29,8 +29,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .errors import EngineBusyError, EngineClosedError
-from .results import StreamEvent
+from ..errors import EngineBusyError, EngineClosedError
+from ..results.events import StreamEvent
 
 CLOSED_MESSAGE = "this engine was closed; open a new one with load_pair(...)"
 
@@ -215,7 +215,7 @@ class _Closed(Exception):
 class RequestStream(Iterator[StreamEvent]):
     """An iterator of `StreamEvent`s for one request, with `cancel()` and `close()`.
 
-    `decoding(stream)` builds the request's run (decoding.Decoding) once the stream holds a sequence; `final(detail)`
+    `decoding(stream)` builds the request's run (request.Decoding) once the stream holds a sequence; `final(detail)`
     builds the last event of a request that ends without decoding further (cancelled before it started, or the
     engine closed under it)."""
 

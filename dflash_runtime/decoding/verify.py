@@ -3,7 +3,7 @@
 Every emitted token is a sample of the target's distribution given the tokens before it, so the output has the
 target's distribution exactly (token for token at temperature 0):
 
-- `MatchVerifier` (temperature 0, and `verify="match"` above it): row i is sampled with the request's own chain and
+- `MatchVerifier` (temperature 0, and `verify="match"` above it): row i is sampled with the request's own sampler and
   the draft token is kept while the sample equals it. A draft token x survives with probability p(x).
 - `RejectionVerifier` (`verify="sample"`, temperature > 0; Leviathan et al. 2023, Chen et al. 2023): a draft token x,
   sampled from q, is kept with probability min(1, p(x) / q(x)); on rejection the token comes from the normalised
@@ -15,7 +15,7 @@ target's distribution exactly (token for token at temperature 0):
 A draft tree (drafters/tree.py) has a verifier of its own: `TreeWalk` for a chosen tree (the walk that samples each
 node's row and follows the child holding the sample), `TreeRejection` for a tree drawn from q (recursive rejection
 sampling over each node's siblings, the residual renormalised after each rejection; one `rejection_stage` is the
-chain's step too).
+linear draft's step too).
 
 Rows are those of the last target decode, from `first_row` on. `walk()` yields (token, source) lazily, so sampling
 stops where the caller stops reading (end of generation, a stop string): "draft" for an accepted draft token,
@@ -31,10 +31,10 @@ from typing import Any, Protocol
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from .drafters.proposal import DRAFT, TARGET, Proposal, draw
-from .drafters.tree import ROOT, DraftTree, TreeWalk, TreeWalker
-from .errors import DecodeError
-from .sampling import ChainProbabilities, Sampler
+from ..drafters.proposal import DRAFT, TARGET, Proposal, draw
+from ..drafters.tree import ROOT, DraftTree, TreeWalk, TreeWalker
+from ..errors import DecodeError
+from ..native.sampling import Sampler, SamplerDistribution
 
 
 class Verifier(Protocol):
@@ -66,14 +66,15 @@ class MatchVerifier:
 class RejectionVerifier:
     mode = "sample"
 
-    def __init__(self, chain: ChainProbabilities, rng: np.random.Generator, target_ctx: Any, n_vocab: int) -> None:
-        self._chain = chain
+    def __init__(self, distribution: SamplerDistribution, rng: np.random.Generator, target_ctx: Any,
+                 n_vocab: int) -> None:
+        self._distribution = distribution
         self._rng = rng
         self._ctx = target_ctx
         self._n_vocab = n_vocab
 
     def target_distribution(self, row: int) -> tuple[np.ndarray, np.ndarray]:
-        return target_distribution(self._ctx, row, self._n_vocab, self._chain)
+        return target_distribution(self._ctx, row, self._n_vocab, self._distribution)
 
     def walk(self, proposal: Proposal, first_row: int = 0) -> Iterator[tuple[int, str]]:
         drafts, q = proposal.tokens, proposal.q
@@ -93,14 +94,14 @@ class RejectionVerifier:
 
 class TreeRejection:
     """Recursive rejection sampling over a drawn tree (Jeon et al. 2024; SpecTr / SpecInfer's multi-draft rule): at
-    each node reached, p is the target's row there under the request's chain; the children are tried in the order
+    each node reached, p is the target's row there under the request's sampler; the children are tried in the order
     they were drawn, child i kept with probability min(1, p_i(x_i) / q_i(x_i)) — q_i the distribution it was drawn
     from, its earlier siblings removed — and on its rejection p_(i+1) is the normalised residual max(0, p_i − q_i);
     a kept child is emitted and its node is next; when every child is rejected (or there is none) a sample of what
     is left of p ends the walk. Every stage is rejection sampling of p_i with proposal q_i, so the node emits a sample
-    of p (docs/how-it-works.md has the proof); the first stage is the chain's own rule, so no node keeps less than the
-    chain would with the first child alone. A chosen child (no recorded q) is a point mass: kept with probability
-    p_i(x). `distribution(row)`: a row of the last target decode under the request's chain."""
+    of p (docs/how-it-works.md has the proof); the first stage is the linear draft's own rule, so no node keeps less
+    than a linear draft would with the first child alone. A chosen child (no recorded q) is a point mass: kept with
+    probability p_i(x). `distribution(row)`: a row of the last target decode under the request's sampler."""
 
     def __init__(self, distribution: Callable[[int], tuple[np.ndarray, np.ndarray]],
                  rng: np.random.Generator) -> None:
@@ -146,12 +147,13 @@ def rejection_stage(token: int, q: tuple[np.ndarray, np.ndarray] | None, p_ids: 
     return residual / total if total > 0.0 else p_probs  # total 0 only through rounding: then p = q
 
 
-def target_distribution(ctx: Any, row: int, n_vocab: int, chain: ChainProbabilities) -> tuple[np.ndarray, np.ndarray]:
-    """A row of the last target decode as the request's chain makes it: (token ids, probabilities)."""
+def target_distribution(ctx: Any, row: int, n_vocab: int,
+                        distribution: SamplerDistribution) -> tuple[np.ndarray, np.ndarray]:
+    """A row of the last target decode as the request's sampler makes it: (token ids, probabilities)."""
     ptr = ll.llama_get_logits_ith(ctx, row)
     if not ptr:
         raise DecodeError(f"the target produced no logits for verify row {row}")
-    return chain(np.ctypeslib.as_array(ptr, shape=(n_vocab,)))
+    return distribution(np.ctypeslib.as_array(ptr, shape=(n_vocab,)))
 
 
 def _prob_of(token: int, ids: np.ndarray, probs: np.ndarray) -> float:
@@ -173,13 +175,14 @@ def _on_support(p_ids: np.ndarray, q_ids: np.ndarray, q_probs: np.ndarray) -> np
 
 @dataclass(frozen=True)
 class Verifiers:
-    """How an engine builds its verifiers: `match(sampler, target_ctx)`, `sample(chain, rng, target_ctx, n_vocab)`,
-    and for draft trees `tree(sample_row)` (`sample_row(row)`: a sample of a row of the last target decode under the
-    request's chain), and for drawn trees `tree_sample(distribution, rng)` (`distribution(row)`: a row of the last
-    target decode as the request's chain makes it). Pass another set to `Engine(verifiers=...)` to check a variant."""
+    """How an engine builds its verifiers: `match(sampler, target_ctx)`, `sample(distribution, rng, target_ctx,
+    n_vocab)`, and for draft trees `tree(sample_row)` (`sample_row(row)`: a sample of a row of the last target decode
+    under the request's sampler), and for drawn trees `tree_sample(distribution, rng)` (`distribution(row)`: a row of
+    the last target decode as the request's sampler makes it). Pass another set to `Engine(verifiers=...)` to check
+    a variant."""
 
     match: Callable[[Sampler, Any], Verifier] = MatchVerifier
-    sample: Callable[[ChainProbabilities, np.random.Generator, Any, int], Verifier] = RejectionVerifier
+    sample: Callable[[SamplerDistribution, np.random.Generator, Any, int], Verifier] = RejectionVerifier
     tree: Callable[[Callable[[int], int]], TreeWalker] = TreeWalk
     tree_sample: Callable[[Callable[[int], tuple[np.ndarray, np.ndarray]], np.random.Generator],
                           TreeWalker] = TreeRejection

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import PairMismatchError
+from ..errors import PairMismatchError
 from .gguf_meta import GGUFInfo
 
 DEFAULT_BLOCK_SIZE = 16  # llama.cpp's default when dflash.block_size is absent

@@ -1,6 +1,6 @@
-"""Drafting by chained one-row decodes of (token, row) pairs in a context of the drafter's own: the target's MTP head
-(the row is the target's nextn hidden row) and EAGLE-3's decoder (its g row), as llama.cpp's `draft-mtp` and
-`draft-eagle3` drive them.
+"""Drafting token by token with one-row decodes of (token, row) pairs in a context of the drafter's own, each decode fed
+the token and the row the one before it output: the target's MTP head (the row is the target's nextn hidden row) and
+EAGLE-3's decoder (its g row), as llama.cpp's `draft-mtp` and `draft-eagle3` drive them.
 
 A sequence's cell p holds (token_{p+lag}, row_{p+lag-1}): MTP's lag is 0 (token p with the target's row before it,
 a zero row before the first), EAGLE-3's is 1 (the token after p with p's own g row), so the cells reach
@@ -11,7 +11,7 @@ token with the row the context output for it, every drafting sequence's step i i
 small decodes. The seed's and the drafts' cells are removed afterwards (the verify rows come next, through the
 drafter's `process`), as in llama.cpp.
 
-`ChainDrafter` is the whole drafter (the `Drafter` protocol); a method adds only where its rows come from (a
+`RowDrafter` is the whole drafter (the `Drafter` protocol); a method adds only where its rows come from (a
 `RowSource`: MTP reads the target's nextn rows, EAGLE-3 encodes three tapped layers into g rows).
 """
 
@@ -34,7 +34,7 @@ from .proposal import Proposal
 
 @dataclass
 class Parked:
-    """A sequence's cells in the context and its rows, for `RowChain.restore`."""
+    """A sequence's cells in the context and its rows, for `RowDecoder.restore`."""
 
     kv: np.ndarray
     rows: np.ndarray
@@ -55,9 +55,9 @@ class RowTable:
         self.data[pos0:n] = rows
 
 
-class RowChain:
-    """What a chained (token, row) drafter keeps and decodes in its context, for every sequence: the cells
-    (`memory.DraftSequence`, with the lag), the rows, the catch-up and the chained draft."""
+class RowDecoder:
+    """What a (token, row) drafter keeps and decodes in its context, for every sequence: the cells
+    (`memory.DraftSequence`, with the lag), the rows, the catch-up and the draft, token by token."""
 
     def __init__(self, ctx: Any, name: str, views: Sequence[Sequence[int]], *, width: int, n_vocab: int,
                  n_batch: int, capacity: int, lag: int) -> None:
@@ -71,7 +71,7 @@ class RowChain:
         self.seqs = [DraftSequence(ctx, name, seq, lag=lag) for seq in range(len(views))]
         self.rows = [RowTable(width) for _ in views]
         self._zero = np.zeros(width, dtype=np.float32)  # row_{-1}: what llama.cpp pairs with the first token
-        self._chain = np.zeros((len(views), capacity + 1, width), dtype=np.float32)  # the drafts' own rows
+        self._draft_rows = np.zeros((len(views), capacity + 1, width), dtype=np.float32)  # the drafts' own rows
         self._batch = TokenRowBatch(ctx, name, width)
 
     def known(self, seq: int, pos0: int, rows: np.ndarray) -> None:
@@ -107,7 +107,7 @@ class RowChain:
                 state.n_fed = stop
 
     def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
-        """Every ask's chain in the same decodes: step i decodes the i-th cell of each ask still drafting."""
+        """Every ask's draft in the same decodes: step i decodes the i-th cell of each ask still drafting."""
         self.catch_up([a.seq for a in asks])
         for a in asks:
             if a.pos0 < self._lag or self.seqs[a.seq].n_known != a.pos0:
@@ -130,9 +130,9 @@ class RowChain:
                     token = out[i].add_from_logits(self._logits(k), ask.p_min, ask.sampling)
                     if token is None or step + 1 >= ask.n:
                         continue
-                    chain = self._chain[ask.seq]
-                    chain[step + 1] = self._output_row(k)
-                    current[i] = (token, chain[step + 1])
+                    rows = self._draft_rows[ask.seq]
+                    rows[step + 1] = self._output_row(k)
+                    current[i] = (token, rows[step + 1])
                     still.append(i)
                 going = still
                 step += 1
@@ -169,7 +169,7 @@ class RowChain:
 
 
 class RowSource(Protocol):
-    """Where a chained drafter's rows come from: after each target decode, the row of every position it held."""
+    """Where a row drafter's rows come from: after each target decode, the row of every position it held."""
 
     def rows(self, decoded: Sequence[Rows]) -> list[np.ndarray]:
         """For each `Rows` of the last target decode, its positions' rows (len(tokens) × width)."""
@@ -178,13 +178,13 @@ class RowSource(Protocol):
     def free(self) -> None: ...
 
 
-class ChainDrafter:
-    """A drafter of chained (token, row) decodes: `chain` keeps and decodes, `source` gives the rows."""
+class RowDrafter:
+    """A drafter of (token, row) decodes, token by token: `decoder` keeps and decodes, `source` gives the rows."""
 
-    def __init__(self, method: str, chain: RowChain, source: RowSource, capacity: int) -> None:
+    def __init__(self, method: str, decoder: RowDecoder, source: RowSource, capacity: int) -> None:
         self.method = method
         self.capacity = capacity
-        self._chain = chain
+        self._decoder = decoder
         self._source = source
 
     # -- the target's rows --------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ class ChainDrafter:
         for r in rows:
             self.keep(r.seq, r.pos0)  # what followed pos0 is stale before the source reads anything
         for r, values in zip(rows, self._source.rows(rows), strict=True):
-            self._chain.known(r.seq, r.pos0, values)
+            self._decoder.known(r.seq, r.pos0, values)
         eager = [r.seq for r in rows if r.eager]
         if eager:
             self.catch_up(eager)
@@ -204,12 +204,12 @@ class ChainDrafter:
         pass  # the rows come with every decode (process)
 
     def catch_up(self, seqs: Sequence[int]) -> None:
-        self._chain.catch_up(seqs)
+        self._decoder.catch_up(seqs)
 
     # -- drafting -----------------------------------------------------------------------------------------------
 
     def draft(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
-        return self._chain.draft(asks)
+        return self._decoder.draft(asks)
 
     def accept(self, seq: int, n_accepted: int) -> None:
         pass  # the row of every kept position is held; keep() drops the rest
@@ -217,20 +217,20 @@ class ChainDrafter:
     # -- the cache ----------------------------------------------------------------------------------------------
 
     def keep(self, seq: int, n: int) -> None:
-        self._chain.seqs[seq].keep(n)
+        self._decoder.seqs[seq].keep(n)
 
     def clear(self, seq: int) -> None:
-        self._chain.seqs[seq].clear()
+        self._decoder.seqs[seq].clear()
 
     def save(self, seq: int) -> Parked:
-        return self._chain.save(seq)
+        return self._decoder.save(seq)
 
     def restore(self, seq: int, state: Parked) -> None:
-        self._chain.restore(seq, state)
+        self._decoder.restore(seq, state)
 
     def state_bytes(self, state: Parked) -> int:
         return int(state.kv.nbytes + state.rows.nbytes)
 
     def free(self) -> None:
-        self._chain.free()
+        self._decoder.free()
         self._source.free()

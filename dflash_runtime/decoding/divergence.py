@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from .errors import DecodeError, RequestError
-from .native.batches import TokenBatch
-from .native.memory import SequenceMemory
+from ..errors import DecodeError, RequestError
+from ..native.batches import TokenBatch
+from ..native.memory import SequenceMemory
 
 FLOAT32_UNIT = 2.0**-24  # unit roundoff of float32
 SPREAD_FACTOR = 4.0  # how far beyond the observed disagreement of two scorings a margin still counts as rounding

@@ -5,10 +5,10 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
-from .native.vocab import Vocabulary
+from ..native.vocab import Vocabulary
 
 
-class TextStream:
+class TextDeltas:
     """Feeds tokens, returns the text that is safe to show; `stopped` once a stop string completed.
 
     Each character remembers the source of the token that completed it ("draft" or "target"); `take_runs()` gives

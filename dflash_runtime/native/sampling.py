@@ -1,9 +1,9 @@
-"""The request's sampling: the `llama_sampler` chain on the target context, and the same chain as probabilities.
+"""The request's sampler: llama.cpp's `llama_sampler` on the target context, and the same sampler as probabilities.
 
-`Sampler` draws with llama.cpp's chain (greedy, or top-k → top-p → min-p → temperature → dist): plain decoding and
-sample-and-match verification use it. `ChainProbabilities` runs the same transforms (llama.cpp's own samplers, minus
-the final draw) over a logits row and returns the distribution the chain would draw from, as numpy arrays over the
-candidates it keeps: rejection-sampling verification compares that p with the draft's q.
+`Sampler` draws with llama.cpp's samplers in a row (greedy, or top-k → top-p → min-p → temperature → dist): plain
+decoding and sample-and-match verification use it. `SamplerDistribution` runs the same stages (llama.cpp's own
+samplers, minus the final draw) over a logits row and returns the distribution the sampler would draw from, as numpy
+arrays over the candidates it keeps: rejection-sampling verification compares that p with the draft's q.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from .errors import RequestError
+from ..errors import RequestError
 
 VERIFY_MODES = ("sample", "match")
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
@@ -46,45 +46,46 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def _transforms(p: SamplingParams) -> list[Any]:
-    """The chain's links before the draw, in llama.cpp's order of this project's chain."""
-    links = []
+def _stages(p: SamplingParams) -> list[Any]:
+    """The sampler's stages before the draw, in llama.cpp's order."""
+    stages = []
     if p.top_k > 0:
-        links.append(ll.llama_sampler_init_top_k(p.top_k))
+        stages.append(ll.llama_sampler_init_top_k(p.top_k))
     if p.top_p < 1.0:
-        links.append(ll.llama_sampler_init_top_p(p.top_p, 1))
+        stages.append(ll.llama_sampler_init_top_p(p.top_p, 1))
     if p.min_p > 0.0:
-        links.append(ll.llama_sampler_init_min_p(p.min_p, 1))
-    links.append(ll.llama_sampler_init_temp(p.temperature))
-    return links
+        stages.append(ll.llama_sampler_init_min_p(p.min_p, 1))
+    stages.append(ll.llama_sampler_init_temp(p.temperature))
+    return stages
 
 
-def _chain(links: list[Any]) -> Any:
-    chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-    for link in links:
-        ll.llama_sampler_chain_add(chain, link)  # the chain takes ownership
-    return chain
+def _native_sampler(stages: list[Any]) -> Any:
+    """One llama_sampler running `stages` in order (llama.cpp's `llama_sampler_chain`)."""
+    sampler = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+    for stage in stages:
+        ll.llama_sampler_chain_add(sampler, stage)  # the sampler takes ownership
+    return sampler
 
 
 class Sampler:
-    """Owns one sampler chain; `sample(ctx, row)` draws from row `row` of the last decode and accepts the draw."""
+    """Owns one native sampler; `sample(ctx, row)` draws from row `row` of the last decode and accepts the draw."""
 
     def __init__(self, params: SamplingParams) -> None:
         params.check()
         if params.greedy:
-            links = [ll.llama_sampler_init_greedy()]
+            stages = [ll.llama_sampler_init_greedy()]
         else:
             seed = ll.LLAMA_DEFAULT_SEED if params.seed is None else params.seed
-            links = [*_transforms(params), ll.llama_sampler_init_dist(seed)]
-        self._chain = _chain(links)
+            stages = [*_stages(params), ll.llama_sampler_init_dist(seed)]
+        self._native = _native_sampler(stages)
 
     def sample(self, ctx: Any, row: int) -> int:
-        return int(ll.llama_sampler_sample(self._chain, ctx, row))
+        return int(ll.llama_sampler_sample(self._native, ctx, row))
 
     def free(self) -> None:
-        if self._chain:
-            ll.llama_sampler_free(self._chain)
-            self._chain = None
+        if self._native:
+            ll.llama_sampler_free(self._native)
+            self._native = None
 
     def __enter__(self) -> Sampler:
         return self
@@ -93,21 +94,21 @@ class Sampler:
         self.free()
 
 
-class ChainProbabilities:
-    """The distribution the request's chain draws from, for any logits row (temperature > 0 only)."""
+class SamplerDistribution:
+    """The distribution the request's sampler draws from, for any logits row (temperature > 0 only)."""
 
     def __init__(self, params: SamplingParams, capacity: int) -> None:
         params.check()
         if params.greedy:
             raise ValueError("temperature 0 has no distribution to compare: it is greedy")
-        self._chain = _chain(_transforms(params))
+        self._native = _native_sampler(_stages(params))
         self._data = np.zeros(capacity, dtype=TOKEN_DATA)
         self._ids = np.arange(capacity, dtype=np.int32)
         self._array = ll.llama_token_data_array()
         self._data_type = ctypes.POINTER(ll.llama_token_data)
 
     def __call__(self, logits: np.ndarray, ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(token ids, probabilities) kept by the chain for `logits` (over `ids`, default 0..len-1), probabilities
+        """(token ids, probabilities) kept by the sampler for `logits` (over `ids`, default 0..len-1), probabilities
         in float64 and summing to 1."""
         n = logits.shape[0]
         data = self._data[:n]
@@ -117,7 +118,7 @@ class ChainProbabilities:
         arr = self._array
         arr.data = data.ctypes.data_as(self._data_type)
         arr.size, arr.selected, arr.sorted = n, -1, False
-        ll.llama_sampler_apply(self._chain, ctypes.byref(arr))
+        ll.llama_sampler_apply(self._native, ctypes.byref(arr))
         # Samplers may point `data` at a buffer of their own: read what the array says, not our copy.
         kept = np.ctypeslib.as_array(ctypes.cast(arr.data, ctypes.POINTER(ctypes.c_uint8)),
                                      shape=(arr.size * TOKEN_DATA.itemsize,)).view(TOKEN_DATA)
@@ -129,6 +130,6 @@ class ChainProbabilities:
         return out_ids, probs
 
     def free(self) -> None:
-        if self._chain:
-            ll.llama_sampler_free(self._chain)
-            self._chain = None
+        if self._native:
+            ll.llama_sampler_free(self._native)
+            self._native = None

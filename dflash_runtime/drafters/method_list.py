@@ -1,6 +1,6 @@
-"""A request's methods in order of preference, "a,b" (llama.cpp's `--spec-type a,b`), and how a step drafts through
-them: each sequence with the first member that proposes something, every member drafting its sequences in one call.
-The registry (methods.py) names the methods; this is the drafting path, which needs no registry."""
+"""A request's method list: its methods in order of preference, "a,b" (llama.cpp's `--spec-type a,b`), and how a step
+drafts through them: each sequence with the first member that proposes something, every member drafting its sequences
+in one call. The registry (methods.py) names the methods; this is the drafting path, which needs no registry."""
 
 from __future__ import annotations
 
@@ -9,24 +9,24 @@ from collections.abc import Mapping, Sequence
 from .drafting import Adopting, DraftAsk, Drafter, Rows
 from .proposal import Proposal
 
-CHAIN_SEPARATOR = ","
+METHOD_SEPARATOR = ","
 
 
 def split(name: str) -> tuple[str, ...]:
-    """A method's or a chain's members, in order of preference."""
-    return tuple(part.strip() for part in name.split(CHAIN_SEPARATOR))
+    """A method's or a method list's members, in order of preference."""
+    return tuple(part.strip() for part in name.split(METHOD_SEPARATOR))
 
 
-class Chain:
+class MethodList:
     """A request's methods in order of preference: a step is drafted by the first that proposes something (as
     llama.cpp's common_speculative_draft walks its implementations). The engine drafts every sequence of a step
-    through the chains' members together (see `draft_all`); `last` is the member that drafted the sequence's last
+    through the method lists' members together (see `draft_all`); `last` is the member that drafted the sequence's last
     step, which alone hears how many of its tokens were accepted. `ahead` is the member that holds rows ahead of the
     sequence's own cells (`adopt`) until the sequence's decode holds them: it alone drafts meanwhile."""
 
     def __init__(self, drafters: Mapping[str, Drafter], members: Sequence[str], seq: int = 0) -> None:
         self.members = [drafters[m] for m in members]
-        self.method = CHAIN_SEPARATOR.join(members)
+        self.method = METHOD_SEPARATOR.join(members)
         self.capacity = min(d.capacity for d in self.members)
         self.seq = seq
         self.last: Drafter | None = None
@@ -55,10 +55,10 @@ class Chain:
             self.last.accept(self.seq, n_accepted)
 
 
-def draft_all(asks: Sequence[tuple[Chain, DraftAsk]]) -> list[tuple[Proposal, str | None]]:
-    """Draft every ask through its chain: each method drafts, in one call, the asks whose chain reaches it (the first
-    member of each chain, then the next member for the asks still without a draft). Returns each ask's proposal (the
-    last member's empty one when nobody drafted) and the method that drafted it (None)."""
+def draft_all(asks: Sequence[tuple[MethodList, DraftAsk]]) -> list[tuple[Proposal, str | None]]:
+    """Draft every ask through its method list: each method drafts, in one call, the asks whose list reaches it (the
+    first member of each list, then the next member for the asks still without a draft). Returns each ask's proposal
+    (the last member's empty one when nobody drafted) and the method that drafted it (None)."""
     results: list[tuple[Proposal, str | None] | None] = [None] * len(asks)
     empty: dict[int, Proposal] = {}
     waiting = list(range(len(asks)))
@@ -67,10 +67,10 @@ def draft_all(asks: Sequence[tuple[Chain, DraftAsk]]) -> list[tuple[Proposal, st
         by_drafter: dict[int, tuple[Drafter, list[int]]] = {}
         later = []
         for i in waiting:
-            chain = asks[i][0]
-            members = chain.drafting
+            listed = asks[i][0]
+            members = listed.drafting
             if depth >= len(members):
-                chain.last = None
+                listed.last = None
                 results[i] = (empty[i], None)
                 continue
             drafter = members[depth]
@@ -93,4 +93,4 @@ def draft_all(asks: Sequence[tuple[Chain, DraftAsk]]) -> list[tuple[Proposal, st
     return [r for r in results if r is not None]
 
 
-__all__ = ["CHAIN_SEPARATOR", "Chain", "draft_all", "split"]
+__all__ = ["METHOD_SEPARATOR", "MethodList", "draft_all", "split"]

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import methods as draft_methods
-from .errors import DFlashError
+from .. import methods as draft_methods
+from ..errors import DFlashError
 
 
 def _add_pair_args(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p × the top probability")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--method", default=None,
-                   help=f"draft method ({', '.join(draft_methods.names())}) or a chain 'a,b' (default: dflash when a "
+                   help=f"draft method ({', '.join(draft_methods.names())}) or a list 'a,b' (default: dflash when a "
                         "draft is given)")
     g.add_argument("--draft-length", default=None, help="'auto' (default) or a fixed draft length, 0 for no draft")
     g.add_argument("--draft-max", default=None, help=argparse.SUPPRESS)  # deprecated spelling of --draft-length
@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--cache", action="store_true", help="keep received weights on disk, so a reload sends none")
     r.add_argument("--print", action="store_true", help="print the command (and its environment) instead of running it")
 
-    from .openai_api.serve import add_serve_args  # starlette and uvicorn are imported only when serving
+    from ..openai_api.serve import add_serve_args  # starlette and uvicorn are imported only when serving
 
     s = sub.add_parser("serve", help="an OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models")
     add_serve_args(s)
@@ -90,7 +90,7 @@ def _rpc_server(args: argparse.Namespace) -> int:
     import os
     import shlex
 
-    from .native.rpc import server_command
+    from ..native.rpc import server_command
 
     argv, env = server_command(args.host, args.port, threads=args.threads, devices=args.device, cache=args.cache)
     if args.print:
@@ -108,7 +108,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--draft-max", default=None, help=argparse.SUPPRESS)  # deprecated spelling of --draft-length
     # By default the methods with a model (a draft file or the target's MTP head): those the pair runs are compared.
     b.add_argument("--methods", nargs="+", default=[m.name for m in draft_methods.REGISTRY if m.needs],
-                   help=f"draft methods to compare with plain ({', '.join(draft_methods.names())}; a chain: 'a,b')")
+                   help=f"draft methods to compare with plain ({', '.join(draft_methods.names())}; a method list: "
+                        "'a,b')")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--verify", default="sample", help="above temperature 0: comma list of 'sample' and/or 'match'")
     b.add_argument("--runs", type=int, default=None,
@@ -138,8 +139,8 @@ def _lengths(args: argparse.Namespace, default: str) -> str:
 
 
 def _open(args: argparse.Namespace, target: str, draft: str | None, parallel: int = 1, **options: Any):
-    from .engine import load_pair
-    from .gguf_meta import read_gguf
+    from ..engine import load_pair
+    from ..files.gguf_meta import read_gguf
 
     capacity = args.draft_capacity
     if capacity is None and draft is not None:
@@ -156,14 +157,14 @@ def _open(args: argparse.Namespace, target: str, draft: str | None, parallel: in
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .openai_api.serve import serve
+    from ..openai_api.serve import serve
 
     return serve(args, lambda: _open(args, args.target, args.draft, args.parallel, busy_timeout_s=args.busy_timeout,
                                      draft_length=_draft_arg(args.draft_length)))
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .report import stats_table
+    from ..results.tables import stats_table
 
     with _open(args, args.target, args.draft) as engine:
         kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

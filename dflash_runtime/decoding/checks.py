@@ -1,4 +1,4 @@
-"""A request's keywords checked against the pair, into a `Request` (decoding.py): every refusal a RequestError that
+"""A request's keywords checked against the pair, into a `Request` (request.py): every refusal a RequestError that
 says what would be accepted."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from . import methods
-from .decoding import Request
-from .errors import PromptTooLongError, RequestError
-from .pair import LinkedPair
-from .sampling import VERIFY_MODES, SamplingParams
+from .. import methods
+from ..errors import PromptTooLongError, RequestError
+from ..native.sampling import VERIFY_MODES, SamplingParams
+from ..pair import LinkedPair
+from .request import Request
 
 MAX_TREE_NODES = 256  # a draft tree's verify rows (the spare sequences and the batch bound what is decoded)
 
@@ -61,7 +61,7 @@ def checked_request(pair: LinkedPair, default_length: int | str, max_tokens: int
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     runs = methods.available(pair)
     if method is not None:
-        method = methods.CHAIN_SEPARATOR.join(methods.check(method, runs))
+        method = methods.METHOD_SEPARATOR.join(methods.check(method, runs))
     chosen = (method or methods.default(pair)) if speculative else None
     capacity = methods.capacity(pair, chosen) if chosen else max((methods.capacity(pair, m) for m in runs), default=0)
     length = check_length(default_length if draft_length is None else draft_length, capacity)

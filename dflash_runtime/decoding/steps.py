@@ -15,9 +15,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .decoding import Decoding, Parts, Planned
-from .drafters.drafting import DraftAsk, Rows
-from .drafters.method_chains import Chain, draft_all
+from ..drafters.drafting import DraftAsk, Rows
+from ..drafters.method_list import MethodList, draft_all
+from .request import Decoding, Parts, Planned
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Steps:
         live = [r for r in runs if self._guard(r, self._admit)]
         generating = [r for r in live if not r.prefilling]
         prefilling = sorted((r for r in live if r.prefilling), key=lambda r: (r.prompt_left, r.seq))
-        asks: list[tuple[Chain, DraftAsk, Decoding]] = []
+        asks: list[tuple[MethodList, DraftAsk, Decoding]] = []
         rows = 0
         paths = len(self._free_spares(bool(prefilling)))  # the most tree paths this step can decode
         for run in sorted(generating, key=lambda r: r.seq):
@@ -59,8 +59,8 @@ class Steps:
             except Exception as error:
                 run.fail(error)
                 continue
-            if ask is not None and run.chain is not None:
-                asks.append((run.chain, ask, run))
+            if ask is not None and run.method_list is not None:
+                asks.append((run.method_list, ask, run))
             else:
                 run.plain_step()
             rows += 1 + n_block
@@ -69,6 +69,10 @@ class Steps:
         self._pad([r for r in generating if r.planned is not None and not r.done])
         self._branch([r for r in generating if r.planned is not None and not r.done], bool(prefilling))
         budget = self.parts.pair.n_batch - sum(r.planned.decode_rows for r in generating if r.planned)
+        if generating and prefilling:
+            # Beside answers being written, the step's prompt tokens together take one chunk: a generating
+            # request's step costs its own rows and one chunk however many prompts wait (the shortest first).
+            budget = min(budget, max(r.req.prefill_chunk or budget for r in prefilling))
         for run in prefilling:  # a request's own bound on its chunks holds while others share the step
             planned = run.plan_prefill(min(budget, run.req.prefill_chunk or budget) if len(live) > 1 else budget)
             if planned is not None:
@@ -92,11 +96,11 @@ class Steps:
 
     # -- the shared passes --------------------------------------------------------------------------------------
 
-    def _draft(self, asks: list[tuple[Chain, DraftAsk, Decoding]]) -> None:
+    def _draft(self, asks: list[tuple[MethodList, DraftAsk, Decoding]]) -> None:
         """Every drafting request's draft, each method in one pass; a failed pass ends the requests in it."""
         t = time.perf_counter()
         try:
-            results = draft_all([(chain, ask) for chain, ask, _ in asks])
+            results = draft_all([(listed, ask) for listed, ask, _ in asks])
         except Exception as error:
             for _, _, run in asks:
                 run.fail(error)
@@ -135,7 +139,7 @@ class Steps:
     def _branch(self, runs: list[Decoding], prefilling: bool) -> None:
         """Give the paths of each draft tree beside its spine a spare target sequence each, while there are spare
         sequences and room in the decode; a tree keeps the paths that got one (its first ones), and a tree that got
-        none is its spine: a chain step. A hybrid target's paths run only where the whole decode is one ubatch of
+        none is its spine: a linear step. A hybrid target's paths run only where the whole decode is one ubatch of
         consecutive sequences (or the request is alone): see docs/how-it-works.md, "Draft trees"."""
         pair = self.parts.pair
         free = self._free_spares(prefilling) if not pair.is_recurrent or self._one_ubatch(runs, prefilling) else []
@@ -264,7 +268,7 @@ class Steps:
 
     @staticmethod
     def _members(run: Decoding) -> list[object]:
-        return list(run.chain.members) if run.chain is not None else []
+        return list(run.method_list.members) if run.method_list is not None else []
 
     # -- per request --------------------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .deprecated import renamed
+from ..deprecated import renamed
 
 
 def tokens_per_verify(emitted: int | float, verify_steps: int | float) -> float:
@@ -31,7 +31,7 @@ class Stats:
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: times draft position i+1 was accepted
     drafted_per_position: list[int] = field(default_factory=list)   # [i]: times draft position i+1 was verified
     draft_lengths: list[int] = field(default_factory=list)          # draft length chosen at each round
-    drafted_by: list[str] = field(default_factory=list)  # the method that drafted each verify step (chains: a member)
+    drafted_by: list[str] = field(default_factory=list)  # the method that drafted each verify step (a list's member)
     prefill_ms: float = 0.0
     draft_ms: float = 0.0           # draft block decode + lattice walk
     inject_ms: float = 0.0          # target features → draft cache
@@ -40,7 +40,7 @@ class Stats:
     native_ms: float = 0.0          # time inside libllama calls after the prefill
     decode_ms: float = 0.0          # wall time after the prefill
     speculative: bool = True
-    method: str | None = None       # the draft method or chain ("dflash", "ngram-mod,dflash"); None: plain decoding
+    method: str | None = None       # the draft method or method list ("dflash", "ngram-mod,dflash"); None: plain
     draft_capacity: int = 0         # the method's longest draft
     draft_length: int | str = 0     # the request's draft length: "auto" or a fixed length
     verify_mode: str = "plain"      # "greedy" (temperature 0), "sample" or "match" (above it), "plain" (no draft)

@@ -1,4 +1,5 @@
-"""Plain-text tables for the CLI."""
+"""Plain-text tables for the command line: a request's statistics (`stats_table`), a benchmark's or a memory plan's
+rows (`table`)."""
 
 from __future__ import annotations
 

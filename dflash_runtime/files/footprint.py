@@ -15,7 +15,7 @@ llama-memory-recurrent.cpp, llama-hparams.cpp, models/qwen35.cpp):
 - MTP KV: the MTP context's cache holds the nextn layer(s) only.
 Compute buffers and weights are shared by all sequences and are not counted here.
 
-    python -m dflash_runtime.footprint TARGET.gguf [DRAFT.gguf] [--n-ctx 8192,32768] [--draft-capacity 7]
+    python -m dflash_runtime.files.footprint TARGET.gguf [DRAFT.gguf] [--n-ctx 8192,32768] [--draft-capacity 7]
         [--fit MOST [--n-gpu-layers N] [--rpc HOST:PORT,...]]
 """
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..native.backends import FreeMemory
 from .gguf_meta import GGUFInfo, read_gguf
-from .native.backends import FreeMemory
 
 F16, F32 = 2, 4
 CTX_PAD = 256  # libllama pads n_ctx (and each sequence's share) to a multiple of 256
@@ -252,9 +252,9 @@ def _mib(n: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .report import table
+    from ..results.tables import table
 
-    p = argparse.ArgumentParser(prog="python -m dflash_runtime.footprint", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m dflash_runtime.files.footprint", description=__doc__.splitlines()[0])
     p.add_argument("target", type=Path)
     p.add_argument("draft", type=Path, nargs="?")
     p.add_argument("--n-ctx", default="8192,32768", help="comma list of context lengths per sequence")
@@ -273,11 +273,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [(part, *(_mib(f[part]) for f in prints)) for part in (*DEVICE_PARTS, *HOST_PARTS, "device", "total")]
     print(table(("MiB per sequence", *(f"n_ctx {n}" for n in sizes)), rows))
     if args.fit is not None:
-        from .native.backends import free_memory
+        from ..native.backends import free_memory
 
         memory = free_memory(args.n_gpu_layers)
         if args.rpc:
-            from .native.rpc import remote_memory
+            from ..native.rpc import remote_memory
 
             memory = with_remote_memory(memory, remote_memory([e for e in args.rpc.split(",") if e.strip()]))
         for n in sizes:

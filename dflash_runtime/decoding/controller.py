@@ -28,8 +28,8 @@ class DraftPolicy(Protocol):
     def begin_request(self) -> None: ...
 
     @property
-    def tree(self) -> TreeOrChain:
-        """Whether a step drafts a tree or the chain (method "dflash-tree", tree_nodes="auto")."""
+    def tree(self) -> TreeOrLinear:
+        """Whether a step drafts a tree or a linear draft (method "dflash-tree", tree_nodes="auto")."""
         ...
 
 
@@ -38,7 +38,7 @@ class FixedLength:
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.tree = TreeOrChain()
+        self.tree = TreeOrLinear()
 
     def choose(self, pos0: int, limit: int, others: int = 0) -> int:
         return min(self.n, limit)
@@ -99,7 +99,7 @@ class AdaptiveLength:
         self._ramping = False
         self._episode_paid = False
         self._new_request = False  # plan at the next round (a new request, or both ends just measured)
-        self.tree = TreeOrChain()
+        self.tree = TreeOrLinear()
 
     # -- estimates ----------------------------------------------------------------------------------------------
 
@@ -226,20 +226,21 @@ class AdaptiveLength:
         }
 
 
-class TreeOrChain:
-    """Whether a step drafts a tree or the chain (method "dflash-tree" with tree_nodes="auto"): each arm's measured
-    tokens per second — a tree step's emitted tokens and time, plus the time the next step spends on the rows of an
-    accepted path off its spine (decoding.py) — as decayed sums; the better arm runs, the other is tried every
-    `probe_every` steps, twice as seldom after each probe that did not change the choice (up to `probe_max`; the
-    first `warmup` steps of each arm are taken in turn, the chain's first). It lives with the request's draft
-    policy, so it carries over to the owner's next request. A tree costs more rows than the chain (on a CPU about in
-    proportion; on a GPU nearly nothing up to its small-batch limit), so which wins is measured, not assumed.
+class TreeOrLinear:
+    """Whether a step drafts a tree or a linear draft, one path (method "dflash-tree" with tree_nodes="auto"): each
+    arm's measured tokens per second — a tree step's emitted tokens and time, plus the time the next step spends on
+    the rows of an accepted path off its spine (request.py) — as decayed sums; the better arm runs, the other is tried
+    every `probe_every` steps, twice as seldom after each probe that did not change the choice (up to `probe_max`;
+    the first `warmup` steps of each arm are taken in turn, the linear draft's first). It lives with the request's
+    draft policy, so it carries over to the owner's next request. A tree costs more rows than the linear draft (on a
+    CPU about in proportion; on a GPU nearly nothing up to its small-batch limit), so which wins is measured, not
+    assumed.
 
-    A step emits at most its draft length + 1 tokens, tree or chain, and a tree's step costs at least the chain's:
-    while the chain's steps fill that ceiling so nearly that even a tree at the chain's cost could not be `margin`
+    A step emits at most its draft length + 1 tokens, tree or linear, and a tree's step costs at least the linear
+    draft's: while the linear steps fill that ceiling so nearly that even a tree at their cost could not be `margin`
     faster, the tree is not tried at all (a draft the target already takes whole leaves a tree nothing to add)."""
 
-    ARMS = ("chain", "tree")
+    ARMS = ("linear", "tree")
 
     def __init__(self, *, decay: float = 0.9, probe_every: int = 16, probe_max: int = 256, warmup: int = 2,
                  margin: float = 0.05) -> None:
@@ -250,15 +251,15 @@ class TreeOrChain:
         self.tokens = dict.fromkeys(self.ARMS, 0.0)
         self.seconds = dict.fromkeys(self.ARMS, 0.0)
         self.steps = dict.fromkeys(self.ARMS, 0)
-        self._fill = self._fill_weight = 0.0  # the chain's steps' tokens over their ceilings, decayed
+        self._fill = self._fill_weight = 0.0  # the linear steps' tokens over their ceilings, decayed
         self._since_probe = 0
-        self.chosen: str = "chain"
+        self.chosen: str = "linear"
 
     def rate(self, arm: str) -> float:
         return self.tokens[arm] / self.seconds[arm] if self.seconds[arm] > 0 else 0.0
 
     def fill(self) -> float | None:
-        """How full the chain's steps run: emitted tokens over draft length + 1, decayed (None: none seen)."""
+        """How full the linear steps run: emitted tokens over draft length + 1, decayed (None: none seen)."""
         return self._fill / self._fill_weight if self._fill_weight > 0 else None
 
     def tree_has_room(self) -> bool:
@@ -267,9 +268,9 @@ class TreeOrChain:
 
     def choose(self) -> str:
         """The arm for the next step."""
-        if self.steps["chain"] < self.warmup or not self.tree_has_room():
+        if self.steps["linear"] < self.warmup or not self.tree_has_room():
             self._probing = None
-            self.chosen = "chain"
+            self.chosen = "linear"
             return self.chosen
         if self.steps["tree"] < self.warmup:
             self.chosen = "tree"
@@ -282,14 +283,14 @@ class TreeOrChain:
         self._since_probe += 1
         if self._since_probe >= self.probe_every:
             self._since_probe = 0
-            best = "chain" if best == "tree" else "tree"
+            best = "linear" if best == "tree" else "tree"
             self._probing = best
         self.chosen = best
         return best
 
     def observe(self, arm: str, tokens: int, seconds: float, *, more: bool = False, ceiling: int = 0) -> None:
         """A step of `arm`: its emitted tokens and time (`more`: the rest of a step already counted, not a step);
-        `ceiling`: the most a chain step could emit (its draft length + 1)."""
+        `ceiling`: the most a linear step could emit (its draft length + 1)."""
         if not more:
             self.steps[arm] += 1
             for name in self.ARMS:
@@ -297,14 +298,14 @@ class TreeOrChain:
                 self.seconds[name] *= self.decay
         self.tokens[arm] += tokens
         self.seconds[arm] += seconds
-        if arm == "chain" and ceiling > 0:
+        if arm == "linear" and ceiling > 0:
             self._fill = self._fill * self.decay + min(1.0, tokens / ceiling)
             self._fill_weight = self._fill_weight * self.decay + 1
 
     def describe(self) -> dict[str, Any]:
         fill = self.fill()
-        return {"tree_or_chain": self.chosen, "tok_s": {arm: round(self.rate(arm), 2) for arm in self.ARMS},
-                "steps": dict(self.steps), "chain_fill": None if fill is None else round(fill, 4)}
+        return {"tree_or_linear": self.chosen, "tok_s": {arm: round(self.rate(arm), 2) for arm in self.ARMS},
+                "steps": dict(self.steps), "linear_fill": None if fill is None else round(fill, 4)}
 
 
 def make_policy(draft_length: int | str, capacity: int, *, verify_cap: int) -> DraftPolicy:

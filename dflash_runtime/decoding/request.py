@@ -25,22 +25,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cache.checkpoints import CheckpointCosts, prompt_marks
-from .cache.pair_cache import PairCache
-from .cache.sessions import CacheOwners
-from .cache.spares import SpareSequences
+from ..cache.checkpoints import CheckpointCosts, prompt_marks
+from ..cache.pair_cache import PairCache
+from ..cache.sessions import CacheOwners
+from ..cache.spares import SpareSequences
+from ..drafters.drafting import DraftAsk, Drafter, Rows
+from ..drafters.method_list import MethodList, split
+from ..drafters.proposal import DRAFT, TARGET, DraftSampling, Proposal
+from ..drafters.tree import ROOT, DraftTree, TreeWalker, accepted_path
+from ..errors import RollbackError
+from ..native.batches import TokenBatch
+from ..native.sampling import Sampler, SamplerDistribution, SamplingParams
+from ..pair import LinkedPair
+from ..results.events import StreamEvent
+from ..results.stats import Stats
+from ..text.deltas import TextDeltas
 from .controller import DraftPolicy
-from .drafters.drafting import DraftAsk, Drafter, Rows
-from .drafters.method_chains import Chain, split
-from .drafters.proposal import DRAFT, TARGET, DraftSampling, Proposal
-from .drafters.tree import ROOT, DraftTree, TreeWalker, accepted_path
-from .errors import RollbackError
-from .native.batches import TokenBatch
-from .pair import LinkedPair
-from .results import StreamEvent
-from .sampling import ChainProbabilities, Sampler, SamplingParams
-from .stats import Stats
-from .textstream import TextStream
 from .verify import Verifier, Verifiers, target_distribution
 
 EVENTS_AHEAD = 4  # events a request may make before its reader has taken them
@@ -120,7 +120,7 @@ class Planned:
 
     tokens: list[int]
     outputs: str  # "all", "last" or "none"
-    eager: bool  # drafters of the request's chain take the rows into their contexts now
+    eager: bool  # drafters of the request's method list take the rows into their contexts now
     proposal: Proposal | None = None  # a step's draft (None: a prefill chunk)
     n_block: int = 0
     row0: int = 0
@@ -184,12 +184,12 @@ class Decoding:
                            draft_length=req.draft_length if req.speculative else 0, verify_mode=req.verify_mode)
         self.costs = CheckpointCosts()
         self.clock = Clock()
-        self.text = TextStream(parts.pair.vocabulary, req.stop)
+        self.text = TextDeltas(parts.pair.vocabulary, req.stop)
         self.events: deque[StreamEvent] = deque()  # emitted, not read yet
         self.error: BaseException | None = None
         self.done = False
         self.cache: PairCache | None = None
-        self.chain: Chain | None = None
+        self.method_list: MethodList | None = None
         self.planned: Planned | None = None
         self._resources = contextlib.ExitStack()
         self._verifier: Verifier | None = None
@@ -203,9 +203,9 @@ class Decoding:
         self._id_last = -1
         self._lead: list[int] = []  # emitted tokens before id_last that the cache does not hold yet (see _walk_tree)
         self._tree_walker: TreeWalker | None = None
-        # tree_nodes="auto": whether each step drafts a tree or the chain, from measured tokens per second
-        self.tree_or_chain = policy.tree if policy is not None and req.tree_nodes == "auto" else None
-        self._drafted_by: str | None = None  # the method that drafted the current step (a chain's member)
+        # tree_nodes="auto": whether each step drafts a tree or a linear draft, from measured tokens per second
+        self.tree_or_linear = policy.tree if policy is not None and req.tree_nodes == "auto" else None
+        self._drafted_by: str | None = None  # the method that drafted the current step (a list's member)
         self.on_release: list[Callable[[], None]] = []
 
     @property
@@ -238,7 +238,7 @@ class Decoding:
         self.cache, limit = parts.owners.acquire(req.owner, prompt, req.public_prefix)
         cache = self.cache
         if self.members:
-            self.chain = Chain(parts.drafters, self.members, cache.seq)
+            self.method_list = MethodList(parts.drafters, self.members, cache.seq)
         self._t0 = time.perf_counter()
         kept = cache.reuse(prompt, self.costs, limit)
         end = len(prompt)
@@ -255,8 +255,9 @@ class Decoding:
         if self.done:
             return
         if self.cache is not None:
-            if self.chain is not None and self.chain.ahead is not None:  # a path's rows its sequence never decoded
-                self.chain.ahead = None
+            listed = self.method_list
+            if listed is not None and listed.ahead is not None:  # a path's rows its sequence never decoded
+                listed.ahead = None
                 with contextlib.suppress(RollbackError):  # refused: the caches were cleared, which serves as well
                     self.cache.drop_ahead()
             self.parts.owners.release(self.cache)
@@ -304,8 +305,8 @@ class Decoding:
             cache.public_len = min(req.public_prefix, end)
         self.stats.prefill_ms = (time.perf_counter() - self._t0) * 1000.0
         self._prefilled = True
-        if self.chain is not None:
-            self.chain.begin()
+        if self.method_list is not None:
+            self.method_list.begin()
         self._t_start, self.clock.s = time.perf_counter(), 0.0
         assert self._verifier is not None
         row = planned.row0 + len(planned.tokens) - 1
@@ -314,9 +315,10 @@ class Decoding:
     # -- one step: draft → verify → accept ----------------------------------------------------------------------
 
     def plan_step(self, others: int, paths: int = 0) -> tuple[int, DraftAsk | None]:
-        """This step's draft length and what to ask the chain (None: a plain step); `others` is the rows the step's
-        target decode holds beside this request's n + 1 (see Steps.run: as the last decode held them); `paths`: the
-        most tree paths beside the spine the step could decode (0: a tree would be a chain, none is drafted)."""
+        """This step's draft length and what to ask the method list (None: a plain step); `others` is the rows the
+        step's target decode holds beside this request's n + 1 (see Steps.run: as the last decode held them); `paths`:
+        the most tree paths beside the spine the step could decode (0: a tree would be a linear draft, none is
+        drafted)."""
         assert self.cache is not None
         self._t_round = time.perf_counter()
         req, stats, policy = self.req, self.stats, self.policy
@@ -324,17 +326,18 @@ class Decoding:
         # Like llama.cpp's server: leave room in the context, and draft nothing past max_tokens.
         in_context = self.parts.pair.n_ctx - pos0 - 2
         room = max(0, min(in_context, req.max_tokens - stats.n_generated - 1))
-        if self._lead and (self.chain is None or self.chain.ahead is None):  # no drafter took the path's rows
+        listed = self.method_list
+        if self._lead and (listed is None or listed.ahead is None):  # no drafter took the path's rows
             self._n_block = 0
             return 0, None
         n_block = policy.choose(pos0, room, others) if policy is not None else 0
         self._n_block = n_block
-        if n_block <= 0 or self.chain is None:
+        if n_block <= 0 or self.method_list is None:
             return n_block, None
         if paths <= 0:
             nodes = 0
-        elif self.tree_or_chain is not None:
-            nodes = max(2 * n_block, AUTO_TREE_NODES) if self.tree_or_chain.choose() == "tree" else 0
+        elif self.tree_or_linear is not None:
+            nodes = max(2 * n_block, AUTO_TREE_NODES) if self.tree_or_linear.choose() == "tree" else 0
         else:
             nodes = int(req.tree_nodes)
         # A fixed length cut by max_tokens alone: the block keeps its length (see DraftAsk.n_asked); the context's end
@@ -377,17 +380,17 @@ class Decoding:
         stats.verify_ms += step_ms
         n_accepted = emitted.sources.count(DRAFT)
         pos0 = len(self.cache) - planned.rows
-        if self.chain is not None:
-            self.chain.ahead = None  # the lead, if any, is in the sequence now
+        if self.method_list is not None:
+            self.method_list.ahead = None  # the lead, if any, is in the sequence now
             if proposal.tokens:
-                self.chain.accept(n_accepted)
+                self.method_list.accept(n_accepted)
         self.cache.roll_back(pos0 + planned.lead + 1 + n_kept)
-        if ahead is not None and self.chain is not None:
-            self.chain.adopt(ahead)  # refused: the next step decodes the lead alone, a plain step
+        if ahead is not None and self.method_list is not None:
+            self.method_list.adopt(ahead)  # refused: the next step decodes the lead alone, a plain step
         if planned.tree is not None:
             stats.record_verify(planned.tree.depth, n_accepted, len(emitted.tokens), self._drafted_by)
             stats.record_tree(len(planned.tree), planned.decode_rows - planned.pad, n_accepted, n_kept < n_accepted)
-            n_accepted = min(n_accepted, len(proposal.tokens))  # the controller's model is the chain's
+            n_accepted = min(n_accepted, len(proposal.tokens))  # the controller's model is the linear draft's
         elif proposal.tokens:
             stats.record_verify(len(proposal.tokens), n_accepted, len(emitted.tokens), self._drafted_by)
         else:
@@ -399,7 +402,7 @@ class Decoding:
         seconds = step_s + time.perf_counter() - t
         if policy is not None:
             policy.observe(planned.n_block, len(proposal.tokens), n_accepted, seconds, rows=decode_rows)
-        arms = self.tree_or_chain
+        arms = self.tree_or_linear
         if arms is not None:
             # The lead's rows are the tree's that accepted the path: their share of the step's time, by rows (what
             # they cost on a CPU; more than on a GPU), is the rest of that tree's step.
@@ -407,8 +410,8 @@ class Decoding:
             if planned.tree is not None:
                 arms.observe("tree", len(emitted.tokens), seconds)
             else:
-                if proposal.tokens:  # the chain's draft, or a tree that got no path beside its spine: a chain step
-                    arms.observe("chain", len(emitted.tokens), seconds - lead_s, ceiling=planned.n_block + 1)
+                if proposal.tokens:  # a linear draft, or a tree that got no path beside its spine: a linear step
+                    arms.observe("linear", len(emitted.tokens), seconds - lead_s, ceiling=planned.n_block + 1)
                 if lead_s:
                     arms.observe("tree", 0, lead_s, more=True)
         if self.cache.interval_due():
@@ -421,7 +424,7 @@ class Decoding:
 
         The rest of such a path (the lead) and the token after it are emitted now; the lead's rows, decoded in the
         path's spare sequence after exactly the request's tokens, are the request's own (the same tokens at the same
-        positions after the same state), so its drafter takes them from this decode (`Chain.adopt`) and the next
+        positions after the same state), so its drafter takes them from this decode (`MethodList.adopt`) and the next
         step drafts after id_last at once, decoding `[lead, id_last, drafts]` in the request's sequence from its
         exact state: the lead costs rows, never a decode of its own."""
         assert planned.tree is not None and self._tree_walker is not None and self.cache is not None
@@ -462,8 +465,8 @@ class Decoding:
         self._time()
         if self.policy is not None:
             self.stats.controller = self.policy.describe()
-            if self.tree_or_chain is not None and self.stats.tree_steps:
-                self.stats.controller["tree"] = self.tree_or_chain.describe()
+            if self.tree_or_linear is not None and self.stats.tree_steps:
+                self.stats.controller["tree"] = self.tree_or_linear.describe()
         return StreamEvent(delta, tokens, self.stats.snapshot(), finish, detail, sources, self.text.take_runs())
 
     def _conclude(self, emitted: Emitted) -> None:
@@ -496,17 +499,17 @@ class Decoding:
 
     def _make_verifier(self) -> tuple[Verifier, DraftSampling | None, TreeWalker]:
         """The request's verifier, what its drafter samples with (None: greedy drafts, and chosen trees), and its
-        tree verifier: with rejection sampling, recursive rejection over drawn trees (the request's chain and random
+        tree verifier: with rejection sampling, recursive rejection over drawn trees (the request's sampler and random
         generator at every node); else the walk that samples each node's row with the request's sampler."""
         pair, sampling, verifiers = self.parts.pair, self.req.sampling, self.parts.verifiers
         if self.stats.verify_mode == "sample":
             rng = np.random.default_rng(sampling.seed)
-            chain = ChainProbabilities(sampling, pair.n_vocab)
-            self._resources.callback(chain.free)
-            verifier = verifiers.sample(chain, rng, pair.target_ctx, pair.n_vocab)
-            tree = verifiers.tree_sample(lambda row: target_distribution(pair.target_ctx, row, pair.n_vocab, chain),
-                                         rng)
-            return verifier, DraftSampling(chain, rng), tree
+            distribution = SamplerDistribution(sampling, pair.n_vocab)
+            self._resources.callback(distribution.free)
+            verifier = verifiers.sample(distribution, rng, pair.target_ctx, pair.n_vocab)
+            tree = verifiers.tree_sample(
+                lambda row: target_distribution(pair.target_ctx, row, pair.n_vocab, distribution), rng)
+            return verifier, DraftSampling(distribution, rng), tree
         sampler = self._resources.enter_context(Sampler(sampling))
         return (verifiers.match(sampler, pair.target_ctx), None,
                 verifiers.tree(lambda row: sampler.sample(pair.target_ctx, row)))

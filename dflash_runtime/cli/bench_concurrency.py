@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..results.tables import table
 from .bench import WARMUP_TOKENS, BenchConfig, progress_bar, request_options, runs_note
-from .report import table
 
 DEFAULT_TIMEOUT_S = 600.0
 COUNTERS = ("decodes", "rows", "pad_rows", "step_ms")

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .report import table
-from .stats import tokens_per_verify
+from ..results.stats import tokens_per_verify
+from ..results.tables import table
 
 WARMUP_TOKENS = 8  # a warm-up request's length: enough for every kind of step (prefill, draft, verify, plain)
 

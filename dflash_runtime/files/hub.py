@@ -12,7 +12,7 @@ from typing import Any
 
 from tqdm.std import tqdm
 
-from .errors import DownloadError, ModelFileError
+from ..errors import DownloadError, ModelFileError
 
 _QUANT_PATTERN = re.compile(r"(NVFP4|MXFP4|IQ\d_[A-Z0-9_]+|Q\d_K(?:_[SML])?|Q\d_\d|BF16|F16|F32)", re.IGNORECASE)
 

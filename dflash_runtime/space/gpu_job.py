@@ -6,11 +6,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from itertools import zip_longest
 from typing import Any
 
 from .. import methods as draft_methods
-from ..results.stats import tokens_per_verify
+from ..results.stats import Stats
 from .requests import ChatRequest
 from .setup.presets import PairPreset, ResolvedPair
 
@@ -141,38 +142,29 @@ class AnswerSoFar:
         return None if resume is None or run is None else lambda: run(replace(self._job, resume=resume))
 
 
-# Statistics a resumed answer adds to those it had (counts and times); lists summed position by position. The prompt's
-# figures stay those of the answer's first turn; the rest (the method, the controller, ...) are the newest.
-ADDED_STATS = ("n_generated", "verify_steps", "plain_steps", "drafted", "accepted", "verify_emitted", "draft_ms",
-               "inject_ms", "verify_ms", "plain_ms", "native_ms", "decode_ms", "checkpoint_restore_ms",
-               "checkpoints_saved", "checkpoint_bytes", "checkpoint_save_ms")  # fmt: skip
+# A resumed answer's statistics keep its first turn's prompt figures and the newest turn's description of how it
+# decodes; every other count, time and per-position count is added up, and the derived figures computed again.
 FIRST_TURN_STATS = ("n_prompt", "n_reused", "n_prefilled", "prefill_ms")
-PER_POSITION_STATS = ("accepted_per_position", "drafted_per_position")
+NEWEST_STATS = ("speculative", "method", "draft_capacity", "draft_length", "verify_mode", "controller",
+                "checkpoint_restored_at", "draft_lengths", "drafted_by")  # fmt: skip
 
 
 def resumed_stats(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
-    """An answer's statistics after it resumed: the resumed turn's (`now`) added to `before`, derived ones anew."""
+    """An answer's statistics after it resumed: the resumed turn's (`now`) joined to its turns' before."""
     if not before:
         return now
-    out = dict(now)
-    for key in ADDED_STATS:
-        if key in now or key in before:
-            out[key] = before.get(key, 0) + now.get(key, 0)
-    for key in FIRST_TURN_STATS:
-        if key in before:
-            out[key] = before[key]
-    for key in PER_POSITION_STATS:
-        a, b = list(before.get(key) or []), list(now.get(key) or [])
-        out[key] = [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)), strict=True)]
-    if now.get("checkpoint_restored_at") is None and "checkpoint_restored_at" in before:
-        out["checkpoint_restored_at"] = before["checkpoint_restored_at"]
-    drafted, steps, decode_ms = out.get("drafted", 0), out.get("verify_steps", 0), out.get("decode_ms", 0.0)
-    out["acceptance_rate"] = round(out.get("accepted", 0) / drafted, 4) if drafted else 0.0
-    out["mean_accepted_length"] = round(tokens_per_verify(out.get("verify_emitted", 0), steps), 4)
-    out["decode_tok_s"] = round(out.get("n_generated", 0) / (decode_ms / 1000.0), 2) if decode_ms > 0 else 0.0
-    out["host_ms"] = round(max(0.0, decode_ms - out.get("native_ms", 0.0)), 3)
-    out["target_steps"] = out.get("verify_steps", 0) + out.get("plain_steps", 0)
-    return out
+    names = [f.name for f in fields(Stats)]
+    stats = Stats(**{name: now[name] for name in names if name in now})
+    for name in (name for name in names if name in before and name not in NEWEST_STATS):
+        earlier, value = before[name], getattr(stats, name)
+        if name in FIRST_TURN_STATS:
+            setattr(stats, name, earlier)
+        else:
+            joined = [a + b for a, b in zip_longest(earlier, value, fillvalue=0)] if isinstance(value, list) else None
+            setattr(stats, name, earlier + value if joined is None else joined)
+    if stats.checkpoint_restored_at is None:
+        stats.checkpoint_restored_at = before.get("checkpoint_restored_at")
+    return {**now, **{k: v for k, v in stats.to_dict().items() if k in now or k not in ("draft_lengths", "drafted_by")}}
 
 
 def owner_of(client: str, session: str) -> str:

@@ -227,7 +227,7 @@ class ReplyJob(Generic[T]):
                     self._pending_since = self._pending_since if self._pending else time.monotonic()
                     self._pending += 1
                 if self._cancelled.is_set() or orphaned or not self._calls.alive(self._call):
-                    log.info("an answer stopped: its reader left or stalled")
+                    log.info("an answer stopped before its end (stopped, or nobody reads it)")
                     return None
                 if self._resumable is not None:
                     self._resumable.seen(chunk)

@@ -97,16 +97,16 @@ class EngineHost:
     def _ready(self, job: GpuJob) -> bool:
         return self._engine is not None and self._key == (job.preset, job.files) and not self._condemned
 
-    def _enter(self, job: GpuJob) -> bool:
-        """Take a sequence of the job's engine, or the host alone to (re)build it; False after the busy timeout."""
+    def _enter(self, job: GpuJob) -> bool | None:
+        """Take a sequence of the job's engine (False), or the host alone to (re)build it (True: the job loads it, and
+        nobody enters meanwhile); None after the busy timeout."""
         with self._state:
             if not self._state.wait_for(lambda: not self._loading and (
                     self._running < self._parallel if self._ready(job) else not self._running),
                     self._settings.busy_timeout_s):  # fmt: skip
-                return False
-            self._running += 1
-            self.requests += 1
-            return True
+                return None
+            self._running, self.requests, self._loading = self._running + 1, self.requests + 1, not self._ready(job)
+            return self._loading
 
     def _leave(self) -> None:
         with self._state:
@@ -122,15 +122,13 @@ class EngineHost:
             if self._running <= 1:
                 self.close(wait=False)
 
-    def _engine_for(self, job: GpuJob) -> tuple[Any, bool]:
-        """The engine for the job's preset and files, and whether it was loaded now (the job alone on the host)."""
-        with self._state:
-            if self._ready(job):
-                return self._engine, False
-            self._loading = True
+    def _engine_for(self, job: GpuJob, loading: bool) -> Any:
+        """The engine for the job's preset and files, loaded now when `loading` (the job alone on the host)."""
+        if not loading:
+            return self._engine
         try:
             self._load(job.preset, job.files)
-            return self._engine, True
+            return self._engine
         finally:
             with self._state:
                 self._loading = False
@@ -191,7 +189,7 @@ class EngineHost:
         started = time.monotonic()
         facts: dict[str, Any] = {"pid": os.getpid(), "previous_request": dict(self.previous_request)}
         self._outcome = {"finish_reason": "closed before the first token", "n_generated": 0}
-        if not self._enter(job):
+        if (loading := self._enter(job)) is None:
             timeout_s = self._settings.busy_timeout_s
             yield _error_chunk(RequestError(f"the engine stayed busy for {timeout_s:.0f} s; retry"))
             return
@@ -202,8 +200,8 @@ class EngineHost:
 
         closed_early = False
         try:
-            engine, loaded_now = self._engine_for(job)
-            facts.update(loaded_now=loaded_now, load_s=self.last_load_s if loaded_now else None)
+            engine = self._engine_for(job, loading)
+            facts.update(loaded_now=loading, load_s=self.last_load_s if loading else None)
             try:
                 yield from self._phases(engine, job, report)
             except GeneratorExit:

@@ -55,7 +55,8 @@ class PublicSettings:
     quantum_s: float = setting(1.0, "DFLASH_QUANTUM_S", "a turn: how long an answer keeps its seat before it yields "
                                "to a client holding one fewer (a newcomer's first item within ⌈C / S⌉ turns; a yield "
                                "costs a park and one token again)")
-    poll_s: float = setting(0.5, "DFLASH_POLL_S", "how often a waiting job looks at its turn and its readers")
+    poll_s: float = setting(0.5, "DFLASH_POLL_S", "how often a waiting job looks at its turn and its readers (it "
+                            "looks at once when a transition changes a turn, and when a seat holder's quantum ends)")
     prefill_chunk: int = setting(8, "DFLASH_PREFILL_CHUNK", "the most prompt tokens of one answer an engine step takes "
                                  "while other answers share it, about a verify step's rows: a long prompt costs their "
                                  "steps little and may yield at each chunk (a GPU, whose rows cost little, may take "

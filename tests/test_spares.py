@@ -102,7 +102,9 @@ def test_where_the_rollback_may_have_been_applied_the_fork_copies_through_host_m
     try:
         expected = target.fresh()
         target.verified()
-        target.cache.beside_decode()  # as after a decode of other sequences
+        spare = target.spares.seqs[-1]  # a decode of another sequence, which may apply sequence 0's rollback
+        target.decode([(spare, [NEXT], hybrid.pair.n_rs_seq + 2)])
+        target.cache.beside_decode()
         assert target.cache.pending_rollback is None
         moved = target.spares.fork(target.cache, target.spares.seqs)
         assert moved > 0

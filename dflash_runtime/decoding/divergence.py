@@ -24,10 +24,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from llama_cpp import llama_cpp as ll
 
-from ..errors import DecodeError, RequestError
-from ..native.batches import TokenBatch
+from ..errors import RequestError
+from ..native.batches import TokenBatch, logits_row
 from ..native.memory import SequenceMemory
 
 FLOAT32_UNIT = 2.0**-24  # unit roundoff of float32
@@ -148,10 +147,8 @@ class _ScratchRows:
             for start in range(0, len(head), self._n_batch):
                 self._decode(batch, head[start:start + self._n_batch], start, "none")
             self._decode(batch, [prefix[-1], *tail], len(head), "all")
-            ptr = ll.llama_get_logits_ith(self._ctx, 0)
-            if not ptr:
-                raise DecodeError("the target produced no logits for the scored row")
-            return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).astype(np.float64)
+            logits = logits_row(self._ctx, 0, self._n_vocab, "the target produced no logits for the scored row")
+            return logits.astype(np.float64)
         finally:
             batch.free()
             self._memory.clear()

@@ -431,7 +431,7 @@ class Decoding:
         tree = planned.tree
         emitted = self._accept(self._tree_walker.walk(tree, planned.tree_rows().__getitem__))
         accepted = accepted_path(tree, emitted.tokens)
-        spine = tree.paths()[0] if len(tree) else []
+        spine = tree.spine()
         kept = 0
         while kept < min(len(accepted), len(spine)) and accepted[kept] == spine[kept]:
             kept += 1

@@ -29,11 +29,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-from llama_cpp import llama_cpp as ll
 
 from ..drafters.proposal import DRAFT, TARGET, Proposal, draw
 from ..drafters.tree import ROOT, DraftTree, TreeWalk, TreeWalker
-from ..errors import DecodeError
+from ..native.batches import logits_row
 from ..native.sampling import Sampler, SamplerDistribution
 
 
@@ -150,10 +149,7 @@ def rejection_stage(token: int, q: tuple[np.ndarray, np.ndarray] | None, p_ids: 
 def target_distribution(ctx: Any, row: int, n_vocab: int,
                         distribution: SamplerDistribution) -> tuple[np.ndarray, np.ndarray]:
     """A row of the last target decode as the request's sampler makes it: (token ids, probabilities)."""
-    ptr = ll.llama_get_logits_ith(ctx, row)
-    if not ptr:
-        raise DecodeError(f"the target produced no logits for verify row {row}")
-    return distribution(np.ctypeslib.as_array(ptr, shape=(n_vocab,)))
+    return distribution(logits_row(ctx, row, n_vocab, f"the target produced no logits for verify row {row}"))
 
 
 def _prob_of(token: int, ids: np.ndarray, probs: np.ndarray) -> float:

@@ -32,7 +32,7 @@ from llama_cpp import llama_cpp as ll
 from ..errors import DecodeError, PairMismatchError
 from ..files.gguf_meta import GGUFInfo
 from ..files.validation import DraftSpec, validate_pair
-from ..native.batches import TokenBatch
+from ..native.batches import TokenBatch, logits_row
 from ..native.ext import DFlashApi, dflash_api
 from ..native.memory import SequenceMemory
 from ..native.states import WHOLE, load_seq, save_seq
@@ -160,10 +160,7 @@ class BlockDrafter:
     def _per_position(self, row0: int, ask: DraftAsk) -> Proposal:
         out = Proposal.start(ask.sampling)
         for i in range(1, ask.n + 1):
-            ptr = ll.llama_get_logits_ith(self._ctx, row0 + i)
-            if not ptr:
-                raise DecodeError(f"the draft produced no logits for block row {i}")
-            logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+            logits = logits_row(self._ctx, row0 + i, self._n_vocab, f"the draft produced no logits for block row {i}")
             if out.add_from_logits(logits, ask.p_min, ask.sampling) is None:
                 break
         return out

@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from ..errors import DecodeError, PairMismatchError
+from ..errors import PairMismatchError
 from ..files.gguf_meta import GGUFInfo
 from ..files.validation import check_vocab
-from ..native.batches import TokenBatch
+from ..native.batches import TokenBatch, logits_row
 from ..native.memory import DraftSequence
 from ..pair import LinkedPair, Threads, new_context
 from .drafting import DraftAsk, Implementation, Rows
@@ -147,10 +147,7 @@ class DraftSimpleDrafter:
                 still = []
                 for row, i in enumerate(going):
                     ask = asks[i]
-                    ptr = ll.llama_get_logits_ith(self._ctx, row)
-                    if not ptr:
-                        raise DecodeError("the draft model produced no logits")
-                    logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+                    logits = logits_row(self._ctx, row, self._n_vocab, "the draft model produced no logits")
                     token = out[i].add_from_logits(logits, ask.p_min, ask.sampling)
                     if token is None:
                         continue

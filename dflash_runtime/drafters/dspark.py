@@ -28,11 +28,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from llama_cpp import llama_cpp as ll
 
 from ..errors import DecodeError, PairMismatchError
 from ..files.gguf_meta import GGUFInfo
 from ..files.validation import DSPARK_KIND, DraftSpec
+from ..native.batches import logits_row
 from ..native.ext import DFlashApi, dflash_api
 from ..pair import LinkedPair, Threads
 from .dflash import BlockPass, DFlashDrafter, DFlashFile, linked_drafter
@@ -76,10 +76,7 @@ class SparkBlocks:
         return out
 
     def _logits(self, row: int) -> np.ndarray:
-        ptr = ll.llama_get_logits_ith(self._ctx, row)
-        if not ptr:
-            raise DecodeError(f"the DSpark draft produced no logits for block row {row}")
-        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        return logits_row(self._ctx, row, self._n_vocab, f"the DSpark draft produced no logits for block row {row}")
 
     def _confidences(self, n_rows: int) -> np.ndarray:
         """Each row's confidence: libllama broadcasts it over the row's nextn embedding, so its first float."""

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-from llama_cpp import llama_cpp as ll
 from llama_cpp import llama_cpp_ext as lx
 
 from ..errors import DecodeError
-from ..native.batches import TokenRowBatch
+from ..native.batches import TokenRowBatch, logits_row
 from ..native.memory import DraftSequence
 from .drafting import DraftAsk, Rows
 from .proposal import Proposal
@@ -156,10 +155,7 @@ class RowDecoder:
         self._batch.free()
 
     def _logits(self, k: int) -> np.ndarray:
-        ptr = ll.llama_get_logits_ith(self._ctx, k)
-        if not ptr:
-            raise DecodeError(f"the {self.name} drafter produced no logits")
-        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        return logits_row(self._ctx, k, self._n_vocab, f"the {self.name} drafter produced no logits")
 
     def _output_row(self, k: int) -> np.ndarray:
         ptr = lx.llama_get_embeddings_nextn_ith(self._ctx, k)

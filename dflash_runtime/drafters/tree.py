@@ -25,7 +25,7 @@ How the target sees a tree: every root-to-leaf path is a sequence (`DraftTree.pa
 cells that share a sequence with the row, so a node carrying the ids of all paths through it would attend exactly to
 its ancestors — but libllama's sequential batch split (used for a context with a KV stream per sequence, and for
 every recurrent layer) refuses a token with several sequence ids, so each path is decoded as its own sequence, with
-the rows it shares with other paths copied, and as wide as the spine's (`DraftTree.branch_rows`).
+the rows it shares with other paths copied, and as wide as the spine's (`decoding/steps.py`, `Steps._branch`).
 
 This module is pure (no libllama): it builds trees and walks them over callables that read the target's rows.
 """
@@ -144,15 +144,6 @@ class DraftTree:
     def depth(self) -> int:
         return max((n.depth for n in self.nodes), default=0)
 
-    @property
-    def drawn(self) -> bool:
-        """Whether the nodes were drawn from the draft's distributions (else chosen)."""
-        return bool(self.nodes) and self.nodes[0].q is not None
-
-    def branch_rows(self) -> int:
-        """Verify rows when every path is its own sequence with its own copy of the rows it shares: the root and the
-        path, for every path (0 for an empty tree)."""
-        return sum(1 + len(p) for p in self.paths())
 
 
 class _Children:

@@ -18,6 +18,15 @@ def decode_error(what: str, rc: int, n_rows: int) -> DecodeError:
     return DecodeError(f"{what} decode of {n_rows} rows failed with status {rc}: {reason}")
 
 
+def logits_row(ctx: Any, row: int, n_vocab: int, missing: str) -> np.ndarray:
+    """Row `row`'s logits of the context's last decode, a view of libllama's buffer (valid until its next decode);
+    DecodeError(`missing`) when the decode kept none for that row."""
+    ptr = ll.llama_get_logits_ith(ctx, row)
+    if not ptr:
+        raise DecodeError(missing)
+    return np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+
+
 class TokenBatch:
     """A `llama_batch` of token ids, filled through numpy views (no per-token ctypes calls): one sequence's rows
     (`fill`), or several sequences' rows one after another (`clear`, then `add` per sequence)."""

@@ -677,6 +677,9 @@ def test_the_summary_says_in_words_where_its_estimate_is_too_wide_and_never_cont
     assert badge == "DFlash 2 · 113 tok/s · 66 % from the draft · speed-up uncertain", badge
     assert "≈ 1.30× as fast (1.26–1.34×)" in speed_badge(speculative_stats(113, 75, True),
                                                           Estimate(1.3, 0.04, 40.0, 30.0, 9))  # fmt: skip
+    slower = Estimate(0.6, 0.3, 40.0, 66.0, 3)  # too wide for a figure, slower over its whole range
+    assert "**slower**" in stats_summary(speculative_stats(113, 20, True), slower)
+    assert speed_badge(speculative_stats(113, 20, True), slower).endswith("· slower (0.3–0.9×)")
     plain = {**Stats(n_generated=9, decode_ms=100.0, speculative=False).to_dict(), "finish_reason": "length"}
     assert speed_badge(plain) == "plain decoding · 90 tok/s"
 

@@ -63,6 +63,16 @@ def too_wide(estimate: Estimate) -> bool:
     return estimate.margin > TOO_WIDE * estimate.ratio
 
 
+def direction(estimate: Estimate) -> str | None:
+    """What an estimate too wide for a figure still says: "faster" or "slower" where its whole range does, else
+    None (the summary and the badge say the same)."""
+    if estimate.ratio - estimate.margin > 1 + ABOUT_SAME:
+        return "faster"
+    if estimate.ratio + estimate.margin < 1 - ABOUT_SAME:
+        return "slower"
+    return None
+
+
 def speed_up_phrase(estimate: Estimate | Pending | None, done: bool) -> str:
     """How much faster than the target alone, in words a visitor who never heard of drafts reads: the estimate with
     its range where the range is narrow enough to say it, else "too early to tell" (or, the answer ended, "too
@@ -76,10 +86,8 @@ def speed_up_phrase(estimate: Estimate | Pending | None, done: bool) -> str:
         return f"how much faster than the main model alone: **{verdict}** ({estimate.reason}; A/B measures it)"
     low, high = estimate.ratio - estimate.margin, estimate.ratio + estimate.margin
     if too_wide(estimate):  # the range says the direction at most
-        if low > 1 + ABOUT_SAME:
-            return f"**faster** than the main model alone, by how much still uncertain (estimate: {interval(estimate)})"
-        if high < 1 - ABOUT_SAME:
-            return f"**slower** than the main model alone, by how much still uncertain (estimate: {interval(estimate)})"
+        if way := direction(estimate):
+            return f"**{way}** than the main model alone, by how much still uncertain (estimate: {interval(estimate)})"
         verdict = "too uncertain to tell" if done else "too early to tell"
         return (f"how much faster than the main model alone: **{verdict}** (the estimate spans {interval(estimate)}; "
                 "A/B measures it)")  # fmt: skip
@@ -130,8 +138,8 @@ def speed_badge(stats: Mapping[str, Any], estimate: Estimate | Pending | None = 
     parts.append(f"{100 * accepted / n:.0f} % from the draft" if n else "nothing written")
     if isinstance(estimate, Estimate) and not too_wide(estimate):
         parts.append(f"≈ {estimate.ratio:.{_digits(estimate)}f}× as fast ({interval(estimate)})")
-    elif isinstance(estimate, Estimate) and estimate.ratio - estimate.margin > 1 + ABOUT_SAME:
-        parts.append(f"faster ({interval(estimate)})")
+    elif isinstance(estimate, Estimate) and (way := direction(estimate)):
+        parts.append(f"{way} ({interval(estimate)})")
     else:
         parts.append("speed-up uncertain")
     return " · ".join([method_label(stats.get("method")), *parts])

@@ -346,9 +346,8 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, Endpoints]:
                    ab_chart, ab_texts, ab_button]  # fmt: skip
         clear_button.click(handlers.clear, [session], cleared, cancels=[ab_event], **page_only)
         chatbot.clear(handlers.clear, [session], cleared, cancels=[ab_event], **page_only)
-        highlight.change(handlers.highlight, [session, highlight], [chatbot], queue=False, api_visibility="private")
-        highlight.change(lambda on: gr.update(visible=bool(on)), [highlight], [legend], queue=False,
-                         api_visibility="private")  # fmt: skip
+        highlight.change(handlers.highlight, [session, highlight], [chatbot], **page_only)
+        highlight.change(lambda on: gr.update(visible=bool(on)), [highlight], [legend], **page_only)
         demo.load(handlers.page_load, None,
                   [thinking, info_box, temperature, top_p, top_k, min_p, sampling_source, method, method_help,
                    sharing, ab_methods],

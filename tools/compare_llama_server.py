@@ -82,8 +82,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import inspect
 import json
 import os
 import socket
@@ -104,7 +102,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file fr
 from dflash_runtime import load_pair
 from dflash_runtime.cli.bench_concurrency import distinct_prompts, run_streams
 from dflash_runtime.engine import Engine
-from dflash_runtime.pair import LinkedPair, PairOptions
 from dflash_runtime.testing.heads import PHRASE
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_draft_model, tiny_pair
 
@@ -360,11 +357,6 @@ def generated_pair(args: argparse.Namespace, target: str, draft: str | None, hea
                      **extra)
 
 
-def engine_has_mtp() -> bool:
-    """Whether this checkout's engine takes `method=` (MTP drafting) on a request."""
-    return "method" in inspect.signature(Engine.stream).parameters
-
-
 def engine_outcome(engine: Engine, args: argparse.Namespace, tokens: list[int], n_max: int, draft: str) -> Outcome:
     if not args.reuse:
         engine.reset()
@@ -577,14 +569,6 @@ class Level:
                 "server": {k: v for k, v in self.server.items() if k not in drop}}
 
 
-def engine_has_parallel() -> bool:
-    """Whether this checkout's engine opens parallel sequences (`load_pair(..., parallel=N)`: a pair option, or a
-    keyword of older checkouts)."""
-    if any(f.name == "parallel" for f in dataclasses.fields(PairOptions)):
-        return True
-    return any("parallel" in inspect.signature(f).parameters for f in (LinkedPair.__init__, Engine.__init__))
-
-
 def _together(jobs: Sequence[Callable[[], Any]], timeout: float) -> list[tuple[float, float, Any]]:
     """Run the jobs at once, one thread each (a barrier starts them): (start, end, result) per job."""
     barrier = threading.Barrier(len(jobs), timeout=timeout)
@@ -638,9 +622,7 @@ def compare_parallel(args: argparse.Namespace, target: str, draft: str, head: st
     """Every level of --scaling on one server (-np N) and one engine (parallel=N), for each draft length."""
     if draft in (*NGRAMS, *NGRAM_CACHES):
         raise UsageError("--parallel compares the model drafts (dflash2, dflash1, mtp, draft-simple, eagle3, dspark), "
-                         "not the "
-                         "n-gram "
-                         "ones")
+                         "not the n-gram ones")
     if draft == MTP and target != "hybrid":
         raise UsageError(f"draft {MTP} needs the hybrid target (only qwen35 targets carry an MTP block)")
     if draft == MTP:
@@ -806,13 +788,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"unknown draft(s) {unknown}: choose from {', '.join(kinds)}",
               file=sys.stderr)
-        return 2
-    if MTP in args.drafts and not args.server_only and not engine_has_mtp():
-        print(f"this engine has no MTP drafting (no method= on requests): use --server-only for draft {MTP}",
-              file=sys.stderr)
-        return 2
-    if args.parallel is not None and not engine_has_parallel():
-        print("this engine has no parallel sequences (load_pair(..., parallel=N))", file=sys.stderr)
         return 2
     with contextlib.ExitStack() as stack:
         logs = args.logs or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llama-server-")))

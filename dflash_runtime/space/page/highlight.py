@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..provenance import DRAFT, Run
 from ..requests import THINK_CLOSE, THINK_OPEN
@@ -81,7 +81,6 @@ class _Marker:
     line_start: bool = True  # no word yet on this line but block markers
     code_line: bool = False  # an indented code line
     blank_before: bool = True
-    parts: list[str] = field(default_factory=list)
 
     def feed(self, text: str, flags: bytearray, end: int, final: bool) -> str:
         """The Markdown of text[pos:end], up to its last whole word (all of it when `final`)."""

@@ -6,13 +6,13 @@ tests/test_distribution.py; against llama-server: tools/compare_llama_server.py 
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from llama_server import BINARY, needs_llama_server
 from pairs import PROMPTS, owners_in_turns_answer_alone
 
 from dflash_runtime import load_pair
@@ -116,16 +116,14 @@ def test_a_hybrid_draft_models_memory_is_its_kv_and_its_recurrent_state(capfd: p
     assert part / 2**20 == pytest.approx(kv[1] + state[0], abs=0.012) and state[0] > 0
 
 
-@pytest.mark.skipif(not os.environ.get("DFLASH_LLAMA_SERVER"),
-                    reason="not run: set DFLASH_LLAMA_SERVER to a llama-server binary built from the same vendored "
-                           "llama.cpp (see tools/compare_llama_server.py)")
+@needs_llama_server
 def test_a_hybrid_draft_model_answers_as_llama_server_does() -> None:
     """The same tokens as `llama-server -md DRAFT --spec-type draft-simple` with a hybrid small model, on a hybrid
     target (the counts differ by design: the server replays a cut-short draft, see the tool's doc). Not on a dense
     target: there the server aborts at the first partly accepted draft (it cuts the rejected cells from the draft's
     context too, which a recurrent draft cannot without a snapshot, and it keeps none for draft-simple)."""
     tool = Path(__file__).resolve().parents[1] / "tools" / "compare_llama_server.py"
-    run = subprocess.run([sys.executable, str(tool), "--server-bin", os.environ["DFLASH_LLAMA_SERVER"],
+    run = subprocess.run([sys.executable, str(tool), "--server-bin", BINARY,
                           "--drafts", "draft-simple-hybrid", "--targets", "hybrid", "--heads", "phrase",
                           "--n-max", "4", "--max-tokens", "32"], capture_output=True, text=True, timeout=600,
                          check=False)  # fmt: skip

@@ -8,7 +8,6 @@ long-lived engines: tests/test_exact_across_requests.py; against llama-server: t
 from __future__ import annotations
 
 import itertools
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+from llama_server import BINARY, needs_llama_server
 from pairs import PROMPTS, owners_in_turns_answer_alone
 from space_client import host_reply
 
@@ -217,15 +217,13 @@ def test_a_draft_whose_heads_do_not_fit_is_refused(tmp_path: Path) -> None:
             load_pair(pair.target, path, n_ctx=256)
 
 
-@pytest.mark.skipif(not os.environ.get("DFLASH_LLAMA_SERVER"),
-                    reason="not run: set DFLASH_LLAMA_SERVER to a llama-server binary built from the same vendored "
-                           "llama.cpp (see tools/compare_llama_server.py)")
+@needs_llama_server
 def test_dspark_answers_and_counts_as_llama_server_does() -> None:
     """The same tokens, drafted and accepted counts and verify steps as `llama-server --spec-type draft-dspark`, on
     dense and hybrid targets, at two draft lengths (a whole block among them), with and without a confidence head
     (cutting drafts at p-min 0.5); every answer equal to plain decoding."""
     tool = Path(__file__).resolve().parents[1] / "tools" / "compare_llama_server.py"
-    run = subprocess.run([sys.executable, str(tool), "--server-bin", os.environ["DFLASH_LLAMA_SERVER"],
+    run = subprocess.run([sys.executable, str(tool), "--server-bin", BINARY,
                           "--drafts", "dspark,dspark-conf", "--heads", "phrase,random", "--n-max", f"3,{BLOCK}",
                           "--max-tokens", "48"], capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

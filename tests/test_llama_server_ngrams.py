@@ -14,28 +14,25 @@ beside it). Without it the tests are reported as not run (a skip that says so), 
 
 from __future__ import annotations
 
-import os
 import re
 import string
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from llama_server import BINARY, needs_llama_server
 
 from dflash_runtime import load_pair
 from dflash_runtime.drafters.lookup_cache import create_static, load, merge, save
 from dflash_runtime.testing.heads import PHRASE
 from dflash_runtime.testing.tiny_models import tiny_pair
 
-BINARY = os.environ.get("DFLASH_LLAMA_SERVER", "")
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "compare_llama_server.py"
 QUOTE = "".join(PHRASE)
 # Prompts an answer copies (the phrase head continues the phrase), and one it does not.
 PROMPTS = f"{QUOTE * 3}|Edit this text:{QUOTE * 2} Edited:|Hello world"
 ENDINGS = string.ascii_letters + string.digits + string.punctuation  # 93 tokens after one 2-gram of the text below
-pytestmark = pytest.mark.skipif(not BINARY, reason="not run: set DFLASH_LLAMA_SERVER to a llama-server binary "
-                                "built from the same vendored llama.cpp (tools/build_llama_server.py)")
+pytestmark = needs_llama_server
 
 
 def compare(*args: str) -> dict[str, tuple[int, int]]:

@@ -9,7 +9,6 @@ passed."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from app_fixtures import REPO_ROOT
+from llama_server import BINARY, needs_llama_server
 from openai_clients import RunningServer, running_serve, sse_events
 
 from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
@@ -25,7 +25,6 @@ from dflash_runtime.testing.tiny_models import TinyPair, tiny_pair
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 from compare_llama_server import LlamaServer
 
-BINARY = os.environ.get("DFLASH_LLAMA_SERVER", "")
 N_CTX = 1024
 DRAFT_LENGTH = 3
 MAX_TOKENS = 48
@@ -39,8 +38,7 @@ CONVERSATIONS = [
 SERVER_ONLY = {
     "system_fingerprint": "its build's id",
 }
-pytestmark = pytest.mark.skipif(not BINARY, reason="not run: set DFLASH_LLAMA_SERVER to a llama-server binary "
-                                "built from the same vendored llama.cpp (see tools/compare_llama_server.py)")
+pytestmark = needs_llama_server
 
 
 def shape(value: Any, prefix: str = "") -> dict[str, str]:

@@ -273,7 +273,8 @@ def malformed_requests(server: RunningApp) -> list[tuple[str, str, Any]]:
         dep["id"] for dep in config["dependencies"] if [kinds.get(i) for i in dep["inputs"]] == ["checkbox"]),
         "session_hash": "s" * 5000}))  # fmt: skip
     runs = {"nosuch": ([], ["x"]), "chat": ([], ["x"]), "wait": ([], ["idle", "x"]), "info": (["x"],)}
-    cases += [("POST", f"/gradio_api/run/{name}", {"data": data}) for name, datas in runs.items() for data in datas]
+    cases += [("POST", f"/gradio_api/{way}/{name}", {"data": data}) for name, datas in runs.items() for data in datas
+              for way in ("run", "api")]  # `api/` is `run/`'s twin in Gradio's routes
     cases += [("POST", "/gradio_api/cancel", b"[]"), ("POST", "/gradio_api/upload", b"x")]
     for body in ({}, {"messages": "x"}, {"messages": [{"role": "user"}]}, b"{", {"messages": [], "max_tokens": "x"},
                  {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, {"prompt": 5}, [],

@@ -31,7 +31,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-_QUEUED = re.compile(r"/gradio_api/(?:call/(?P<v2>v2/)?(?P<call>[^/]+)|run/(?P<run>[^/]+)|queue/(?P<join>join))/?$")
+# Every route to a function: a queued call, a page's join, and the direct runs (`run/` and its twin `api/`).
+_QUEUED = re.compile(r"/gradio_api/(?:call/(?P<v2>v2/)?(?P<call>[^/]+)|(?:run|api)/(?P<run>[^/]+)"
+                     r"|queue/(?P<join>join))/?$")
 _RESULT = re.compile(r"/gradio_api/call/(?:v2/)?([^/]+)/([^/]+)/?$")
 _ROUTES = {name: re.compile(rf"/gradio_api/{name}/?$") for name in ("queue/data", "upload", "cancel")}
 _EVENT_ID = re.compile(rb'"event_id":\s*"([0-9a-f]+)"')

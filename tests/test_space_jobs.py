@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 
 from dflash_runtime.errors import RequestError
 from dflash_runtime.space.setup.settings import PublicSettings
-from dflash_runtime.space.web.calls import AdmissionError, Calls, ReplyJob
+from dflash_runtime.space.web.calls import WAITS_AT_ONCE, WAITS_PER_CLIENT, AdmissionError, Calls, ReplyJob
 from dflash_runtime.space.web.policy import Call, FairShare, State
 from dflash_runtime.space.web.probes import Message, TrafficFloor, queue_heartbeat
 
@@ -521,6 +522,64 @@ def test_a_waiting_job_looks_again_when_a_seat_holders_turn_ends() -> None:
     assert b.seated and share.turn_ends(2.1) == 4.1, "A waits again: B's turn ends a quantum after it began"
     share.release(2.5, b)
     assert share.turn_ends(2.5) is None, "a seat is free"
+
+
+def test_a_client_waits_a_few_times_at_once_and_a_few_wait_in_all() -> None:
+    """/wait holds a web server thread: a client's wait beyond WAITS_PER_CLIENT at once is refused at once, as is a
+    wait beyond WAITS_AT_ONCE in all; a wait that has returned frees its place."""
+    calls = Calls(capacity=1)
+    clients = [f"client-{n // WAITS_PER_CLIENT}" for n in range(WAITS_AT_ONCE)]
+    waiting = [threading.Thread(target=calls.wait, args=(True, TIMEOUT_S, client)) for client in clients]
+
+    def refused(client: str) -> bool:
+        try:
+            calls.wait(True, 0.0, client)
+        except RequestError:
+            return True
+        return False
+
+    for thread in waiting:
+        thread.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while calls.waits() < WAITS_AT_ONCE:  # until every wait has begun
+        assert time.monotonic() < deadline
+    assert refused("client-0"), "its waits at once already"
+    assert refused("a newcomer"), "WAITS_AT_ONCE wait already"
+    call = calls.admitted("client-0", 1)
+    assert calls.seat(call)  # busy: every wait returns
+    for thread in waiting:
+        thread.join(TIMEOUT_S)
+        assert not thread.is_alive()
+    assert calls.wait(True, 0.0, "client-0") and calls.wait(True, 0.0, "a newcomer")
+
+
+def test_stopping_a_job_that_waits_for_its_seat_frees_its_place_at_once() -> None:
+    """Stop (ReplyJob.cancel) while a job waits for the engine: its wait ends and its place is free, with the seat's
+    holder still running; its stream never opens."""
+    calls = Calls(capacity=1)
+    holder = calls.admitted("a", 1)
+    assert calls.seat(holder)
+    opened = threading.Event()
+
+    def stream() -> Iterator[int]:
+        opened.set()
+        yield 1
+
+    job = engine_job(stream, calls, client="b")
+
+    async def stop_while_waiting() -> list[int]:
+        async def consume() -> list[int]:
+            return [chunk async for chunk in job.chunks()]
+
+        consumer = asyncio.create_task(consume())
+        while calls.counts()["waiting"] < 1:  # its thread asks for the seat
+            await asyncio.sleep(0)  # yields to the event loop; the test's own timeout bounds it
+        job.cancel()
+        return await consumer
+
+    assert run(stop_while_waiting()) == []
+    assert job.wait_done(TIMEOUT_S) and not opened.is_set()
+    assert calls.counts() == {**calls.counts(), "running": 1, "waiting": 0, "places": 1}
 
 
 def test_two_seats_stream_two_jobs_at_once() -> None:

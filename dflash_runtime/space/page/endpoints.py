@@ -342,7 +342,8 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
         GPU worker as last seen, the GPU-time estimates, and what the web process has loaded."""
         return service.info()
 
-    def wait(until: str = "idle", timeout_s: float = 60.0) -> dict[str, Any]:
+    def wait(until: str = "idle", timeout_s: float = 60.0,
+             request: gr.Request = None) -> dict[str, Any]:  # type: ignore[assignment]
         """/info, once no answer runs ("idle": e.g. a cancelled answer has stopped the engine) or one does ("busy").
 
         Parameters:
@@ -350,7 +351,7 @@ def make_api(service: SpaceService) -> tuple[Callable[..., Any], ...]:
             timeout_s: how long to wait, at most 120 s; `waited_out` in the reply says whether the state came
         """
         with visitor_errors():
-            return service.info_when(until, timeout_s)
+            return service.info_when(until, timeout_s, service.client(request))
 
     problems = [*api_problems(chat), *api_problems(generate), *api_problems(wait, WAIT_PARAMETERS)]
     if problems:  # one declaration (API_PARAMETERS): a raw call's values are checked and placed by it

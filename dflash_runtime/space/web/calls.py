@@ -17,6 +17,7 @@ from .policy import Call, FairShare, State
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+WAITS_AT_ONCE, WAITS_PER_CLIENT = 8, 2  # /wait calls holding a web server thread at once (of QUEUE_SIZE + 16)
 ADMITTED = "dflash_call"  # the scope state's key of the call the HTTP gate admitted
 # Transitions that change nobody's turn: no waiting job need look again (each looks every `poll_s` all the same).
 QUIET = frozenset((FairShare.sending, FairShare.padding, FairShare.knows, FairShare.session_of_event,
@@ -38,6 +39,7 @@ class Calls:
         self.policy = FairShare(self.settings, capacity)
         self._clock = clock
         self._changed = threading.Condition()
+        self._waits: dict[str, int] = {}  # the clients in `wait`, each holding a web server thread
 
     def apply(self, transition: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One of the policy's methods (`FairShare.queued`, ...) under the lock."""
@@ -114,10 +116,26 @@ class Calls:
             return {"running": policy.seats_used(), "waiting": len(policy.waiting()), "places": policy.places(),
                     "turns_yielded": policy.yields}  # fmt: skip
 
-    def wait(self, busy: bool, timeout_s: float) -> bool:
-        """Wait until some job holds a seat (`busy`) or none does; False when `timeout_s` passed first."""
+    def waits(self) -> int:
+        """The /wait calls waiting now."""
         with self._changed:
-            return self._changed.wait_for(lambda: (self.policy.seats_used() > 0) == busy, timeout_s)
+            return sum(self._waits.values())
+
+    def wait(self, busy: bool, timeout_s: float, client: str = "") -> bool:
+        """Wait until some job holds a seat (`busy`) or none does; False when `timeout_s` passed first. Each wait
+        holds one of the web server's threads: a client waits at most WAITS_PER_CLIENT times at once, and at most
+        WAITS_AT_ONCE wait in all (RequestError beyond)."""
+        with self._changed:
+            if self._waits.get(client, 0) >= WAITS_PER_CLIENT or sum(self._waits.values()) >= WAITS_AT_ONCE:
+                raise RequestError(f"/wait: {WAITS_PER_CLIENT} waits per client at a time and {WAITS_AT_ONCE} in "
+                                   "all; retry when yours have returned")  # fmt: skip
+            self._waits[client] = self._waits.get(client, 0) + 1
+            try:
+                return self._changed.wait_for(lambda: (self.policy.seats_used() > 0) == busy, timeout_s)
+            finally:
+                self._waits[client] -= 1
+                if not self._waits[client]:
+                    del self._waits[client]
 
 
 class Resumable(Protocol[T]):
@@ -150,8 +168,10 @@ class ReplyJob(Generic[T]):
         return self._cancelled.is_set()
 
     def cancel(self) -> None:
-        """Stop at the next chunk (thread-safe; the consumer also calls it when it leaves)."""
+        """Stop at the next chunk, or leave the wait for a seat at once: the call is over and its place free
+        (thread-safe; the consumer also calls it when it leaves)."""
         self._cancelled.set()
+        self._calls.finish(self._call)
 
     def wait_done(self, timeout_s: float) -> bool:
         return self._done.wait(timeout_s)  # the stream closed and the seat freed

@@ -268,11 +268,11 @@ class SpaceService:
 
     # -- the server's description -----------------------------------------------------------------------------------
 
-    def info_when(self, wait_until: str, timeout_s: float) -> dict[str, Any]:
+    def info_when(self, wait_until: str, timeout_s: float, client: ClientIdentity) -> dict[str, Any]:
         """`info()` once the engine slot is idle or busy (`wait_until`), or after `timeout_s` at most."""
         if (problem := wait_problem(wait_until, timeout_s)) is not None:
             raise RequestError(problem)
-        came = self.calls.wait(wait_until == "busy", float(timeout_s))
+        came = self.calls.wait(wait_until == "busy", float(timeout_s), client.key)
         return {**self.info(), "waited_out": not came}
 
     def info(self) -> dict[str, Any]:

@@ -58,7 +58,7 @@ from dflash_runtime.space.setup.runmode import (
     settle_run_mode,
 )
 from dflash_runtime.space.setup.settings import PublicSettings
-from dflash_runtime.space.web.gpu_time import GpuTimeEstimator
+from dflash_runtime.space.web.gpu_time import GpuTimeEstimator, Votes
 
 LIMITS = Limits(max_new_tokens=4096, max_input_chars=32000, max_history_messages=256, draft_capacity=7)
 Message = dict[str, str]
@@ -899,3 +899,14 @@ def test_the_api_parameters_are_declared_once() -> None:
 
     assert api_problems(shuffled, ("message", "history")) == [
         "shuffled's signature takes ('history', 'message'), not ('message', 'history')"]
+
+
+def test_a_figure_does_not_follow_who_voted_last() -> None:
+    """Four clients' votes: the figure is one of them, the lower middle one, whatever order they came in; a client
+    voting again as it did moves nothing."""
+    votes = Votes(1.0, PublicSettings())
+    for source, value in zip("abcd", (2.0, 3.0, 4.0, 5.0), strict=True):
+        votes.add(source, value, 50 * 4096)  # work enough for the pace to let it move anywhere
+    assert votes.value == 3.0
+    votes.add("a", 2.0, 50 * 4096)
+    assert votes.value == 3.0

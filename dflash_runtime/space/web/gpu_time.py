@@ -47,7 +47,7 @@ class Votes:
         if len(self._votes) < self.settings.estimate_voters:
             return
         votes = [statistics.median(own) for own in self._votes.values()]
-        target = statistics.median(votes[: len(votes) - 1 + len(votes) % 2])  # an odd count: one vote is the figure
+        target = statistics.median_low(votes)  # one vote is the figure, whoever voted last
         step = MOVE_PER_WORK ** (max(work, 0.0) / WORK_TOKENS)
         self._value = target if self._value is None else min(max(target, self._value / step), self._value * step)
 

@@ -17,7 +17,6 @@ if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_
     signal.signal(signal.SIGINT, lambda *_: sys.exit(STOPPED))
 
 import logging
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from dflash_runtime.space.page.panel import EMPTY_DETAILS, EMPTY_STATS
 from dflash_runtime.space.page.session import ChatSession
 from dflash_runtime.space.page.views import mode_banner
 from dflash_runtime.space.requests import DEFAULT_SYSTEM_PROMPT
+from dflash_runtime.space.setup.settings import queue_size
 from dflash_runtime.space.setup.startup import run_startup_check
 from dflash_runtime.space.web.clients import servers_forward_nothing
 from dflash_runtime.space.web.gate import Endpoints, HttpGate
@@ -57,7 +57,7 @@ log = logging.getLogger("dflash_space")
 # Every generating event shares one queue whose concurrency is the engine's parallel sequences (DFLASH_PARALLEL).
 ENGINE_QUEUE = "engine"
 # Waiting visitors and API calls (ZeroGPU Spaces would otherwise keep one waiting event and refuse the rest).
-QUEUE_SIZE = int(os.environ.get("DFLASH_QUEUE_SIZE", "64"))
+QUEUE_SIZE = queue_size()
 MAX_FILE_SIZE = "1kb"  # the page takes no files (the HTTP gate refuses every upload; this is Gradio's own bound)
 EXAMPLES = [
     "Explain speculative decoding in three sentences.",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_runtime.space.setup.settings import PublicSettings, settings_table
+from dflash_runtime.space.setup.settings import PublicSettings, queue_size, settings_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,6 +36,9 @@ def test_every_setting_has_its_variable_default_and_why_and_is_read() -> None:
         PublicSettings.from_env({"DFLASH_CLIENT_JOBS": "0"})
     with pytest.raises(ValueError, match="DFLASH_QUANTUM_S must be a number"):
         PublicSettings.from_env({"DFLASH_QUANTUM_S": "soon"})
+    with pytest.raises(ValueError, match="DFLASH_CLIENT_JOBS must be a whole number"):
+        PublicSettings.from_env({"DFLASH_CLIENT_JOBS": "0.5"})  # a count is never rounded down to 0
+    assert queue_size({}) == 64 and queue_size({"DFLASH_QUEUE_SIZE": "32"}) == 32
 
 
 def test_nothing_else_reads_the_tables_variables() -> None:

@@ -14,7 +14,7 @@ from . import presets
 from .downloads import PairDownload
 from .presets import DemoFiles, PairPreset
 from .runmode import RunMode, choose_run_mode, cuda_device_present, on_zero_gpu, settle_run_mode
-from .settings import PublicSettings
+from .settings import PublicSettings, queue_size
 
 BUILD_KEYS = ("llama_cpp_version", "cuda_build", "gpu_offload", "cuda_devices", "wheel_architectures",
               "compiled_architectures", "dflash_missing_symbols", "problems", "ok")  # fmt: skip
@@ -46,7 +46,8 @@ class SpaceConfig:
         return cls(replace(mode, problems=tuple(map(scrub_paths, mode.problems))), preset,
                    PairDownload.from_env(preset, env), scrub_paths(build_status),
                    {key: _scrubbed(build.get(key)) for key in BUILD_KEYS}, zero_gpu, gpu_size,
-                   env.get("DFLASH_DIAGNOSTICS", "").strip() in ("1", "true", "yes"), PublicSettings.from_env(env))
+                   env.get("DFLASH_DIAGNOSTICS", "").strip() in ("1", "true", "yes"),
+                   PublicSettings.from_env(env, queue_size(env)))
 
 
 def _scrubbed(value: Any) -> Any:

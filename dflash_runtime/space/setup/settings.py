@@ -93,9 +93,8 @@ class PublicSettings:
     def from_env(cls, env: Mapping[str, str] | None = None, queue_size: int | None = None) -> PublicSettings:
         env = os.environ if env is None else env
         defaults = replace(cls(), trusted_proxy_hops=1 if env.get("SPACE_ID") else 0)
-        values = {f.name: _typed(f.default, env_number(env, f.metadata["env"], getattr(defaults, f.name),
-                                                       f.metadata["off"]), f.metadata["env"])
-                  for f in fields(cls)}  # fmt: skip
+        values = {f.name: type(f.default)(_counted(f.type in ("int", int), f.metadata["env"], env_number(
+            env, f.metadata["env"], getattr(defaults, f.name), f.metadata["off"]))) for f in fields(cls)}  # fmt: skip
         if queue_size:
             values["total_jobs"] = min(values["total_jobs"], queue_size)
         return cls(**values)
@@ -103,14 +102,15 @@ class PublicSettings:
 
 def queue_size(env: Mapping[str, str] | None = None) -> int:
     """Gradio's queue (`DFLASH_QUEUE_SIZE`, 64 events waiting at once): the answers counted never exceed it."""
-    return int(_typed(64, env_number(os.environ if env is None else env, "DFLASH_QUEUE_SIZE", 64), "DFLASH_QUEUE_SIZE"))
+    return int(_counted(True, "DFLASH_QUEUE_SIZE", env_number(os.environ if env is None else env, "DFLASH_QUEUE_SIZE",
+                                                              64)))
 
 
-def _typed(default: float, value: float, name: str) -> float:
-    """`value` as its setting's type: a whole number where the default is one (a count is never rounded down)."""
-    if isinstance(default, int) and not float(value).is_integer():
+def _counted(count: bool, name: str, value: float) -> float:
+    """`value`, a whole number where the setting is a count (never rounded down: 0.5 answers is not 0)."""
+    if count and not float(value).is_integer():
         raise ValueError(f"{name} must be a whole number, got {value}")
-    return type(default)(value)
+    return value
 
 
 def settings_table() -> str:

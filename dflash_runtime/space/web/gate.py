@@ -8,7 +8,7 @@ import json
 import logging
 import re
 import traceback
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 from starlette.datastructures import QueryParams
 from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ...openai_api.errors import ApiError
 from ...openai_api.server import WRITE_WATCHERS
@@ -25,11 +26,6 @@ from .policy import Call, FairShare, padding_room
 from .probes import TrafficFloor, call_heartbeat, comment_heartbeat, queue_heartbeat, tighten
 
 log = logging.getLogger(__name__)
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Every route to a function: a queued call, a page's join, and the direct runs (`run/` and its twin `api/`).
 _QUEUED = re.compile(r"/gradio_api/(?:call/(?P<v2>v2/)?(?P<call>[^/]+)|(?:run|api)/(?P<run>[^/]+)"
@@ -134,13 +130,12 @@ def json_body(body: bytes) -> Any:
         raise nested from None
     except ValueError:
         return None
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict | list):
-            if depth > MAX_DEPTH:
-                raise nested
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    layer = [value]  # the values at one depth, from the top
+    for _ in range(MAX_DEPTH):
+        layer = [child for item in layer if isinstance(item, dict | list)
+                 for child in (item.values() if isinstance(item, dict) else item)]  # fmt: skip
+    if any(isinstance(item, dict | list) for item in layer):
+        raise nested
     return value
 
 
@@ -182,7 +177,7 @@ class HttpGate:
 
         try:
             if self.v1 is not None and (path == "/v1" or path.startswith("/v1/")):
-                await self._v1(scope, receive, sent)
+                await (self._v1 if method == "POST" else self.v1)(scope, receive, sent)
             elif method == "GET":
                 await self._get(scope, receive, sent)
             elif method == "POST":
@@ -201,12 +196,9 @@ class HttpGate:
     async def _v1(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A /v1 POST: its body bounded, its answer's writes told to its call's reader."""
         assert self.v1 is not None
-        if scope.get("method") != "POST":
-            await self.v1(scope, receive, send)
-            return
-        json_body(raw := await self._body(scope, receive))
+        _, replay = await self._body(scope, receive)
         watchers = scope.setdefault("state", {}).setdefault(WRITE_WATCHERS, [])
-        await self._watched(self.v1, scope, _replay(raw, receive), send,
+        await self._watched(self.v1, scope, replay, send,
                             lambda busy, _body=b"": [w(busy) for w in watchers], lambda: True, comment_heartbeat)
 
     async def _get(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -234,8 +226,7 @@ class HttpGate:
         path = scope.get("path", "")
         if _ROUTES["upload"].search(path):
             raise Refused(413, "uploads are off: this Space takes no files (maximum allowed size: 0 bytes)")
-        raw = await self._body(scope, receive)
-        body, replay = json_body(raw), _replay(raw, receive)
+        body, replay = await self._body(scope, receive)
         if _ROUTES["cancel"].search(path) and isinstance(body, dict):
             self.calls.apply(FairShare.withdraw, body.get("event_id"))
         if (call := self._admitted(path, body, scope)) is None:
@@ -274,8 +265,9 @@ class HttpGate:
             raise Refused(429, call)
         return call
 
-    async def _body(self, scope: Scope, receive: Receive) -> bytes:
-        """The whole body (Refused once longer than the limit: by its declared length, or as it comes)."""
+    async def _body(self, scope: Scope, receive: Receive) -> tuple[Any, Receive]:
+        """The whole body as `json_body` reads it (Refused once longer than the limit: by its declared length, or as it
+        comes), and a `receive` that hands it on once, then whatever comes (the hang-up)."""
         limit = self.settings.max_body_bytes
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         too_long = Refused(413, f"the request body is longer than this server accepts ({limit} bytes)")
@@ -288,7 +280,12 @@ class HttpGate:
                 raise too_long
             if not message.get("more_body"):
                 break
-        return b"".join(parts)
+        pending = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+        async def replay() -> Message:
+            return pending.pop(0) if pending else await receive()
+
+        return json_body(pending[0]["body"]), replay
 
     async def _queued(self, scope: Scope, receive: Receive, send: Send) -> str | None:
         """Pass a queued call on: the event id Gradio answers, or None when it refused the call."""
@@ -312,13 +309,13 @@ class HttpGate:
         writes) and for writes it does not take; Gradio's word that an event completed ends its call."""
         calls, inbox = self.calls, asyncio.Queue[Message]()
         reader = calls.apply(FairShare.opened, session)
-        floor: TrafficFloor | None = None
+        finished = False  # the app wrote the stream's end
 
         async def watch() -> None:
             while (message := await receive())["type"] != "http.disconnect":
                 inbox.put_nowait(message)
             inbox.put_nowait(message)  # also the server's own, once it sent the stream's end
-            calls.apply(FairShare.closed, reader, hung_up=floor is None or not floor.finished)
+            calls.apply(FairShare.closed, reader, hung_up=not finished)
 
         async def app_receive() -> Message:
             if (message := await inbox.get())["type"] == "http.disconnect":
@@ -326,25 +323,25 @@ class HttpGate:
             return message
 
         def sending(busy: bool, body: bytes = b"") -> None:
-            for found in _COMPLETED.finditer(body) if busy else ():
+            for found in _COMPLETED.finditer(body):
                 calls.apply(FairShare.completed, found.group(1).decode())
             calls.apply(FairShare.sending, reader, busy)
 
         watcher = asyncio.create_task(watch())
         try:
-            floor = await self._watched(self.app, scope, app_receive, send, sending, lambda: calls.apply(
+            finished = await self._watched(self.app, scope, app_receive, send, sending, lambda: calls.apply(
                 FairShare.running_for, session), call_heartbeat if event_id else queue_heartbeat)
         finally:
             watcher.cancel()
-            calls.apply(FairShare.closed, reader, hung_up=floor is None or not floor.finished)
-            if event_id is not None and floor is not None and floor.finished:
+            calls.apply(FairShare.closed, reader, hung_up=not finished)
+            if event_id is not None and finished:
                 calls.apply(FairShare.completed, event_id)
 
     async def _watched(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send,
                        sending: Callable[..., Any], running: Callable[[], bool],
-                       heartbeat: Callable[[int], bytes]) -> TrafficFloor:  # fmt: skip
+                       heartbeat: Callable[[int], bytes]) -> bool:  # fmt: skip
         """Run `app` with small buffers and a floor of traffic while `running()` (probes.py), each write told to
-        `sending(busy, body)`."""
+        `sending(busy, body)`; whether the app wrote its response's end."""
 
         async def told(message: Message) -> None:
             sending(True, message.get("body", b""))
@@ -366,14 +363,4 @@ class HttpGate:
             await app(scope, receive, floor.send)
         finally:
             padder.cancel()
-        return floor
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that hands the body on once, then whatever comes (the hang-up)."""
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def replay() -> Message:
-        return pending.pop(0) if pending else await receive()
-
-    return replay
+        return floor.finished

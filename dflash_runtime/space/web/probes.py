@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
-Message = MutableMapping[str, Any]
-Send = Callable[[Message], Awaitable[None]]
+from starlette.types import Message, Send
 
 SEND_BUFFER_BYTES = 16 * 1024  # the kernel doubles it
 TRANSPORT_HIGH_WATER = 16 * 1024
@@ -65,7 +64,6 @@ class TrafficFloor:
         self._events = False  # the response is an event stream, not encoded, and has started
         self._between_events = False  # the last body written ended an event: padding may follow
         self.finished = False  # the app has written the response's end (set before that write goes out)
-        self._sent = 0  # bytes the app wrote since the last tick
         self.items = self.idle = self.padded = 0  # bytes the app wrote; the floor's in ticks it wrote none; padding
 
     async def send(self, message: Message) -> None:  # the app's write
@@ -77,7 +75,6 @@ class TrafficFloor:
                 self._between_events = True
             elif message["type"] == "http.response.body":
                 body = message.get("body", b"")
-                self._sent += len(body)
                 self.items += len(body)
                 self._between_events = body.endswith(b"\n\n") if body else self._between_events
                 self.finished = not message.get("more_body", False)
@@ -88,13 +85,13 @@ class TrafficFloor:
         if self._bytes_per_s <= 0:
             return
         loop = asyncio.get_running_loop()
-        last = loop.time()
+        last, counted = loop.time(), 0  # the app's bytes counted at the last tick
         while not self.finished:
             await asyncio.sleep(TICK_S)  # a pacing clock, not a wait for another task
-            now = loop.time()
-            owed = int(self._bytes_per_s * (now - last)) - self._sent
-            self.idle += owed if self._sent == 0 and self._running() else 0
-            last, self._sent = now, 0
+            now, sent = loop.time(), self.items - counted
+            owed = int(self._bytes_per_s * (now - last)) - sent
+            self.idle += owed if sent == 0 and self._running() else 0
+            last, counted = now, self.items
             if owed <= 0 or not self._events or not self._between_events or not self._running():
                 continue
             if (owed := self._grant(owed, self.items, self.idle, self.padded)) <= 0:

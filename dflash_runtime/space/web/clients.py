@@ -42,8 +42,8 @@ def client_identity(headers: Iterable[tuple[Any, Any]], peer: str | None, hops: 
     if hops and len(forwarded) >= hops:
         address, source = forwarded[-hops], "forwarded"
     if not address:
-        return ClientIdentity(_digest("unknown"), "none")  # an in-process call: one client, limited as one
-    return ClientIdentity(_digest(_network(address)), source)
+        address, source = "unknown", "none"  # an in-process call: one client, limited as one
+    return ClientIdentity(hmac.new(_SECRET, _network(address).encode(), hashlib.sha256).hexdigest()[:24], source)
 
 
 def client_of_scope(scope: Mapping[str, Any] | None, hops: int = 0) -> ClientIdentity:
@@ -73,7 +73,3 @@ def _network(hop: str) -> str:
             return str(parsed.ipv4_mapped)
         return str(ipaddress.ip_network(f"{parsed}/64", strict=False))
     return str(parsed)
-
-
-def _digest(text: str) -> str:
-    return hmac.new(_SECRET, text.encode(), hashlib.sha256).hexdigest()[:24]

@@ -36,9 +36,7 @@ FINAL_FIELDS = ("finish_reason", "finish_detail", "notice", "gpu_seconds_request
 
 def conversation(messages: tuple[dict[str, str], ...]) -> dict[str, Any]:
     """The API's messages as the Space's request holds them: the system prompt, the history and the user's message."""
-    system = 0
-    while system < len(messages) and messages[system]["role"] == "system":
-        system += 1
+    system = next((index for index, message in enumerate(messages) if message["role"] != "system"), len(messages))
     for index in range(system, len(messages)):
         if messages[index]["role"] == "system":
             raise bad_field(f"messages[{index}].role", "system messages go at the start of the conversation")

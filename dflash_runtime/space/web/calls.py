@@ -208,16 +208,13 @@ class ReplyJob(Generic[T]):
 
     def _taken(self, items: list[tuple[bool, Any]], latest_only: bool) -> list[tuple[bool, Any]]:
         with self._counts:  # the consumer made progress: an orphan is one that makes none for orphan_timeout_s
-            self._pending -= sum(1 for chunk, _ in items if chunk)
+            self._pending -= sum(chunk for chunk, _ in items)
             self._pending_since = time.monotonic()
-        kept, skipped = [], None
-        for index, (chunk, value) in enumerate(items):
-            if skipped is not None:  # a chunk follows a skipped one
-                value, skipped = self._fold(skipped, value), None
-            if latest_only and chunk and index + 1 < len(items) and items[index + 1][0] and not self._is_final(value):
-                skipped = value
-            else:
-                kept.append((chunk, value))
+        kept: list[tuple[bool, Any]] = []
+        for chunk, value in items:  # with `latest_only`, a chunk a newer one follows is folded into it
+            if latest_only and chunk and kept and kept[-1][0] and not self._is_final(kept[-1][1]):
+                value = self._fold(kept.pop()[1], value)
+            kept.append((chunk, value))
         return kept
 
     def _pump(self, hand_over: Callable[[bool, Any], None]) -> None:

@@ -241,7 +241,7 @@ class FairShare:
         """Whose turn it is (docs/public-space.md, section 6); never a second answer of a conversation that runs."""
         held, used = self.loads(now)
         running = {c.owner for c in self.calls if c.seated and c.owner}
-        ready = [c for c in self.waiting() if c.owner is None or c.owner not in running]
+        ready = [c for c in self.waiting() if c.owner not in running]
         return min(ready, key=lambda c: (held.get(c.client, 0), used.get(c.client, 0.0),
                                          self._served.get(c.client, (-1, 0.0))[0], c.order), default=None)  # fmt: skip
 
@@ -264,11 +264,10 @@ class FairShare:
         over = [c for c in self.calls if c.seated and c.live and c.can_yield and c.client != waiting.client and (
             held[c.client] >= wanted + 2 or (held[c.client] == wanted + 1 and used[c.client] > owed
                                              and now - c.turn_at >= self.settings.quantum_s))]  # fmt: skip
-        if not over:
-            return False
-        max(over, key=lambda c: (held[c.client], used[c.client], now - c.turn_at)).yield_asked = True
-        self.yields += 1
-        return True
+        if over:
+            max(over, key=lambda c: (held[c.client], used[c.client], now - c.turn_at)).yield_asked = True
+            self.yields += 1
+        return bool(over)
 
     def turn_ends(self, now: float) -> float | None:
         """While a call waits and no seat is free: the soonest time a seated call's turn reaches `quantum_s`, when
@@ -314,8 +313,7 @@ class FairShare:
     def padding(self, now: float, client: str, wanted: int) -> int:
         """Bytes of padding a stream of `client` may send now: buckets of one second's worth, per client and in all."""
         s = self.settings
-        total = self._level(now, "", s.probe_total_bytes_s)
-        own = self._level(now, client, s.probe_client_bytes_s)
+        total, own = self._level(now, "", s.probe_total_bytes_s), self._level(now, client, s.probe_client_bytes_s)
         granted = int(min(wanted, total, own))
         granted = granted if granted >= MIN_PADDING else 0
         self._buckets[""], self._buckets[client] = (total - granted, now), (own - granted, now)

@@ -8,6 +8,7 @@ import contextvars
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -39,7 +40,7 @@ class Calls:
         self.policy = FairShare(self.settings, capacity)
         self._clock = clock
         self._changed = threading.Condition()
-        self._waits: dict[str, int] = {}  # the clients in `wait`, each holding a web server thread
+        self._waits: Counter[str] = Counter()  # the clients in `wait`, each holding a web server thread
 
     def apply(self, transition: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One of the policy's methods (`FairShare.queued`, ...) under the lock."""
@@ -58,11 +59,9 @@ class Calls:
 
     def start(self, call: Call) -> bool:
         """The handler starts: False when the call is over (AdmissionError when its place was taken)."""
-        if self.apply(FairShare.start, call):
-            return True
-        if call.state == State.TAKEN:
+        if not (started := self.apply(FairShare.start, call)) and call.state == State.TAKEN:
             raise AdmissionError(TAKEN)
-        return False
+        return started
 
     def finish(self, call: Call | None) -> None:
         if call is not None:
@@ -86,12 +85,10 @@ class Calls:
             while True:
                 if self.policy.schedule(self._clock()):
                     self._changed.notify_all()
-                if call.seated:
-                    return True
                 if call.state is State.TAKEN:
                     raise AdmissionError(TAKEN)
-                if not call.live:
-                    return False
+                if call.seated or not call.live:
+                    return call.seated
                 if (refusal := self.policy.timed_out(self._clock(), call)) is not None:
                     self.policy.finish(self._clock(), call)
                     raise RequestError(refusal)
@@ -119,23 +116,21 @@ class Calls:
     def waits(self) -> int:
         """The /wait calls waiting now."""
         with self._changed:
-            return sum(self._waits.values())
+            return self._waits.total()
 
     def wait(self, busy: bool, timeout_s: float, client: str = "") -> bool:
         """Wait until some job holds a seat (`busy`) or none does; False when `timeout_s` passed first. Each wait
         holds one of the web server's threads: a client waits at most WAITS_PER_CLIENT times at once, and at most
         WAITS_AT_ONCE wait in all (RequestError beyond)."""
         with self._changed:
-            if self._waits.get(client, 0) >= WAITS_PER_CLIENT or sum(self._waits.values()) >= WAITS_AT_ONCE:
+            if self._waits[client] >= WAITS_PER_CLIENT or self._waits.total() >= WAITS_AT_ONCE:
                 raise RequestError(f"/wait: {WAITS_PER_CLIENT} waits per client at a time and {WAITS_AT_ONCE} in "
                                    "all; retry when yours have returned")  # fmt: skip
-            self._waits[client] = self._waits.get(client, 0) + 1
+            self._waits[client] += 1
             try:
                 return self._changed.wait_for(lambda: (self.policy.seats_used() > 0) == busy, timeout_s)
             finally:
-                self._waits[client] -= 1
-                if not self._waits[client]:
-                    del self._waits[client]
+                self._waits -= Counter((client,))  # a client waiting no more leaves the count
 
 
 class Resumable(Protocol[T]):
@@ -208,16 +203,13 @@ class ReplyJob(Generic[T]):
 
     def _taken(self, items: list[tuple[bool, Any]], latest_only: bool) -> list[tuple[bool, Any]]:
         with self._counts:  # the consumer made progress: an orphan is one that makes none for orphan_timeout_s
-            self._pending -= sum(1 for chunk, _ in items if chunk)
+            self._pending -= sum(chunk for chunk, _ in items)
             self._pending_since = time.monotonic()
-        kept, skipped = [], None
-        for index, (chunk, value) in enumerate(items):
-            if skipped is not None:  # a chunk follows a skipped one
-                value, skipped = self._fold(skipped, value), None
-            if latest_only and chunk and index + 1 < len(items) and items[index + 1][0] and not self._is_final(value):
-                skipped = value
-            else:
-                kept.append((chunk, value))
+        kept: list[tuple[bool, Any]] = []
+        for chunk, value in items:  # with `latest_only`, a chunk a newer one follows is folded into it
+            if latest_only and chunk and kept and kept[-1][0] and not self._is_final(kept[-1][1]):
+                value = self._fold(kept.pop()[1], value)
+            kept.append((chunk, value))
         return kept
 
     def _pump(self, hand_over: Callable[[bool, Any], None]) -> None:

@@ -80,10 +80,8 @@ class FairShare:
         """An engine call of `weight` answers, or why it is refused (docs/public-space.md, section 3)."""
         self.sweep(now)
         s = self.settings
-        if (total := self.places() + weight) > s.total_jobs and total > weight:
-            self._make_room(now, client, weight, total - s.total_jobs)
-        if (total := self.places() + weight) > s.total_jobs and total > weight:
-            return (f"the server has {total - weight} answers queued or running, its limit is {s.total_jobs}, and no "
+        if (queued := self._make_room(client, weight)) and queued + weight > s.total_jobs:
+            return (f"the server has {queued} answers queued or running, its limit is {s.total_jobs}, and no "
                     "client holds more than you would: retry in a minute")  # fmt: skip
         if (used := self.places(client=client)) and used + weight > s.client_jobs:
             return (f"you have {used} answers queued or running (in all your sessions) and this call would add "
@@ -114,28 +112,25 @@ class FairShare:
         return sum(c.weight for c in self.calls if c.live and (client is None or c.client == client)
                    and (session is None or c.session == session))  # fmt: skip
 
-    def _make_room(self, now: float, client: str, weight: int, needed: int) -> None:
-        """Max–min shares: take places of calls that have not run from the clients holding the most."""
+    def _make_room(self, client: str, weight: int) -> int:
+        """Max–min shares: while `weight` more answers would pass the limit, take places of calls that have not run
+        from the clients holding the most; the answers counted then."""
         mine = self.places(client=client) + weight
-        while needed > 0:
-            held: dict[str, int] = {}
-            for c in self.calls:
-                if c.live and c.client != client:
-                    held[c.client] = held.get(c.client, 0) + c.weight
+        while (total := self.places()) and total + weight > self.settings.total_jobs:
+            held = {c.client: self.places(client=c.client) for c in self.calls if c.live and c.client != client}
             takeable = [c for c in self.calls if c.live and c.weight and not c.started and c.client in held
                         and held[c.client] - c.weight >= mine]  # fmt: skip
             if not takeable:
-                return
-            taken = max(takeable, key=lambda c: (held[c.client], c.posted, c.order))
-            self._end(now, taken, State.TAKEN)
-            needed -= taken.weight
+                break
+            self._end(State.TAKEN, max(takeable, key=lambda c: (held[c.client], c.posted, c.order)))
+        return total
 
     # -- what Gradio and the handlers say ----------------------------------------------------------------------------
 
     def queued(self, now: float, call: Call, event_id: str | None) -> None:
         """Gradio answered the call's POST with its event id, or (None) refused it."""
         if event_id is None:
-            self._end(now, call, State.FINISHED)
+            self._end(State.FINISHED, call)
             return
         call.event_id = event_id
         if call.session is None:
@@ -145,13 +140,11 @@ class FairShare:
 
     def withdraw(self, now: float, event_id: object) -> None:
         """Its client cancelled an event: one whose handler has not started leaves Gradio's queue now."""
-        for call in [c for c in self.calls if c.event_id == event_id and not c.handled]:
-            self._end(now, call, State.FINISHED)
+        self._end(State.FINISHED, *[c for c in self.calls if c.event_id == event_id and not c.handled])
 
     def completed(self, now: float, event_id: str) -> None:
         """Gradio says an event completed: its handler is over, or never ran."""
-        for call in [c for c in self.calls if c.event_id == event_id]:
-            self._end(now, call, State.FINISHED)
+        self._end(State.FINISHED, *[c for c in self.calls if c.event_id == event_id])
 
     def start(self, now: float, call: Call) -> bool:
         """The call's handler starts: False when the call is over already."""
@@ -160,11 +153,12 @@ class FairShare:
         return call.live
 
     def finish(self, now: float, call: Call) -> None:
-        self._end(now, call, State.FINISHED)
+        self._end(State.FINISHED, call)
 
-    def _end(self, now: float, call: Call, state: str) -> None:
-        if call.live:
-            call.state, call.asking = state, False
+    def _end(self, state: str, *calls: Call) -> None:
+        for call in calls:
+            if call.live:
+                call.state, call.asking = state, False
         self._tidy()
 
     # -- readers ------------------------------------------------------------------------------------------------------
@@ -197,24 +191,19 @@ class FairShare:
         """Whether an engine call of `session` is being answered: its stream gets padding."""
         return any(c.live and c.weight and c.handled and c.session == session for c in self.calls)
 
-    def reading(self, now: float, session: str) -> bool:
-        """Whether a reader of the session takes its writes (none has waited on one longer than the timeout)."""
-        limit = self.settings.reader_timeout_s
-        return any(r.sending_since is None or now - r.sending_since <= limit for r in self._readers.get(session, ()))
-
     def abandoned(self, now: float, call: Call) -> bool:
-        """Nobody reads it: its last reader hung up after it came, or none was there for the reader timeout."""
-        if call.session is None or self.reading(now, call.session):
+        """Nobody reads it: no reader takes its writes (a write that has not returned for the reader timeout tells
+        one gone) and its last one hung up after it came, or none was there for the reader timeout."""
+        limit = self.settings.reader_timeout_s
+        if call.session is None or any(r.sending_since is None or now - r.sending_since <= limit
+                                       for r in self._readers.get(call.session, ())):  # fmt: skip
             return False
         at, hung_up = self._left.get(call.session, (0.0, False))
-        return (hung_up and at >= call.posted) or now - max(call.posted, at) > self.settings.reader_timeout_s
+        return (hung_up and at >= call.posted) or now - max(call.posted, at) > limit
 
     def sweep(self, now: float) -> None:
         """Every live call nobody reads is abandoned: its place is free at once, its seat at its job's next step."""
-        for call in self.calls:
-            if call.live and self.abandoned(now, call):
-                call.state, call.asking = State.ABANDONED, False
-        self._tidy()
+        self._end(State.ABANDONED, *[c for c in self.calls if c.live and self.abandoned(now, c)])
 
     def _tidy(self) -> None:
         self.calls = [c for c in self.calls if c.live or c.seated]
@@ -252,7 +241,7 @@ class FairShare:
         """Whose turn it is (docs/public-space.md, section 6); never a second answer of a conversation that runs."""
         held, used = self.loads(now)
         running = {c.owner for c in self.calls if c.seated and c.owner}
-        ready = [c for c in self.waiting() if c.owner is None or c.owner not in running]
+        ready = [c for c in self.waiting() if c.owner not in running]
         return min(ready, key=lambda c: (held.get(c.client, 0), used.get(c.client, 0.0),
                                          self._served.get(c.client, (-1, 0.0))[0], c.order), default=None)  # fmt: skip
 
@@ -260,27 +249,25 @@ class FairShare:
         """Seat whoever's turn it is while seats are free, then ask one call over its share to yield; any change?"""
         self.sweep(now)
         changed = False
-        while self.seats_used() < self.capacity and (call := self.next_call(now)) is not None:
+        while (call := self.next_call(now)) is not None and self.seats_used() < self.capacity:
             call.state, call.seated, call.started, call.asking, call.turn_at = State.RUNNING, True, True, False, now
             self._served[call.client], changed = (next(self._orders), now), True
-        return self._ask_to_yield(now) or changed
+        return self._ask_to_yield(now, call) or changed
 
-    def _ask_to_yield(self, now: float) -> bool:
-        """With no seat free, ask the call of a client holding two seats more than the waiting call's, or one more
-        after a turn (`quantum_s`) and more engine time, to yield (one at a time)."""
-        waiting = self.next_call(now)
-        if waiting is None or self.seats_used() < self.capacity or any(c.yield_asked for c in self.calls):
+    def _ask_to_yield(self, now: float, waiting: Call | None) -> bool:
+        """With no seat free (a call `waiting`), ask the call of a client holding two seats more than the waiting
+        call's, or one more after a turn (`quantum_s`) and more engine time, to yield (one at a time)."""
+        if waiting is None or any(c.yield_asked for c in self.calls):
             return False
         held, used = self.loads(now)
         wanted, owed = held.get(waiting.client, 0), used.get(waiting.client, 0.0)
         over = [c for c in self.calls if c.seated and c.live and c.can_yield and c.client != waiting.client and (
             held[c.client] >= wanted + 2 or (held[c.client] == wanted + 1 and used[c.client] > owed
                                              and now - c.turn_at >= self.settings.quantum_s))]  # fmt: skip
-        if not over:
-            return False
-        max(over, key=lambda c: (held[c.client], used[c.client], now - c.turn_at)).yield_asked = True
-        self.yields += 1
-        return True
+        if over:
+            max(over, key=lambda c: (held[c.client], used[c.client], now - c.turn_at)).yield_asked = True
+            self.yields += 1
+        return bool(over)
 
     def turn_ends(self, now: float) -> float | None:
         """While a call waits and no seat is free: the soonest time a seated call's turn reaches `quantum_s`, when
@@ -299,7 +286,7 @@ class FairShare:
     def release(self, now: float, call: Call) -> None:
         """The call's job closed its stream for good: its seat is free, and a running call is over."""
         self._unseat(now, call)
-        self._end(now, call, State.FINISHED)
+        self._end(State.FINISHED, call)
 
     def _unseat(self, now: float, call: Call) -> None:
         if call.seated:
@@ -326,8 +313,7 @@ class FairShare:
     def padding(self, now: float, client: str, wanted: int) -> int:
         """Bytes of padding a stream of `client` may send now: buckets of one second's worth, per client and in all."""
         s = self.settings
-        total = self._level(now, "", s.probe_total_bytes_s)
-        own = self._level(now, client, s.probe_client_bytes_s)
+        total, own = self._level(now, "", s.probe_total_bytes_s), self._level(now, client, s.probe_client_bytes_s)
         granted = int(min(wanted, total, own))
         granted = granted if granted >= MIN_PADDING else 0
         self._buckets[""], self._buckets[client] = (total - granted, now), (own - granted, now)

@@ -131,9 +131,7 @@ class SpaceService:
 
     def check(self, **fields: Any) -> ChatRequest:
         """A validated request (build_request's fields; sampling ones left out take the defaults), or RequestError."""
-        for name in SERVER_SAMPLING:
-            if fields.get(name) is None:
-                fields[name] = self.defaults[name]
+        fields.update({name: self.defaults[name] for name in SERVER_SAMPLING if fields.get(name) is None})
         return build_request(presets=[self.config.preset.name], limits=self.limits, methods=self.methods(), **fields)
 
     def methods(self) -> list[str] | None:

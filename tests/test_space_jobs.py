@@ -630,3 +630,47 @@ def test_the_traffic_floor_knows_when_the_server_ended_the_stream() -> None:
         return [*seen, floor.finished]
 
     assert asyncio.run(stream()) == [False, False, True] and len(written) == 3
+
+
+def test_the_gate_tells_a_stream_the_server_ended_from_a_hang_up_while_the_app_winds_down() -> None:
+    """The server's hang-up news can come after the app wrote its stream's end but before the app returns: that is the
+    server ending the stream, so a call of the session posted before waits for the page's next stream."""
+    from dflash_runtime.space.web.gate import HttpGate
+
+    now = [1000.0]
+
+    class Watched(Calls):  # tells the app when the gate has taken the reader's end into account
+        def apply(self, transition: Any, *args: Any, **kwargs: Any) -> Any:
+            result = super().apply(transition, *args, **kwargs)
+            if transition is FairShare.closed:
+                told.set()
+            return result
+
+    calls = Watched(PublicSettings(reader_timeout_s=3.0), clock=lambda: now[0])
+    call = calls.apply(FairShare.admit, "me", "s", 1)
+    calls.apply(FairShare.queued, call, "e1")
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": False})
+        ended.set()
+        await asyncio.wait_for(told.wait(), TIMEOUT_S)  # the server winds down while the news comes
+
+    async def receive() -> Message:
+        await ended.wait()
+        return {"type": "http.disconnect"}
+
+    async def sent(_message: Message) -> None:
+        return None
+
+    async def read() -> None:
+        scope = {"type": "http", "method": "GET", "path": "/gradio_api/queue/data", "query_string": b"session_hash=s",
+                 "headers": []}  # fmt: skip
+        await HttpGate(app, calls)(scope, receive, sent)
+
+    told, ended = asyncio.Event(), asyncio.Event()
+    run(read())
+    now[0] += 2.0
+    assert calls.start(call), "within the grace for the page's next stream: still queued"
+    now[0] += 2.0
+    assert not calls.alive(call), "no stream came within the grace: abandoned"

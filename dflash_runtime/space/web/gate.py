@@ -309,13 +309,13 @@ class HttpGate:
         writes) and for writes it does not take; Gradio's word that an event completed ends its call."""
         calls, inbox = self.calls, asyncio.Queue[Message]()
         reader = calls.apply(FairShare.opened, session)
-        finished = False  # the app wrote the stream's end
+        floors: list[TrafficFloor] = []  # the stream's, once made: whether the app wrote the stream's end
 
         async def watch() -> None:
             while (message := await receive())["type"] != "http.disconnect":
                 inbox.put_nowait(message)
             inbox.put_nowait(message)  # also the server's own, once it sent the stream's end
-            calls.apply(FairShare.closed, reader, hung_up=not finished)
+            calls.apply(FairShare.closed, reader, hung_up=not (floors and floors[0].finished))
 
         async def app_receive() -> Message:
             if (message := await inbox.get())["type"] == "http.disconnect":
@@ -329,19 +329,20 @@ class HttpGate:
 
         watcher = asyncio.create_task(watch())
         try:
-            finished = await self._watched(self.app, scope, app_receive, send, sending, lambda: calls.apply(
-                FairShare.running_for, session), call_heartbeat if event_id else queue_heartbeat)
+            await self._watched(self.app, scope, app_receive, send, sending, lambda: calls.apply(
+                FairShare.running_for, session), call_heartbeat if event_id else queue_heartbeat, floors.append)
         finally:
             watcher.cancel()
+            finished = bool(floors) and floors[0].finished
             calls.apply(FairShare.closed, reader, hung_up=not finished)
             if event_id is not None and finished:
                 calls.apply(FairShare.completed, event_id)
 
     async def _watched(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send,
-                       sending: Callable[..., Any], running: Callable[[], bool],
-                       heartbeat: Callable[[int], bytes]) -> bool:  # fmt: skip
+                       sending: Callable[..., Any], running: Callable[[], bool], heartbeat: Callable[[int], bytes],
+                       made: Callable[[TrafficFloor], None] = lambda _floor: None) -> None:  # fmt: skip
         """Run `app` with small buffers and a floor of traffic while `running()` (probes.py), each write told to
-        `sending(busy, body)`; whether the app wrote its response's end."""
+        `sending(busy, body)`; `made` gets the floor before the app runs (it tells whether the app wrote its end)."""
 
         async def told(message: Message) -> None:
             sending(True, message.get("body", b""))
@@ -357,10 +358,9 @@ class HttpGate:
         def grant(owed: int, items: int, idle: int, padded: int) -> int:
             return calls.apply(FairShare.padding, client, min(owed, padding_room(settings, items, idle, padded)))
 
-        floor = TrafficFloor(told, settings.probe_bytes_s, running, heartbeat, grant)
+        made(floor := TrafficFloor(told, settings.probe_bytes_s, running, heartbeat, grant))
         padder = asyncio.create_task(floor.run())
         try:
             await app(scope, receive, floor.send)
         finally:
             padder.cancel()
-        return floor.finished

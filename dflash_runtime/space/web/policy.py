@@ -4,7 +4,7 @@ threads, I/O or Gradio, so that tests/test_policy_simulation.py can prove it (do
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from ..setup.settings import PublicSettings
@@ -117,7 +117,10 @@ class FairShare:
         from the clients holding the most; the answers counted then."""
         mine = self.places(client=client) + weight
         while (total := self.places()) and total + weight > self.settings.total_jobs:
-            held = {c.client: self.places(client=c.client) for c in self.calls if c.live and c.client != client}
+            held: Counter[str] = Counter()  # one pass: a flood of calls makes no admission slow
+            for c in self.calls:
+                if c.live and c.client != client:
+                    held[c.client] += c.weight
             takeable = [c for c in self.calls if c.live and c.weight and not c.started and c.client in held
                         and held[c.client] - c.weight >= mine]  # fmt: skip
             if not takeable:

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ... import errors
@@ -55,10 +55,8 @@ class EngineFacts:
         if declared and thinking not in self.public_kept:
             with self.keeping:  # one request makes it; others that declare it meanwhile wait (it is one token long)
                 if thinking not in self.public_kept:
-                    with engine.stream(public, max_tokens=1, speculative=False, cache_owner=PUBLIC_OWNER,
-                                       public_prefix=declared) as events:  # fmt: skip
-                        for _ in events:
-                            pass
+                    engine.generate(public, max_tokens=1, speculative=False, cache_owner=PUBLIC_OWNER,
+                                    public_prefix=declared)  # fmt: skip
                     self.public_kept.add(thinking)
         # nobody's session: a fresh owner, nothing to reuse, never parked
         return {"cache_owner": owner or secrets.token_hex(16), "public_prefix": declared}
@@ -115,52 +113,38 @@ class EngineHost:
                 self.close(wait=False)
             self._state.notify_all()
 
-    def _condemn(self) -> None:
-        """The engine failed: closed by the last job to leave it (closing it now would end the others' answers)."""
-        with self._state:
-            self._condemned = True
-            if self._running <= 1:
-                self.close(wait=False)
+    def _load(self, preset: PairPreset, files: ResolvedPair) -> None:
+        """Load the engine (closing the one before) with the host to itself, its parked states shared out by client. A
+        draft that fails validation leaves the target alone where it drafts with a model of its own (an MTP head)."""
+        from ...cache.sessions import SessionPolicy  # the core's cache modules import libllama: only where engines run
 
-    def _engine_for(self, job: GpuJob, loading: bool) -> Any:
-        """The engine for the job's preset and files, loaded now when `loading` (the job alone on the host)."""
-        if not loading:
-            return self._engine
         try:
-            self._load(job.preset, job.files)
-            return self._engine
-        finally:
+            self.close(wait=False)
+            started, settings = time.monotonic(), self._settings
+            branches = preset.branches if files.draft_path is not None else 0  # a tree's paths need the draft
+            self._parallel = self._sequences(preset, files, branches)
+            parking = SessionPolicy(park_on_switch=False, group_of=client_of_owner, active_share=settings.active_share,
+                                    per_group=settings.parked_per_client)  # fmt: skip
+            options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "parallel": self._parallel,
+                       "draft_capacity": preset.draft_capacity, "numerics": preset.numerics, "sessions": parking,
+                       "busy_timeout_s": settings.busy_timeout_s, **({"rpc": list(preset.rpc)} if preset.rpc else {}),
+                       **({"branches": branches} if branches else {})}  # fmt: skip
+            self.draft_problem = files.draft_problem
+            self._fallback = fallback_methods(files.target_path) if files.draft_problem else ()
+            try:
+                self._engine = self._loader(files.target_path, files.draft_path, **options)
+            except (errors.PairMismatchError, errors.ModelFileError) as error:
+                if files.draft_path is None or not (fallback := fallback_methods(files.target_path)):
+                    raise  # (a target at fault raises the same opened alone)
+                self._engine, self._fallback = self._loader(files.target_path, None, **options), fallback
+                self.draft_problem = str(error)
+            self._key, self._condemned, self._facts = (preset, files), False, EngineFacts()
+            self.loads += 1
+            self.last_load_s = round(time.monotonic() - started, 3)
+        finally:  # the jobs that wait for the host go in (or load it again)
             with self._state:
                 self._loading = False
                 self._state.notify_all()
-
-    def _load(self, preset: PairPreset, files: ResolvedPair) -> None:
-        """Load the engine (closing the one before), its parked states shared out by client. A draft that fails
-        validation leaves the target alone where it drafts with a model of its own (an MTP head)."""
-        from ...cache.sessions import SessionPolicy  # the core's cache modules import libllama: only where engines run
-
-        self.close(wait=False)
-        started, settings = time.monotonic(), self._settings
-        branches = preset.branches if files.draft_path is not None else 0  # a tree's paths need the draft
-        self._parallel = self._sequences(preset, files, branches)
-        parking = SessionPolicy(park_on_switch=False, group_of=client_of_owner, active_share=settings.active_share,
-                                per_group=settings.parked_per_client)  # fmt: skip
-        options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "parallel": self._parallel,
-                   "draft_capacity": preset.draft_capacity, "numerics": preset.numerics, "sessions": parking,
-                   "busy_timeout_s": settings.busy_timeout_s, **({"rpc": list(preset.rpc)} if preset.rpc else {}),
-                   **({"branches": branches} if branches else {})}  # fmt: skip
-        self.draft_problem = files.draft_problem
-        self._fallback = fallback_methods(files.target_path) if files.draft_problem else ()
-        try:
-            self._engine = self._loader(files.target_path, files.draft_path, **options)
-        except (errors.PairMismatchError, errors.ModelFileError) as error:
-            if files.draft_path is None or not (fallback := fallback_methods(files.target_path)):
-                raise  # (a target at fault raises the same opened alone)
-            self._engine, self._fallback = self._loader(files.target_path, None, **options), fallback
-            self.draft_problem = str(error)
-        self._key, self._condemned, self._facts = (preset, files), False, EngineFacts()
-        self.loads += 1
-        self.last_load_s = round(time.monotonic() - started, 3)
 
     def _sequences(self, preset: PairPreset, files: ResolvedPair, branches: int) -> int:
         """The preset's sequences, or with `parallel_fit` as many as fit in the memory free now (at least 1) beside
@@ -200,10 +184,11 @@ class EngineHost:
 
         closed_early = False
         try:
-            engine = self._engine_for(job, loading)
+            if loading:
+                self._load(job.preset, job.files)
             facts.update(loaded_now=loading, load_s=self.last_load_s if loading else None)
             try:
-                yield from self._phases(engine, job, report)
+                yield from self._phases(self._engine, job, report)
             except GeneratorExit:
                 closed_early = True  # maybe to yield its turn: its owner's state is parked below
                 raise
@@ -220,31 +205,32 @@ class EngineHost:
 
     def _failed(self, error: DFlashError, job: GpuJob, report: Callable[[], dict[str, Any]]) -> ReplyChunk:
         if isinstance(error, ENGINE_FAILURES):
-            self._condemn()
+            with self._state:  # closed by the last job to leave it (closing it now would end the others' answers)
+                self._condemned = True
+                if self._running <= 1:
+                    self.close(wait=False)
         if isinstance(error, RemoteDeviceError):  # the log names the server; a visitor is not told where it is
             log.warning("%s", error)
             error = RemoteDeviceError(without_endpoints(str(error), job.preset.rpc))
         self._outcome = {"finish_reason": "error", "error_type": type(error).__name__, "n_generated": 0}
-        chunk = _error_chunk(error)
-        chunk.worker = report()  # after the engine was condemned: it says whether the engine is still loaded
-        chunk.used_s = chunk.worker["used_s"]
-        return chunk
+        worker = report()  # after the engine was condemned: it says whether the engine is still loaded
+        return replace(_error_chunk(error), worker=worker, used_s=worker["used_s"])
 
     def _phases(self, engine: Any, job: GpuJob, report: Callable[[], dict[str, Any]]) -> Iterator[ReplyChunk]:
         """The job's phases' chunks from where it yielded; the last one once every phase's stream has closed."""
-        request, resume = job.request, job.resume
+        request, so_far = job.request, job.resume or Resume()
         fitted = fit_request(engine, request)
         owner = {**self._facts.owner_arguments(engine, job.cache_owner, fitted.tokens, request.enable_thinking),
                  "prefill_chunk": self._settings.prefill_chunk}  # the engine's arguments for this job's requests
         info = self._info(engine)
         known = info_digest(info) == job.engine_info_seen
-        answers = {p: list(t) for p, t in resume.answers.items()} if resume else {}
+        answers = {p: list(t) for p, t in so_far.answers.items()}
         final, first = None, True
-        for index, phase in enumerate(job.phases[resume.phase:] if resume else job.phases):
-            going_on = resume if index == 0 else None
-            so_far = answers.setdefault(phase, list(going_on.tokens) if going_on is not None else [])
-            with closing(_stream(engine, request, fitted, phase, owner, so_far, going_on)) as chunks:
+        for phase in job.phases[so_far.phase:]:
+            tokens = answers.setdefault(phase, list(so_far.tokens))
+            with closing(_stream(engine, request, fitted, phase, owner, so_far)) as chunks:
                 for chunk in chunks:
+                    tokens += chunk.tokens
                     self._outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
                                      "n_generated": chunk.stats.get("n_generated", 0), "phase": phase}  # fmt: skip
                     chunk.engine_info, known = (None, known) if known else (info, True)
@@ -255,6 +241,7 @@ class EngineHost:
                         final = chunk  # sent once every phase's stream has closed
                     else:
                         yield chunk
+            so_far = Resume()  # the next phase starts afresh
         if final is not None:
             final.divergences = _divergences(engine, request, fitted.tokens, answers)
             if job.conversation:  # copied aside inside its own request: the next visitor's costs the same
@@ -290,63 +277,41 @@ def _error_chunk(error: DFlashError) -> ReplyChunk:
     return ReplyChunk("", {}, "error", error_type=type(error).__name__, error=str(error))
 
 
-def _stream(engine: Any, request: ChatRequest, fitted: FittedConversation, phase: str,
-            owner: dict[str, Any], tokens: list[int], resume: Resume | None = None) -> Iterator[ReplyChunk]:
-    """The phase's chunks (a progress chunk at each prompt chunk's end, where the job may yield), its tokens added to
-    `tokens`; with `resume`, going on from where it yielded its turn."""
-    speculative, method = phase_decoding(request, phase)
-    kwargs = request.generation_kwargs(speculative, method)
-    going_on = GoingOn(engine, request, resume) if resume is not None and (resume.tokens or resume.stats) else None
-    if going_on is not None:
-        kwargs["max_tokens"] -= len(going_on.tokens)
+def _stream(engine: Any, request: ChatRequest, fitted: FittedConversation, phase: str, owner: dict[str, Any],
+            so_far: Resume) -> Iterator[ReplyChunk]:
+    """The phase's chunks (a progress chunk at each prompt chunk's end, where the job may yield), going on after the
+    tokens it wrote before it yielded its turn (`so_far`): its text released as one stream of all its tokens would
+    release it (UTF-8 and stop strings across the join), its statistics summed with its earlier turns'."""
+    from ...text.deltas import TextDeltas  # imports libllama: only where engines run
+
+    kwargs = request.generation_kwargs(*phase_decoding(request, phase))
+    texts = TextDeltas(engine.pair.vocabulary, request.stop)
+    for token in so_far.tokens:
+        texts.feed(token)
+    texts.take_runs()
+    if so_far.tokens:
+        kwargs["max_tokens"] -= len(so_far.tokens)
         kwargs["stop"] = None  # stop strings are matched here, across the join
     # The thinking tag the template opens at every prompt's end, shown with the reply so that it folds whole.
-    probe, thinking = [{"role": "user", "content": "a"}], request.enable_thinking and going_on is None
+    probe, thinking = [{"role": "user", "content": "a"}], request.enable_thinking and not so_far.tokens
     prefix = thinking_prefix(engine.render_chat(probe, enable_thinking=True)) if thinking else ""
     runs: list[tuple[int, str]] = [(len(prefix), "target")] if prefix else []
-    delta, notice, lengths_sent, drafted_sent = prefix, fitted.notice if going_on is None else None, 0, 0
-    with closing(engine.stream([*fitted.tokens, *(going_on.tokens if going_on else ())], **kwargs, **owner,
-                               prefill_events=True)) as events:  # fmt: skip
+    delta, notice, lengths_sent, drafted_sent = prefix, None if so_far.tokens else fitted.notice, 0, 0
+    with closing(engine.stream([*fitted.tokens, *so_far.tokens], **kwargs, **owner, prefill_events=True)) as events:
         for event in events:
             if not event.tokens and event.finish_reason is None:
                 yield ReplyChunk("", {}, phase=phase, dropped_turns=fitted.dropped_turns, progress=True)
                 continue
-            tokens += event.tokens
-            stats = event.stats.to_dict()
+            stats = resumed_stats(so_far.stats, event.stats.to_dict())
             lengths, drafted_by = stats.pop("draft_lengths"), stats.pop("drafted_by")  # drafted_by: at the end
-            text, text_runs = event.delta, event.delta_sources
-            finish, detail = event.finish_reason, event.finish_detail
-            if going_on is not None:
-                text, text_runs, finish, detail, stats = going_on.event(event, stats)
+            text = "".join(texts.feed(t, s) for t, s in zip(event.tokens, event.token_sources, strict=False))
+            finish, detail = ("stop", "stop string") if texts.stopped else (event.finish_reason, event.finish_detail)
             if finish is not None:
-                stats["drafted_by"] = [*(going_on.drafted_by if going_on else ()), *drafted_by]
+                text += texts.finish()
+                stats["drafted_by"] = [*so_far.drafted_by, *drafted_by]
             yield ReplyChunk(delta + text, stats, finish, detail, notice, phase, dropped_turns=fitted.dropped_turns,
-                             source_runs=[*runs, *text_runs], draft_lengths=lengths[lengths_sent:],
+                             source_runs=[*runs, *texts.take_runs()], draft_lengths=lengths[lengths_sent:],
                              tokens=list(event.tokens), drafted_by=drafted_by[drafted_sent:])  # fmt: skip
             runs, delta, notice, lengths_sent, drafted_sent = [], "", None, len(lengths), len(drafted_by)
             if finish is not None:
                 return
-
-
-class GoingOn:
-    """A phase going on where it yielded its turn: its text released as one stream of all its tokens would release it
-    (UTF-8 and stop strings across the join), its statistics summed with its earlier turns'."""
-
-    def __init__(self, engine: Any, request: ChatRequest, resume: Resume) -> None:
-        from ...text.deltas import TextDeltas  # imports libllama: only where engines run
-
-        self.tokens, self.drafted_by, self._before = resume.tokens, resume.drafted_by, dict(resume.stats)
-        self._text = TextDeltas(engine.pair.vocabulary, request.stop)
-        for token in resume.tokens:
-            self._text.feed(token)
-        self._text.take_runs()
-
-    def event(self, event: Any, stats: dict[str, Any]) -> tuple[str, list[tuple[int, str]], str | None, str, Any]:
-        """An event's (text, its runs, finish reason, detail, statistics) as the whole answer's."""
-        text = "".join(self._text.feed(t, s) for t, s in zip(event.tokens, event.token_sources, strict=False))
-        finish, detail = event.finish_reason, event.finish_detail
-        if self._text.stopped:
-            finish, detail = "stop", "stop string"
-        elif finish is not None:
-            text += self._text.finish()
-        return text, self._text.take_runs(), finish, detail, resumed_stats(self._before, stats)

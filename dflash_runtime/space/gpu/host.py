@@ -80,8 +80,7 @@ class EngineHost:
         self.loads, self.requests = 0, 0
         self.last_load_s: float | None = None
         self.previous_request: dict[str, Any] = {}
-        self.draft_problem: str | None = None  # why the loaded engine runs without its draft
-        self._fallback: tuple[str, ...] = ()  # the methods it then drafts with (the target's own)
+        self._draft_note: str | None = None  # why the loaded engine runs without its draft, and what it drafts with
 
     def close(self, wait: bool = True) -> None:
         """Close the engine once no job runs on it (or after the busy timeout); without `wait`, under the lock now."""
@@ -129,15 +128,14 @@ class EngineHost:
                        "draft_capacity": preset.draft_capacity, "numerics": preset.numerics, "sessions": parking,
                        "busy_timeout_s": settings.busy_timeout_s, **({"rpc": list(preset.rpc)} if preset.rpc else {}),
                        **({"branches": branches} if branches else {})}  # fmt: skip
-            self.draft_problem = files.draft_problem
-            self._fallback = fallback_methods(files.target_path) if files.draft_problem else ()
+            problem, fallback = files.draft_problem, fallback_methods(files.target_path) if files.draft_problem else ()
             try:
                 self._engine = self._loader(files.target_path, files.draft_path, **options)
             except (errors.PairMismatchError, errors.ModelFileError) as error:
                 if files.draft_path is None or not (fallback := fallback_methods(files.target_path)):
                     raise  # (a target at fault raises the same opened alone)
-                self._engine, self._fallback = self._loader(files.target_path, None, **options), fallback
-                self.draft_problem = str(error)
+                self._engine, problem = self._loader(files.target_path, None, **options), str(error)
+            self._draft_note = scrub_paths(draft_unavailable(problem, fallback)) if problem else None
             self._key, self._condemned, self._facts = (preset, files), False, EngineFacts()
             self.loads += 1
             self.last_load_s = round(time.monotonic() - started, 3)
@@ -160,7 +158,7 @@ class EngineHost:
         try:
             draft = read_gguf(files.draft_path) if files.draft_path is not None else None
         except errors.ModelFileError:
-            draft = None  # the load says what is wrong with it, and may run the target alone (see _ensure)
+            draft = None  # the load says what is wrong with it, and may run the target alone (see _load)
         self.parallel_plan = plan_parallel(read_gguf(files.target_path), draft, memory, n_ctx=preset.n_ctx,
                                            draft_capacity=preset.draft_capacity, limit=preset.parallel,
                                            n_gpu_layers=preset.n_gpu_layers, branches=branches)  # fmt: skip
@@ -252,8 +250,8 @@ class EngineHost:
         info = public_engine_info(engine.info())
         if self.parallel_plan is not None:
             info["parallel_plan"] = self.parallel_plan.describe()
-        if self.draft_problem:
-            info["draft_problem"] = scrub_paths(draft_unavailable(self.draft_problem, self._fallback))
+        if self._draft_note:
+            info["draft_problem"] = self._draft_note
         return info
 
 

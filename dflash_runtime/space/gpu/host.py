@@ -105,13 +105,6 @@ class EngineHost:
             self._running, self.requests, self._loading = self._running + 1, self.requests + 1, not self._ready(job)
             return self._loading
 
-    def _leave(self) -> None:
-        with self._state:
-            self._running -= 1
-            if self._condemned and not self._running:
-                self.close(wait=False)
-            self._state.notify_all()
-
     def _load(self, preset: PairPreset, files: ResolvedPair) -> None:
         """Load the engine (closing the one before) with the host to itself, its parked states shared out by client. A
         draft that fails validation leaves the target alone where it drafts with a model of its own (an MTP head)."""
@@ -172,34 +165,27 @@ class EngineHost:
         facts: dict[str, Any] = {"pid": os.getpid(), "previous_request": dict(self.previous_request)}
         self._outcome = {"finish_reason": "closed before the first token", "n_generated": 0}
         if (loading := self._enter(job)) is None:
-            timeout_s = self._settings.busy_timeout_s
-            yield _error_chunk(RequestError(f"the engine stayed busy for {timeout_s:.0f} s; retry"))
+            yield _error_chunk(RequestError(f"the engine stayed busy for {self._settings.busy_timeout_s:.0f} s; retry"))
             return
 
         def report() -> dict[str, Any]:  # what the worker says of itself on a job's first and last chunk
             return {**facts, "loads": self.loads, "requests": self.requests, "engine_loaded": self._engine is not None,
                     "used_s": round(time.monotonic() - started, 3)}  # fmt: skip
 
-        closed_early = False
         try:
             if loading:
                 self._load(job.preset, job.files)
             facts.update(loaded_now=loading, load_s=self.last_load_s if loading else None)
-            try:
-                yield from self._phases(self._engine, job, report)
-            except GeneratorExit:
-                closed_early = True  # maybe to yield its turn: its owner's state is parked below
-                raise
+            yield from self._phases(self._engine, job, report)
         except DFlashError as error:
             yield self._failed(error, job, report)
         finally:
-            with self._state:
-                engine = self._engine if closed_early and job.cache_owner and not self._condemned else None
-            if engine is not None:
-                with suppress(DFlashError):  # parked inside its own request, as at its end: its next turn reuses it
-                    engine.park(job.cache_owner)
             self.previous_request = self._outcome
-            self._leave()
+            with self._state:  # the job leaves: the last one to leave a failed engine closes it
+                self._running -= 1
+                if self._condemned and not self._running:
+                    self.close(wait=False)
+                self._state.notify_all()
 
     def _failed(self, error: DFlashError, job: GpuJob, report: Callable[[], dict[str, Any]]) -> ReplyChunk:
         if isinstance(error, ENGINE_FAILURES):
@@ -224,27 +210,35 @@ class EngineHost:
         known = info_digest(info) == job.engine_info_seen
         answers = {p: list(t) for p, t in so_far.answers.items()}
         final, first = None, True
-        for phase in job.phases[so_far.phase:]:
-            tokens = answers.setdefault(phase, list(so_far.tokens))
-            with closing(_stream(engine, request, fitted, phase, owner, so_far)) as chunks:
-                for chunk in chunks:
-                    tokens += chunk.tokens
-                    self._outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
-                                     "n_generated": chunk.stats.get("n_generated", 0), "phase": phase}  # fmt: skip
-                    chunk.engine_info, known = (None, known) if known else (info, True)
-                    last = chunk.finish_reason is not None and phase == job.phases[-1]
-                    chunk.worker, first = (report() if first or last else {}), False
-                    chunk.used_s = report()["used_s"]
-                    if last:
-                        final = chunk  # sent once every phase's stream has closed
-                    else:
-                        yield chunk
-            so_far = Resume()  # the next phase starts afresh
-        if final is not None:
-            final.divergences = _divergences(engine, request, fitted.tokens, answers)
-            if job.conversation:  # copied aside inside its own request: the next visitor's costs the same
-                engine.park(job.cache_owner)  # by its key: with several sequences, no one is "current"
-            yield final
+        try:
+            for phase in job.phases[so_far.phase:]:
+                tokens = answers.setdefault(phase, list(so_far.tokens))
+                with closing(_stream(engine, request, fitted, phase, owner, so_far)) as chunks:
+                    for chunk in chunks:
+                        tokens += chunk.tokens
+                        self._outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
+                                         "n_generated": chunk.stats.get("n_generated", 0), "phase": phase}  # fmt: skip
+                        chunk.engine_info, known = (None, known) if known else (info, True)
+                        last = chunk.finish_reason is not None and phase == job.phases[-1]
+                        chunk.worker, first = (report() if first or last else {}), False
+                        chunk.used_s = report()["used_s"]
+                        if last:
+                            final = chunk  # sent once every phase's stream has closed
+                        else:
+                            yield chunk
+                so_far = Resume()  # the next phase starts afresh
+            if final is not None:
+                final.divergences = _divergences(engine, request, fitted.tokens, answers)
+                if job.conversation:  # copied aside inside its own request: the next visitor's costs the same
+                    engine.park(job.cache_owner)  # by its key: with several sequences, no one is "current"
+                yield final
+        except GeneratorExit:  # closed, maybe to yield its turn: parked inside its own request, as at its end
+            with self._state:
+                parking = bool(job.cache_owner) and not self._condemned
+            if parking:
+                with suppress(DFlashError):  # its next turn reuses it
+                    engine.park(job.cache_owner)
+            raise
 
     def _info(self, engine: Any) -> dict[str, Any]:
         info = public_engine_info(engine.info())

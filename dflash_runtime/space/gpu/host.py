@@ -71,9 +71,9 @@ class EngineHost:
         self._loader, self._settings = loader, settings or PublicSettings()
         self._memory = memory or free_memory  # read just before a load that sizes its sequences to memory
         self._state = threading.Condition()  # held for the bookkeeping only: a load runs outside it
-        self._running, self._loading, self._condemned = 0, False, False
+        self._running = 0
         self._engine: Any = None
-        self._key: tuple[Any, ...] | None = None
+        self._key: tuple[Any, ...] | None = None  # the loaded engine's preset and files; None for a failed one too
         self._facts = EngineFacts()
         self._parallel = 1  # the loaded engine's sequences
         self.parallel_plan: ParallelPlan | None = None  # how they were sized to memory (DFLASH_PARALLEL=auto)
@@ -86,56 +86,52 @@ class EngineHost:
         """Close the engine once no job runs on it (or after the busy timeout); without `wait`, under the lock now."""
         with self._state:
             if wait:
-                self._state.wait_for(lambda: not self._running and not self._loading, self._settings.busy_timeout_s)
+                self._state.wait_for(lambda: not self._running, self._settings.busy_timeout_s)
             if self._engine is not None:
                 self._engine.close()
                 self._engine, self._key = None, None
 
-    def _ready(self, job: GpuJob) -> bool:
-        return self._engine is not None and self._key == (job.preset, job.files) and not self._condemned
-
     def _enter(self, job: GpuJob) -> bool | None:
         """Take a sequence of the job's engine (False), or the host alone to (re)build it (True: the job loads it, and
         nobody enters meanwhile); None after the busy timeout."""
+        key = (job.preset, job.files)
         with self._state:
-            if not self._state.wait_for(lambda: not self._loading and (
-                    self._running < self._parallel if self._ready(job) else not self._running),
-                    self._settings.busy_timeout_s):  # fmt: skip
+            if not self._state.wait_for(lambda: self._running < (self._parallel if self._key == key else 1),
+                                        self._settings.busy_timeout_s):  # fmt: skip
                 return None
-            self._running, self.requests, self._loading = self._running + 1, self.requests + 1, not self._ready(job)
-            return self._loading
+            self._running, self.requests, loading = self._running + 1, self.requests + 1, self._key != key
+            if loading:
+                self._key = None  # no job enters the engine before the load has replaced it
+            return loading
 
     def _load(self, preset: PairPreset, files: ResolvedPair) -> None:
         """Load the engine (closing the one before) with the host to itself, its parked states shared out by client. A
         draft that fails validation leaves the target alone where it drafts with a model of its own (an MTP head)."""
         from ...cache.sessions import SessionPolicy  # the core's cache modules import libllama: only where engines run
 
+        self.close(wait=False)
+        started, settings = time.monotonic(), self._settings
+        branches = preset.branches if files.draft_path is not None else 0  # a tree's paths need the draft
+        self._parallel = self._sequences(preset, files, branches)
+        parking = SessionPolicy(park_on_switch=False, group_of=client_of_owner, active_share=settings.active_share,
+                                per_group=settings.parked_per_client)  # fmt: skip
+        options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "parallel": self._parallel,
+                   "draft_capacity": preset.draft_capacity, "numerics": preset.numerics, "sessions": parking,
+                   "busy_timeout_s": settings.busy_timeout_s, **({"rpc": list(preset.rpc)} if preset.rpc else {}),
+                   **({"branches": branches} if branches else {})}  # fmt: skip
+        problem, fallback = files.draft_problem, fallback_methods(files.target_path) if files.draft_problem else ()
         try:
-            self.close(wait=False)
-            started, settings = time.monotonic(), self._settings
-            branches = preset.branches if files.draft_path is not None else 0  # a tree's paths need the draft
-            self._parallel = self._sequences(preset, files, branches)
-            parking = SessionPolicy(park_on_switch=False, group_of=client_of_owner, active_share=settings.active_share,
-                                    per_group=settings.parked_per_client)  # fmt: skip
-            options = {"n_ctx": preset.n_ctx, "n_gpu_layers": preset.n_gpu_layers, "parallel": self._parallel,
-                       "draft_capacity": preset.draft_capacity, "numerics": preset.numerics, "sessions": parking,
-                       "busy_timeout_s": settings.busy_timeout_s, **({"rpc": list(preset.rpc)} if preset.rpc else {}),
-                       **({"branches": branches} if branches else {})}  # fmt: skip
-            problem, fallback = files.draft_problem, fallback_methods(files.target_path) if files.draft_problem else ()
-            try:
-                self._engine = self._loader(files.target_path, files.draft_path, **options)
-            except (errors.PairMismatchError, errors.ModelFileError) as error:
-                if files.draft_path is None or not (fallback := fallback_methods(files.target_path)):
-                    raise  # (a target at fault raises the same opened alone)
-                self._engine, problem = self._loader(files.target_path, None, **options), str(error)
-            self._draft_note = scrub_paths(draft_unavailable(problem, fallback)) if problem else None
-            self._key, self._condemned, self._facts = (preset, files), False, EngineFacts()
-            self.loads += 1
-            self.last_load_s = round(time.monotonic() - started, 3)
-        finally:  # the jobs that wait for the host go in (or load it again)
-            with self._state:
-                self._loading = False
-                self._state.notify_all()
+            self._engine = self._loader(files.target_path, files.draft_path, **options)
+        except (errors.PairMismatchError, errors.ModelFileError) as error:
+            if files.draft_path is None or not (fallback := fallback_methods(files.target_path)):
+                raise  # (a target at fault raises the same opened alone)
+            self._engine, problem = self._loader(files.target_path, None, **options), str(error)
+        self._draft_note = scrub_paths(draft_unavailable(problem, fallback)) if problem else None
+        self.loads += 1
+        self.last_load_s = round(time.monotonic() - started, 3)
+        with self._state:  # the jobs that wait for this engine go in
+            self._key, self._facts = (preset, files), EngineFacts()
+            self._state.notify_all()
 
     def _sequences(self, preset: PairPreset, files: ResolvedPair, branches: int) -> int:
         """The preset's sequences, or with `parallel_fit` as many as fit in the memory free now (at least 1) beside
@@ -183,14 +179,14 @@ class EngineHost:
             self.previous_request = self._outcome
             with self._state:  # the job leaves: the last one to leave a failed engine closes it
                 self._running -= 1
-                if self._condemned and not self._running:
+                if self._key is None and not self._running:
                     self.close(wait=False)
                 self._state.notify_all()
 
     def _failed(self, error: DFlashError, job: GpuJob, report: Callable[[], dict[str, Any]]) -> ReplyChunk:
         if isinstance(error, ENGINE_FAILURES):
-            with self._state:  # closed by the last job to leave it (closing it now would end the others' answers)
-                self._condemned = True
+            with self._state:  # nobody enters it; its last job closes it (closing it now would end the others' answers)
+                self._key = None
                 if self._running <= 1:
                     self.close(wait=False)
         if isinstance(error, RemoteDeviceError):  # the log names the server; a visitor is not told where it is
@@ -234,7 +230,7 @@ class EngineHost:
                 yield final
         except GeneratorExit:  # closed, maybe to yield its turn: parked inside its own request, as at its end
             with self._state:
-                parking = bool(job.cache_owner) and not self._condemned
+                parking = bool(job.cache_owner) and self._key is not None
             if parking:
                 with suppress(DFlashError):  # its next turn reuses it
                     engine.park(job.cache_owner)

@@ -108,27 +108,26 @@ class AnswerSoFar:
 
     def __init__(self, job: GpuJob, run: Callable[[GpuJob], Iterator[ReplyChunk]] | None = None) -> None:
         self._job, self._run, self._phase = job, run, 0
-        self._answers: dict[str, list[int]] = {}
+        self._tokens: list[int] = []  # the phase's, as Resume's fields
         self._stats: dict[str, Any] = {}
         self._drafted_by: list[str] = []
+        self._answers: dict[str, tuple[int, ...]] = {}
 
     def seen(self, chunk: ReplyChunk) -> None:
         if chunk.error_type or chunk.progress:  # a prompt cut at a chunk goes on from its cached part
             return
-        self._answers.setdefault(chunk.phase, []).extend(chunk.tokens)
+        self._tokens += chunk.tokens
         self._stats = chunk.stats
-        self._drafted_by.extend(chunk.drafted_by)
+        self._drafted_by += chunk.drafted_by
         if chunk.finish_reason is not None:  # the next phase starts afresh
-            self._phase, self._stats, self._drafted_by = self._phase + 1, {}, []
+            self._answers[chunk.phase] = tuple(self._tokens)
+            self._phase, self._tokens, self._stats, self._drafted_by = self._phase + 1, [], {}, []
 
     def resume(self) -> Resume | None:
         """Where the answer goes on, or None when nothing is left to run."""
-        phases = self._job.phases
-        if self._phase >= len(phases):
+        if self._phase >= len(self._job.phases):
             return None
-        answers = {p: tuple(self._answers.get(p, ())) for p in phases[: self._phase + 1]}
-        tokens = answers.pop(phases[self._phase])
-        return Resume(self._phase, tokens, dict(self._stats), tuple(self._drafted_by), answers)
+        return Resume(self._phase, tuple(self._tokens), dict(self._stats), tuple(self._drafted_by), dict(self._answers))
 
     def rest(self) -> Callable[[], Iterator[ReplyChunk]] | None:
         resume, run = self.resume(), self._run

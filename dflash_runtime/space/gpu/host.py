@@ -229,9 +229,7 @@ class EngineHost:
                     engine.park(job.cache_owner)  # by its key: with several sequences, no one is "current"
                 yield final
         except GeneratorExit:  # closed, maybe to yield its turn: parked inside its own request, as at its end
-            with self._state:
-                parking = bool(job.cache_owner) and self._key is not None
-            if parking:
+            if job.cache_owner and self._key is not None:  # (not a failed engine's)
                 with suppress(DFlashError):  # its next turn reuses it
                     engine.park(job.cache_owner)
             raise

@@ -108,7 +108,7 @@ class AnswerSoFar:
 
     def __init__(self, job: GpuJob, run: Callable[[GpuJob], Iterator[ReplyChunk]] | None = None) -> None:
         self._job, self._run, self._phase = job, run, 0
-        self._tokens: list[int] = []  # the phase's, as Resume's fields
+        self._tokens: list[int] = []  # with the next three, Resume's fields as the chunks tell them
         self._stats: dict[str, Any] = {}
         self._drafted_by: list[str] = []
         self._answers: dict[str, tuple[int, ...]] = {}

@@ -80,7 +80,7 @@ class EngineHost:
         self.loads, self.requests = 0, 0
         self.last_load_s: float | None = None
         self.previous_request: dict[str, Any] = {}
-        self._draft_note: str | None = None  # why the loaded engine runs without its draft, and what it drafts with
+        self._described: dict[str, str] = {}  # what the host adds to the loaded engine's description
 
     def close(self, wait: bool = True) -> None:
         """Close the engine once no job runs on it (or after the busy timeout); without `wait`, under the lock now."""
@@ -126,7 +126,9 @@ class EngineHost:
             if files.draft_path is None or not (fallback := fallback_methods(files.target_path)):
                 raise  # (a target at fault raises the same opened alone)
             self._engine, problem = self._loader(files.target_path, None, **options), str(error)
-        self._draft_note = scrub_paths(draft_unavailable(problem, fallback)) if problem else None
+        self._described = {"parallel_plan": self.parallel_plan.describe()} if self.parallel_plan is not None else {}
+        if problem:  # why it runs without its draft, and what it drafts with
+            self._described["draft_problem"] = scrub_paths(draft_unavailable(problem, fallback))
         self.loads += 1
         self.last_load_s = round(time.monotonic() - started, 3)
         with self._state:  # the jobs that wait for this engine go in
@@ -202,7 +204,7 @@ class EngineHost:
         fitted = fit_request(engine, request)
         owner = {**self._facts.owner_arguments(engine, job.cache_owner, fitted.tokens, request.enable_thinking),
                  "prefill_chunk": self._settings.prefill_chunk}  # the engine's arguments for this job's requests
-        info = self._info(engine)
+        info = {**public_engine_info(engine.info()), **self._described}
         known = info_digest(info) == job.engine_info_seen
         answers = {p: list(t) for p, t in so_far.answers.items()}
         final, first = None, True
@@ -233,15 +235,6 @@ class EngineHost:
                 with suppress(DFlashError):  # its next turn reuses it
                     engine.park(job.cache_owner)
             raise
-
-    def _info(self, engine: Any) -> dict[str, Any]:
-        info = public_engine_info(engine.info())
-        if self.parallel_plan is not None:
-            info["parallel_plan"] = self.parallel_plan.describe()
-        if self._draft_note:
-            info["draft_problem"] = self._draft_note
-        return info
-
 
 def _divergences(engine: Any, request: ChatRequest, prompt: list[int],
                  answers: dict[str, list[int]]) -> dict[str, dict[str, Any]]:  # fmt: skip

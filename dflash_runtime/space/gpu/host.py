@@ -176,7 +176,17 @@ class EngineHost:
             facts.update(loaded_now=loading, load_s=self.last_load_s if loading else None)
             yield from self._phases(self._engine, job, report)
         except DFlashError as error:
-            yield self._failed(error, job, report)
+            if isinstance(error, ENGINE_FAILURES):
+                with self._state:  # nobody enters it; its last job closes it (now would end the others' answers)
+                    self._key = None
+                    if self._running <= 1:
+                        self.close(wait=False)
+            if isinstance(error, RemoteDeviceError):  # the log names the server; a visitor is not told where it is
+                log.warning("%s", error)
+                error = RemoteDeviceError(without_endpoints(str(error), job.preset.rpc))
+            self._outcome = {"finish_reason": "error", "error_type": type(error).__name__, "n_generated": 0}
+            worker = report()  # after the engine was condemned: it says whether the engine is still loaded
+            yield replace(_error_chunk(error), worker=worker, used_s=worker["used_s"])
         finally:
             self.previous_request = self._outcome
             with self._state:  # the job leaves: the last one to leave a failed engine closes it
@@ -184,19 +194,6 @@ class EngineHost:
                 if self._key is None and not self._running:
                     self.close(wait=False)
                 self._state.notify_all()
-
-    def _failed(self, error: DFlashError, job: GpuJob, report: Callable[[], dict[str, Any]]) -> ReplyChunk:
-        if isinstance(error, ENGINE_FAILURES):
-            with self._state:  # nobody enters it; its last job closes it (closing it now would end the others' answers)
-                self._key = None
-                if self._running <= 1:
-                    self.close(wait=False)
-        if isinstance(error, RemoteDeviceError):  # the log names the server; a visitor is not told where it is
-            log.warning("%s", error)
-            error = RemoteDeviceError(without_endpoints(str(error), job.preset.rpc))
-        self._outcome = {"finish_reason": "error", "error_type": type(error).__name__, "n_generated": 0}
-        worker = report()  # after the engine was condemned: it says whether the engine is still loaded
-        return replace(_error_chunk(error), worker=worker, used_s=worker["used_s"])
 
     def _phases(self, engine: Any, job: GpuJob, report: Callable[[], dict[str, Any]]) -> Iterator[ReplyChunk]:
         """The job's phases' chunks from where it yielded; the last one once every phase's stream has closed."""

@@ -36,8 +36,7 @@ class GpuJob:
     resume: Resume | None = None  # an answer that yielded its turn, going on where it was (see Resume)
 
     def __post_init__(self) -> None:
-        unknown = [phase for phase in self.phases if phase not in PHASES]
-        if unknown or not self.phases:
+        if not self.phases or not set(self.phases) <= PHASES.keys():
             raise ValueError(f"phases must be some of {list(PHASES)}, got {self.phases}")
 
     def speculative_phases(self) -> tuple[bool, ...]:

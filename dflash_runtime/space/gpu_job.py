@@ -15,10 +15,10 @@ from ..results.stats import Stats
 from .requests import ChatRequest
 from .setup.presets import PairPreset, ResolvedPair
 
-# Each phase's decoding: None for the request's own `speculative` and method; True for speculative with the request's
-# method; False for plain decoding; a method name for speculative decoding with that method (an A/B comparison).
-PHASES: dict[str, bool | str | None] = {"chat": None, "speculative": True, "plain": False,
-                                        **{m: m for m in draft_methods.runnable(lambda needs: True)}}  # fmt: skip
+# Each phase's (speculative, method): None for the request's own, method None for the request's method, another
+# method for speculative decoding with that one (an A/B comparison).
+PHASES: dict[str, tuple[bool, str | None] | None] = {"chat": None, "speculative": (True, None), "plain": (False, None),
+                                                    **{m: (True, m) for m in draft_methods.runnable(lambda _: True)}}
 
 @dataclass(frozen=True)
 class GpuJob:
@@ -36,8 +36,7 @@ class GpuJob:
     resume: Resume | None = None  # an answer that yielded its turn, going on where it was (see Resume)
 
     def __post_init__(self) -> None:
-        unknown = [phase for phase in self.phases if phase not in PHASES]
-        if unknown or not self.phases:
+        if not self.phases or not set(self.phases) <= PHASES.keys():
             raise ValueError(f"phases must be some of {list(PHASES)}, got {self.phases}")
 
     def speculative_phases(self) -> tuple[bool, ...]:
@@ -46,10 +45,7 @@ class GpuJob:
 
 def phase_decoding(request: ChatRequest, phase: str) -> tuple[bool, str | None]:
     """(speculative, method) of one phase: method None means the request's own."""
-    decoding = PHASES[phase]
-    if decoding is None:
-        return request.speculative, None
-    return (True, decoding) if isinstance(decoding, str) else (decoding, None)
+    return PHASES[phase] or (request.speculative, None)
 
 
 @dataclass
@@ -85,13 +81,11 @@ class ReplyChunk:
     def then(self, newer: ReplyChunk) -> ReplyChunk:
         """This chunk and the `newer` one after it as one (for a reader that skips chunks): what accumulates is joined,
         what comes once is kept."""
-        joined = {name: getattr(self, name) + getattr(newer, name) for name in JOINED}
+        joined = {name: getattr(self, name) + getattr(newer, name)  # what a chunk adds to the ones before
+                  for name in ("delta", "source_runs", "draft_lengths", "tokens", "drafted_by")}
         return replace(newer, **joined, notice=newer.notice or self.notice, worker={**self.worker, **newer.worker},
                        engine_info=newer.engine_info or self.engine_info, progress=self.progress and newer.progress,
                        divergences={**self.divergences, **newer.divergences})  # fmt: skip
-
-
-JOINED = ("delta", "source_runs", "draft_lengths", "tokens", "drafted_by")  # what a chunk adds to the ones before
 
 
 @dataclass(frozen=True)
@@ -112,30 +106,27 @@ class AnswerSoFar:
     (web/calls.py's Resumable)."""
 
     def __init__(self, job: GpuJob, run: Callable[[GpuJob], Iterator[ReplyChunk]] | None = None) -> None:
-        self._job, self._run, self._phases, self._phase = job, run, job.phases, 0
-        self._answers: dict[str, list[int]] = {}
+        self._job, self._run, self._phase = job, run, 0
+        self._tokens: list[int] = []  # with the next three, Resume's fields as the chunks tell them
         self._stats: dict[str, Any] = {}
         self._drafted_by: list[str] = []
+        self._answers: dict[str, tuple[int, ...]] = {}
 
     def seen(self, chunk: ReplyChunk) -> None:
         if chunk.error_type or chunk.progress:  # a prompt cut at a chunk goes on from its cached part
             return
-        phase = self._phases.index(chunk.phase) if chunk.phase in self._phases else self._phase
-        if phase != self._phase:  # a new phase began (the one before ended with its final chunk)
-            self._phase, self._stats, self._drafted_by = phase, {}, []
-        self._answers.setdefault(chunk.phase, []).extend(chunk.tokens)
+        self._tokens += chunk.tokens
         self._stats = chunk.stats
-        self._drafted_by.extend(chunk.drafted_by)
+        self._drafted_by += chunk.drafted_by
         if chunk.finish_reason is not None:  # the next phase starts afresh
-            self._phase, self._stats, self._drafted_by = phase + 1, {}, []
+            self._answers[chunk.phase] = tuple(self._tokens)
+            self._phase, self._tokens, self._stats, self._drafted_by = self._phase + 1, [], {}, []
 
     def resume(self) -> Resume | None:
         """Where the answer goes on, or None when nothing is left to run."""
-        if self._phase >= len(self._phases):
+        if self._phase >= len(self._job.phases):
             return None
-        answers = {p: tuple(self._answers.get(p, ())) for p in self._phases[: self._phase + 1]}
-        tokens = answers.pop(self._phases[self._phase])
-        return Resume(self._phase, tokens, dict(self._stats), tuple(self._drafted_by), answers)
+        return Resume(self._phase, tuple(self._tokens), dict(self._stats), tuple(self._drafted_by), dict(self._answers))
 
     def rest(self) -> Callable[[], Iterator[ReplyChunk]] | None:
         resume, run = self.resume(), self._run
@@ -157,11 +148,8 @@ def resumed_stats(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]
     stats = Stats(**{name: now[name] for name in names if name in now})
     for name in (name for name in names if name in before and name not in NEWEST_STATS):
         earlier, value = before[name], getattr(stats, name)
-        if name in FIRST_TURN_STATS:
-            setattr(stats, name, earlier)
-        else:
-            joined = [a + b for a, b in zip_longest(earlier, value, fillvalue=0)] if isinstance(value, list) else None
-            setattr(stats, name, earlier + value if joined is None else joined)
+        added = [a + b for a, b in zip_longest(earlier, value, fillvalue=0)] if isinstance(value, list) else None
+        setattr(stats, name, earlier if name in FIRST_TURN_STATS else earlier + value if added is None else added)
     if stats.checkpoint_restored_at is None:
         stats.checkpoint_restored_at = before.get("checkpoint_restored_at")
     return {**now, **{k: v for k, v in stats.to_dict().items() if k in now or k not in ("draft_lengths", "drafted_by")}}

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ... import errors
@@ -55,10 +55,8 @@ class EngineFacts:
         if declared and thinking not in self.public_kept:
             with self.keeping:  # one request makes it; others that declare it meanwhile wait (it is one token long)
                 if thinking not in self.public_kept:
-                    with engine.stream(public, max_tokens=1, speculative=False, cache_owner=PUBLIC_OWNER,
-                                       public_prefix=declared) as events:  # fmt: skip
-                        for _ in events:
-                            pass
+                    engine.generate(public, max_tokens=1, speculative=False, cache_owner=PUBLIC_OWNER,
+                                    public_prefix=declared)  # fmt: skip
                     self.public_kept.add(thinking)
         # nobody's session: a fresh owner, nothing to reuse, never parked
         return {"cache_owner": owner or secrets.token_hex(16), "public_prefix": declared}
@@ -73,70 +71,42 @@ class EngineHost:
         self._loader, self._settings = loader, settings or PublicSettings()
         self._memory = memory or free_memory  # read just before a load that sizes its sequences to memory
         self._state = threading.Condition()  # held for the bookkeeping only: a load runs outside it
-        self._running, self._loading, self._condemned = 0, False, False
+        self._running = 0
         self._engine: Any = None
-        self._key: tuple[Any, ...] | None = None
+        self._key: tuple[Any, ...] | None = None  # the loaded engine's preset and files; None for a failed one too
         self._facts = EngineFacts()
         self._parallel = 1  # the loaded engine's sequences
         self.parallel_plan: ParallelPlan | None = None  # how they were sized to memory (DFLASH_PARALLEL=auto)
         self.loads, self.requests = 0, 0
         self.last_load_s: float | None = None
         self.previous_request: dict[str, Any] = {}
-        self.draft_problem: str | None = None  # why the loaded engine runs without its draft
-        self._fallback: tuple[str, ...] = ()  # the methods it then drafts with (the target's own)
+        self._described: dict[str, str] = {}  # what the host adds to the loaded engine's description
 
     def close(self, wait: bool = True) -> None:
         """Close the engine once no job runs on it (or after the busy timeout); without `wait`, under the lock now."""
         with self._state:
             if wait:
-                self._state.wait_for(lambda: not self._running and not self._loading, self._settings.busy_timeout_s)
+                self._state.wait_for(lambda: not self._running, self._settings.busy_timeout_s)
             if self._engine is not None:
                 self._engine.close()
                 self._engine, self._key = None, None
 
-    def _ready(self, job: GpuJob) -> bool:
-        return self._engine is not None and self._key == (job.preset, job.files) and not self._condemned
-
     def _enter(self, job: GpuJob) -> bool | None:
         """Take a sequence of the job's engine (False), or the host alone to (re)build it (True: the job loads it, and
         nobody enters meanwhile); None after the busy timeout."""
+        key = (job.preset, job.files)
         with self._state:
-            if not self._state.wait_for(lambda: not self._loading and (
-                    self._running < self._parallel if self._ready(job) else not self._running),
-                    self._settings.busy_timeout_s):  # fmt: skip
+            if not self._state.wait_for(lambda: self._running < (self._parallel if self._key == key else 1),
+                                        self._settings.busy_timeout_s):  # fmt: skip
                 return None
-            self._running, self.requests, self._loading = self._running + 1, self.requests + 1, not self._ready(job)
-            return self._loading
-
-    def _leave(self) -> None:
-        with self._state:
-            self._running -= 1
-            if self._condemned and not self._running:
-                self.close(wait=False)
-            self._state.notify_all()
-
-    def _condemn(self) -> None:
-        """The engine failed: closed by the last job to leave it (closing it now would end the others' answers)."""
-        with self._state:
-            self._condemned = True
-            if self._running <= 1:
-                self.close(wait=False)
-
-    def _engine_for(self, job: GpuJob, loading: bool) -> Any:
-        """The engine for the job's preset and files, loaded now when `loading` (the job alone on the host)."""
-        if not loading:
-            return self._engine
-        try:
-            self._load(job.preset, job.files)
-            return self._engine
-        finally:
-            with self._state:
-                self._loading = False
-                self._state.notify_all()
+            self._running, self.requests, loading = self._running + 1, self.requests + 1, self._key != key
+            if loading:
+                self._key = None  # no job enters the engine before the load has replaced it
+            return loading
 
     def _load(self, preset: PairPreset, files: ResolvedPair) -> None:
-        """Load the engine (closing the one before), its parked states shared out by client. A draft that fails
-        validation leaves the target alone where it drafts with a model of its own (an MTP head)."""
+        """Load the engine (closing the one before) with the host to itself, its parked states shared out by client. A
+        draft that fails validation leaves the target alone where it drafts with a model of its own (an MTP head)."""
         from ...cache.sessions import SessionPolicy  # the core's cache modules import libllama: only where engines run
 
         self.close(wait=False)
@@ -149,18 +119,21 @@ class EngineHost:
                    "draft_capacity": preset.draft_capacity, "numerics": preset.numerics, "sessions": parking,
                    "busy_timeout_s": settings.busy_timeout_s, **({"rpc": list(preset.rpc)} if preset.rpc else {}),
                    **({"branches": branches} if branches else {})}  # fmt: skip
-        self.draft_problem = files.draft_problem
-        self._fallback = fallback_methods(files.target_path) if files.draft_problem else ()
+        problem, fallback = files.draft_problem, fallback_methods(files.target_path) if files.draft_problem else ()
         try:
             self._engine = self._loader(files.target_path, files.draft_path, **options)
         except (errors.PairMismatchError, errors.ModelFileError) as error:
             if files.draft_path is None or not (fallback := fallback_methods(files.target_path)):
                 raise  # (a target at fault raises the same opened alone)
-            self._engine, self._fallback = self._loader(files.target_path, None, **options), fallback
-            self.draft_problem = str(error)
-        self._key, self._condemned, self._facts = (preset, files), False, EngineFacts()
+            self._engine, problem = self._loader(files.target_path, None, **options), str(error)
+        self._described = {"parallel_plan": self.parallel_plan.describe()} if self.parallel_plan is not None else {}
+        if problem:  # why it runs without its draft, and what it drafts with
+            self._described["draft_problem"] = scrub_paths(draft_unavailable(problem, fallback))
         self.loads += 1
         self.last_load_s = round(time.monotonic() - started, 3)
+        with self._state:  # the jobs that wait for this engine go in
+            self._key, self._facts = (preset, files), EngineFacts()
+            self._state.notify_all()
 
     def _sequences(self, preset: PairPreset, files: ResolvedPair, branches: int) -> int:
         """The preset's sequences, or with `parallel_fit` as many as fit in the memory free now (at least 1) beside
@@ -176,7 +149,7 @@ class EngineHost:
         try:
             draft = read_gguf(files.draft_path) if files.draft_path is not None else None
         except errors.ModelFileError:
-            draft = None  # the load says what is wrong with it, and may run the target alone (see _ensure)
+            draft = None  # the load says what is wrong with it, and may run the target alone (see _load)
         self.parallel_plan = plan_parallel(read_gguf(files.target_path), draft, memory, n_ctx=preset.n_ctx,
                                            draft_capacity=preset.draft_capacity, limit=preset.parallel,
                                            n_gpu_layers=preset.n_gpu_layers, branches=branches)  # fmt: skip
@@ -190,85 +163,75 @@ class EngineHost:
         facts: dict[str, Any] = {"pid": os.getpid(), "previous_request": dict(self.previous_request)}
         self._outcome = {"finish_reason": "closed before the first token", "n_generated": 0}
         if (loading := self._enter(job)) is None:
-            timeout_s = self._settings.busy_timeout_s
-            yield _error_chunk(RequestError(f"the engine stayed busy for {timeout_s:.0f} s; retry"))
+            yield _error_chunk(RequestError(f"the engine stayed busy for {self._settings.busy_timeout_s:.0f} s; retry"))
             return
 
         def report() -> dict[str, Any]:  # what the worker says of itself on a job's first and last chunk
             return {**facts, "loads": self.loads, "requests": self.requests, "engine_loaded": self._engine is not None,
                     "used_s": round(time.monotonic() - started, 3)}  # fmt: skip
 
-        closed_early = False
         try:
-            engine = self._engine_for(job, loading)
+            if loading:
+                self._load(job.preset, job.files)
             facts.update(loaded_now=loading, load_s=self.last_load_s if loading else None)
-            try:
-                yield from self._phases(engine, job, report)
-            except GeneratorExit:
-                closed_early = True  # maybe to yield its turn: its owner's state is parked below
-                raise
+            yield from self._phases(self._engine, job, report)
         except DFlashError as error:
-            yield self._failed(error, job, report)
+            if isinstance(error, ENGINE_FAILURES):
+                with self._state:  # nobody enters it; its last job closes it (now would end the others' answers)
+                    self._key = None
+                    if self._running <= 1:
+                        self.close(wait=False)
+            if isinstance(error, RemoteDeviceError):  # the log names the server; a visitor is not told where it is
+                log.warning("%s", error)
+                error = RemoteDeviceError(without_endpoints(str(error), job.preset.rpc))
+            self._outcome = {"finish_reason": "error", "error_type": type(error).__name__, "n_generated": 0}
+            worker = report()  # after the engine was condemned: it says whether the engine is still loaded
+            yield replace(_error_chunk(error), worker=worker, used_s=worker["used_s"])
         finally:
-            with self._state:
-                engine = self._engine if closed_early and job.cache_owner and not self._condemned else None
-            if engine is not None:
-                with suppress(DFlashError):  # parked inside its own request, as at its end: its next turn reuses it
-                    engine.park(job.cache_owner)
             self.previous_request = self._outcome
-            self._leave()
-
-    def _failed(self, error: DFlashError, job: GpuJob, report: Callable[[], dict[str, Any]]) -> ReplyChunk:
-        if isinstance(error, ENGINE_FAILURES):
-            self._condemn()
-        if isinstance(error, RemoteDeviceError):  # the log names the server; a visitor is not told where it is
-            log.warning("%s", error)
-            error = RemoteDeviceError(without_endpoints(str(error), job.preset.rpc))
-        self._outcome = {"finish_reason": "error", "error_type": type(error).__name__, "n_generated": 0}
-        chunk = _error_chunk(error)
-        chunk.worker = report()  # after the engine was condemned: it says whether the engine is still loaded
-        chunk.used_s = chunk.worker["used_s"]
-        return chunk
+            with self._state:  # the job leaves: the last one to leave a failed engine closes it
+                self._running -= 1
+                if self._key is None and not self._running:
+                    self.close(wait=False)
+                self._state.notify_all()
 
     def _phases(self, engine: Any, job: GpuJob, report: Callable[[], dict[str, Any]]) -> Iterator[ReplyChunk]:
         """The job's phases' chunks from where it yielded; the last one once every phase's stream has closed."""
-        request, resume = job.request, job.resume
+        request, so_far = job.request, job.resume or Resume()
         fitted = fit_request(engine, request)
         owner = {**self._facts.owner_arguments(engine, job.cache_owner, fitted.tokens, request.enable_thinking),
                  "prefill_chunk": self._settings.prefill_chunk}  # the engine's arguments for this job's requests
-        info = self._info(engine)
+        info = {**public_engine_info(engine.info()), **self._described}
         known = info_digest(info) == job.engine_info_seen
-        answers = {p: list(t) for p, t in resume.answers.items()} if resume else {}
+        answers = {p: list(t) for p, t in so_far.answers.items()}
         final, first = None, True
-        for index, phase in enumerate(job.phases[resume.phase:] if resume else job.phases):
-            going_on = resume if index == 0 else None
-            so_far = answers.setdefault(phase, list(going_on.tokens) if going_on is not None else [])
-            with closing(_stream(engine, request, fitted, phase, owner, so_far, going_on)) as chunks:
-                for chunk in chunks:
-                    self._outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
-                                     "n_generated": chunk.stats.get("n_generated", 0), "phase": phase}  # fmt: skip
-                    chunk.engine_info, known = (None, known) if known else (info, True)
-                    last = chunk.finish_reason is not None and phase == job.phases[-1]
-                    chunk.worker, first = (report() if first or last else {}), False
-                    chunk.used_s = report()["used_s"]
-                    if last:
-                        final = chunk  # sent once every phase's stream has closed
-                    else:
-                        yield chunk
-        if final is not None:
-            final.divergences = _divergences(engine, request, fitted.tokens, answers)
-            if job.conversation:  # copied aside inside its own request: the next visitor's costs the same
-                engine.park(job.cache_owner)  # by its key: with several sequences, no one is "current"
-            yield final
-
-    def _info(self, engine: Any) -> dict[str, Any]:
-        info = public_engine_info(engine.info())
-        if self.parallel_plan is not None:
-            info["parallel_plan"] = self.parallel_plan.describe()
-        if self.draft_problem:
-            info["draft_problem"] = scrub_paths(draft_unavailable(self.draft_problem, self._fallback))
-        return info
-
+        try:
+            for phase in job.phases[so_far.phase:]:
+                tokens = answers.setdefault(phase, list(so_far.tokens))
+                with closing(_stream(engine, request, fitted, phase, owner, so_far)) as chunks:
+                    for chunk in chunks:
+                        tokens += chunk.tokens
+                        self._outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
+                                         "n_generated": chunk.stats.get("n_generated", 0), "phase": phase}  # fmt: skip
+                        chunk.engine_info, known = (None, known) if known else (info, True)
+                        last = chunk.finish_reason is not None and phase == job.phases[-1]
+                        chunk.worker, first = (report() if first or last else {}), False
+                        chunk.used_s = report()["used_s"]
+                        if last:
+                            final = chunk  # sent once every phase's stream has closed
+                        else:
+                            yield chunk
+                so_far = Resume()  # the next phase starts afresh
+            if final is not None:
+                final.divergences = _divergences(engine, request, fitted.tokens, answers)
+                if job.conversation:  # copied aside inside its own request: the next visitor's costs the same
+                    engine.park(job.cache_owner)  # by its key: with several sequences, no one is "current"
+                yield final
+        except GeneratorExit:  # closed, maybe to yield its turn: parked inside its own request, as at its end
+            if job.cache_owner and self._key is not None:  # (not a failed engine's)
+                with suppress(DFlashError):  # its next turn reuses it
+                    engine.park(job.cache_owner)
+            raise
 
 def _divergences(engine: Any, request: ChatRequest, prompt: list[int],
                  answers: dict[str, list[int]]) -> dict[str, dict[str, Any]]:  # fmt: skip
@@ -290,63 +253,41 @@ def _error_chunk(error: DFlashError) -> ReplyChunk:
     return ReplyChunk("", {}, "error", error_type=type(error).__name__, error=str(error))
 
 
-def _stream(engine: Any, request: ChatRequest, fitted: FittedConversation, phase: str,
-            owner: dict[str, Any], tokens: list[int], resume: Resume | None = None) -> Iterator[ReplyChunk]:
-    """The phase's chunks (a progress chunk at each prompt chunk's end, where the job may yield), its tokens added to
-    `tokens`; with `resume`, going on from where it yielded its turn."""
-    speculative, method = phase_decoding(request, phase)
-    kwargs = request.generation_kwargs(speculative, method)
-    going_on = GoingOn(engine, request, resume) if resume is not None and (resume.tokens or resume.stats) else None
-    if going_on is not None:
-        kwargs["max_tokens"] -= len(going_on.tokens)
+def _stream(engine: Any, request: ChatRequest, fitted: FittedConversation, phase: str, owner: dict[str, Any],
+            so_far: Resume) -> Iterator[ReplyChunk]:
+    """The phase's chunks (a progress chunk at each prompt chunk's end, where the job may yield), going on after the
+    tokens it wrote before it yielded its turn (`so_far`): its text released as one stream of all its tokens would
+    release it (UTF-8 and stop strings across the join), its statistics summed with its earlier turns'."""
+    from ...text.deltas import TextDeltas  # imports libllama: only where engines run
+
+    kwargs = request.generation_kwargs(*phase_decoding(request, phase))
+    texts = TextDeltas(engine.pair.vocabulary, request.stop)
+    for token in so_far.tokens:
+        texts.feed(token)
+    texts.take_runs()
+    if so_far.tokens:
+        kwargs["max_tokens"] -= len(so_far.tokens)
         kwargs["stop"] = None  # stop strings are matched here, across the join
     # The thinking tag the template opens at every prompt's end, shown with the reply so that it folds whole.
-    probe, thinking = [{"role": "user", "content": "a"}], request.enable_thinking and going_on is None
+    probe, thinking = [{"role": "user", "content": "a"}], request.enable_thinking and not so_far.tokens
     prefix = thinking_prefix(engine.render_chat(probe, enable_thinking=True)) if thinking else ""
     runs: list[tuple[int, str]] = [(len(prefix), "target")] if prefix else []
-    delta, notice, lengths_sent, drafted_sent = prefix, fitted.notice if going_on is None else None, 0, 0
-    with closing(engine.stream([*fitted.tokens, *(going_on.tokens if going_on else ())], **kwargs, **owner,
-                               prefill_events=True)) as events:  # fmt: skip
+    delta, notice, lengths_sent, drafted_sent = prefix, None if so_far.tokens else fitted.notice, 0, 0
+    with closing(engine.stream([*fitted.tokens, *so_far.tokens], **kwargs, **owner, prefill_events=True)) as events:
         for event in events:
             if not event.tokens and event.finish_reason is None:
                 yield ReplyChunk("", {}, phase=phase, dropped_turns=fitted.dropped_turns, progress=True)
                 continue
-            tokens += event.tokens
-            stats = event.stats.to_dict()
+            stats = resumed_stats(so_far.stats, event.stats.to_dict())
             lengths, drafted_by = stats.pop("draft_lengths"), stats.pop("drafted_by")  # drafted_by: at the end
-            text, text_runs = event.delta, event.delta_sources
-            finish, detail = event.finish_reason, event.finish_detail
-            if going_on is not None:
-                text, text_runs, finish, detail, stats = going_on.event(event, stats)
+            text = "".join(texts.feed(t, s) for t, s in zip(event.tokens, event.token_sources, strict=False))
+            finish, detail = ("stop", "stop string") if texts.stopped else (event.finish_reason, event.finish_detail)
             if finish is not None:
-                stats["drafted_by"] = [*(going_on.drafted_by if going_on else ()), *drafted_by]
+                text += texts.finish()
+                stats["drafted_by"] = [*so_far.drafted_by, *drafted_by]
             yield ReplyChunk(delta + text, stats, finish, detail, notice, phase, dropped_turns=fitted.dropped_turns,
-                             source_runs=[*runs, *text_runs], draft_lengths=lengths[lengths_sent:],
+                             source_runs=[*runs, *texts.take_runs()], draft_lengths=lengths[lengths_sent:],
                              tokens=list(event.tokens), drafted_by=drafted_by[drafted_sent:])  # fmt: skip
             runs, delta, notice, lengths_sent, drafted_sent = [], "", None, len(lengths), len(drafted_by)
             if finish is not None:
                 return
-
-
-class GoingOn:
-    """A phase going on where it yielded its turn: its text released as one stream of all its tokens would release it
-    (UTF-8 and stop strings across the join), its statistics summed with its earlier turns'."""
-
-    def __init__(self, engine: Any, request: ChatRequest, resume: Resume) -> None:
-        from ...text.deltas import TextDeltas  # imports libllama: only where engines run
-
-        self.tokens, self.drafted_by, self._before = resume.tokens, resume.drafted_by, dict(resume.stats)
-        self._text = TextDeltas(engine.pair.vocabulary, request.stop)
-        for token in resume.tokens:
-            self._text.feed(token)
-        self._text.take_runs()
-
-    def event(self, event: Any, stats: dict[str, Any]) -> tuple[str, list[tuple[int, str]], str | None, str, Any]:
-        """An event's (text, its runs, finish reason, detail, statistics) as the whole answer's."""
-        text = "".join(self._text.feed(t, s) for t, s in zip(event.tokens, event.token_sources, strict=False))
-        finish, detail = event.finish_reason, event.finish_detail
-        if self._text.stopped:
-            finish, detail = "stop", "stop string"
-        elif finish is not None:
-            text += self._text.finish()
-        return text, self._text.take_runs(), finish, detail, resumed_stats(self._before, stats)

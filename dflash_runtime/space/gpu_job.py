@@ -148,8 +148,12 @@ def resumed_stats(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]
     stats = Stats(**{name: now[name] for name in names if name in now})
     for name in (name for name in names if name in before and name not in NEWEST_STATS):
         earlier, value = before[name], getattr(stats, name)
-        added = [a + b for a, b in zip_longest(earlier, value, fillvalue=0)] if isinstance(value, list) else None
-        setattr(stats, name, earlier if name in FIRST_TURN_STATS else earlier + value if added is None else added)
+        if name in FIRST_TURN_STATS:
+            setattr(stats, name, earlier)
+        elif isinstance(value, list):  # a count per position
+            setattr(stats, name, [a + b for a, b in zip_longest(earlier, value, fillvalue=0)])
+        else:
+            setattr(stats, name, earlier + value)
     if stats.checkpoint_restored_at is None:
         stats.checkpoint_restored_at = before.get("checkpoint_restored_at")
     return {**now, **{k: v for k, v in stats.to_dict().items() if k in now or k not in ("draft_lengths", "drafted_by")}}

@@ -233,6 +233,7 @@ class EngineHost:
                     engine.park(job.cache_owner)
             raise
 
+
 def _divergences(engine: Any, request: ChatRequest, prompt: list[int],
                  answers: dict[str, list[int]]) -> dict[str, dict[str, Any]]:  # fmt: skip
     """At temperature 0, why each phase's answer differs from plain decoding's."""

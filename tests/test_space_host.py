@@ -289,6 +289,21 @@ def test_requests_beyond_the_sequences_wait_and_waits_are_bounded() -> None:
         engine_host.close()
 
 
+def test_the_previous_request_is_the_one_that_ended_last_beside_another() -> None:
+    """With two sequences, what the worker reports of its previous request is that request's own end, not the end
+    of another that ran beside it."""
+    engine_host = EngineHost(RecordingLoader())
+    try:
+        held = Holder(engine_host, parallel_job("hello there", "visitor", 400))  # one chunk taken, then held
+        beside = whole_reply(engine_host.run(parallel_job("one two three", "other visitor", 8)))
+        assert beside.finish_reason == "length"
+        held.release()  # closed by its caller after one chunk, once the other ended
+        after = whole_reply(engine_host.run(parallel_job("one two three", "third visitor", 8)))
+        assert after.worker["previous_request"]["finish_reason"] == "closed by the caller"
+    finally:
+        engine_host.close()
+
+
 def test_the_engine_waits_as_long_as_the_space_does() -> None:
     """The engine the host opens waits for a sequence as long as the Space's one setting says (not the library's
     default)."""

@@ -161,7 +161,7 @@ class EngineHost:
         """Stream the job's phases; every runtime error ends the stream as an error chunk (see the module doc)."""
         started = time.monotonic()
         facts: dict[str, Any] = {"pid": os.getpid(), "previous_request": dict(self.previous_request)}
-        self._outcome = {"finish_reason": "closed before the first token", "n_generated": 0}
+        outcome = {"finish_reason": "closed before the first token", "n_generated": 0}  # this job's, as it ended
         if (loading := self._enter(job)) is None:
             yield _error_chunk(RequestError(f"the engine stayed busy for {self._settings.busy_timeout_s:.0f} s; retry"))
             return
@@ -174,7 +174,10 @@ class EngineHost:
             if loading:
                 self._load(job.preset, job.files)
             facts.update(loaded_now=loading, load_s=self.last_load_s if loading else None)
-            yield from self._phases(self._engine, job, report)
+            for chunk in self._phases(self._engine, job, report):
+                outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
+                           "n_generated": chunk.stats.get("n_generated", 0), "phase": chunk.phase}  # fmt: skip
+                yield chunk
         except DFlashError as error:
             if isinstance(error, ENGINE_FAILURES):
                 with self._state:  # nobody enters it; its last job closes it (now would end the others' answers)
@@ -184,11 +187,11 @@ class EngineHost:
             if isinstance(error, RemoteDeviceError):  # the log names the server; a visitor is not told where it is
                 log.warning("%s", error)
                 error = RemoteDeviceError(without_endpoints(str(error), job.preset.rpc))
-            self._outcome = {"finish_reason": "error", "error_type": type(error).__name__, "n_generated": 0}
+            outcome = {"finish_reason": "error", "error_type": type(error).__name__, "n_generated": 0}
             worker = report()  # after the engine was condemned: it says whether the engine is still loaded
             yield replace(_error_chunk(error), worker=worker, used_s=worker["used_s"])
         finally:
-            self.previous_request = self._outcome
+            self.previous_request = outcome
             with self._state:  # the job leaves: the last one to leave a failed engine closes it
                 self._running -= 1
                 if self._key is None and not self._running:
@@ -211,8 +214,6 @@ class EngineHost:
                 with closing(_stream(engine, request, fitted, phase, owner, so_far)) as chunks:
                     for chunk in chunks:
                         tokens += chunk.tokens
-                        self._outcome = {"finish_reason": chunk.finish_reason or "closed by the caller",
-                                         "n_generated": chunk.stats.get("n_generated", 0), "phase": phase}  # fmt: skip
                         chunk.engine_info, known = (None, known) if known else (info, True)
                         last = chunk.finish_reason is not None and phase == job.phases[-1]
                         chunk.worker, first = (report() if first or last else {}), False

@@ -31,7 +31,6 @@ from dflash_runtime.space.page.endpoints import (
     CHECKED_PARAMETERS,
     CHECKED_VALUES,
     PageHandlers,
-    ab_choices,
     draft_length_choices,
     engine_sharing,
     make_api,
@@ -286,7 +285,7 @@ def build_ui(service: SpaceService) -> tuple[gr.Blocks, Endpoints]:
                     draft_length = gr.Dropdown(draft_length_choices(preset.draft_capacity),
                                                value=defaults["draft_length"], label="Draft length",
                                                elem_id="draft-length")  # fmt: skip
-                    ab_choices_now, ab_picked_now = ab_choices(service)
+                    ab_choices_now, ab_picked_now = handlers.built_ab
                     ab_methods = gr.CheckboxGroup(ab_choices_now, value=ab_picked_now, elem_id="ab-methods",
                                                   label=f"A/B compares (plain and at most {AB_MOST} methods)")
                     with gr.Row():

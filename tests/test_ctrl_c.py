@@ -8,8 +8,10 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 
 import httpx
+import pytest
 from app_fixtures import REPO_ROOT, free_port
 from openai_clients import running_serve
 
@@ -17,6 +19,18 @@ from dflash_runtime.testing.tiny_models import tiny_pair
 
 ARTIFACTS = REPO_ROOT / "test-artifacts"
 STOPPED = 128 + signal.SIGINT
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_heard() -> Iterator[None]:
+    """A test run started in the background ignores SIGINT, and a child inherits that (and rightly keeps ignoring
+    it); a handled signal is not inherited, so the children these tests start hear Ctrl+C as a terminal's would."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def test_ctrl_c_stops_serve_while_an_answer_streams_without_a_traceback() -> None:

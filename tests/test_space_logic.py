@@ -877,6 +877,31 @@ def test_importing_the_app_loads_no_native_code_and_needs_no_spaces(demo: str | 
     assert result.stdout.strip().splitlines()[-1] == expected
 
 
+PAGE_LOAD_CHECK = """
+import sys
+sys.modules["spaces"] = None
+import app
+from dflash_runtime.space.page.endpoints import PageHandlers
+handlers = PageHandlers(app.SERVICE)
+print(repr(handlers.page_load()[-1]))  # the A/B's picker: the methods are those the page was built with
+app.SERVICE.engine_info = {**app.SERVICE.engine_info, "methods": ["dflash2"]}  # a loaded engine runs fewer
+print(repr(handlers.page_load()[-1]))
+"""
+
+
+def test_the_page_load_leaves_the_ab_picks_alone_unless_the_methods_changed() -> None:
+    """A page's load event may come after its visitor changed the A/B's picks: it sends the picker only when the
+    methods to pick from are not those the page was built with."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "SPACES_"))}
+    env["DFLASH_DEMO"] = "tiny"
+    result = subprocess.run([sys.executable, "-c", PAGE_LOAD_CHECK], cwd=REPO_ROOT, env=env, capture_output=True,
+                            text=True, timeout=180)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    unchanged, changed = result.stdout.strip().splitlines()[-2:]
+    assert unchanged == repr(gr.skip()), unchanged
+    assert changed.startswith("{'choices': [(") and "'dflash2')]" in changed, "the picker of the methods now run"
+
+
 def test_the_api_parameters_are_declared_once() -> None:
     """/chat's and /generate's signatures and documented parameters follow API_PARAMETERS; an endpoint that differs
     is refused when the API is made."""

@@ -469,6 +469,7 @@ class PageHandlers:
     def __init__(self, service: SpaceService) -> None:
         self.service = service
         self.built_defaults = dict(service.defaults)  # the values the page's controls were built with
+        self.built_ab = ab_choices(service)  # the A/B's methods to pick from, and the picks, the page was built with
 
     def about(self) -> str:
         service = self.service
@@ -762,9 +763,10 @@ class PageHandlers:
         sampling = [gr.skip() if service.defaults[name] == self.built_defaults[name]
                     else gr.update(value=service.defaults[name])
                     for name in ("temperature", "top_p", "top_k", "min_p")]  # fmt: skip
+        # The A/B's picks likewise: sent only when the methods to pick from changed (a visitor's picks stay).
+        ab = gr.skip() if ab_choices(service) == self.built_ab else ab_picker(service)
         return (gr.update(visible=bool(supports)), self.about(), *sampling, sampling_note(service),
-                gr.update(choices=method_choices(service)), method_menu_help(service),
-                engine_sharing(service), ab_picker(service))  # fmt: skip
+                gr.update(choices=method_choices(service)), method_menu_help(service), engine_sharing(service), ab)
 
     def download_tick(self) -> tuple[Any, ...]:
         """Outputs: download box, timer."""

@@ -556,7 +556,16 @@ def test_a_client_waits_a_few_times_at_once_and_a_few_wait_in_all() -> None:
 def test_stopping_a_job_that_waits_for_its_seat_frees_its_place_at_once() -> None:
     """Stop (ReplyJob.cancel) while a job waits for the engine: its wait ends and its place is free, with the seat's
     holder still running; its stream never opens."""
+    asked = threading.Event()
+
+    class Watched(FairShare):  # tells the test when a job has asked for a seat (under the lock, until it waits)
+        def ask(self, now: float, call: Call, owner: str | None, can_yield: bool) -> None:
+            super().ask(now, call, owner, can_yield)
+            if call.client == "b":
+                asked.set()
+
     calls = Calls(capacity=1)
+    calls.policy = Watched(calls.settings, capacity=1)
     holder = calls.admitted("a", 1)
     assert calls.seat(holder)
     opened = threading.Event()
@@ -572,8 +581,8 @@ def test_stopping_a_job_that_waits_for_its_seat_frees_its_place_at_once() -> Non
             return [chunk async for chunk in job.chunks()]
 
         consumer = asyncio.create_task(consume())
-        while calls.counts()["waiting"] < 1:  # its thread asks for the seat
-            await asyncio.sleep(0)  # yields to the event loop; the test's own timeout bounds it
+        assert await asyncio.to_thread(asked.wait, TIMEOUT_S), "the job never asked for a seat"
+        assert calls.counts()["waiting"] == 1, "it waits: Stop comes while it does"
         job.cancel()
         return await consumer
 

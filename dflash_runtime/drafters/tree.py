@@ -145,7 +145,6 @@ class DraftTree:
         return max((n.depth for n in self.nodes), default=0)
 
 
-
 class _Children:
     """One node's children as they are taken: the likeliest candidate left (`rng` None), or a draw from the
     candidates left, renormalised (the distribution drawn from is recorded with the child)."""

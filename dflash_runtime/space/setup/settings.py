@@ -102,8 +102,8 @@ class PublicSettings:
 
 def queue_size(env: Mapping[str, str] | None = None) -> int:
     """Gradio's queue (`DFLASH_QUEUE_SIZE`, 64 events waiting at once): the answers counted never exceed it."""
-    return int(_counted(True, "DFLASH_QUEUE_SIZE", env_number(os.environ if env is None else env, "DFLASH_QUEUE_SIZE",
-                                                              64)))
+    env = os.environ if env is None else env
+    return int(_counted(True, "DFLASH_QUEUE_SIZE", env_number(env, "DFLASH_QUEUE_SIZE", 64)))
 
 
 def _counted(count: bool, name: str, value: float) -> float:

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing, suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from ... import errors
@@ -33,35 +33,6 @@ ENGINE_FAILURES = (errors.DecodeError, errors.EngineClosedError, RemoteDeviceErr
 PUBLIC_OWNER = "public prefix"  # the owner of the requests that put the public prefix back in the cache
 
 
-@dataclass
-class EngineFacts:
-    """Per loaded engine and thinking switch: the public prompt prefix, and whether the engine keeps it."""
-
-    public_tokens: dict[bool, list[int]] = field(default_factory=dict)
-    public_kept: set[bool] = field(default_factory=set)
-    keeping: threading.Lock = field(default_factory=threading.Lock)  # one request puts a public prefix in the cache
-
-    def owner_arguments(self, engine: Any, owner: str, tokens: list[int], thinking: bool) -> dict[str, Any]:
-        """The engine's arguments that keep a job's cache to its owner. The public prefix (the page's system prompt
-        up to where the visitor's message begins) is all or nothing, and in the cache before every request that
-        declares it, put back by a one-token request of nobody's (docs/space.md)."""
-        if thinking not in self.public_tokens:  # the common prefix of two conversations that differ only there
-            system = {"role": "system", "content": DEFAULT_SYSTEM_PROMPT}
-            a, b = (prompt_tokens(engine, [system, {"role": "user", "content": text}], thinking) for text in "ab")
-            same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-            self.public_tokens[thinking] = a[:same]
-        public = self.public_tokens[thinking]
-        declared = len(public) if len(tokens) > len(public) and tokens[: len(public)] == public else 0
-        if declared and thinking not in self.public_kept:
-            with self.keeping:  # one request makes it; others that declare it meanwhile wait (it is one token long)
-                if thinking not in self.public_kept:
-                    engine.generate(public, max_tokens=1, speculative=False, cache_owner=PUBLIC_OWNER,
-                                    public_prefix=declared)  # fmt: skip
-                    self.public_kept.add(thinking)
-        # nobody's session: a fresh owner, nothing to reuse, never parked
-        return {"cache_owner": owner or secrets.token_hex(16), "public_prefix": declared}
-
-
 class EngineHost:
     """Owns this process's engine: built on first use, rebuilt when the preset or files change (once no job runs on
     it), with counters that tell a warm worker from a new one."""
@@ -74,7 +45,10 @@ class EngineHost:
         self._running = 0
         self._engine: Any = None
         self._key: tuple[Any, ...] | None = None  # the loaded engine's preset and files; None for a failed one too
-        self._facts = EngineFacts()
+        # Per thinking switch: the loaded engine's public prompt prefix, and whether the engine keeps it.
+        self._public_tokens: dict[bool, list[int]] = {}
+        self._public_kept: set[bool] = set()
+        self._keeping = threading.Lock()  # one request puts a public prefix in the cache
         self._parallel = 1  # the loaded engine's sequences
         self.parallel_plan: ParallelPlan | None = None  # how they were sized to memory (DFLASH_PARALLEL=auto)
         self.loads, self.requests = 0, 0
@@ -132,7 +106,7 @@ class EngineHost:
         self.loads += 1
         self.last_load_s = round(time.monotonic() - started, 3)
         with self._state:  # the jobs that wait for this engine go in
-            self._key, self._facts = (preset, files), EngineFacts()
+            self._key, self._public_tokens, self._public_kept = (preset, files), {}, set()
             self._state.notify_all()
 
     def _sequences(self, preset: PairPreset, files: ResolvedPair, branches: int) -> int:
@@ -156,6 +130,26 @@ class EngineHost:
         log.info("answers at once: %d (DFLASH_PARALLEL=auto: %s)", self.parallel_plan.parallel,
                  self.parallel_plan.describe())
         return self.parallel_plan.parallel
+
+    def _owner_arguments(self, engine: Any, owner: str, tokens: list[int], thinking: bool) -> dict[str, Any]:
+        """The engine's arguments that keep a job's cache to its owner. The public prefix (the page's system prompt
+        up to where the visitor's message begins) is all or nothing, and in the cache before every request that
+        declares it, put back by a one-token request of nobody's (docs/space.md)."""
+        if thinking not in self._public_tokens:  # the common prefix of two conversations that differ only there
+            system = {"role": "system", "content": DEFAULT_SYSTEM_PROMPT}
+            a, b = (prompt_tokens(engine, [system, {"role": "user", "content": text}], thinking) for text in "ab")
+            same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            self._public_tokens[thinking] = a[:same]
+        public = self._public_tokens[thinking]
+        declared = len(public) if len(tokens) > len(public) and tokens[: len(public)] == public else 0
+        if declared and thinking not in self._public_kept:
+            with self._keeping:  # one request makes it; others that declare it meanwhile wait (it is one token long)
+                if thinking not in self._public_kept:
+                    engine.generate(public, max_tokens=1, speculative=False, cache_owner=PUBLIC_OWNER,
+                                    public_prefix=declared)  # fmt: skip
+                    self._public_kept.add(thinking)
+        # nobody's session: a fresh owner, nothing to reuse, never parked
+        return {"cache_owner": owner or secrets.token_hex(16), "public_prefix": declared}
 
     def run(self, job: GpuJob) -> Iterator[ReplyChunk]:
         """Stream the job's phases; every runtime error ends the stream as an error chunk (see the module doc)."""
@@ -202,7 +196,7 @@ class EngineHost:
         """The job's phases' chunks from where it yielded; the last one once every phase's stream has closed."""
         request, so_far = job.request, job.resume or Resume()
         fitted = fit_request(engine, request)
-        owner = {**self._facts.owner_arguments(engine, job.cache_owner, fitted.tokens, request.enable_thinking),
+        owner = {**self._owner_arguments(engine, job.cache_owner, fitted.tokens, request.enable_thinking),
                  "prefill_chunk": self._settings.prefill_chunk}  # the engine's arguments for this job's requests
         info = {**public_engine_info(engine.info()), **self._described}
         known = info_digest(info) == job.engine_info_seen

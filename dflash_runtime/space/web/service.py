@@ -188,40 +188,19 @@ class SpaceService:
         """Run `request` on the GPU for `owner` (see owner_key) and stream each phase's Reply as it grows; the worker's
         errors raise WorkerError, and leaving the loop stops the engine. `call` is the one the HTTP gate admitted;
         without one it is admitted here against the same limits (calls.AdmissionError)."""
-        call = call or self.calls.admitted(client.key, len(phases))
+        call, job = call or self.calls.admitted(client.key, len(phases)), None
         try:
             if not self.calls.start(call):
                 log.info("an answer nobody reads was dropped before it started")
                 return
-            async for reply in self._reply(request, phases, owner, client, latest_only, session, call):
-                yield reply
-        finally:
-            self.calls.finish(call)
-
-    def _job(self, request: ChatRequest, phases: tuple[str, ...], owner: str, client: ClientIdentity,
-             files: ResolvedPair) -> GpuJob:  # fmt: skip
-        """The GPU job: a conversation's owner is its client's (parked states are shared out by client); a call of no
-        conversation gets an owner of its own, kept across its turns."""
-        job = GpuJob(request, self.config.preset, files, phases, cache_owner=owner_of(client.key, owner or "once-" +
-                     secrets.token_hex(8)), conversation=bool(owner),
-                     engine_info_seen=info_digest(self.engine_info) if self.engine_info else "")  # fmt: skip
-        estimate = self.estimator.estimate(request, job.speculative_phases())
-        log.info("request: %d chars, max_tokens %d, phases %s; GPU time %s s (quota %s s, load included: %s)",
-                 request.input_chars, request.max_tokens, ",".join(phases), estimate.seconds,
-                 self._quota_seconds(estimate.seconds), estimate.includes_load)  # fmt: skip
-        return replace(job, gpu_seconds=estimate.seconds)
-
-    async def _reply(self, request: ChatRequest, phases: tuple[str, ...], owner: str, client: ClientIdentity,
-                     latest_only: bool, session: JobHolder | None, call: Call) -> AsyncIterator[Reply]:  # fmt: skip
-        spec = self._job(request, phases, owner, client, await self.files())
-        job: ReplyJob[ReplyChunk] = ReplyJob(
-            partial(self._run_gpu, spec), self.calls, call, is_final=lambda chunk: chunk.finish_reason is not None,
-            fold=ReplyChunk.then, orphan_timeout_s=self.config.settings.busy_timeout_s,
-            owner=spec.cache_owner if owner else None, resumable=AnswerSoFar(spec, self._run_gpu))  # fmt: skip
-        if session is not None:
-            session.attach(job)
-        replies: dict[str, Reply] = {}  # per phase: an A/B run streams two answers
-        try:
+            spec = self._job(request, phases, owner, client, await self.files())
+            job = ReplyJob(partial(self._run_gpu, spec), self.calls, call, fold=ReplyChunk.then,
+                           is_final=lambda chunk: chunk.finish_reason is not None,
+                           orphan_timeout_s=self.config.settings.busy_timeout_s,
+                           owner=spec.cache_owner if owner else None, resumable=AnswerSoFar(spec, self._run_gpu))
+            if session is not None:
+                session.attach(job)
+            replies: dict[str, Reply] = {}  # per phase: an A/B run streams two answers
             async for chunk in job.chunks(latest_only):
                 self._learn(chunk, first=not replies)
                 if chunk.progress:
@@ -240,8 +219,22 @@ class SpaceService:
                 log.warning("the GPU call failed: %s: %s", type(error).__name__, error)
             raise
         finally:
-            if session is not None:
+            if session is not None and job is not None:
                 session.detach(job)
+            self.calls.finish(call)
+
+    def _job(self, request: ChatRequest, phases: tuple[str, ...], owner: str, client: ClientIdentity,
+             files: ResolvedPair) -> GpuJob:  # fmt: skip
+        """The GPU job: a conversation's owner is its client's (parked states are shared out by client); a call of no
+        conversation gets an owner of its own, kept across its turns."""
+        job = GpuJob(request, self.config.preset, files, phases, cache_owner=owner_of(client.key, owner or "once-" +
+                     secrets.token_hex(8)), conversation=bool(owner),
+                     engine_info_seen=info_digest(self.engine_info) if self.engine_info else "")  # fmt: skip
+        estimate = self.estimator.estimate(request, job.speculative_phases())
+        log.info("request: %d chars, max_tokens %d, phases %s; GPU time %s s (quota %s s, load included: %s)",
+                 request.input_chars, request.max_tokens, ",".join(phases), estimate.seconds,
+                 self._quota_seconds(estimate.seconds), estimate.includes_load)  # fmt: skip
+        return replace(job, gpu_seconds=estimate.seconds)
 
     def _learn(self, chunk: ReplyChunk, first: bool) -> None:
         """What a chunk tells of the engine and the worker (the worker's error, raised)."""

@@ -383,7 +383,7 @@ def test_gpu_time_starts_conservative_and_learns_the_worker_speeds() -> None:
     estimator.observe(speeds(100.0), request, dropped_here=0, source="c")
     assert estimator.describe()["decode_tok_s"]["speculative"] == 60.0
     # A lost worker brings the (measured) load time back.
-    estimator.worker_lost()
+    estimator.engine_seen(loaded=False)  # the worker is gone
     assert estimator.estimate(request, (True,)).includes_load
     assert estimator.describe()["load_s"] == 18.0
     estimator.engine_seen(loaded=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterator
+from copy import deepcopy
 from dataclasses import dataclass, field, fields, replace
 from itertools import zip_longest
 from typing import Any
@@ -88,17 +89,17 @@ class ReplyChunk:
                        divergences={**self.divergences, **newer.divergences})  # fmt: skip
 
 
-@dataclass(frozen=True)
+@dataclass
 class Resume:
     """Where a job's answer stood when it yielded its turn: the phase it goes on with (an index), that phase's tokens,
     statistics and draft methods so far, and the earlier phases' whole answers (for an A/B run's divergences). The
     engine goes on from the prompt followed by these tokens, which at temperature 0 is exactly the answer's rest."""
 
     phase: int = 0
-    tokens: tuple[int, ...] = ()
+    tokens: list[int] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
-    drafted_by: tuple[str, ...] = ()
-    answers: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    drafted_by: list[str] = field(default_factory=list)
+    answers: dict[str, list[int]] = field(default_factory=dict)
 
 
 class AnswerSoFar:
@@ -106,27 +107,21 @@ class AnswerSoFar:
     (web/calls.py's Resumable)."""
 
     def __init__(self, job: GpuJob, run: Callable[[GpuJob], Iterator[ReplyChunk]] | None = None) -> None:
-        self._job, self._run, self._phase = job, run, 0
-        self._tokens: list[int] = []  # with the next three, Resume's fields as the chunks tell them
-        self._stats: dict[str, Any] = {}
-        self._drafted_by: list[str] = []
-        self._answers: dict[str, tuple[int, ...]] = {}
+        self._job, self._run, self._so_far = job, run, Resume()
 
     def seen(self, chunk: ReplyChunk) -> None:
         if chunk.error_type or chunk.progress:  # a prompt cut at a chunk goes on from its cached part
             return
-        self._tokens += chunk.tokens
-        self._stats = chunk.stats
-        self._drafted_by += chunk.drafted_by
+        so_far = self._so_far
+        so_far.tokens += chunk.tokens
+        so_far.stats = chunk.stats
+        so_far.drafted_by += chunk.drafted_by
         if chunk.finish_reason is not None:  # the next phase starts afresh
-            self._answers[chunk.phase] = tuple(self._tokens)
-            self._phase, self._tokens, self._stats, self._drafted_by = self._phase + 1, [], {}, []
+            self._so_far = Resume(so_far.phase + 1, answers={**so_far.answers, chunk.phase: so_far.tokens})
 
     def resume(self) -> Resume | None:
-        """Where the answer goes on, or None when nothing is left to run."""
-        if self._phase >= len(self._job.phases):
-            return None
-        return Resume(self._phase, tuple(self._tokens), dict(self._stats), tuple(self._drafted_by), dict(self._answers))
+        """Where the answer goes on (a copy, which the chunks still to come leave alone), or None when it is over."""
+        return deepcopy(self._so_far) if self._so_far.phase < len(self._job.phases) else None
 
     def rest(self) -> Callable[[], Iterator[ReplyChunk]] | None:
         resume, run = self.resume(), self._run

@@ -110,13 +110,9 @@ class GpuTimeEstimator:
             else:
                 self._load += (0.7 if seconds > self._load else 0.2) * (seconds - self._load)
 
-    def engine_seen(self, loaded: bool) -> None:  # if not, the next request must plan a load
+    def engine_seen(self, loaded: bool) -> None:  # if not (or the worker is gone), the next request must plan a load
         with self._lock:
             self._worker_may_be_new = not loaded
-
-    def worker_lost(self) -> None:
-        with self._lock:
-            self._worker_may_be_new = True
 
     def describe(self) -> dict[str, Any]:
         with self._lock:

@@ -215,7 +215,7 @@ class SpaceService:
         except Exception as error:
             if not isinstance(error, DFlashError):
                 if getattr(error, "title", None) not in SCHEDULING_ERRORS:
-                    self.estimator.worker_lost()  # the ZeroGPU worker (and the loaded model) is gone
+                    self.estimator.engine_seen(False)  # the ZeroGPU worker (and the loaded model) is gone
                 log.warning("the GPU call failed: %s: %s", type(error).__name__, error)
             raise
         finally:

@@ -225,11 +225,10 @@ class FairShare:
 
     def loads(self, now: float) -> tuple[dict[str, int], dict[str, float]]:
         """Each present client's seats held, and its virtual time (seat-seconds, running turns included)."""
-        held: dict[str, int] = {}
+        held = Counter(c.client for c in self.calls if c.seated)
         used = dict(self._used)
         for c in self.calls:
             if c.seated:
-                held[c.client] = held.get(c.client, 0) + 1
                 used[c.client] = used.get(c.client, 0.0) + now - c.since
         return held, used
 

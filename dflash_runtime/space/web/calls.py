@@ -208,9 +208,8 @@ class ReplyJob(Generic[T]):
             open_stream = self._open_stream if calls.seat(call, self._owner, self._resumable is not None) else None
             try:
                 while open_stream is not None and calls.alive(call):
-                    open_stream = self._run(open_stream(), hand_over)
-                    if open_stream is not None and not calls.seat(call, again=True):  # the rest: next turn
-                        break
+                    rest = self._run(open_stream(), hand_over)  # the answer's rest, opened at the job's next turn
+                    open_stream = rest if rest is not None and calls.seat(call, again=True) else None
             finally:
                 calls.apply(FairShare.release, call)
         except BaseException as error:  # the consumer raises it in the web request

@@ -155,7 +155,7 @@ class ReplyJob(Generic[T]):
         self.cancelled = False  # the consumer left (or cancelled): the stream stops at its next chunk
         self._done = threading.Event()
         self._handing = threading.Lock()
-        self._handed, self._since = [], 0.0  # (a chunk?, the chunk or the end) not taken yet; behind since when
+        self._handed, self._since = [], 0.0  # handed over, not taken yet: (a chunk?, the chunk or the end); since when
 
     def cancel(self) -> None:
         """Stop at the next chunk, or leave the wait for a seat at once: the call is over and its place free
@@ -223,7 +223,7 @@ class ReplyJob(Generic[T]):
         answer's rest, opened at the job's next turn)."""
         try:
             for chunk in stream:
-                with self._handing:  # a chunk waited that long for the consumer
+                with self._handing:  # an orphan: a chunk has waited that long for a consumer that took nothing
                     orphaned = self._handed and time.monotonic() - self._since > self._orphan_timeout_s
                 if self.cancelled or orphaned or not self._calls.alive(self._call):
                     log.info("an answer stopped before its end (stopped, or nobody reads it)")

@@ -108,10 +108,9 @@ class Calls:
     def counts(self) -> dict[str, int]:
         """Seats in use, calls waiting for one, answers counted and turns yielded: nothing of whose."""
         with self._changed:
-            policy = self.policy
-            policy.sweep(self._clock())
-            return {"running": policy.seats_used(), "waiting": len(policy.waiting()), "places": policy.places(),
-                    "turns_yielded": policy.yields}  # fmt: skip
+            self.policy.sweep(self._clock())
+            return {"running": self.policy.seats_used(), "waiting": len(self.policy.waiting()),
+                    "places": self.policy.places(), "turns_yielded": self.policy.yields}  # fmt: skip
 
     def waits(self) -> int:
         """The /wait calls waiting now."""
@@ -153,19 +152,15 @@ class ReplyJob(Generic[T]):
         self._open_stream, self._calls, self._call = open_stream, calls, call
         self._owner, self._resumable = owner, resumable  # its conversation's cache owner; how it resumes
         self._is_final, self._fold, self._orphan_timeout_s = is_final, fold, orphan_timeout_s
-        self._cancelled = threading.Event()
+        self.cancelled = False  # the consumer left (or cancelled): the stream stops at its next chunk
         self._done = threading.Event()
-        self._counts = threading.Lock()
-        self._pending, self._pending_since = 0, 0.0  # chunks handed over and not taken yet, since when
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
+        self._handing = threading.Lock()
+        self._handed, self._since = [], 0.0  # handed over, not taken yet: (a chunk?, the chunk or the end); since when
 
     def cancel(self) -> None:
         """Stop at the next chunk, or leave the wait for a seat at once: the call is over and its place free
         (thread-safe; the consumer also calls it when it leaves)."""
-        self._cancelled.set()
+        self.cancelled = True
         self._calls.finish(self._call)
 
     def wait_done(self, timeout_s: float) -> bool:
@@ -174,12 +169,17 @@ class ReplyJob(Generic[T]):
     async def chunks(self, latest_only: bool = False) -> AsyncIterator[T]:
         """The chunks as they come; with `latest_only`, one a newer chunk replaced while the consumer was busy is folded
         into it (never a final one). Leaving the loop, by any path, cancels the job."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()  # (a chunk?, the chunk, an error or None: the end)
+        loop, handed = asyncio.get_running_loop(), asyncio.Event()
 
-        def hand_over(chunk: bool, value: Any) -> None:
+        def hand_over(chunk: bool, value: Any) -> None:  # value: the chunk, or the end (an error, or None)
+            with self._handing:  # with `latest_only`, a chunk a newer one follows is folded into it
+                kept = self._handed
+                self._since = self._since if kept else time.monotonic()  # the consumer is behind from now on
+                if latest_only and chunk and kept and kept[-1][0] and not self._is_final(kept[-1][1]):
+                    value = self._fold(kept.pop()[1], value)
+                kept.append((chunk, value))
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, (chunk, value))
+                loop.call_soon_threadsafe(handed.set)
             except RuntimeError:  # the event loop is closed: nobody will read
                 self.cancel()
 
@@ -188,10 +188,11 @@ class ReplyJob(Generic[T]):
         threading.Thread(target=context.run, args=(self._pump, hand_over), name="dflash-reply", daemon=True).start()
         try:
             while True:
-                items = [await queue.get()]
-                while not queue.empty():
-                    items.append(queue.get_nowait())
-                for chunk, value in self._taken(items, latest_only):
+                await handed.wait()
+                handed.clear()
+                with self._handing:  # the consumer made progress: an orphan is one that makes none for orphan_timeout_s
+                    taken, self._handed, self._since = self._handed, [], time.monotonic()
+                for chunk, value in taken:
                     if chunk:
                         yield value
                     elif value is not None:
@@ -201,26 +202,14 @@ class ReplyJob(Generic[T]):
         finally:
             self.cancel()
 
-    def _taken(self, items: list[tuple[bool, Any]], latest_only: bool) -> list[tuple[bool, Any]]:
-        with self._counts:  # the consumer made progress: an orphan is one that makes none for orphan_timeout_s
-            self._pending -= sum(chunk for chunk, _ in items)
-            self._pending_since = time.monotonic()
-        kept: list[tuple[bool, Any]] = []
-        for chunk, value in items:  # with `latest_only`, a chunk a newer one follows is folded into it
-            if latest_only and chunk and kept and kept[-1][0] and not self._is_final(kept[-1][1]):
-                value = self._fold(kept.pop()[1], value)
-            kept.append((chunk, value))
-        return kept
-
     def _pump(self, hand_over: Callable[[bool, Any], None]) -> None:
         calls, call = self._calls, self._call
         try:
             open_stream = self._open_stream if calls.seat(call, self._owner, self._resumable is not None) else None
             try:
                 while open_stream is not None and calls.alive(call):
-                    open_stream = self._run(open_stream(), hand_over)
-                    if open_stream is not None and not calls.seat(call, again=True):  # the rest: next turn
-                        break
+                    rest = self._run(open_stream(), hand_over)  # the answer's rest, opened at the job's next turn
+                    open_stream = rest if rest is not None and calls.seat(call, again=True) else None
             finally:
                 calls.apply(FairShare.release, call)
         except BaseException as error:  # the consumer raises it in the web request
@@ -234,11 +223,9 @@ class ReplyJob(Generic[T]):
         answer's rest, opened at the job's next turn)."""
         try:
             for chunk in stream:
-                with self._counts:
-                    orphaned = self._pending and time.monotonic() - self._pending_since > self._orphan_timeout_s
-                    self._pending_since = self._pending_since if self._pending else time.monotonic()
-                    self._pending += 1
-                if self._cancelled.is_set() or orphaned or not self._calls.alive(self._call):
+                with self._handing:  # an orphan: a chunk has waited that long for a consumer that took nothing
+                    orphaned = self._handed and time.monotonic() - self._since > self._orphan_timeout_s
+                if self.cancelled or orphaned or not self._calls.alive(self._call):
                     log.info("an answer stopped before its end (stopped, or nobody reads it)")
                     return None
                 if self._resumable is not None:

@@ -42,8 +42,7 @@ class Call:
     can_yield: bool = False  # its answer can go on exactly after a yield
     started: bool = False  # it has run on the engine: its place is never taken
     seated: bool = False  # its job holds a seat, until its stream is closed (whatever the state)
-    asked_at: float = 0.0
-    turn_at: float = 0.0
+    since: float = 0.0  # when its job last asked for a seat (waiting) or took one (seated)
     yield_asked: bool = False  # asked to give its seat up at its next step
 
     @property
@@ -219,19 +218,18 @@ class FairShare:
 
     def ask(self, now: float, call: Call, owner: str | None, can_yield: bool) -> None:
         """The call's job asks for a seat; a client that comes (back) starts at the least engine time present."""
-        call.asking, call.asked_at, call.owner, call.can_yield = True, now, owner or None, can_yield
+        call.asking, call.since, call.owner, call.can_yield = True, now, owner or None, can_yield
         if call.client not in self._used:
             self._used[call.client] = min(self.loads(now)[1].values(), default=0.0)
             self._served[call.client] = (next(self._orders), now)
 
     def loads(self, now: float) -> tuple[dict[str, int], dict[str, float]]:
         """Each present client's seats held, and its virtual time (seat-seconds, running turns included)."""
-        held: dict[str, int] = {}
+        held = Counter(c.client for c in self.calls if c.seated)
         used = dict(self._used)
         for c in self.calls:
             if c.seated:
-                held[c.client] = held.get(c.client, 0) + 1
-                used[c.client] = used.get(c.client, 0.0) + now - c.turn_at
+                used[c.client] = used.get(c.client, 0.0) + now - c.since
         return held, used
 
     def seats_used(self) -> int:
@@ -253,7 +251,7 @@ class FairShare:
         self.sweep(now)
         changed = False
         while (call := self.next_call(now)) is not None and self.seats_used() < self.capacity:
-            call.state, call.seated, call.started, call.asking, call.turn_at = State.RUNNING, True, True, False, now
+            call.state, call.seated, call.started, call.asking, call.since = State.RUNNING, True, True, False, now
             self._served[call.client], changed = (next(self._orders), now), True
         return self._ask_to_yield(now, call) or changed
 
@@ -266,9 +264,9 @@ class FairShare:
         wanted, owed = held.get(waiting.client, 0), used.get(waiting.client, 0.0)
         over = [c for c in self.calls if c.seated and c.live and c.can_yield and c.client != waiting.client and (
             held[c.client] >= wanted + 2 or (held[c.client] == wanted + 1 and used[c.client] > owed
-                                             and now - c.turn_at >= self.settings.quantum_s))]  # fmt: skip
+                                             and now - c.since >= self.settings.quantum_s))]  # fmt: skip
         if over:
-            max(over, key=lambda c: (held[c.client], used[c.client], now - c.turn_at)).yield_asked = True
+            max(over, key=lambda c: (held[c.client], used[c.client], now - c.since)).yield_asked = True
             self.yields += 1
         return bool(over)
 
@@ -277,14 +275,14 @@ class FairShare:
         `schedule` may ask it to yield with nothing else happening (so a waiting job looks then, not a poll later)."""
         if not self.waiting() or self.seats_used() < self.capacity:
             return None
-        ends = [c.turn_at + self.settings.quantum_s for c in self.calls if c.seated]
+        ends = [c.since + self.settings.quantum_s for c in self.calls if c.seated]
         return min((end for end in ends if end > now), default=None)
 
     def yield_turn(self, now: float, call: Call) -> None:
         """The call's job closed its stream for another client's turn: it waits again, in its old place."""
         self._unseat(now, call)
         if call.live:
-            call.state, call.asking, call.asked_at = State.YIELDED, True, now
+            call.state, call.asking, call.since = State.YIELDED, True, now
 
     def release(self, now: float, call: Call) -> None:
         """The call's job closed its stream for good: its seat is free, and a running call is over."""
@@ -294,7 +292,7 @@ class FairShare:
     def _unseat(self, now: float, call: Call) -> None:
         if call.seated:
             call.seated, call.yield_asked = False, False
-            self._used[call.client] = self._used.get(call.client, 0.0) + max(0.0, now - call.turn_at)
+            self._used[call.client] = self._used.get(call.client, 0.0) + max(0.0, now - call.since)
             self._served[call.client] = (self._served.get(call.client, (-1, now))[0], now)
 
     def cannot_yield(self, now: float, call: Call) -> None:
@@ -303,9 +301,8 @@ class FairShare:
 
     def timed_out(self, now: float, call: Call) -> str | None:
         """Why a waiting call gives up (its client not served at all for the busy timeout), or None."""
-        served = self._served.get(call.client, (0, call.asked_at))[1]
-        if not call.asking or call.client in self.loads(now)[0] or now - max(call.asked_at, served) <= \
-                self.settings.busy_timeout_s:
+        served = max(call.since, self._served.get(call.client, (0, call.since))[1])
+        if not call.asking or call.client in self.loads(now)[0] or now - served <= self.settings.busy_timeout_s:
             return None
         own = " (this session's previous answer was still running)" if call.owner and any(
             c.seated and c.owner == call.owner for c in self.calls) else ""  # fmt: skip

@@ -60,7 +60,7 @@ class TrafficFloor:
         self._grant = grant or (lambda owed, *_: owed)
         self._lock = asyncio.Lock()
         self._events = False  # the response is an event stream, not encoded, and has started
-        self._between_events = False  # the last body written ended an event: padding may follow
+        self._between_events = True  # the last body written (if any) ended an event: padding may follow
         self.finished = False  # the app has written the response's end (set before that write goes out)
         self.items = self.idle = self.padded = 0  # bytes the app wrote; the floor's in ticks it wrote none; padding
 
@@ -70,7 +70,6 @@ class TrafficFloor:
                 headers = {bytes(k).lower(): bytes(v).lower() for k, v in message.get("headers", [])}
                 self._events = (headers.get(b"content-type", b"").startswith(b"text/event-stream")
                                 and b"content-encoding" not in headers)  # fmt: skip
-                self._between_events = True
             elif message["type"] == "http.response.body":
                 body = message.get("body", b"")
                 self.items += len(body)

@@ -98,12 +98,10 @@ class Endpoints:
         if not isinstance(data, list):
             return  # Gradio answers that itself (422)
         name = next((n for n, i in self.api_names.items() if i == fn_index), "")
-        if name in self.parameters:
-            expected = tuple(self.parameters[name])
-            named = f"in this order: {', '.join(expected)}" if expected else "none"
-        else:
-            expected, named = self.inputs.get(fn_index, ()), f"one per input of function {fn_index}"
+        expected = tuple(self.parameters.get(name, self.inputs.get(fn_index, ())))  # names, or the inputs' kinds
         if len(data) != len(expected):
+            listed = f"in this order: {', '.join(expected)}" if expected else "none"
+            named = listed if name in self.parameters else f"one per input of function {fn_index}"
             raise Refused(422, f"data must hold {len(expected)} values, {named} (got {len(data)})")
         if name in self.checks:
             problem = self.checks[name](data) if values else None
@@ -164,7 +162,6 @@ class HttpGate:
     def __init__(self, app: ASGIApp, calls: Calls, endpoints: Endpoints | None = None,
                  v1: ASGIApp | None = None) -> None:  # fmt: skip
         self.app, self.calls, self.endpoints, self.v1 = app, calls, endpoints or Endpoints({}), v1
-        self.settings = calls.settings
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         method = scope.get("method") if scope.get("type") == "http" else None
@@ -178,12 +175,8 @@ class HttpGate:
         try:
             if self.v1 is not None and (path == "/v1" or path.startswith("/v1/")):
                 await (self._v1 if method == "POST" else self.v1)(scope, receive, sent)
-            elif method == "GET":
-                await self._get(scope, receive, sent)
-            elif method == "POST":
-                await self._post(scope, receive, sent)
             else:
-                await self.app(scope, receive, sent)
+                await {"GET": self._get, "POST": self._post}.get(method, self.app)(scope, receive, sent)
         except Refused as refusal:
             await refuse(scope, receive, send, refusal.status, refusal.detail)
         except Exception as error:  # one bounded line, never a traceback a client can make the server write
@@ -218,7 +211,7 @@ class HttpGate:
             await self.app(scope, receive, send)
 
     def _check_session(self, session: Any) -> None:
-        limit = self.settings.session_hash_chars
+        limit = self.calls.settings.session_hash_chars
         if not isinstance(session, str) or not 0 < len(session) <= limit:
             raise Refused(422, f"session_hash must be a non-empty string of at most {limit} characters")
 
@@ -233,11 +226,22 @@ class HttpGate:
             await self.app(scope, replay, send)
             return
         scope.setdefault("state", {})[ADMITTED] = call
-        event_id = None  # Gradio refused the call, unless it answers its event id
+        status, answer = 0, bytearray()  # Gradio's answer to the call (its first 4 KB)
+
+        async def noting(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and len(answer) < 4096:
+                answer.extend(message.get("body", b""))
+            await send(message)
+
+        found = None  # Gradio refused the call, unless it answers its event id
         try:
-            event_id = await self._queued(scope, replay, send)
+            await self.app(scope, replay, noting)
+            found = _EVENT_ID.search(bytes(answer)) if status == 200 else None
         finally:
-            self.calls.apply(FairShare.queued, call, event_id)
+            self.calls.apply(FairShare.queued, call, found.group(1).decode() if found else None)
 
     def _admitted(self, path: str, body: Any, scope: Scope) -> Call | None:
         """The call a POST queues, admitted; None for one that queues nothing or that Gradio refuses itself. One rule
@@ -257,7 +261,7 @@ class HttpGate:
             self._check_session(session)
         if route["run"]:
             return None  # it queues nothing (Gradio keeps a page's state by its session)
-        client = client_of_scope(scope, self.settings.trusted_proxy_hops).key
+        client = client_of_scope(scope, self.calls.settings.trusted_proxy_hops).key
         weight = endpoints.weights.get(fn_index)
         call = (self.calls.apply(FairShare.admit, client, session, weight()) if weight
                 else self.calls.apply(FairShare.admit_event, client, session))  # fmt: skip
@@ -268,7 +272,7 @@ class HttpGate:
     async def _body(self, scope: Scope, receive: Receive) -> tuple[Any, Receive]:
         """The whole body as `json_body` reads it (Refused once longer than the limit: by its declared length, or as it
         comes), and a `receive` that hands it on once, then whatever comes (the hang-up)."""
-        limit = self.settings.max_body_bytes
+        limit = self.calls.settings.max_body_bytes
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         too_long = Refused(413, f"the request body is longer than this server accepts ({limit} bytes)")
         if declared.isdigit() and int(declared) > limit:
@@ -286,22 +290,6 @@ class HttpGate:
             return pending.pop(0) if pending else await receive()
 
         return json_body(pending[0]["body"]), replay
-
-    async def _queued(self, scope: Scope, receive: Receive, send: Send) -> str | None:
-        """Pass a queued call on: the event id Gradio answers, or None when it refused the call."""
-        status, answer = 0, bytearray()
-
-        async def noting(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            elif message["type"] == "http.response.body" and len(answer) < 4096:
-                answer.extend(message.get("body", b""))
-            await send(message)
-
-        await self.app(scope, receive, noting)
-        found = _EVENT_ID.search(bytes(answer)) if status == 200 else None
-        return found.group(1).decode() if found else None
 
     async def _read(self, session: str, scope: Scope, receive: Receive, send: Send,
                     event_id: str | None = None) -> None:  # fmt: skip
@@ -352,7 +340,7 @@ class HttpGate:
                 sending(False)
 
         tighten(send)
-        calls, settings = self.calls, self.settings
+        calls, settings = self.calls, self.calls.settings
         client = client_of_scope(scope, settings.trusted_proxy_hops).key
 
         def grant(owed: int, items: int, idle: int, padded: int) -> int:

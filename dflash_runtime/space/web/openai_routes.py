@@ -84,12 +84,11 @@ class SpaceBackend:
                     final = reply.finish_reason is not None
                     extra = {key: reply.stats.get(key) for key in FINAL_FIELDS} if final else None
                     yield Progress(chunk.delta, reply.finish_reason, reply.stats if final else {}, extra)
-        except WorkerError as error:  # the GPU worker's engine stayed busy, or the runtime's error
-            raise busy(str(error)) if error.kind == "RequestError" else from_runtime(error) from None
         except AdmissionError as error:  # its place was taken before it started
             raise over_limit(str(error)) from None
-        except RequestError as error:  # after the check: the engine slot's wait ran out
-            raise busy(str(error)) from None
+        except (RequestError, WorkerError) as error:  # the engine slot's or the GPU worker's wait ran out
+            runtime = isinstance(error, WorkerError) and error.kind != "RequestError"  # or the runtime's error
+            raise from_runtime(error) if runtime else busy(str(error)) from None
         finally:
             calls.apply(FairShare.closed, reader)
             calls.finish(call)

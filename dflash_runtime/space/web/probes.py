@@ -27,7 +27,7 @@ call_heartbeat = _heartbeat(b"event: heartbeat\ndata: null", b"\n\n")  # /gradio
 comment_heartbeat = _heartbeat(b":", b"\n\n")  # a comment line: the /v1 routes'
 
 
-def tighten(send: Any, depth: int = 8) -> bool:
+def tighten(send: Any, depth: int = 8) -> None:
     """Give the stream under an ASGI `send` small buffers (its transport, found behind the middlewares' closures)."""
     seen: set[int] = set()
     layer = [send]
@@ -36,20 +36,18 @@ def tighten(send: Any, depth: int = 8) -> bool:
         for item in (item for item in layer if id(item) not in seen):
             seen.add(id(item))
             transport = getattr(item, "transport", None)
-            if transport is not None and hasattr(transport, "get_extra_info"):
-                if (sock := transport.get_extra_info("socket")) is None:
-                    return False
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-                with contextlib.suppress(AttributeError, NotImplementedError, ValueError):
-                    transport.set_write_buffer_limits(high=TRANSPORT_HIGH_WATER)
-                return True
+            if hasattr(transport, "get_extra_info"):  # None has none
+                if (sock := transport.get_extra_info("socket")) is not None:
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+                    with contextlib.suppress(AttributeError, NotImplementedError, ValueError):
+                        transport.set_write_buffer_limits(high=TRANSPORT_HIGH_WATER)
+                return
             following += [owner] if (owner := getattr(item, "__self__", None)) is not None else []
             for cell in getattr(item, "__closure__", None) or ():
                 with contextlib.suppress(ValueError):  # an empty cell
                     following.append(cell.cell_contents)
         layer = following
-    return False
 
 
 class TrafficFloor:
@@ -62,7 +60,7 @@ class TrafficFloor:
         self._grant = grant or (lambda owed, *_: owed)
         self._lock = asyncio.Lock()
         self._events = False  # the response is an event stream, not encoded, and has started
-        self._between_events = False  # the last body written ended an event: padding may follow
+        self._between_events = True  # the last body written (if any) ended an event: padding may follow
         self.finished = False  # the app has written the response's end (set before that write goes out)
         self.items = self.idle = self.padded = 0  # bytes the app wrote; the floor's in ticks it wrote none; padding
 
@@ -72,7 +70,6 @@ class TrafficFloor:
                 headers = {bytes(k).lower(): bytes(v).lower() for k, v in message.get("headers", [])}
                 self._events = (headers.get(b"content-type", b"").startswith(b"text/event-stream")
                                 and b"content-encoding" not in headers)  # fmt: skip
-                self._between_events = True
             elif message["type"] == "http.response.body":
                 body = message.get("body", b"")
                 self.items += len(body)
@@ -88,17 +85,14 @@ class TrafficFloor:
         last, counted = loop.time(), 0  # the app's bytes counted at the last tick
         while not self.finished:
             await asyncio.sleep(TICK_S)  # a pacing clock, not a wait for another task
-            now, sent = loop.time(), self.items - counted
+            now, sent, running = loop.time(), self.items - counted, self._running()
             owed = int(self._bytes_per_s * (now - last)) - sent
-            self.idle += owed if sent == 0 and self._running() else 0
+            self.idle += owed if sent == 0 and running else 0
             last, counted = now, self.items
-            if owed <= 0 or not self._events or not self._between_events or not self._running():
-                continue
-            if (owed := self._grant(owed, self.items, self.idle, self.padded)) <= 0:
-                continue
-            async with self._lock:
-                if self.finished:
-                    return
-                padding = self._padding(owed)
-                self.padded += len(padding)
-                await self._send({"type": "http.response.body", "body": padding, "more_body": True})
+            paddable = owed > 0 and running and self._events and self._between_events
+            if paddable and (owed := self._grant(owed, self.items, self.idle, self.padded)) > 0:
+                async with self._lock:
+                    if not self.finished:
+                        padding = self._padding(owed)
+                        self.padded += len(padding)
+                        await self._send({"type": "http.response.body", "body": padding, "more_body": True})

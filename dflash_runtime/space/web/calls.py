@@ -155,7 +155,8 @@ class ReplyJob(Generic[T]):
         self.cancelled = False  # the consumer left (or cancelled): the stream stops at its next chunk
         self._done = threading.Event()
         self._handing = threading.Lock()
-        self._handed, self._since = [], 0.0  # handed over, not taken yet: (a chunk?, the chunk or the end); since when
+        self._handed: list[tuple[bool, Any]] = []  # handed over, not taken yet: (a chunk?, the chunk or the end)
+        self._since = 0.0  # since when the consumer is behind (the list not empty)
 
     def cancel(self) -> None:
         """Stop at the next chunk, or leave the wait for a seat at once: the call is over and its place free

@@ -188,16 +188,14 @@ class SpaceService:
         """Run `request` on the GPU for `owner` (see owner_key) and stream each phase's Reply as it grows; the worker's
         errors raise WorkerError, and leaving the loop stops the engine. `call` is the one the HTTP gate admitted;
         without one it is admitted here against the same limits (calls.AdmissionError)."""
-        call, job = call or self.calls.admitted(client.key, len(phases)), None
+        call = call or self.calls.admitted(client.key, len(phases))
+        job: ReplyJob[ReplyChunk] | None = None  # once the call has started and the pair's files are here
         try:
             if not self.calls.start(call):
                 log.info("an answer nobody reads was dropped before it started")
                 return
-            spec = self._job(request, phases, owner, client, await self.files())
-            job = ReplyJob(partial(self._run_gpu, spec), self.calls, call, fold=ReplyChunk.then,
-                           is_final=lambda chunk: chunk.finish_reason is not None,
-                           orphan_timeout_s=self.config.settings.busy_timeout_s,
-                           owner=spec.cache_owner if owner else None, resumable=AnswerSoFar(spec, self._run_gpu))
+            spec, job = self._job(request, phases, owner, client, await self.files(), call)
+            requested = self._quota_seconds(spec.gpu_seconds)  # what the visitor's quota is charged, if anything
             if session is not None:
                 session.attach(job)
             replies: dict[str, Reply] = {}  # per phase: an A/B run streams two answers
@@ -207,7 +205,7 @@ class SpaceService:
                     continue  # a prompt chunk's end: nothing to show
                 reply = replies.setdefault(chunk.phase, Reply(chunk.phase))
                 reply.add(chunk)
-                reply.stats = self.reply_stats(chunk, reply, self._quota_seconds(spec.gpu_seconds), request.notes)
+                reply.stats = self.reply_stats(chunk, reply, requested, request.notes)
                 if chunk.finish_reason and owner:  # conversations' answers teach the estimate (gpu_time.py)
                     finished = {**chunk.stats, "decode_tok_s": reply.stats["decode_tok_s"]}
                     self.estimator.observe(finished, request, chunk.dropped_turns - request.dropped_turns, client.key)
@@ -224,17 +222,22 @@ class SpaceService:
             self.calls.finish(call)
 
     def _job(self, request: ChatRequest, phases: tuple[str, ...], owner: str, client: ClientIdentity,
-             files: ResolvedPair) -> GpuJob:  # fmt: skip
-        """The GPU job: a conversation's owner is its client's (parked states are shared out by client); a call of no
-        conversation gets an owner of its own, kept across its turns."""
-        job = GpuJob(request, self.config.preset, files, phases, cache_owner=owner_of(client.key, owner or "once-" +
-                     secrets.token_hex(8)), conversation=bool(owner),
-                     engine_info_seen=info_digest(self.engine_info) if self.engine_info else "")  # fmt: skip
-        estimate = self.estimator.estimate(request, job.speculative_phases())
+             files: ResolvedPair, call: Call) -> tuple[GpuJob, ReplyJob[ReplyChunk]]:  # fmt: skip
+        """The GPU job, and the reply job that runs it in `call`'s turns: a conversation's owner is its client's
+        (parked states are shared out by client); a call of no conversation gets an owner of its own, kept across its
+        turns."""
+        spec = GpuJob(request, self.config.preset, files, phases, cache_owner=owner_of(client.key, owner or "once-" +
+                      secrets.token_hex(8)), conversation=bool(owner),
+                      engine_info_seen=info_digest(self.engine_info) if self.engine_info else "")  # fmt: skip
+        estimate = self.estimator.estimate(request, spec.speculative_phases())
         log.info("request: %d chars, max_tokens %d, phases %s; GPU time %s s (quota %s s, load included: %s)",
                  request.input_chars, request.max_tokens, ",".join(phases), estimate.seconds,
                  self._quota_seconds(estimate.seconds), estimate.includes_load)  # fmt: skip
-        return replace(job, gpu_seconds=estimate.seconds)
+        spec = replace(spec, gpu_seconds=estimate.seconds)
+        return spec, ReplyJob(partial(self._run_gpu, spec), self.calls, call, fold=ReplyChunk.then,
+                              is_final=lambda chunk: chunk.finish_reason is not None,
+                              orphan_timeout_s=self.config.settings.busy_timeout_s,
+                              owner=spec.cache_owner if owner else None, resumable=AnswerSoFar(spec, self._run_gpu))
 
     def _learn(self, chunk: ReplyChunk, first: bool) -> None:
         """What a chunk tells of the engine and the worker (the worker's error, raised)."""
